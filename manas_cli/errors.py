@@ -1,0 +1,17 @@
+"""Exceptions a user can act on. Kept free of heavy imports: the CLI catches them without loading torch."""
+
+
+class ManasError(Exception):
+    """An expected failure whose message tells the user what is wrong and what to do."""
+
+
+class CheckpointError(ManasError):
+    """A checkpoint that cannot be loaded or saved; the message names the file and what is wrong."""
+
+
+class TokenizerError(ManasError, ValueError):
+    """A tokenizer that cannot be built."""
+
+
+class InputError(ManasError, ValueError):
+    """Input data (a prompt, a training text) that cannot be used as given."""

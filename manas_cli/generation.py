@@ -1,0 +1,146 @@
+"""Generation that stays exact past the context window, and the crop-and-recompute reference it must equal."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import CacheSession
+from .model import GPT
+from .sampling import Sampler
+
+OVERFLOW_POLICIES = ("recompute", "shift")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One new token per batch row, and how it was computed."""
+
+    tokens: list[int]
+    kind: str  # "prefill" (the prompt), "re_prefill" (the window was full), "decode" (from the cache), "full" (uncached)
+    positions: int  # positions the model attended over for this token
+    seconds: float  # forward pass and sampling, synchronized
+
+
+def crop_window(ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The last block_size tokens: all the context a model with absolute positions can see."""
+    return ids[:, -block_size:]
+
+
+def validate_prompt(model: GPT, prompt: torch.Tensor) -> None:
+    if prompt.dim() != 2 or prompt.size(1) == 0:
+        raise ValueError(f"the prompt must be a non-empty (B, T) tensor of token ids, got shape {tuple(prompt.shape)}")
+
+
+def _timed_sample(sampler: Sampler, logits: torch.Tensor, started: float) -> tuple[torch.Tensor, list[int], float]:
+    next_ids = sampler(logits[:, -1])
+    tokens = next_ids.squeeze(1).tolist()  # the host needs the ids anyway; this also syncs a GPU for honest timing
+    return next_ids, tokens, time.perf_counter() - started
+
+
+@torch.inference_mode()
+def generate(
+    model: GPT,
+    prompt: torch.Tensor,
+    sampler: Sampler,
+    max_new_tokens: int,
+    eot_id: int | None = None,
+    overflow: str = "recompute",
+    session: CacheSession | None = None,
+) -> Iterator[Step]:
+    """Yield max_new_tokens steps (fewer if every row has produced eot_id) from a KV cache.
+
+    overflow="recompute": when the cache is full, prefill the last block_size tokens, so every token equals
+    crop-and-recompute's. overflow="shift": prefill only the last block_size // 2, buying that many cached decode
+    steps at the price of exactness (the model then sees a shorter context than the reference does).
+    """
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+    validate_prompt(model, prompt)
+    session = session or CacheSession(model)
+    block_size = model.config.block_size
+    keep = block_size if overflow == "recompute" else max(1, block_size // 2)
+    sequence = prompt
+    finished = [False] * prompt.size(0)
+    for step in range(max_new_tokens):
+        started = time.perf_counter()
+        if step == 0:
+            kind, logits = "prefill", session.prefill(crop_window(sequence, block_size))
+        elif session.positions >= block_size:
+            kind, logits = "re_prefill", session.prefill(crop_window(sequence, keep))
+        else:
+            kind, logits = "decode", session.decode(sequence[:, -1:])
+        next_ids, tokens, seconds = _timed_sample(sampler, logits, started)
+        sequence = torch.cat((sequence, next_ids), dim=1)
+        yield Step(tokens, kind, session.positions, seconds)
+        if _all_finished(finished, tokens, eot_id):
+            return
+
+
+@torch.inference_mode()
+def generate_reference(
+    model: GPT, prompt: torch.Tensor, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None
+) -> Iterator[Step]:
+    """nanoGPT's crop-and-recompute sampling: the full model over the last block_size tokens at every step."""
+    validate_prompt(model, prompt)
+    sequence = prompt
+    finished = [False] * prompt.size(0)
+    for _ in range(max_new_tokens):
+        started = time.perf_counter()
+        window = crop_window(sequence, model.config.block_size)
+        next_ids, tokens, seconds = _timed_sample(sampler, model(window)[:, -1:], started)
+        sequence = torch.cat((sequence, next_ids), dim=1)
+        yield Step(tokens, "full", window.size(1), seconds)
+        if _all_finished(finished, tokens, eot_id):
+            return
+
+
+def _all_finished(finished: list[bool], tokens: list[int], eot_id: int | None) -> bool:
+    """Rows keep decoding after their own end (they share one cache); stop once every row has ended."""
+    if eot_id is None:
+        return False
+    for row, token in enumerate(tokens):
+        finished[row] = finished[row] or token == eot_id
+    return all(finished)
+
+
+@dataclass
+class GenerationStats:
+    """Speed and work counters accumulated from the steps of one run."""
+
+    prompt_tokens: int
+    batch_size: int = 1
+    steps: int = 0
+    ttft_s: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    re_prefills: int = 0
+    re_prefill_positions: list[int] = field(default_factory=list)
+
+    def update(self, step: Step) -> None:
+        if self.steps == 0:
+            self.ttft_s = self.prefill_seconds = step.seconds
+        else:
+            self.decode_seconds += step.seconds
+            self.decode_steps += 1
+            if step.kind == "re_prefill":
+                self.re_prefills += 1
+                self.re_prefill_positions.append(self.prompt_tokens + self.steps)
+        self.steps += 1
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.steps
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens * self.batch_size / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first, re-prefills included: what a user waits for."""
+        return self.decode_steps * self.batch_size / self.decode_seconds if self.decode_seconds else 0.0

@@ -1,0 +1,116 @@
+"""A request-local key/value cache: prefill a prompt once, then decode one position at a time."""
+
+from __future__ import annotations
+
+import torch
+
+from .model import GPT, CausalSelfAttention
+from .rotary import RotaryAttention
+
+
+class LayerCache:
+    """One layer's keys and values, (B, n_kv_head, positions, head_size), grown by concatenation.
+
+    Concatenation allocates exactly the logical size and copies nothing else alive: the cached tensors never
+    share storage with the fused qkv projection they were split from.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            self.k, self.v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
+        else:
+            self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        return self.k, self.v
+
+
+class CacheSession:
+    """The KV cache of one request against a model in eval mode."""
+
+    allocation = "dynamic: grown by concatenation, no unused capacity"
+
+    def __init__(self, model: GPT) -> None:
+        check_cacheable(model)
+        self.model = model
+        self.block_size = model.config.block_size
+        self.layers: list[LayerCache] = []
+        self.batch_size = 0
+
+    @property
+    def positions(self) -> int:
+        return 0 if not self.layers or self.layers[0].k is None else self.layers[0].k.size(2)
+
+    def reset(self) -> None:
+        self.layers = []
+        self.batch_size = 0
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Reset the cache, run the prompt (B, T ≤ block_size) causally; logits of its last position (B, 1, vocab)."""
+        if token_ids.dim() != 2 or token_ids.size(1) == 0 or token_ids.dtype != torch.long:
+            raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
+        if token_ids.size(1) > self.block_size:
+            raise ValueError(f"prefill of {token_ids.size(1)} positions exceeds block_size {self.block_size}")
+        self.reset()
+        layers = [LayerCache() for _ in self.model.blocks]
+        logits = self._run(token_ids, 0, layers)  # an exception here leaves the session empty
+        self.layers, self.batch_size = layers, token_ids.size(0)
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Append one position per row (B, 1) and return its logits (B, 1, vocab)."""
+        if not self.positions:
+            raise ValueError("decode before prefill: prefill a prompt first")
+        if tuple(token_ids.shape) != (self.batch_size, 1):
+            raise ValueError(f"decode takes ({self.batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
+        if self.positions >= self.block_size:
+            raise ValueError(f"the cache is full ({self.block_size} positions): prefill the cropped window instead")
+        return self._run(token_ids, self.positions, self.layers)
+
+    def _run(self, token_ids: torch.Tensor, start_pos: int, layers: list[LayerCache]) -> torch.Tensor:
+        hidden = self.model.hidden_states(token_ids, start_pos, layers)
+        return self.model.lm_head(hidden[:, -1:])
+
+    def storage(self) -> dict:
+        """Logical bytes (what K and V hold) against the bytes their storages really allocate."""
+        tensors = [t for layer in self.layers for t in (layer.k, layer.v) if t is not None]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return {
+            "positions": self.positions,
+            "logical_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "storage_bytes": sum(storages.values()),
+            "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
+            "allocation": self.allocation,
+        }
+
+
+def check_cacheable(model: GPT) -> None:
+    """Refuse a model whose modules do not match its config: the cache would silently compute something else."""
+    config = model.config
+    if model.training:
+        raise ValueError("the model is in training mode: call model.eval() before caching")
+    if config.position_encoding == "learned" and getattr(model, "position_embedding", None) is None:
+        raise ValueError("learned position encoding but the model has no position_embedding table")
+    expected_kind = RotaryAttention if config.position_encoding == "rope" else CausalSelfAttention
+    qkv_width = config.n_embd + 2 * config.n_kv_head * config.head_size
+    for i, block in enumerate(model.blocks):
+        attention = block.attention
+        if type(attention) is not expected_kind:
+            raise ValueError(
+                f"blocks[{i}].attention is {type(attention).__name__}, "
+                f"but position_encoding {config.position_encoding!r} needs {expected_kind.__name__}"
+            )
+        if (attention.n_head, attention.n_kv_head) != (config.n_head, config.n_kv_head):
+            raise ValueError(
+                f"blocks[{i}].attention has n_head={attention.n_head}, n_kv_head={attention.n_kv_head}; "
+                f"the config says n_head={config.n_head}, n_kv_head={config.n_kv_head}"
+            )
+        if tuple(attention.qkv.weight.shape) != (qkv_width, config.n_embd):
+            raise ValueError(
+                f"blocks[{i}].attention.qkv.weight has shape {tuple(attention.qkv.weight.shape)}, "
+                f"expected {(qkv_width, config.n_embd)}"
+            )

@@ -1,0 +1,190 @@
+"""A decoder-only, pre-LayerNorm GPT: GPT-2's architecture, or rotary positions with grouped-query attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+POSITION_ENCODINGS = ("learned", "rope")
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int | None = None  # None: plain multi-head attention (n_kv_head = n_head)
+    n_embd: int
+    position_encoding: str = "learned"
+    rope_base: float = 10000.0
+    bias: bool = True
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(
+                f"position_encoding must be one of {', '.join(POSITION_ENCODINGS)}, got {self.position_encoding!r}"
+            )
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if self.position_encoding == "rope" and self.head_size % 2:
+            raise ValueError(f"head size n_embd/n_head ({self.head_size}) must be even with rope position encoding")
+        if not self.rope_base > 0:
+            raise ValueError(f"rope_base must be positive, got {self.rope_base!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> GPTConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+        return cls(**values)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention with one fused q|k|v projection; n_kv_head < n_head shares each K/V head among
+    n_head / n_kv_head consecutive query heads (query head h reads kv head h // group, as repeat_interleave does)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_size = config.head_size
+        kv_width = config.n_kv_head * config.head_size
+        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_width, bias=config.bias)
+        self.output = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.output_dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
+
+    def project(self, x: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, n_head, T, hs), keys and values (B, n_kv_head, T, hs) for positions start_pos.."""
+        B, T, C = x.shape
+        kv_width = self.n_kv_head * self.head_size
+        q, k, v = self.qkv(x).split((C, kv_width, kv_width), dim=2)
+        q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_size).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_size).transpose(1, 2)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Several queries are always the newest positions of the keys (a prompt), so the causal mask applies;
+        # a single query is the newest position and sees every key: masking it upper-left would hide its past.
+        y = F.scaled_dot_product_attention(
+            q, k, v,
+            is_causal=q.size(2) > 1,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )
+        B, _, T, _ = q.shape
+        return self.output_dropout(self.output(y.transpose(1, 2).reshape(B, T, -1)))
+
+    def forward(self, x: torch.Tensor, start_pos: int = 0, cache=None) -> torch.Tensor:
+        """With a layer cache (anything with append(k, v) -> (all_k, all_v)), attend over the cached past too."""
+        q, k, v = self.project(x, start_pos)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return self.attend(q, k, v)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.down = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down(F.gelu(self.up(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_attention = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        if config.position_encoding == "rope":
+            from .rotary import RotaryAttention
+
+            self.attention = RotaryAttention(config)
+        else:
+            self.attention = CausalSelfAttention(config)
+        self.ln_ffn = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, start_pos: int = 0, cache=None) -> torch.Tensor:
+        x = x + self.attention(self.ln_attention(x), start_pos, cache)
+        return x + self.ffn(self.ln_ffn(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
+        if config.position_encoding == "learned":
+            self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
+        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.token_embedding.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the projections that write into the residual stream
+        for name, parameter in self.named_parameters():
+            if name.endswith(("attention.output.weight", "ffn.down.weight")):
+                nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (the tied lm_head counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden_states(self, idx: torch.Tensor, start_pos: int = 0, caches=None) -> torch.Tensor:
+        """The final-normed residual stream for tokens at positions start_pos..start_pos+T-1."""
+        x = self.token_embedding(idx)
+        if self.config.position_encoding == "learned":
+            x = x + self.position_embedding.weight[start_pos : start_pos + idx.size(1)]
+        x = self.embedding_dropout(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, start_pos, None if caches is None else caches[i])
+        return self.final_norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Full causal forward over idx (B, T ≤ block_size): logits (B, T, vocab), and the loss if targets given."""
+        if idx.size(1) > self.config.block_size:
+            raise ValueError(f"sequence of {idx.size(1)} tokens exceeds block_size {self.config.block_size}")
+        logits = self.lm_head(self.hidden_states(idx))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss

@@ -1,0 +1,38 @@
+"""Rotary position embedding (RoPE) by interleaved pairs, as in the original LLaMA reference code."""
+
+from __future__ import annotations
+
+import torch
+
+from .model import CausalSelfAttention, GPTConfig
+
+
+def rope_tables(head_size: int, positions: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles pos · base^(-2i/head_size), each (positions, head_size // 2)."""
+    inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[..., 2i], x[..., 2i+1]) of x (..., T, hs) by the angle whose cos/sin are (T, hs/2)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class RotaryAttention(CausalSelfAttention):
+    """Causal self-attention whose queries and keys are rotated by their absolute position."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        cos, sin = rope_tables(config.head_size, config.block_size, config.rope_base)
+        # Derived from the config, so never saved: a checkpoint holds only learned weights.
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def project(self, x: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project(x, start_pos)
+        positions = slice(start_pos, start_pos + x.size(1))
+        cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v

@@ -1,0 +1,46 @@
+"""Turning last-position logits into next tokens: greedy, temperature, top-k, top-p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """temperature 0 is greedy (argmax); otherwise sample from the tempered, top-k- and top-p-filtered softmax
+    with `generator`, so a seeded generator reproduces a run draw for draw."""
+
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be ≥ 1, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (B, vocab) -> next token ids (B, 1)."""
+        if self.temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        probs = self.probabilities(logits)
+        return torch.multinomial(probs, num_samples=1, generator=self.generator)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass before it already does.
+            drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p
+            probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+        return probs

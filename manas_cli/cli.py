@@ -47,13 +47,130 @@ class PositionEncoding(str, Enum):
     rope = "rope"
 
 
+class Overflow(str, Enum):
+    recompute = "recompute"
+    shift = "shift"
+
+
+def _top_p_in_range(value: Optional[float]) -> Optional[float]:
+    if value is not None and not 0.0 < value <= 1.0:
+        raise typer.BadParameter(f"{value} is not in the range 0 < top-p <= 1")
+    return value
+
+
+CheckpointOption = Annotated[
+    Optional[Path],
+    typer.Option("--checkpoint", "-c", help="Model file (.safetensors). Default: $MANAS_CHECKPOINT, else the model shipped with manas."),
+]
 DeviceOption = Annotated[Device, typer.Option(help="auto: CUDA when available, else the CPU.")]
+DTypeOption = Annotated[DType, typer.Option(help="auto: float32 on the CPU, bfloat16 on CUDA.")]
 ThreadsOption = Annotated[Optional[int], typer.Option(min=1, help="CPU threads for torch (default: torch's choice).")]
+PromptOption = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; '-' reads standard input.")]
+PromptFileOption = Annotated[Optional[Path], typer.Option(help="Read the prompt from a UTF-8 file.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of text.")]
 
 
 @app.callback()
 def root(debug: Annotated[bool, typer.Option("--debug", help="Show the Python traceback of a failure.")] = False) -> None:
     """Fast text generation from small GPT checkpoints, with a KV cache you can inspect."""
+
+@app.command()
+def generate(
+    prompt: PromptOption = None,
+    prompt_file: PromptFileOption = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")] = 200,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature; 0 is greedy (argmax).")] = 0.8,
+    top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample only from the k most likely tokens.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(callback=_top_p_in_range, help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed the sampler: the same seed gives the same text, cached or not.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", help="End before the first occurrence of TEXT, which is not printed. Repeatable.")] = None,
+    num_samples: Annotated[int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")] = 1,
+    echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = False,
+    overflow: Annotated[Overflow, typer.Option(help="When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes from the cache again: much faster past the window, but the text is no longer identical to the reference.")] = Overflow.recompute,
+    stats: Annotated[Optional[bool], typer.Option("--stats/--no-stats", help="Speed and cache stats on stderr (default: when stderr is a terminal).", show_default=False)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
+    json_output: JsonOption = False,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
+) -> None:
+    """Generate text from a prompt, streaming it to stdout as it is produced.
+
+    The prompt comes from --prompt, --prompt-file, or standard input. Stats and notices go to stderr, so stdout
+    holds only the text (or JSON lines with --json).
+
+    Examples:
+
+      manas generate --prompt 'ROMEO:' -n 100
+
+      echo 'JULIET:' | manas generate -t 0 --stop 'ROMEO:'
+
+      manas generate -p 'KING:' --num-samples 3 --seed 7 --json | jq .text
+    """
+    from . import commands
+
+    commands.generate(**locals())
+
+
+@app.command()
+def bench(
+    tokens: Annotated[int, typer.Option("--tokens", "-n", min=1, help="New tokens to decode per run (tgN).")] = 256,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length for the prefill test (ppP).")] = 128,
+    repeat: Annotated[int, typer.Option("--repeat", "-r", min=1, help="Timed runs of each test, after one warm-up.")] = 3,
+    batch: Annotated[int, typer.Option(min=1, help="Rows decoded together.")] = 1,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also time uncached crop-and-recompute decoding.")] = True,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Also chart decode speed against context position, through one overflow.")] = False,
+    json_output: JsonOption = False,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
+) -> None:
+    """Measure prefill and decode speed, and the KV cache's speed-up over crop-and-recompute.
+
+    Prints a table in the manner of llama-bench (tokens/s as mean ± std over --repeat runs).
+
+    Examples:
+
+      manas bench --tokens 256
+
+      manas bench --tokens 512 --prompt-tokens 64 --no-baseline --sweep
+
+      manas bench --json | jq '.tests[] | {name, tokens_per_s_mean}'
+    """
+    from . import commands
+
+    commands.bench(**locals())
+
+
+@app.command("inspect-cache")
+def inspect_cache(
+    prompt: PromptOption = None,
+    prompt_file: PromptFileOption = None,
+    tokens: Annotated[int, typer.Option("--tokens", "-n", min=0, help="Greedy tokens to decode after the prompt.")] = 0,
+    json_output: JsonOption = False,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
+) -> None:
+    """Prefill a prompt (and decode --tokens more), then show what the KV cache holds.
+
+    Positions, per-layer K/V shapes, logical and allocated bytes, the size at a full window, and what grouped-query
+    attention saves against a plain multi-head cache. Without a prompt, a short default one is used.
+
+    Examples:
+
+      manas inspect-cache
+
+      manas inspect-cache -p 'ROMEO:' --tokens 300
+
+      manas inspect-cache --json | jq .layers
+    """
+    from . import commands
+
+    commands.inspect_cache(**locals())
 
 
 @app.command(no_args_is_help=True)
@@ -99,7 +216,7 @@ def train(
 
 def main() -> None:
     """Entry point: run the app, turning every expected failure into one `error:` line and an exit code."""
-    from typer._click.exceptions import ClickException
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
     from typer.exceptions import Abort, Exit
 
     from .render import error_line
@@ -110,6 +227,9 @@ def main() -> None:
         command.main(sys.argv[1:], prog_name="manas", standalone_mode=False)
     except Exit as exc:
         sys.exit(exc.exit_code)
+    except NoArgsIsHelpError as exc:
+        print(exc.format_message(), file=sys.stderr)
+        sys.exit(2)
     except ClickException as exc:
         _fail(error_line(exc.format_message()), exc.exit_code, debug)
     except (KeyboardInterrupt, Abort):

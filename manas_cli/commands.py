@@ -90,3 +90,268 @@ def train(**options) -> None:
         for event in train(model, data, settings, out, spec, start_step, best):
             show(event)
     console.print(f"best checkpoint: {out}")
+
+
+# ---- shared by generate, bench and inspect-cache -------------------------------------------------------------
+
+CHECKPOINT_ENV = "MANAS_CHECKPOINT"
+DEFAULT_CHECKPOINT = "shakespeare.safetensors"
+DEFAULT_INSPECT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
+
+
+def default_checkpoint_candidates() -> list[Path]:
+    """The shipped model: beside the package in a source checkout (editable install), or in the wheel's data."""
+    import sys
+
+    return [
+        Path(__file__).resolve().parent.parent / "checkpoints" / DEFAULT_CHECKPOINT,
+        Path(sys.prefix) / "share" / "manas" / "checkpoints" / DEFAULT_CHECKPOINT,
+    ]
+
+
+def resolve_checkpoint(option: Path | None) -> Path:
+    import os
+
+    if option is not None:
+        return option
+    if os.environ.get(CHECKPOINT_ENV):
+        return Path(os.environ[CHECKPOINT_ENV])
+    candidates = default_checkpoint_candidates()
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates)
+    raise InputError(f"no checkpoint given and none found (looked at ${CHECKPOINT_ENV}, {looked}): pass --checkpoint PATH")
+
+
+def load_model(options: dict):
+    """The checkpoint on the chosen device, dtype and thread count."""
+    from .checkpoint import load_checkpoint
+    from .runtime import resolve_device, resolve_dtype, set_threads
+
+    set_threads(options["threads"])
+    device = resolve_device(options["device"].value)
+    dtype = resolve_dtype(options["dtype"].value, device)
+    return load_checkpoint(resolve_checkpoint(options["checkpoint"]), device=device, dtype=dtype)
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
+    """--prompt TEXT, --prompt-file PATH, '-' or nothing for standard input (or `default`, where one is given)."""
+    import sys
+
+    if prompt is not None and prompt_file is not None:
+        raise InputError("give either --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"prompt file {prompt_file} is not valid UTF-8 (byte {exc.start})") from None
+        except OSError as exc:
+            raise InputError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and default is not None:
+        return default
+    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"standard input is not valid UTF-8 (byte {exc.start}): pass UTF-8 text") from None
+
+
+def encode_prompt(checkpoint, text: str, console) -> list[int]:
+    """Token ids of the prompt, cropped to the window with a notice; the empty prompt is end-of-text."""
+    from .tokenizer import end_of_text_id
+
+    ids = checkpoint.encoding.encode_ordinary(text) or [end_of_text_id(checkpoint.encoding)]
+    block_size = checkpoint.model.config.block_size
+    if len(ids) > block_size:
+        console.print(f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)")
+        ids = ids[-block_size:]
+    return ids
+
+
+# ---- generate -------------------------------------------------------------------------------------------------
+
+
+def generate(**options) -> None:
+    import sys
+
+    import typer
+
+    from .generation import GenerationStats, generate, prompt_batch
+    from .kv_cache import CacheSession
+    from .render import Output, generation_stats_line, stderr_console
+    from .sampling import Sampler, seeded_generator
+    from .streaming import TextStream
+    from .tokenizer import end_of_text_id
+
+    console = stderr_console(quiet=options["quiet"])
+    show_stats = not options["quiet"] and (options["stats"] if options["stats"] is not None else sys.stderr.isatty())
+    text = read_prompt(options["prompt"], options["prompt_file"])
+    checkpoint = load_model(options)
+    model, encoding = checkpoint.model, checkpoint.encoding
+    ids = encode_prompt(checkpoint, text, console)
+    batch = options["num_samples"]
+    generator, seed = seeded_generator(options["seed"], model)
+    sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], generator)
+    eot = end_of_text_id(encoding)
+    streams = [TextStream(encoding, eot, options["stop"] or ()) for _ in range(batch)]
+    out = Output(sys.stdout, json_lines=options["json_output"], samples=batch)
+    stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
+    session = CacheSession(model)
+    steps = generate(
+        model, prompt_batch(ids, batch, model), sampler, options["max_tokens"], eot, options["overflow"].value, session
+    )
+
+    if options["echo"]:
+        out.text(0, text)
+    interrupted = False
+    try:
+        for step in steps:
+            stats.update(step)
+            for row, (stream, token) in enumerate(zip(streams, step.tokens)):
+                out.text(row, stream.feed(token))
+            if all(stream.finished for stream in streams):
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        steps.close()
+    for row, stream in enumerate(streams):
+        out.text(row, stream.finish("interrupted" if interrupted else "length"))
+    storage = session.storage()
+    if options["json_output"]:
+        for stream in streams:
+            out.json_line(sample_record(stream, stats, storage, seed))
+    else:
+        out.close_text([stream.text for stream in streams], echo=text if options["echo"] else None)
+    if show_stats:
+        console.print(generation_stats_line(stats, storage))
+    if interrupted:
+        raise typer.Exit(130)
+
+
+def sample_record(stream, stats, storage: dict, seed: int) -> dict:
+    """One --json line: the contract fields first, extras after."""
+    return {
+        "text": stream.text,
+        "tokens": stream.tokens,
+        "finish_reason": stream.finish_reason,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": len(stream.tokens),
+        "ttft_s": stats.ttft_s,
+        "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "re_prefills": stats.re_prefills,
+        "cache": storage,
+        "seed": seed,
+    }
+
+
+# ---- bench ----------------------------------------------------------------------------------------------------
+
+
+def bench(**options) -> None:
+    import torch
+
+    from .bench import model_size_bytes, run_bench, sweep
+    from .render import bench_progress, bench_table, stderr_console, sweep_chart
+
+    console = stderr_console()
+    checkpoint = load_model(options)
+    model = checkpoint.model
+    device = next(model.parameters()).device
+    info = {
+        "path": str(checkpoint.path),
+        "parameters": model.num_parameters(),
+        "size_bytes": model_size_bytes(model),
+        "block_size": model.config.block_size,
+        "device": str(device),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+    }
+    runs = options["repeat"] * (2 if options["baseline"] else 1)
+    with bench_progress(console, runs) as advance:
+        result = run_bench(
+            model, options["prompt_tokens"], options["tokens"], options["repeat"], options["batch"],
+            options["baseline"], on_run=advance,
+        )
+    sweep_rows = None
+    if options["sweep"]:
+        block_size = model.config.block_size
+        with console.status("sweeping decode speed across the window"):
+            sweep_rows = sweep(model, min(options["prompt_tokens"], block_size // 8), block_size + block_size // 2, 12)
+    report = {
+        "model": info,
+        "tests": [
+            {"name": m.name, "tokens_per_s_mean": m.mean, "tokens_per_s_std": m.std, "runs": m.tokens_per_s}
+            for m in result.measurements
+        ],
+        "ttft_s": result.ttft_s,
+        "speedup": result.speedup,
+        "re_prefills": result.re_prefills,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "cache_bytes": result.cache_bytes,
+        "batch": options["batch"],
+        "repeat": options["repeat"],
+    }
+    if sweep_rows is not None:
+        report["sweep"] = sweep_rows
+    if options["json_output"]:
+        import json
+
+        print(json.dumps(report))
+        return
+    from rich.console import Console
+
+    stdout = Console(highlight=False, no_color=console.no_color)
+    stdout.print(bench_table(report))
+    if sweep_rows is not None:
+        stdout.print(sweep_chart(sweep_rows))
+
+
+# ---- inspect-cache --------------------------------------------------------------------------------------------
+
+
+def inspect_cache(**options) -> None:
+    import json
+
+    from .generation import generate, prompt_batch, GenerationStats
+    from .kv_cache import CacheSession, cache_report
+    from .render import cache_view, stderr_console
+    from .sampling import Sampler
+
+    console = stderr_console()
+    text = read_prompt(options["prompt"], options["prompt_file"], default=DEFAULT_INSPECT_PROMPT)
+    checkpoint = load_model(options)
+    model = checkpoint.model
+    ids = encode_prompt(checkpoint, text, console)
+    session = CacheSession(model)
+    stats = GenerationStats(prompt_tokens=len(ids))
+    if options["tokens"] == 0:
+        session.prefill(prompt_batch(ids, 1, model))
+    else:
+        # The prompt's prefill yields the first new token; the remaining tokens decode from the cache.
+        for step in generate(model, prompt_batch(ids, 1, model), Sampler(temperature=0.0), options["tokens"] + 1,
+                             session=session):
+            stats.update(step)
+    report = cache_report(session)
+    report["re_prefill_positions"] = stats.re_prefill_positions
+    config = model.config
+    header = {
+        "checkpoint": str(checkpoint.path),
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_kv_head": config.n_kv_head,
+        "head_size": config.head_size,
+        "device": str(next(model.parameters()).device),
+        "prompt_tokens": len(ids),
+        "decoded_tokens": options["tokens"],
+    }
+    if options["json_output"]:
+        print(json.dumps({**report, **header}))
+        return
+    from rich.console import Console
+
+    Console(highlight=False, no_color=console.no_color).print(cache_view(report, header))

@@ -30,6 +30,11 @@ def crop_window(ids: torch.Tensor, block_size: int) -> torch.Tensor:
     return ids[:, -block_size:]
 
 
+def prompt_batch(ids: list[int], batch_size: int, model: GPT) -> torch.Tensor:
+    """One prompt repeated for batch_size rows, on the model's device: (batch_size, len(ids))."""
+    return torch.tensor([ids] * batch_size, dtype=torch.long, device=next(model.parameters()).device)
+
+
 def validate_prompt(model: GPT, prompt: torch.Tensor) -> None:
     if prompt.dim() != 2 or prompt.size(1) == 0:
         raise ValueError(f"the prompt must be a non-empty (B, T) tensor of token ids, got shape {tuple(prompt.shape)}")

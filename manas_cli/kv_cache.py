@@ -50,11 +50,11 @@ class CacheSession:
     @torch.inference_mode()
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Reset the cache, run the prompt (B, T ≤ block_size) causally; logits of its last position (B, 1, vocab)."""
+        self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
         if token_ids.dim() != 2 or token_ids.size(1) == 0 or token_ids.dtype != torch.long:
             raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
         if token_ids.size(1) > self.block_size:
             raise ValueError(f"prefill of {token_ids.size(1)} positions exceeds block_size {self.block_size}")
-        self.reset()
         layers = [LayerCache() for _ in self.model.blocks]
         logits = self._run(token_ids, 0, layers)  # an exception here leaves the session empty
         self.layers, self.batch_size = layers, token_ids.size(0)
@@ -114,3 +114,28 @@ def check_cacheable(model: GPT) -> None:
                 f"blocks[{i}].attention.qkv.weight has shape {tuple(attention.qkv.weight.shape)}, "
                 f"expected {(qkv_width, config.n_embd)}"
             )
+
+
+def cache_report(session: CacheSession) -> dict:
+    """What the cache holds, layer by layer, and what it would cost at a full window or without GQA."""
+    storage = session.storage()
+    config = session.model.config
+    layers = [
+        {
+            "layer": index,
+            "k_shape": list(layer.k.shape),
+            "v_shape": list(layer.v.shape),
+            "bytes": layer.k.numel() * layer.k.element_size() + layer.v.numel() * layer.v.element_size(),
+        }
+        for index, layer in enumerate(session.layers)
+    ]
+    bytes_per_position = storage["logical_bytes"] // storage["positions"] if storage["positions"] else 0
+    return {
+        **storage,
+        "block_size": config.block_size,
+        "layers": layers,
+        "bytes_per_position": bytes_per_position,
+        "full_window_bytes": bytes_per_position * config.block_size,
+        # A plain multi-head cache keeps every query head's K and V: n_head / n_kv_head times as much.
+        "mha_equivalent_bytes": storage["logical_bytes"] * config.n_head // config.n_kv_head,
+    }

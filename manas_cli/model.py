@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 POSITION_ENCODINGS = ("learned", "rope")
+GELU_APPROXIMATIONS = ("tanh", "none")  # F.gelu's `approximate` values
 
 
 @dataclass(kw_only=True)
@@ -24,6 +25,7 @@ class GPTConfig:
     rope_base: float = 10000.0
     bias: bool = True
     norm_eps: float = 1e-5
+    gelu_approximate: str = "tanh"  # "tanh": GPT-2's GELU; "none": the exact erf GELU (nanoGPT's nn.GELU())
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -47,6 +49,10 @@ class GPTConfig:
             raise ValueError(f"rope_base must be positive, got {self.rope_base!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps!r}")
+        if self.gelu_approximate not in GELU_APPROXIMATIONS:
+            raise ValueError(
+                f"gelu_approximate must be one of {', '.join(GELU_APPROXIMATIONS)}, got {self.gelu_approximate!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -117,9 +123,10 @@ class FeedForward(nn.Module):
         self.up = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.down = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.gelu_approximate = config.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down(F.gelu(self.up(x), approximate="tanh")))
+        return self.dropout(self.down(F.gelu(self.up(x), approximate=self.gelu_approximate)))
 
 
 class Block(nn.Module):

@@ -65,3 +65,161 @@ def train_progress(console: Console, total_steps: int, start_step: int) -> Itera
 
     with progress:
         yield show
+
+
+class Output:
+    """stdout, the product: streamed text for one sample, whole samples for several, or JSON lines."""
+
+    def __init__(self, stream, json_lines: bool, samples: int) -> None:
+        self.stream = stream
+        self.json_lines = json_lines
+        self.live = samples == 1 and not json_lines  # several samples decode together: print each when done
+
+    def text(self, row: int, piece: str) -> None:
+        if self.live and piece:
+            self.stream.write(piece)
+            self.stream.flush()
+
+    def close_text(self, texts: list[str], echo: str | None) -> None:
+        """End the text: one newline after a streamed sample; several samples apart by a blank line (and a rule
+        on a terminal)."""
+        if self.live:
+            self.stream.write("\n")
+        else:
+            rule = self._rule() if self.stream.isatty() else ""
+            self.stream.write(("\n" + rule + "\n").join((echo or "") + text for text in texts) + "\n")
+        self.stream.flush()
+
+    def json_line(self, record: dict) -> None:
+        import json
+
+        self.stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.stream.flush()
+
+    def _rule(self) -> str:
+        import shutil
+
+        return "─" * min(80, shutil.get_terminal_size().columns) + "\n"
+
+
+def format_bytes(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:,} B" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def generation_stats_line(stats, storage: dict) -> str:
+    samples = f" × {stats.batch_size} samples" if stats.batch_size > 1 else ""
+    return (
+        f"prompt {stats.prompt_tokens} tokens · generated {stats.generated_tokens}{samples} · "
+        f"ttft {stats.ttft_s * 1000:.0f} ms · prefill {stats.prefill_tokens_per_s:,.0f} tok/s · "
+        f"decode {stats.decode_tokens_per_s:,.1f} tok/s · re-prefills {stats.re_prefills} · "
+        f"cache {storage['positions']} positions, {format_bytes(storage['storage_bytes'])}"
+    )
+
+
+@contextmanager
+def bench_progress(console: Console, runs: int) -> Iterator:
+    """A bar over the timed runs; yields the callback the benchmark calls before each."""
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        console=console, disable=not console.is_terminal, transient=True)
+    task = progress.add_task("warming up", total=runs)
+    started: list[bool] = []
+
+    def advance(name: str) -> None:
+        progress.update(task, description=f"timing {name}", advance=1 if started else 0)
+        started.append(True)
+
+    with progress:
+        yield advance
+
+
+def bench_table(report: dict):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    model = report["model"]
+    header = Text(
+        f"{model['path']}\n{model['parameters']:,} parameters · {format_bytes(model['size_bytes'])} · "
+        f"block_size {model['block_size']} · {model['device']} · {model['dtype']} · {model['threads']} threads · "
+        f"batch {report['batch']} · {report['repeat']} runs"
+    )
+    table = Table(box=None, pad_edge=False)
+    table.add_column("test")
+    table.add_column("tokens/s", justify="right")
+    for test in report["tests"]:
+        table.add_row(test["name"], f"{test['tokens_per_s_mean']:,.1f} ± {test['tokens_per_s_std']:,.1f}")
+    speedup = f"{report['speedup']:.1f}×" if report["speedup"] is not None else "-"
+    footer = Text(
+        f"time to first token {report['ttft_s'] * 1000:.1f} ms · cache speed-up {speedup} · "
+        f"re-prefills {report['re_prefills']} · peak memory {format_bytes(report['peak_memory_bytes'])} · "
+        f"cache {format_bytes(report['cache_bytes'])}"
+    )
+    return Group(header, Text(""), table, Text(""), footer)
+
+
+def bar(fraction: float, width: int = 30) -> str:
+    """A horizontal bar in eighths of a cell."""
+    eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
+    return "█" * (eighths // 8) + ("", "▏", "▎", "▍", "▌", "▋", "▊", "▉")[eighths % 8]
+
+
+def sweep_chart(rows: list[dict]):
+    from rich.table import Table
+
+    fastest = max(row["tokens_per_s"] for row in rows)
+    table = Table(title="decode speed by context position", box=None, pad_edge=False)
+    for column, justify in (("positions", "left"), ("tokens/s", "right"), ("", "left"), ("re-prefills", "right")):
+        table.add_column(column, justify=justify)
+    for row in rows:
+        table.add_row(f"{row['start']}–{row['end'] - 1}", f"{row['tokens_per_s']:,.1f}",
+                      bar(row["tokens_per_s"] / fastest), str(row["re_prefills"]))
+    return table
+
+
+def ranges(numbers: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3–5, 9'."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}–{b}" if b > a else str(a) for a, b in spans)
+
+
+def cache_view(report: dict, header: dict):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    fill = report["positions"] / report["block_size"]
+    lines = [
+        Text(f"{header['checkpoint']}"),
+        Text(f"{header['n_layer']} layers · {header['n_head']} query heads · {header['n_kv_head']} kv heads · "
+             f"head size {header['head_size']} · {report['dtype']} · {header['device']}"),
+        Text(f"positions {report['positions']}/{report['block_size']} {bar(fill, 40):<40} {fill:.0%}"),
+        Text(""),
+    ]
+    table = Table(box=None, pad_edge=False)
+    for column, justify in (("layer", "right"), ("K shape", "left"), ("V shape", "left"), ("dtype", "left"), ("bytes", "right")):
+        table.add_column(column, justify=justify)
+    for layer in report["layers"]:
+        table.add_row(str(layer["layer"]), str(tuple(layer["k_shape"])), str(tuple(layer["v_shape"])),
+                      report["dtype"], f"{layer['bytes']:,}")
+    saving = 1 - report["logical_bytes"] / report["mha_equivalent_bytes"] if report["mha_equivalent_bytes"] else 0.0
+    totals = [
+        f"logical {format_bytes(report['logical_bytes'])} · allocated {format_bytes(report['storage_bytes'])} · "
+        f"{report['allocation']}",
+        f"{format_bytes(report['bytes_per_position'])} per position · "
+        f"{format_bytes(report['full_window_bytes'])} at a full window of {report['block_size']}",
+    ]
+    if header["n_kv_head"] != header["n_head"]:
+        totals.append(f"a multi-head cache would hold {format_bytes(report['mha_equivalent_bytes'])}: "
+                      f"grouped-query attention saves {saving:.0%}")
+    if report["re_prefill_positions"]:
+        totals.append("re-prefills at sequence positions " + ranges(report["re_prefill_positions"]))
+    return Group(*lines, table, Text(""), *map(Text, totals))

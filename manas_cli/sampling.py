@@ -7,6 +7,15 @@ from dataclasses import dataclass
 import torch
 
 
+def seeded_generator(seed: int | None, model: torch.nn.Module) -> tuple[torch.Generator, int]:
+    """A generator on the model's device, seeded with `seed`, or with a fresh random seed that is returned so the
+    run can be reproduced."""
+    generator = torch.Generator(device=next(model.parameters()).device)
+    if seed is None:
+        return generator, generator.seed()
+    return generator.manual_seed(seed), seed
+
+
 @dataclass(frozen=True)
 class Sampler:
     """temperature 0 is greedy (argmax); otherwise sample from the tempered, top-k- and top-p-filtered softmax

@@ -34,9 +34,11 @@ def decode_ranks(text: str) -> dict[bytes, int]:
     return ranks
 
 
-def bpe_spec(ranks: dict[bytes, int], pat_str: str = GPT2_PAT_STR) -> dict:
-    """An embedded tokenizer description; <|endoftext|> takes the id after the last rank."""
-    return {"kind": "bpe", "pat_str": pat_str, "ranks": encode_ranks(ranks), "special_tokens": {END_OF_TEXT: len(ranks)}}
+def bpe_spec(ranks: dict[bytes, int], pat_str: str = GPT2_PAT_STR, special_tokens: dict[str, int] | None = None) -> dict:
+    """An embedded tokenizer description; by default <|endoftext|> takes the id after the last rank."""
+    if special_tokens is None:
+        special_tokens = {END_OF_TEXT: len(ranks)}
+    return {"kind": "bpe", "pat_str": pat_str, "ranks": encode_ranks(ranks), "special_tokens": special_tokens}
 
 
 def spec_from_tiktoken_file(path: str | Path) -> dict:

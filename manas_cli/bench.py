@@ -1,0 +1,133 @@
+"""Speed measurements: prefill, cached decode and the uncached baseline, repeated after a warm-up."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .generation import GenerationStats, Step, generate, generate_reference
+from .kv_cache import CacheSession
+from .model import GPT
+from .sampling import Sampler
+
+
+@dataclass(frozen=True)
+class Measurement:
+    name: str  # llama-bench style: pp128 (prefill 128 tokens), tg256 (generate 256), "tg256 no-cache"
+    tokens_per_s: list[float]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.tokens_per_s)
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.tokens_per_s) if len(self.tokens_per_s) > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    measurements: list[Measurement]
+    ttft_s: float
+    re_prefills: int
+    cache_bytes: int
+    peak_memory_bytes: int
+
+    @property
+    def speedup(self) -> float | None:
+        """Cached decode over the uncached baseline, when the baseline ran."""
+        if len(self.measurements) < 3:
+            return None
+        return self.measurements[1].mean / self.measurements[2].mean
+
+
+def bench_prompt(model: GPT, prompt_tokens: int, batch: int, seed: int = 0) -> torch.Tensor:
+    """A reproducible random prompt: speed does not depend on which tokens they are."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(model.config.vocab_size, (1, prompt_tokens), generator=generator).repeat(batch, 1)
+    return ids.to(next(model.parameters()).device)
+
+
+def run_once(steps: Iterator[Step], prompt_tokens: int, batch: int) -> GenerationStats:
+    stats = GenerationStats(prompt_tokens=prompt_tokens, batch_size=batch)
+    for step in steps:
+        stats.update(step)
+    return stats
+
+
+def run_bench(
+    model: GPT,
+    prompt_tokens: int,
+    new_tokens: int,
+    repeat: int,
+    batch: int = 1,
+    baseline: bool = True,
+    on_run: Callable[[str], None] = lambda name: None,
+) -> BenchResult:
+    """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each."""
+    prompt = bench_prompt(model, prompt_tokens, batch)
+    prompt_tokens = min(prompt_tokens, model.config.block_size)  # what the prefill really runs
+    greedy = Sampler(temperature=0.0)
+    session = CacheSession(model)
+    runs = {"cached": lambda: generate(model, prompt, greedy, new_tokens, session=session)}
+    if baseline:
+        runs["baseline"] = lambda: generate_reference(model, prompt, greedy, new_tokens)
+    results: dict[str, list[GenerationStats]] = {}
+    for name, make_steps in runs.items():
+        run_once(make_steps(), prompt_tokens, batch)  # warm-up: first calls are several times slower
+        results[name] = []
+        for _ in range(repeat):
+            on_run(name)
+            results[name].append(run_once(make_steps(), prompt_tokens, batch))
+    cached = results["cached"]
+    measurements = [
+        Measurement(f"pp{prompt_tokens}", [s.prefill_tokens_per_s for s in cached]),
+        Measurement(f"tg{new_tokens}", [s.decode_tokens_per_s for s in cached]),
+    ]
+    if baseline:
+        measurements.append(Measurement(f"tg{new_tokens} no-cache", [s.decode_tokens_per_s for s in results["baseline"]]))
+    return BenchResult(
+        measurements=measurements,
+        ttft_s=statistics.median(s.ttft_s for s in cached),
+        re_prefills=cached[-1].re_prefills,
+        cache_bytes=session.storage()["storage_bytes"],
+        peak_memory_bytes=peak_memory_bytes(model),
+    )
+
+
+def sweep(model: GPT, prompt_tokens: int, new_tokens: int, buckets: int) -> list[dict]:
+    """Decode speed against context position, in `buckets` spans: shows what re-prefills cost."""
+    prompt = bench_prompt(model, prompt_tokens, 1)
+    greedy = Sampler(temperature=0.0)
+    run_once(generate(model, prompt, greedy, min(new_tokens, 16)), prompt_tokens, 1)  # warm-up
+    span = max(1, (prompt_tokens + new_tokens) // buckets)
+    rows: dict[int, dict] = {}
+    position = prompt.size(1)
+    for step in generate(model, prompt, greedy, new_tokens):
+        position += 1
+        if step.kind == "prefill":
+            continue  # time to first token, not decode speed
+        start = position // span * span
+        row = rows.setdefault(start, {"start": start, "end": start + span, "seconds": 0.0, "tokens": 0, "re_prefills": 0})
+        row["seconds"] += step.seconds
+        row["tokens"] += 1
+        row["re_prefills"] += step.kind == "re_prefill"
+    for row in rows.values():
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]
+    return list(rows.values())
+
+
+def peak_memory_bytes(model: GPT) -> int:
+    """Peak GPU memory allocated on CUDA; peak resident memory of the whole process on the CPU."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def model_size_bytes(model: GPT) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

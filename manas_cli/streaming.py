@@ -1,0 +1,70 @@
+"""From token ids to the text a user sees: UTF-8-safe, ended by end-of-text or a stop string."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tiktoken
+
+from .tokenizer import IncrementalDecoder
+
+
+class TextStream:
+    """Feed one row's tokens; get back text that is safe to print now.
+
+    Text that could still be the start of a stop string is held back until it is known not to be, so a stop
+    string never reaches the output even when it arrives split across tokens.
+    """
+
+    def __init__(self, encoding: tiktoken.Encoding, eot_id: int, stops: Sequence[str] = ()) -> None:
+        self._decoder = IncrementalDecoder(encoding)
+        self._eot_id = eot_id
+        self._stops = [stop for stop in stops if stop]
+        self._pending = ""
+        self.text = ""  # everything released so far
+        self.tokens: list[int] = []  # the tokens consumed (end-of-text excluded)
+        self.finish_reason: str | None = None  # "stop", "end_of_text" or "length" once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, token: int) -> str:
+        if self.finished:
+            return ""
+        if token == self._eot_id:
+            return self.finish("end_of_text")
+        self.tokens.append(token)
+        self._pending += self._decoder.feed(token)
+        return self._release(final=False)
+
+    def finish(self, reason: str = "length") -> str:
+        """End the stream (budget spent, end-of-text, interrupted): release what was held back."""
+        if self.finished:
+            return ""
+        self._pending += self._decoder.flush()
+        released = self._release(final=True)
+        self.finish_reason = self.finish_reason or reason
+        return released
+
+    def _release(self, final: bool) -> str:
+        hits = [index for index in (self._pending.find(stop) for stop in self._stops) if index >= 0]
+        if hits:
+            released, self._pending = self._pending[: min(hits)], ""
+            self.finish_reason = "stop"
+        else:
+            keep = 0 if final else self._stop_prefix_length()
+            cut = len(self._pending) - keep
+            released, self._pending = self._pending[:cut], self._pending[cut:]
+        self.text += released
+        return released
+
+    def _stop_prefix_length(self) -> int:
+        """Length of the longest tail of the pending text that begins some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for length in range(min(len(stop) - 1, len(self._pending)), longest, -1):
+                if self._pending.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest

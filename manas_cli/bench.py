@@ -66,13 +66,14 @@ def run_bench(
     repeat: int,
     batch: int = 1,
     baseline: bool = True,
+    allocation: str = "dynamic",
     on_run: Callable[[str], None] = lambda name: None,
 ) -> BenchResult:
     """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each."""
     prompt = bench_prompt(model, prompt_tokens, batch)
     prompt_tokens = min(prompt_tokens, model.config.block_size)  # what the prefill really runs
     greedy = Sampler(temperature=0.0)
-    session = CacheSession(model)
+    session = CacheSession(model, allocation)
     runs = {"cached": lambda: generate(model, prompt, greedy, new_tokens, session=session)}
     if baseline:
         runs["baseline"] = lambda: generate_reference(model, prompt, greedy, new_tokens)

@@ -47,6 +47,11 @@ class PositionEncoding(str, Enum):
     rope = "rope"
 
 
+class Allocation(str, Enum):
+    dynamic = "dynamic"
+    static = "static"
+
+
 class Overflow(str, Enum):
     recompute = "recompute"
     shift = "shift"
@@ -68,6 +73,11 @@ ThreadsOption = Annotated[Optional[int], typer.Option(min=1, help="CPU threads f
 PromptOption = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; '-' reads standard input.")]
 PromptFileOption = Annotated[Optional[Path], typer.Option(help="Read the prompt from a UTF-8 file.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of text.")]
+CacheOption = Annotated[
+    Allocation,
+    typer.Option("--cache", help="KV cache allocation: 'dynamic' holds exactly the cached positions (grown by "
+                 "concatenation); 'static' preallocates the whole window and writes each position in place."),
+]
 
 
 @app.callback()
@@ -90,6 +100,7 @@ def generate(
     stats: Annotated[Optional[bool], typer.Option("--stats/--no-stats", help="Speed and cache stats on stderr (default: when stderr is a terminal).", show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
     json_output: JsonOption = False,
+    cache: CacheOption = Allocation.dynamic,
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
@@ -122,6 +133,7 @@ def bench(
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also time uncached crop-and-recompute decoding.")] = True,
     sweep: Annotated[bool, typer.Option("--sweep", help="Also chart decode speed against context position, through one overflow.")] = False,
     json_output: JsonOption = False,
+    cache: CacheOption = Allocation.dynamic,
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
@@ -150,6 +162,7 @@ def inspect_cache(
     prompt_file: PromptFileOption = None,
     tokens: Annotated[int, typer.Option("--tokens", "-n", min=0, help="Greedy tokens to decode after the prompt.")] = 0,
     json_output: JsonOption = False,
+    cache: CacheOption = Allocation.dynamic,
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
@@ -214,12 +227,68 @@ def train(
     commands.train(**locals())
 
 
+@app.command(no_args_is_help=True)
+def convert(
+    src: Annotated[Path, typer.Argument(help="nanoGPT ckpt.pt, a Hugging Face GPT-2 folder, or a bare model.safetensors (with --config).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="manas checkpoint to write (.safetensors).")],
+    config: Annotated[Optional[Path], typer.Option(help="Hugging Face GPT-2 config.json for a bare weights file.")] = None,
+    tokenizer: Annotated[str, typer.Option(help="'gpt2': GPT-2's BPE, from --tokenizer-file or tiktoken's cache.")] = "gpt2",
+    tokenizer_file: Annotated[Optional[Path], typer.Option(help="GPT-2's ranks as a .tiktoken file, embedded in the checkpoint.")] = None,
+    tokenizer_meta: Annotated[Optional[Path], typer.Option(help="nanoGPT's character-level meta.pkl (read without running code).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+) -> None:
+    """Import nanoGPT or Hugging Face GPT-2 weights as a manas checkpoint.
+
+    Pickles are read with weights only: a file that would run code is refused.
+
+    Examples:
+
+      manas convert out-shakespeare-char/ckpt.pt --out shakespeare-char.safetensors --tokenizer-meta data/shakespeare_char/meta.pkl
+
+      manas convert out/ckpt.pt --out mine.safetensors --tokenizer-file gpt2.tiktoken
+
+      manas convert gpt2/ --out gpt2.safetensors --tokenizer-file gpt2.tiktoken
+
+      manas convert model.safetensors --config config.json --out gpt2.safetensors
+    """
+    from . import commands
+
+    commands.convert(**locals())
+
+
+class ExportFormat(str, Enum):
+    hf = "hf"
+
+
+@app.command(no_args_is_help=True)
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="manas checkpoint (.safetensors) with learned positions and multi-head attention.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write (created, or with --force overwritten file by file).")],
+    output_format: Annotated[ExportFormat, typer.Option("--format", help="hf: Hugging Face GPT-2 (transformers, vLLM, TGI).")] = ExportFormat.hf,
+    force: Annotated[bool, typer.Option("--force", help="Write into a folder that is not empty.")] = False,
+) -> None:
+    """Export a checkpoint for the serving ecosystem: a Hugging Face GPT-2 folder with its tokenizer.
+
+    Writes config.json, generation_config.json, model.safetensors, vocab.json, merges.txt and tokenizer_config.json.
+    Rotary (rope) and grouped-query models have no exact GPT-2 equivalent and are refused.
+
+    Examples:
+
+      manas export gpt2.safetensors --format hf --out gpt2-hf
+
+      python -c "from transformers import pipeline; print(pipeline('text-generation', 'gpt2-hf')('Hello')[0])"
+
+      vllm serve ./gpt2-hf
+    """
+    from . import commands
+
+    commands.export(**locals())
+
+
 def main() -> None:
     """Entry point: run the app, turning every expected failure into one `error:` line and an exit code."""
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
     from typer.exceptions import Abort, Exit
-
-    from .render import error_line
 
     debug = "--debug" in sys.argv[1:]
     command = typer.main.get_command(app)
@@ -231,23 +300,26 @@ def main() -> None:
         print(exc.format_message(), file=sys.stderr)
         sys.exit(2)
     except ClickException as exc:
-        _fail(error_line(exc.format_message()), exc.exit_code, debug)
+        _fail(exc.format_message(), exc.exit_code, debug)
     except (KeyboardInterrupt, Abort):
-        _fail("error: interrupted", 130, debug)
+        _fail("interrupted", 130, debug)
     except BrokenPipeError:
         _quiet_broken_pipe()
     except ManasError as exc:
-        _fail(error_line(str(exc)), 1, debug)
+        _fail(str(exc), 1, debug)
     except Exception as exc:
-        _fail(error_line(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)"), 1, debug)
+        _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
 
 
-def _fail(line: str, code: int, debug: bool) -> None:
+def _fail(message: str, code: int, debug: bool) -> None:
+    """One `error:` line on stderr (the traceback before it with --debug), then exit."""
+    from .render import error_line
+
     if debug:
         import traceback
 
         traceback.print_exc()
-    print(line, file=sys.stderr)
+    print(error_line(message), file=sys.stderr)
     sys.exit(code)
 
 

@@ -125,14 +125,17 @@ def resolve_checkpoint(option: Path | None) -> Path:
 
 
 def load_model(options: dict):
-    """The checkpoint on the chosen device, dtype and thread count."""
+    """The checkpoint on the chosen device, dtype and thread count, its weights laid out for decoding."""
     from .checkpoint import load_checkpoint
+    from .model import use_decode_layout
     from .runtime import resolve_device, resolve_dtype, set_threads
 
     set_threads(options["threads"])
     device = resolve_device(options["device"].value)
     dtype = resolve_dtype(options["dtype"].value, device)
-    return load_checkpoint(resolve_checkpoint(options["checkpoint"]), device=device, dtype=dtype)
+    checkpoint = load_checkpoint(resolve_checkpoint(options["checkpoint"]), device=device, dtype=dtype)
+    use_decode_layout(checkpoint.model)
+    return checkpoint
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
@@ -199,7 +202,7 @@ def generate(**options) -> None:
     streams = [TextStream(encoding, eot, options["stop"] or ()) for _ in range(batch)]
     out = Output(sys.stdout, json_lines=options["json_output"], samples=batch)
     stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
-    session = CacheSession(model)
+    session = CacheSession(model, options["cache"].value)
     steps = generate(
         model, prompt_batch(ids, batch, model), sampler, options["max_tokens"], eot, options["overflow"].value, session
     )
@@ -275,7 +278,7 @@ def bench(**options) -> None:
     with bench_progress(console, runs) as advance:
         result = run_bench(
             model, options["prompt_tokens"], options["tokens"], options["repeat"], options["batch"],
-            options["baseline"], on_run=advance,
+            options["baseline"], options["cache"].value, on_run=advance,
         )
     sweep_rows = None
     if options["sweep"]:
@@ -327,7 +330,7 @@ def inspect_cache(**options) -> None:
     checkpoint = load_model(options)
     model = checkpoint.model
     ids = encode_prompt(checkpoint, text, console)
-    session = CacheSession(model)
+    session = CacheSession(model, options["cache"].value)
     stats = GenerationStats(prompt_tokens=len(ids))
     if options["tokens"] == 0:
         session.prefill(prompt_batch(ids, 1, model))
@@ -355,3 +358,30 @@ def inspect_cache(**options) -> None:
     from rich.console import Console
 
     Console(highlight=False, no_color=console.no_color).print(cache_view(report, header))
+
+
+# ---- convert / export -------------------------------------------------------------------------------------------
+
+
+def convert(**options) -> None:
+    from .convert import convert_checkpoint
+    from .render import stderr_console
+
+    result = convert_checkpoint(
+        options["src"], options["out"], config_path=options["config"], tokenizer=options["tokenizer"],
+        tokenizer_file=options["tokenizer_file"], tokenizer_meta=options["tokenizer_meta"], force=options["force"],
+    )
+    config = result.config
+    stderr_console().print(
+        f"converted the {result.source_kind} {options['src']}: {result.parameters:,} parameters "
+        f"(n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, block_size={config.block_size}, "
+        f"vocab_size={config.vocab_size}, bias={config.bias}), tokenizer: {result.tokenizer}\nwrote {options['out']}"
+    )
+
+
+def export(**options) -> None:
+    from .export import export_hf
+    from .render import stderr_console
+
+    result = export_hf(options["checkpoint"], options["out"], force=options["force"])
+    stderr_console().print(f"wrote a Hugging Face GPT-2 model to {result.out}: {', '.join(result.files)}")

@@ -27,16 +27,52 @@ class LayerCache:
         return self.k, self.v
 
 
+class StaticLayerCache:
+    """One layer's keys and values in buffers preallocated for block_size positions: a decode step writes its
+    position in place instead of copying the whole cache, at the price of allocating the full window up front."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+        self.k: torch.Tensor | None = None  # views of the filled part of the buffers
+        self.v: torch.Tensor | None = None
+        self._k_buffer: torch.Tensor | None = None
+        self._v_buffer: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._k_buffer is None:
+            batch, heads, _, head_size = k.shape
+            self._k_buffer = k.new_empty(batch, heads, self.capacity, head_size)
+            self._v_buffer = v.new_empty(batch, heads, self.capacity, head_size)
+        end = self.length + k.size(2)
+        self._k_buffer[:, :, self.length : end] = k
+        self._v_buffer[:, :, self.length : end] = v
+        self.length = end
+        self.k, self.v = self._k_buffer[:, :, :end], self._v_buffer[:, :, :end]
+        return self.k, self.v
+
+
+ALLOCATIONS = {
+    "dynamic": "dynamic: grown by concatenation, no unused capacity",
+    "static": "static: preallocated for block_size positions, written in place",
+}
+
+
 class CacheSession:
-    """The KV cache of one request against a model in eval mode."""
+    """The KV cache of one request against a model in eval mode.
 
-    allocation = "dynamic: grown by concatenation, no unused capacity"
+    allocation "dynamic" (the default) holds exactly the cached positions; "static" preallocates the window.
+    """
 
-    def __init__(self, model: GPT) -> None:
+    def __init__(self, model: GPT, allocation: str = "dynamic") -> None:
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
         check_cacheable(model)
         self.model = model
         self.block_size = model.config.block_size
-        self.layers: list[LayerCache] = []
+        self.allocation = ALLOCATIONS[allocation]
+        self._new_layer = LayerCache if allocation == "dynamic" else lambda: StaticLayerCache(self.block_size)
+        self.layers: list[LayerCache | StaticLayerCache] = []
         self.batch_size = 0
 
     @property
@@ -55,7 +91,7 @@ class CacheSession:
             raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
         if token_ids.size(1) > self.block_size:
             raise ValueError(f"prefill of {token_ids.size(1)} positions exceeds block_size {self.block_size}")
-        layers = [LayerCache() for _ in self.model.blocks]
+        layers = [self._new_layer() for _ in self.model.blocks]
         logits = self._run(token_ids, 0, layers)  # an exception here leaves the session empty
         self.layers, self.batch_size = layers, token_ids.size(0)
         return logits
@@ -71,7 +107,7 @@ class CacheSession:
             raise ValueError(f"the cache is full ({self.block_size} positions): prefill the cropped window instead")
         return self._run(token_ids, self.positions, self.layers)
 
-    def _run(self, token_ids: torch.Tensor, start_pos: int, layers: list[LayerCache]) -> torch.Tensor:
+    def _run(self, token_ids: torch.Tensor, start_pos: int, layers: list) -> torch.Tensor:
         hidden = self.model.hidden_states(token_ids, start_pos, layers)
         return self.model.lm_head(hidden[:, -1:])
 

@@ -99,8 +99,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
         raise CheckpointError(f"{path}: {exc}") from exc
     _check_vocabulary(encoding, config, path)
 
-    with torch.device("meta"):
-        model = GPT(config)
+    # A real (random) init, then overwritten: cheaper than building on the meta device, whose init imports
+    # torch._dynamo (over a second of every command's start-up).
+    model = GPT(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name != TIED}
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -120,20 +121,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: truncated or corrupt tensor data ({exc})") from exc
     model.load_state_dict(state, strict=False, assign=True)
-    model.lm_head.weight = model.token_embedding.weight
-    _materialize_buffers(model, config)
+    model.lm_head.weight = model.token_embedding.weight  # assign=True replaced the tied parameter
     model = model.to(device=device, dtype=dtype).eval()
     return Checkpoint(model, encoding, spec, path)
-
-
-def _materialize_buffers(model: GPT, config: GPTConfig) -> None:
-    """Non-persistent buffers (rotary tables) were built on the meta device: compute them for real."""
-    from .rotary import rope_tables
-
-    if config.position_encoding == "rope":
-        cos, sin = rope_tables(config.head_size, config.block_size, config.rope_base)
-        for block in model.blocks:
-            block.attention.cos, block.attention.sin = cos, sin
 
 
 def _check_vocabulary(encoding: tiktoken.Encoding, config: GPTConfig, path: str | Path) -> None:

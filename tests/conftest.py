@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny real models over every position encoding and head layout, a tiny embedded BPE, the data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from manas_cli.model import GPT, GPTConfig
+from manas_cli.tokenizer import bpe_spec
+
+# One thread for the whole session: the suite is tiny, CI has 2 cores, and a background job may hold the rest.
+torch.set_num_threads(1)
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+VOCAB_SIZE = 300
+BLOCK_SIZE = 16
+N_HEAD = 4
+HEAD_LAYOUTS = {"mha": N_HEAD, "gqa": 2, "mqa": 1}  # name -> n_kv_head
+POSITION_ENCODINGS = ("learned", "rope")
+MODEL_VARIANTS = [(pe, layout) for pe in POSITION_ENCODINGS for layout in HEAD_LAYOUTS]
+
+
+def tiny_config(position_encoding: str = "learned", layout: str = "mha", **overrides) -> GPTConfig:
+    values = dict(
+        vocab_size=VOCAB_SIZE, block_size=BLOCK_SIZE, n_layer=2, n_head=N_HEAD, n_kv_head=HEAD_LAYOUTS[layout],
+        n_embd=32, position_encoding=position_encoding,
+    )
+    values.update(overrides)
+    return GPTConfig(**values)
+
+
+def make_model(position_encoding: str = "learned", layout: str = "mha", seed: int = 0, **overrides) -> GPT:
+    """A tiny GPT in eval mode with seeded weights, spread wider than GPT-2's init: with std 0.02 the softmax is
+    nearly uniform, and greedy ties or top-p cut-offs would then test nothing."""
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(position_encoding, layout, **overrides))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.15)
+            elif name.endswith("bias"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model.eval()
+
+
+def complex_rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """LLaMA's reference rotary embedding, written independently: pair (x[2i], x[2i+1]) is the complex number
+    x[2i] + j·x[2i+1], multiplied by e^(j·pos·base^(-2i/head_size))."""
+    head_size = x.size(-1)
+    frequencies = base ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    angles = positions.double()[:, None] * frequencies
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    pairs = torch.view_as_complex(x.double().reshape(*x.shape[:-1], head_size // 2, 2).contiguous())
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+
+
+@pytest.fixture(params=MODEL_VARIANTS, ids=[f"{pe}-{layout}" for pe, layout in MODEL_VARIANTS])
+def tiny_model(request) -> GPT:
+    """Each position encoding × head layout (multi-head, grouped-query, multi-query)."""
+    return make_model(*request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_spec() -> dict:
+    """An embedded BPE tokenizer written by hand (independent of the trainer): the 256 bytes, a few English
+    merges, and merges that cut multi-byte characters mid-way (' ' + the first byte of '€', its last two bytes)."""
+    ranks = {bytes([i]): i for i in range(256)}
+    merges = [b"th", b"he", b"the", b" t", b" the", b"in", b"er", b"\xc3\xa9", b" \xe2", b"\x82\xac", b"\xf0\x9f"]
+    for token in merges:
+        ranks[token] = len(ranks)
+    return bpe_spec(ranks)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    assert (SHARED_DATA / "tinyshakespeare.txt").is_file(), f"the shared data folder {SHARED_DATA} is missing"
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def shakespeare(shared_data) -> str:
+    return (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")

@@ -1,0 +1,432 @@
+"""Weights trained elsewhere, as manas checkpoints: nanoGPT's ckpt.pt and Hugging Face GPT-2 folders.
+
+nanoGPT kept GPT-2's tensor names, so one table maps both onto manas' names. The differences are layout
+(Hugging Face's Conv1D stores linear weights in×out, nanoGPT's nn.Linear out×in as manas does), prefixes
+(torch.compile's `_orig_mod.`, GPT2LMHeadModel's `transformer.`) and the GELU each was trained with.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError, InputError, TokenizerError
+from .model import GPT, GPTConfig
+from .tokenizer import bpe_spec, build_encoding, spec_from_tiktoken_file, vocabulary_size
+
+# Inside transformer.h.N: GPT-2's module names (nanoGPT's too) and manas' inside blocks.N.
+GPT2_BLOCK_MODULES = {
+    "ln_1": "ln_attention",
+    "attn.c_attn": "attention.qkv",  # fused q|k|v in both, in that order
+    "attn.c_proj": "attention.output",
+    "ln_2": "ln_ffn",
+    "mlp.c_fc": "ffn.up",
+    "mlp.c_proj": "ffn.down",
+}
+GPT2_TOP_MODULES = {"wte": "token_embedding", "wpe": "position_embedding", "ln_f": "final_norm"}
+GPT2_LINEAR_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# Causal masks that older nanoGPT (no flash attention) and older transformers saved as buffers: not weights.
+GPT2_MASK_BUFFERS = ("attn.bias", "attn.masked_bias")
+TIED_HEAD = "lm_head.weight"
+
+# Hugging Face's activation_function values that manas computes exactly, as F.gelu's `approximate`.
+HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+# nanoGPT's character-level encoding looks each character up alone: one piece per character, newlines included.
+CHARACTER_PAT_STR = r"(?s:.)"
+
+NANOGPT = "nanoGPT checkpoint"
+HF_FOLDER = "Hugging Face GPT-2 folder"
+HF_WEIGHTS = "Hugging Face GPT-2 weights"
+
+
+@dataclass
+class Converted:
+    """What convert wrote, for the CLI to report."""
+
+    source_kind: str
+    config: GPTConfig
+    parameters: int
+    tokenizer: str
+
+
+# --- tensor names -----------------------------------------------------------------------------------------------
+
+
+def manas_name(gpt2_name: str) -> str | None:
+    """GPT-2's name (without prefixes) of a tensor → manas' name; None for mask buffers; KeyError if unknown."""
+    if gpt2_name.startswith("h."):
+        _, index, rest = gpt2_name.split(".", 2)
+        if rest in GPT2_MASK_BUFFERS:
+            return None
+        module, _, kind = rest.rpartition(".")
+        return f"blocks.{index}.{GPT2_BLOCK_MODULES[module]}.{kind}"
+    module, _, kind = gpt2_name.rpartition(".")
+    return f"{GPT2_TOP_MODULES[module]}.{kind}"
+
+
+def gpt2_name(name: str) -> str:
+    """manas' name of a tensor → GPT-2's (without prefixes): the inverse of manas_name."""
+    if name.startswith("blocks."):
+        _, index, rest = name.split(".", 2)
+        module, _, kind = rest.rpartition(".")
+        return f"h.{index}.{_inverse(GPT2_BLOCK_MODULES)[module]}.{kind}"
+    module, _, kind = name.rpartition(".")
+    return f"{_inverse(GPT2_TOP_MODULES)[module]}.{kind}"
+
+
+def is_gpt2_linear_weight(gpt2_name: str) -> bool:
+    """Weights that Hugging Face's Conv1D stores transposed (in×out)."""
+    return gpt2_name.endswith(".weight") and gpt2_name.split(".", 2)[-1].removesuffix(".weight") in GPT2_LINEAR_MODULES
+
+
+def _inverse(mapping: dict[str, str]) -> dict[str, str]:
+    return {value: key for key, value in mapping.items()}
+
+
+def gpt2_state_to_manas(state: dict[str, torch.Tensor], *, conv1d: bool, source: Path) -> dict[str, torch.Tensor]:
+    """Rename (and, from Conv1D, transpose) a GPT-2-named state dict; the tied lm_head must equal the embedding."""
+    renamed: dict[str, torch.Tensor] = {}
+    head = None
+    for name, tensor in state.items():
+        bare = name.removeprefix("_orig_mod.").removeprefix("transformer.")
+        if bare == TIED_HEAD:
+            head = tensor
+            continue
+        try:
+            target = manas_name(bare)
+        except (KeyError, ValueError):
+            raise CheckpointError(f"{source}: unexpected tensor {name}: not part of a GPT-2 model") from None
+        if target is None:
+            continue
+        renamed[target] = tensor.t() if conv1d and is_gpt2_linear_weight(bare) else tensor
+    embedding = renamed.get("token_embedding.weight")
+    if head is not None and embedding is not None and not torch.equal(head, embedding):
+        raise CheckpointError(
+            f"{source}: lm_head.weight differs from the token embedding; manas ties the two (as GPT-2 does), "
+            "so a model with an untied output layer cannot be converted exactly"
+        )
+    return renamed
+
+
+def build_model(config: GPTConfig, state: dict[str, torch.Tensor], source: Path) -> GPT:
+    """A float32 manas model holding exactly the given tensors: every one present, none extra, shapes matching."""
+    model = GPT(config)  # a real init costs less than the meta device, whose first use imports torch._dynamo
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name != TIED_HEAD}
+    if missing := sorted(set(expected) - set(state)):
+        raise CheckpointError(f"{source}: missing tensor for {missing[0]} (shape {list(expected[missing[0]])})")
+    if extra := sorted(set(state) - set(expected)):
+        raise CheckpointError(f"{source}: tensor for {extra[0]} does not fit this config (bias={config.bias})")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise CheckpointError(
+                f"{source}: tensor for {name} has shape {list(state[name].shape)}, the config needs {list(shape)}"
+            )
+    model.load_state_dict(state, strict=False)  # copies into float32 parameters; lm_head stays tied
+    return model.eval()
+
+
+# --- reading files without running code ----------------------------------------------------------------------------
+
+
+def load_pickled_weights(path: Path) -> object:
+    """torch.load with weights only: tensors and plain values load, a pickle that would run code is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is long and holds ANSI codes; the global it refused is what the user needs to know.
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"{path}: refused: its pickle would run code{what}; manas loads weights only and never runs code "
+            "from a file. nanoGPT's and Hugging Face's checkpoints hold only tensors and plain values"
+        ) from None
+    except Exception as exc:  # torch reports garbage as any of RuntimeError, EOFError, IndexError, KeyError...
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(exc)})") from None
+
+
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+class _CodeInPickle(pickle.UnpicklingError):
+    """The pickle named a class or function: loading it would run code."""
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, strings and numbers only: every class or function lookup is refused, so no code
+    runs (a pickle can only call what find_class hands it)."""
+
+    def find_class(self, module: str, name: str):
+        raise _CodeInPickle(f"{module}.{name}")
+
+
+def read_plain_pickle(path: Path) -> object:
+    try:
+        with open(path, "rb") as f:
+            return _PlainDataUnpickler(f).load()
+    except FileNotFoundError:
+        raise InputError(f"{path} does not exist") from None
+    except _CodeInPickle as exc:
+        raise TokenizerError(
+            f"{path}: refused: it refers to {exc} and would run code; nanoGPT's meta.pkl holds only plain dicts, "
+            "strings and numbers"
+        ) from None
+    except (pickle.UnpicklingError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError, AttributeError) as exc:
+        raise TokenizerError(f"{path}: not a readable pickle ({_first_line(exc)})") from None
+
+
+# --- configs ---------------------------------------------------------------------------------------------------------
+
+
+def config_from_nanogpt(model_args: object, source: Path) -> GPTConfig:
+    """nanoGPT's model_args; its MLP is nn.GELU(), the exact erf GELU."""
+    if not isinstance(model_args, dict):
+        raise CheckpointError(f"{source}: model_args is a {type(model_args).__name__}, not nanoGPT's dict")
+    keys = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+    if missing := [key for key in keys if key not in model_args]:
+        raise CheckpointError(f"{source}: model_args lacks {', '.join(missing)}")
+    values = {key: model_args[key] for key in keys}
+    return _make_config(
+        source, **values, bias=bool(model_args.get("bias", True)), dropout=float(model_args.get("dropout", 0.0)),
+        gelu_approximate="none",
+    )
+
+
+def config_from_hf(values: object, source: Path) -> GPTConfig:
+    """A Hugging Face GPT-2 config.json, refusing the options manas does not compute."""
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{source}: not a JSON object")
+    if values.get("model_type") != "gpt2":
+        raise CheckpointError(
+            f"{source}: model_type is {values.get('model_type')!r}; convert reads GPT-2 models (model_type 'gpt2') only"
+        )
+    activation = values.get("activation_function", "gelu_new")
+    if activation not in HF_ACTIVATIONS:
+        raise CheckpointError(f"{source}: activation_function {activation!r} is not supported (only {', '.join(HF_ACTIVATIONS)})")
+    n_embd = values.get("n_embd", 768)
+    unsupported = {
+        "n_inner": values.get("n_inner") not in (None, 4 * n_embd),
+        "scale_attn_weights": values.get("scale_attn_weights", True) is not True,
+        "scale_attn_by_inverse_layer_idx": values.get("scale_attn_by_inverse_layer_idx", False) is not False,
+        "add_cross_attention": values.get("add_cross_attention", False) is not False,
+    }
+    if changed := [name for name, differs in unsupported.items() if differs]:
+        raise CheckpointError(f"{source}: {changed[0]}={values[changed[0]]!r} has no manas equivalent")
+    return _make_config(
+        source,
+        vocab_size=values.get("vocab_size", 50257), block_size=values.get("n_positions", 1024),
+        n_layer=values.get("n_layer", 12), n_head=values.get("n_head", 12), n_embd=n_embd,
+        norm_eps=float(values.get("layer_norm_epsilon", 1e-5)), dropout=float(values.get("resid_pdrop", 0.0)),
+        gelu_approximate=HF_ACTIVATIONS[activation],
+    )
+
+
+def _make_config(source: Path, **values) -> GPTConfig:
+    try:
+        return GPTConfig(position_encoding="learned", **values)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: invalid model shape: {exc}") from None
+
+
+def read_hf_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a readable JSON config ({_first_line(exc)})") from None
+
+
+# --- sources -----------------------------------------------------------------------------------------------------------
+
+
+def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
+    """Detect what src is and return (its kind, the equivalent manas model)."""
+    check_source(src)
+    if src.is_dir():
+        if config_path is not None:
+            raise InputError(f"{src} is a folder with its own config.json; --config is for a bare model.safetensors")
+        return HF_FOLDER, _load_hf_folder(src)
+    if src.suffix == ".safetensors":
+        return HF_WEIGHTS, _load_hf(load_safetensors(src), src, _require_config(src, config_path))
+    loaded = load_pickled_weights(src)
+    if isinstance(loaded, dict) and "model_args" in loaded and "model" in loaded:
+        if config_path is not None:
+            raise InputError(f"{src} is a nanoGPT checkpoint with its own model_args; --config is for a bare model.safetensors")
+        return NANOGPT, _load_nanogpt(loaded, src)
+    if isinstance(loaded, dict) and loaded and all(isinstance(t, torch.Tensor) for t in loaded.values()):
+        return HF_WEIGHTS, _load_hf(loaded, src, _require_config(src, config_path))
+    raise CheckpointError(
+        f"{src}: neither a nanoGPT checkpoint (a dict with 'model_args' and 'model') nor a state dict of tensors"
+    )
+
+
+def _load_hf_folder(folder: Path) -> GPT:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise InputError(f"{folder} has no config.json: not a Hugging Face model folder")
+    config = read_hf_config(config_path)
+    if (folder / "model.safetensors").is_file():
+        return _load_hf(load_safetensors(folder / "model.safetensors"), folder, config)
+    if (folder / "pytorch_model.bin").is_file():
+        state = load_pickled_weights(folder / "pytorch_model.bin")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{folder / 'pytorch_model.bin'}: not a state dict")
+        return _load_hf(state, folder, config)
+    raise InputError(f"{folder} holds neither model.safetensors nor pytorch_model.bin (sharded weights are not supported)")
+
+
+def _load_hf(state: dict[str, torch.Tensor], source: Path, hf_config: dict) -> GPT:
+    config = config_from_hf(hf_config, source)
+    return build_model(config, gpt2_state_to_manas(state, conv1d=True, source=source), source)
+
+
+def _load_nanogpt(checkpoint: dict, source: Path) -> GPT:
+    config = config_from_nanogpt(checkpoint["model_args"], source)
+    state = checkpoint["model"]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{source}: 'model' is a {type(state).__name__}, not a state dict")
+    return build_model(config, gpt2_state_to_manas(state, conv1d=False, source=source), source)
+
+
+def _require_config(src: Path, config_path: Path | None) -> dict:
+    if config_path is None:
+        raise InputError(f"{src} holds bare weights: pass --config PATH, the Hugging Face GPT-2 config.json that goes with them")
+    return read_hf_config(config_path)
+
+
+def check_source(src: Path) -> None:
+    """The refusals that need no weights loaded: run before anything slow."""
+    if not src.exists():
+        raise InputError(f"{src} does not exist")
+    if src.suffix == ".safetensors" and src.is_file():
+        _refuse_manas_checkpoint(src)
+
+
+def _refuse_manas_checkpoint(src: Path) -> None:
+    from safetensors import safe_open
+
+    from .checkpoint import FORMAT
+
+    try:
+        with safe_open(src, framework="pt") as f:
+            is_manas = (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # unreadable files get a precise message when their tensors are loaded
+        return
+    if is_manas:
+        raise InputError(f"{src} is already a manas checkpoint: nothing to convert")
+
+
+# --- tokenizers ----------------------------------------------------------------------------------------------------
+
+
+def tokenizer_spec(tokenizer: str, tokenizer_file: Path | None, tokenizer_meta: Path | None) -> tuple[str, dict]:
+    """(a description, the checkpoint's tokenizer spec) from --tokenizer, --tokenizer-file, --tokenizer-meta."""
+    if tokenizer_meta is not None:
+        if tokenizer_file is not None:
+            raise InputError("--tokenizer-file and --tokenizer-meta both name a tokenizer: pass one of them")
+        return f"the character-level vocabulary of {tokenizer_meta}", character_spec(read_plain_pickle(tokenizer_meta), tokenizer_meta)
+    if tokenizer != "gpt2":
+        raise InputError(f"--tokenizer must be 'gpt2' (or use --tokenizer-meta for a character-level meta.pkl), got {tokenizer!r}")
+    if tokenizer_file is not None:
+        if not tokenizer_file.is_file():
+            raise InputError(f"--tokenizer-file {tokenizer_file} does not exist")
+        return f"GPT-2's BPE from {tokenizer_file} (embedded)", spec_from_tiktoken_file(tokenizer_file)
+    named = {"kind": "tiktoken", "encoding": "gpt2"}
+    try:
+        build_encoding(named)
+    except TokenizerError:
+        raise TokenizerError(
+            "GPT-2's tokenizer is not in tiktoken's cache and cannot be downloaded here: pass its ranks file with "
+            "--tokenizer-file PATH (a .tiktoken file such as gpt2.tiktoken), or --tokenizer-meta meta.pkl for a "
+            "character-level nanoGPT model"
+        ) from None
+    return "tiktoken's named encoding gpt2", named
+
+
+def character_spec(meta: object, source: Path) -> dict:
+    """nanoGPT's character-level meta.pkl as an exactly equivalent tokenizer: each character's UTF-8 bytes are one
+    token whose id is nanoGPT's, and the split pattern hands the BPE one character at a time, so no merge ever
+    happens. It has no <|endoftext|>: nanoGPT's character models have none."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("stoi"), dict):
+        raise TokenizerError(f"{source}: not nanoGPT's character-level meta.pkl (no 'stoi' dict of characters to ids)")
+    stoi, itos = meta["stoi"], meta.get("itos")
+    ranks: dict[bytes, int] = {}
+    for char, index in stoi.items():
+        if not isinstance(char, str) or len(char) != 1:
+            raise TokenizerError(f"{source}: token {char!r} is not a single character; only character-level vocabularies convert")
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise TokenizerError(f"{source}: character {char!r} has id {index!r}, not a non-negative integer")
+        if itos is not None and (not isinstance(itos, dict) or itos.get(index) != char):
+            raise TokenizerError(f"{source}: stoi and itos disagree about {char!r} (id {index})")
+        try:
+            ranks[char.encode("utf-8")] = index
+        except UnicodeEncodeError:
+            raise TokenizerError(f"{source}: character {char!r} has no UTF-8 encoding") from None
+    if not ranks:
+        raise TokenizerError(f"{source}: the vocabulary is empty")
+    if len(set(ranks.values())) != len(ranks):
+        raise TokenizerError(f"{source}: two characters share an id, so decoding would be ambiguous")
+    return bpe_spec(ranks, CHARACTER_PAT_STR, special_tokens={})
+
+
+def check_tokenizer_fits(spec: dict, config: GPTConfig, description: str) -> None:
+    size = vocabulary_size(build_encoding(spec))
+    if size > config.vocab_size:
+        hint = (
+            "; a character-level nanoGPT model needs its --tokenizer-meta meta.pkl"
+            if config.vocab_size < 1024 else ""
+        )
+        raise TokenizerError(
+            f"{description} has {size} tokens but the model has only {config.vocab_size} token ids{hint}"
+        )
+
+
+# --- the command -------------------------------------------------------------------------------------------------
+
+
+def check_destination(dst: Path, force: bool) -> None:
+    if dst.is_dir():
+        raise InputError(f"--out {dst} is a folder: name the checkpoint file to write (e.g. {dst / 'model.safetensors'})")
+    if dst.exists() and not force:
+        raise InputError(f"{dst} exists: pass --force to overwrite it")
+    if not dst.parent.is_dir():
+        raise InputError(f"the folder of --out {dst} does not exist")
+
+
+def convert_checkpoint(
+    src: Path,
+    dst: Path,
+    *,
+    config_path: Path | None = None,
+    tokenizer: str = "gpt2",
+    tokenizer_file: Path | None = None,
+    tokenizer_meta: Path | None = None,
+    force: bool = False,
+) -> Converted:
+    """Read src (nanoGPT or Hugging Face GPT-2), write the equivalent manas checkpoint to dst atomically."""
+    from .checkpoint import save_checkpoint
+
+    check_destination(dst, force)
+    check_source(src)
+    description, spec = tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
+    kind, model = load_source(src, config_path)
+    check_tokenizer_fits(spec, model.config, description)
+    save_checkpoint(dst, model, spec, extra_metadata={"converted_from": kind})
+    return Converted(kind, model.config, model.num_parameters(), description)

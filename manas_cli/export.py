@@ -1,0 +1,251 @@
+"""A manas checkpoint as a Hugging Face GPT-2 folder, which transformers, vLLM and TGI load and serve.
+
+Only GPT-2's architecture has an exact Hugging Face twin here: learned positions and plain multi-head attention.
+The tokenizer goes along as vocab.json + merges.txt, derived from the tiktoken ranks, so that Hugging Face's
+byte-level BPE encodes every text to the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import tiktoken
+import torch
+
+from .checkpoint import TIED, load_checkpoint
+from .convert import gpt2_name, is_gpt2_linear_weight
+from .errors import CheckpointError, InputError
+from .model import GPT, GPTConfig
+from .tokenizer import END_OF_TEXT, GPT2_PAT_STR
+
+GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}
+# Patterns that split text as Hugging Face's GPT-2 pre-tokenizer does: manas' own, and the equivalent possessive
+# form that tiktoken's named gpt2 and r50k_base encodings use.
+GPT2_SPLIT_PATTERNS = (
+    GPT2_PAT_STR,
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
+)
+# Files an earlier export into the same folder may have left that Hugging Face would read instead of ours.
+SHADOWING_FILES = (
+    "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+    "pytorch_model.bin", "pytorch_model.bin.index.json", "model.safetensors.index.json",
+)
+
+
+@dataclass
+class Exported:
+    out: Path
+    files: list[str]
+    config: GPTConfig
+
+
+def check_exportable(config: GPTConfig, source: Path) -> None:
+    """Refuse what Hugging Face's GPT-2 cannot compute exactly."""
+    if config.position_encoding != "learned":
+        raise CheckpointError(
+            f"{source}: rotary (rope) position encoding has no exact Hugging Face GPT-2 equivalent, which learns "
+            "a position table; only learned-position models export"
+        )
+    if config.n_kv_head != config.n_head:
+        raise CheckpointError(
+            f"{source}: grouped-query attention (n_kv_head={config.n_kv_head} < n_head={config.n_head}) has no exact "
+            "Hugging Face GPT-2 equivalent, whose every head has its own keys and values"
+        )
+
+
+# --- model -------------------------------------------------------------------------------------------------------
+
+
+def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) -> dict:
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,  # 4 * n_embd, as manas
+        "activation_function": GELU_TO_HF[config.gelu_approximate],
+        "layer_norm_epsilon": config.norm_eps,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "resid_pdrop": config.dropout,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": end_of_text,
+        "eos_token_id": end_of_text,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's tensors: Conv1D weights transposed, and zero biases where a bias=False model has none
+    (a zero bias adds nothing, so the function is the same). lm_head is tied, so it is left out, as
+    save_pretrained does."""
+    state = model.state_dict()
+    with torch.device("meta"):
+        with_biases = GPT(replace(model.config, bias=True))
+    dtype = model.token_embedding.weight.dtype
+    tensors = {}
+    for name, template in with_biases.state_dict().items():
+        if name == TIED:
+            continue
+        tensor = state[name] if name in state else torch.zeros(template.shape, dtype=dtype)
+        target = gpt2_name(name)
+        tensor = tensor.t() if is_gpt2_linear_weight(target) else tensor
+        tensors[f"transformer.{target}"] = tensor.detach().to("cpu").contiguous()
+    return tensors
+
+
+# --- tokenizer -----------------------------------------------------------------------------------------------------
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable alias of every byte, the alphabet of vocab.json and merges.txt: printable Latin-1
+    characters stand for themselves, the rest (controls, space) are shifted past 255 so no token shows a space."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    aliases = {byte: chr(byte) for byte in printable}
+    shifted = (byte for byte in range(256) if byte not in aliases)
+    for offset, byte in enumerate(shifted):
+        aliases[byte] = chr(256 + offset)
+    return dict(sorted(aliases.items()))
+
+
+def merge_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """Byte-pair merge the token's bytes as tiktoken does (lowest rank first), using ranks below max_rank only."""
+    parts = [bytes([byte]) for byte in token]
+    while True:
+        best: tuple[int, int] | None = None  # (rank, position)
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < max_rank and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None:
+            return parts
+        i = best[1]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+
+
+def hf_merges(ranks: dict[bytes, int], pat_str: str, source: Path) -> list[tuple[bytes, bytes]]:
+    """The merge that builds each multi-byte token, in rank order: Hugging Face applies merges by their position in
+    merges.txt, tiktoken by the rank of what they build, so this order makes the two agree."""
+    multi_byte = sorted((rank, token) for token, rank in ranks.items() if len(token) > 1)
+    if multi_byte and pat_str not in GPT2_SPLIT_PATTERNS:
+        raise CheckpointError(
+            f"{source}: the tokenizer splits text with its own pattern, but Hugging Face's GPT-2 tokenizer always "
+            "splits with GPT-2's, so it would encode differently; only GPT-2-pattern BPE tokenizers export"
+        )
+    merges = []
+    for rank, token in multi_byte:
+        parts = merge_parts(ranks, token, rank)
+        if len(parts) != 2 or not all(part in ranks for part in parts):
+            raise CheckpointError(
+                f"{source}: token {token!r} (id {rank}) is not the merge of two earlier tokens, so Hugging Face's "
+                "byte-level BPE cannot represent this tokenizer"
+            )
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) -> dict[str, str]:
+    """vocab.json, merges.txt and tokenizer_config.json for Hugging Face's GPT2Tokenizer."""
+    # tiktoken keeps the ranks, pattern and special tokens of an Encoding only in these attributes.
+    ranks: dict[bytes, int] = encoding._mergeable_ranks
+    special: dict[str, int] = encoding._special_tokens
+    merges = hf_merges(ranks, encoding._pat_str, source)
+    alias = bytes_to_unicode()
+
+    def show(token: bytes) -> str:
+        return "".join(alias[byte] for byte in token)
+
+    vocab = {show(token): rank for token, rank in ranks.items()} | special
+    end_of_text = END_OF_TEXT if END_OF_TEXT in special else None
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "model_max_length": block_size,
+        "add_prefix_space": False,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,  # tiktoken's decode returns the text as it was
+        "errors": "replace",
+        # Named explicitly: left out, GPT2Tokenizer would invent <|endoftext|> as a new token.
+        "bos_token": end_of_text,
+        "eos_token": end_of_text,
+        "unk_token": end_of_text,
+    }
+    return {
+        # json.dumps' defaults, as OpenAI wrote GPT-2's encoder.json: GPT-2's export is then that file, byte for byte
+        "vocab.json": json.dumps(dict(sorted(vocab.items(), key=lambda kv: kv[1]))),
+        "merges.txt": "#version: 0.2\n" + "".join(f"{show(left)} {show(right)}\n" for left, right in merges),
+        "tokenizer_config.json": json_text(config),
+    }
+
+
+def json_text(values: dict) -> str:
+    return json.dumps(values, indent=2, ensure_ascii=False) + "\n"
+
+
+# --- writing -----------------------------------------------------------------------------------------------------------
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file: name a folder to write the Hugging Face model into")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise InputError(f"{out} is not empty: pass --force to overwrite its Hugging Face files")
+    if not out.parent.is_dir():
+        raise InputError(f"the folder of --out {out} does not exist")
+
+
+def write_folder(out: Path, writers: dict[str, Callable[[Path], None]]) -> None:
+    """Write every file into a staging folder beside out, then move them in: a new folder appears whole (one
+    rename), an existing one has each file replaced atomically and no stale file left to shadow ours."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    os.chmod(staging, 0o755)  # mkdtemp's 0700 would stay on the renamed folder and hide it from a serving user
+    try:
+        for name, write in writers.items():
+            write(staging / name)
+        if not out.exists():
+            os.rename(staging, out)
+            return
+        for name in writers:
+            os.replace(staging / name, out / name)
+        for name in SHADOWING_FILES:
+            (out / name).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Exported:
+    """Write checkpoint_path as a Hugging Face GPT-2 folder; refuse before writing anything it cannot export."""
+    from safetensors.torch import save_file
+
+    check_out_dir(out, force)
+    checkpoint = load_checkpoint(checkpoint_path)
+    config = checkpoint.model.config
+    check_exportable(config, checkpoint_path)
+    texts = tokenizer_files(checkpoint.encoding, config.block_size, checkpoint_path)
+    special = checkpoint.encoding._special_tokens
+    end_of_text = special.get(END_OF_TEXT)
+    tensors = hf_state_dict(checkpoint.model)
+    generation = {"bos_token_id": end_of_text, "eos_token_id": end_of_text}
+    texts |= {
+        "config.json": json_text(hf_config(config, checkpoint.model.token_embedding.weight.dtype, end_of_text)),
+        "generation_config.json": json_text(generation),
+    }
+    writers: dict[str, Callable[[Path], None]] = {
+        name: (lambda path, text=text: path.write_text(text, encoding="utf-8")) for name, text in texts.items()
+    }
+    writers["model.safetensors"] = lambda path: save_file(tensors, str(path), metadata={"format": "pt"})
+    write_folder(out, writers)
+    return Exported(out, sorted(writers), config)

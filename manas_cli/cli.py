@@ -243,7 +243,7 @@ def convert(
 
     Examples:
 
-      manas convert out-shakespeare-char/ckpt.pt --out shakespeare-char.safetensors --tokenizer-meta data/shakespeare_char/meta.pkl
+      manas convert ckpt.pt --out char.safetensors --tokenizer-meta meta.pkl
 
       manas convert out/ckpt.pt --out mine.safetensors --tokenizer-file gpt2.tiktoken
 

@@ -389,10 +389,8 @@ def character_spec(meta: object, source: Path) -> dict:
 def check_tokenizer_fits(spec: dict, config: GPTConfig, description: str) -> None:
     size = vocabulary_size(build_encoding(spec))
     if size > config.vocab_size:
-        hint = (
-            "; a character-level nanoGPT model needs its --tokenizer-meta meta.pkl"
-            if config.vocab_size < 1024 else ""
-        )
+        # fewer ids than the 256 bytes: no byte-level BPE fits, so this is a character-level model
+        hint = "; a character-level nanoGPT model needs its --tokenizer-meta meta.pkl" if config.vocab_size < 256 else ""
         raise TokenizerError(
             f"{description} has {size} tokens but the model has only {config.vocab_size} token ids{hint}"
         )

@@ -16,7 +16,7 @@ class TextStream:
     string never reaches the output even when it arrives split across tokens.
     """
 
-    def __init__(self, encoding: tiktoken.Encoding, eot_id: int, stops: Sequence[str] = ()) -> None:
+    def __init__(self, encoding: tiktoken.Encoding, eot_id: int | None, stops: Sequence[str] = ()) -> None:
         self._decoder = IncrementalDecoder(encoding)
         self._eot_id = eot_id
         self._stops = [stop for stop in stops if stop]

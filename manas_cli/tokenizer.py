@@ -85,8 +85,28 @@ def parse_spec(text: str) -> dict:
     return spec
 
 
-def end_of_text_id(encoding: tiktoken.Encoding) -> int:
-    return encoding.encode_single_token(END_OF_TEXT)
+def end_of_text_id(encoding: tiktoken.Encoding) -> int | None:
+    """The id of <|endoftext|>, or None for a vocabulary without one (nanoGPT's character-level models)."""
+    return encoding.encode_single_token(END_OF_TEXT) if END_OF_TEXT in encoding.special_tokens_set else None
+
+
+def _has_token(encoding: tiktoken.Encoding, piece: bytes) -> bool:
+    try:
+        encoding.encode_single_token(piece)
+        return True
+    except KeyError:
+        return False
+
+
+def encode_text(encoding: tiktoken.Encoding, text: str) -> list[int]:
+    """Ordinary text to ids (special-token text stays plain text). A vocabulary without all 256 bytes (a
+    character-level one) cannot spell every character: name those, rather than let tiktoken panic."""
+    if not all(_has_token(encoding, bytes([b])) for b in range(256)):
+        unknown = sorted({ch for ch in text if not _has_token(encoding, ch.encode("utf-8"))})
+        if unknown:
+            shown = ", ".join(repr(ch) for ch in unknown[:10])
+            raise TokenizerError(f"the model's vocabulary has no token for {shown}: remove them from the prompt")
+    return encoding.encode_ordinary(text)
 
 
 def vocabulary_size(encoding: tiktoken.Encoding) -> int:

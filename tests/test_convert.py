@@ -297,6 +297,24 @@ def test_character_level_meta_pkl_encodes_exactly_as_nanogpt(tmp_path):
     assert encoding.max_token_value == meta["vocab_size"] - 1  # no <|endoftext|>: nanoGPT's char models have none
 
 
+def test_character_level_model_generates_and_names_characters_outside_its_vocabulary(tmp_path):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+    meta = character_meta(text)
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps(meta))
+    save_nanogpt_checkpoint(tmp_path / "ckpt.pt", nanogpt_state(bias=False, vocab_size=meta["vocab_size"]))
+    dst = tmp_path / "char.safetensors"
+    assert_converted(run_manas("convert", tmp_path / "ckpt.pt", "--out", dst, "--tokenizer-meta", tmp_path / "meta.pkl"), dst)
+
+    generated = run_manas("generate", "-c", dst, "-p", "First", "-n", "12", "-t", "0", "--json", "--threads", "1")
+    assert generated.returncode == 0, generated.stderr
+    record = json.loads(generated.stdout)
+    assert record["generated_tokens"] == 12 and set(record["text"]) <= set(text)
+
+    for prompt, named in (("Zebra", "'Z'"), ("", "<|endoftext|>")):
+        refused = run_manas("generate", "-c", dst, "-p", prompt, "-n", "2", "--threads", "1")
+        assert_refused(refused, named)
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 
 

@@ -281,14 +281,19 @@ def character_meta(text: str) -> dict:
     return {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}
 
 
-def test_character_level_meta_pkl_encodes_exactly_as_nanogpt(tmp_path):
-    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. Ça va? naïve — ok!\n"
+def convert_character_model(tmp_path: Path, text: str) -> tuple[Path, dict]:
+    """A nanoGPT character-level checkpoint over the characters of text, converted with its meta.pkl."""
     meta = character_meta(text)
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps(meta))
     save_nanogpt_checkpoint(tmp_path / "ckpt.pt", nanogpt_state(bias=False, vocab_size=meta["vocab_size"]))
     dst = tmp_path / "char.safetensors"
-
     assert_converted(run_manas("convert", tmp_path / "ckpt.pt", "--out", dst, "--tokenizer-meta", tmp_path / "meta.pkl"), dst)
+    return dst, meta
+
+
+def test_character_level_meta_pkl_encodes_exactly_as_nanogpt(tmp_path):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. Ça va? naïve — ok!\n"
+    dst, meta = convert_character_model(tmp_path, text)
 
     encoding = load_checkpoint(dst).encoding
     nanogpt_ids = [meta["stoi"][c] for c in text]
@@ -299,11 +304,7 @@ def test_character_level_meta_pkl_encodes_exactly_as_nanogpt(tmp_path):
 
 def test_character_level_model_generates_and_names_characters_outside_its_vocabulary(tmp_path):
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
-    meta = character_meta(text)
-    (tmp_path / "meta.pkl").write_bytes(pickle.dumps(meta))
-    save_nanogpt_checkpoint(tmp_path / "ckpt.pt", nanogpt_state(bias=False, vocab_size=meta["vocab_size"]))
-    dst = tmp_path / "char.safetensors"
-    assert_converted(run_manas("convert", tmp_path / "ckpt.pt", "--out", dst, "--tokenizer-meta", tmp_path / "meta.pkl"), dst)
+    dst, _ = convert_character_model(tmp_path, text)
 
     generated = run_manas("generate", "-c", dst, "-p", "First", "-n", "12", "-t", "0", "--json", "--threads", "1")
     assert generated.returncode == 0, generated.stderr

@@ -293,7 +293,10 @@ def main() -> None:
     debug = "--debug" in sys.argv[1:]
     command = typer.main.get_command(app)
     try:
-        command.main(sys.argv[1:], prog_name="manas", standalone_mode=False)
+        # Not command.main(standalone_mode=False): typer's main returns an Exit's code instead of raising it (so
+        # `typer.Exit(130)` after Ctrl-C ended with 0) and turns a closed pipe into sys.exit(1).
+        with command.make_context("manas", sys.argv[1:]) as ctx:
+            command.invoke(ctx)
     except Exit as exc:
         sys.exit(exc.exit_code)
     except NoArgsIsHelpError as exc:

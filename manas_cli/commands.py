@@ -143,7 +143,10 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
     import sys
 
     if prompt is not None and prompt_file is not None:
-        raise InputError("give either --prompt or --prompt-file, not both")
+        import typer
+
+        # A usage error (exit 2), like any other misuse of the flags.
+        raise typer.BadParameter("give either --prompt or --prompt-file, not both", param_hint="'--prompt-file'")
     if prompt_file is not None:
         try:
             return prompt_file.read_text(encoding="utf-8")
@@ -308,7 +311,7 @@ def bench(**options) -> None:
         return
     from rich.console import Console
 
-    stdout = Console(highlight=False, no_color=console.no_color)
+    stdout = Console(highlight=False, no_color=console.no_color, soft_wrap=True)  # a pipe gets whole lines
     stdout.print(bench_table(report))
     if sweep_rows is not None:
         stdout.print(sweep_chart(sweep_rows))
@@ -357,7 +360,7 @@ def inspect_cache(**options) -> None:
         return
     from rich.console import Console
 
-    Console(highlight=False, no_color=console.no_color).print(cache_view(report, header))
+    Console(highlight=False, no_color=console.no_color, soft_wrap=True).print(cache_view(report, header))
 
 
 # ---- convert / export -------------------------------------------------------------------------------------------

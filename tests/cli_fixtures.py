@@ -1,0 +1,212 @@
+"""What the CLI tests run against: tiny real checkpoints written to disk, the real `manas` run as a subprocess, and
+the uncached reference generation run in-process on the same checkpoint.
+
+Test modules import the fixtures by name; the checkpoints are built once per session however many modules do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache, cached_property
+from pathlib import Path
+
+import pytest
+import torch
+
+from manas_cli.bpe import train_bpe
+from manas_cli.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from manas_cli.generation import generate_reference, prompt_batch
+from manas_cli.model import GPT, GPTConfig
+from manas_cli.sampling import Sampler, seeded_generator
+from manas_cli.tokenizer import bpe_spec, build_encoding, end_of_text_id
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+BLOCK_SIZE = 32
+BPE_VOCAB_SIZE = 320  # 256 bytes, 63 merges learned from Shakespeare, <|endoftext|>
+TRAINING_CHARS = 20_000
+TRAINING_STEPS = 100
+
+# Every model-running command gets these: one thread (the suite shares 2 cores with a background job) and the CPU,
+# so the in-process float32 reference computes exactly what the subprocess does.
+RUN_OPTIONS = ("--device", "cpu", "--threads", "1")
+# A prompt whose characters are 2, 3 and 4 bytes long in UTF-8: the byte-level BPE splits them across tokens.
+MULTIBYTE_PROMPT = "ROMEO: café, 日本 🎉"
+# Longer than the window: generate crops it, with a notice on stderr.
+LONG_PROMPT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\n" * 2
+
+
+@dataclass
+class TinyCheckpoint:
+    name: str
+    path: Path
+
+    @cached_property
+    def loaded(self) -> Checkpoint:
+        return load_checkpoint(self.path)
+
+    @property
+    def encoding(self):
+        return self.loaded.encoding
+
+    @property
+    def eot_id(self) -> int:
+        return end_of_text_id(self.encoding)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The prompt as the contract defines it: its last block_size tokens, or end-of-text when it is empty."""
+        return self.encoding.encode_ordinary(text)[-BLOCK_SIZE:] or [self.eot_id]
+
+    def reference(self, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                  top_p: float | None = None, seed: int | None = None, num_samples: int = 1) -> list[list[int]]:
+        """Each sample's new tokens from crop-and-recompute generation (end-of-text ends a sample and is not one of
+        its tokens), sampled with the generator the CLI seeds for --seed."""
+        model = self.loaded.model
+        generator = seeded_generator(seed, model)[0] if seed is not None else None
+        sampler = Sampler(temperature, top_k, top_p, generator)
+        prompt_ids = prompt_batch(self.prompt_ids(prompt), num_samples, model)
+        samples: list[list[int]] = [[] for _ in range(num_samples)]
+        ended = [False] * num_samples
+        for step in generate_reference(model, prompt_ids, sampler, max_tokens, self.eot_id):
+            for row, token in enumerate(step.tokens):
+                ended[row] = ended[row] or token == self.eot_id
+                if not ended[row]:
+                    samples[row].append(token)
+        return samples
+
+
+def train_tiny(model: GPT, ids: torch.Tensor, steps: int) -> GPT:
+    """A few AdamW steps: enough that samples are made of the text's letters and merges, not arbitrary bytes (an
+    escape byte in the generated text would blur the check that no escape codes reach a pipe)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    offsets = torch.arange(BLOCK_SIZE + 1)
+    model.train()
+    for _ in range(steps):
+        windows = ids[torch.randint(len(ids) - BLOCK_SIZE - 1, (16,), generator=generator)[:, None] + offsets]
+        _, loss = model(windows[:, :-1], windows[:, 1:])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def widen_weights(model: GPT, seed: int) -> GPT:
+    """Random weights wider than GPT-2's init, so the next-token distribution is far from uniform and the model
+    emits every kind of byte: lone continuation bytes, characters split across tokens, control bytes."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.15)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
+    """'rope-gqa': rotary, grouped-query (4 query heads, 2 kv heads), briefly trained on Shakespeare.
+    'learned-mha': GPT-2's learned positions and multi-head attention, random weights."""
+    return build_checkpoints(tmp_path_factory.getbasetemp() / "cli-checkpoints")
+
+
+@cache  # each module that imports the fixture has its own copy of it: build once per session all the same
+def build_checkpoints(folder: Path) -> dict[str, TinyCheckpoint]:
+    text = (SHARED_DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")[:TRAINING_CHARS]
+    spec = bpe_spec(train_bpe(text, BPE_VOCAB_SIZE))
+    encoding = build_encoding(spec)
+    folder.mkdir()
+
+    def config(position_encoding: str, n_kv_head: int) -> GPTConfig:
+        return GPTConfig(vocab_size=encoding.n_vocab, block_size=BLOCK_SIZE, n_layer=2, n_head=4, n_kv_head=n_kv_head,
+                         n_embd=32, position_encoding=position_encoding)
+
+    torch.manual_seed(0)
+    ids = torch.tensor(encoding.encode_ordinary(text))
+    models = {
+        "rope-gqa": train_tiny(GPT(config("rope", 2)), ids, TRAINING_STEPS),
+        "learned-mha": widen_weights(GPT(config("learned", 4)), seed=1),
+    }
+    result = {}
+    for name, model in models.items():
+        path = folder / f"{name}.safetensors"
+        save_checkpoint(path, model, spec)
+        result[name] = TinyCheckpoint(name, path)
+    return result
+
+
+@pytest.fixture(scope="session")
+def rope(checkpoints) -> TinyCheckpoint:
+    return checkpoints["rope-gqa"]
+
+
+@pytest.fixture(scope="session")
+def learned(checkpoints) -> TinyCheckpoint:
+    return checkpoints["learned-mha"]
+
+
+# ---- the CLI as a subprocess ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    args: tuple[str, ...]
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def out(self) -> str:
+        return self.stdout.decode("utf-8")
+
+    @property
+    def err(self) -> str:
+        return self.stderr.decode("utf-8")
+
+    def json_lines(self) -> list[dict]:
+        return [json.loads(line) for line in self.out.splitlines()]
+
+    def json(self) -> dict:
+        (record,) = self.json_lines()
+        return record
+
+    def ok(self) -> Run:
+        assert self.returncode == 0, f"manas {' '.join(self.args)} exited {self.returncode}:\n{self.err}"
+        return self
+
+
+def cli_env(**overrides: str | None) -> dict[str, str]:
+    """The caller's environment without anything that picks a model or forces colour, with a terminal type that
+    colours happily: only the pipe itself may keep escape codes out."""
+    env = dict(os.environ)
+    for name in ("MANAS_CHECKPOINT", "NO_COLOR", "FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE", "COLUMNS"):
+        env.pop(name, None)
+    env.update(TERM="xterm-256color", OMP_NUM_THREADS="1")
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+MANAS = (sys.executable, "-m", "manas_cli")
+_runs: dict[tuple, Run] = {}
+
+
+def manas(*args: str | Path, stdin: bytes = b"", fresh: bool = False, **env: str | None) -> Run:
+    """Run the CLI with stdout and stderr as pipes. A run is deterministic in what the tests compare, so identical
+    runs are shared between tests; fresh=True runs again (to compare two runs of one command)."""
+    args = tuple(str(arg) for arg in args)
+    key = (args, stdin, tuple(sorted(env.items())))
+    if fresh or key not in _runs:
+        done = subprocess.run([*MANAS, *args], input=stdin, capture_output=True, env=cli_env(**env), timeout=300)
+        _runs[key] = Run(args, done.returncode, done.stdout, done.stderr)
+    return _runs[key]
+
+
+def generate(checkpoint: TinyCheckpoint, *args: str | Path, stdin: bytes = b"", fresh: bool = False,
+             **env: str | None) -> Run:
+    return manas("generate", "-c", checkpoint.path, *RUN_OPTIONS, *args, stdin=stdin, fresh=fresh, **env)

@@ -1,0 +1,159 @@
+"""`manas bench` and `manas inspect-cache` through the real CLI: their JSON fields against what the checkpoint
+implies, and the tables they print."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from cli_fixtures import BLOCK_SIZE, RUN_OPTIONS, checkpoints, learned, manas, rope  # noqa: F401 (fixtures)
+from manas_cli.commands import DEFAULT_INSPECT_PROMPT
+
+FLOAT32_BYTES = 4
+N_LAYER, N_HEAD, HEAD_SIZE = 2, 4, 8
+N_KV_HEAD = {"rope-gqa": 2, "learned-mha": 4}
+TINY_BENCH = ("--tokens", "20", "--prompt-tokens", "16", "--repeat", "1")  # 16 + 20 tokens pass the 32 window
+
+
+def cache_bytes(name: str, positions: int, batch: int = 1) -> int:
+    """K and V of every layer: (batch, n_kv_head, positions, head_size) float32 each."""
+    return 2 * N_LAYER * batch * N_KV_HEAD[name] * positions * HEAD_SIZE * FLOAT32_BYTES
+
+
+def bench(checkpoint, *args: str):
+    return manas("bench", "-c", checkpoint.path, *RUN_OPTIONS, *args).ok()
+
+
+# ---- bench ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, batch", [("rope-gqa", 1), ("learned-mha", 2)])
+def test_bench_json_reports_the_model_and_each_test(checkpoints, name, batch):
+    checkpoint = checkpoints[name]
+    report = bench(checkpoint, *TINY_BENCH, "--batch", str(batch), "--json").json()
+    parameters = checkpoint.loaded.model.num_parameters()
+    assert report["model"] == {"path": str(checkpoint.path), "parameters": parameters,
+                               "size_bytes": parameters * FLOAT32_BYTES, "block_size": BLOCK_SIZE, "device": "cpu",
+                               "dtype": "float32", "threads": 1}
+    tests = {test["name"]: test for test in report["tests"]}
+    assert list(tests) == ["pp16", "tg20", "tg20 no-cache"]
+    for test in tests.values():
+        assert test["tokens_per_s_mean"] > 0
+        assert test["tokens_per_s_std"] == 0.0  # one run
+    assert report["speedup"] == pytest.approx(tests["tg20"]["tokens_per_s_mean"] / tests["tg20 no-cache"]["tokens_per_s_mean"])
+    assert report["ttft_s"] > 0
+    assert report["re_prefills"] == 16 + 20 - 1 - BLOCK_SIZE  # every step once the window is full
+    assert report["cache_bytes"] == cache_bytes(name, BLOCK_SIZE, batch)
+    assert report["peak_memory_bytes"] > report["cache_bytes"]
+
+
+def test_bench_repeats_give_a_mean_and_a_spread(rope):
+    report = bench(rope, "--tokens", "8", "--prompt-tokens", "4", "--repeat", "3", "--no-baseline", "--json").json()
+    for test in report["tests"]:
+        assert len(test["runs"]) == 3
+        assert test["tokens_per_s_mean"] == pytest.approx(sum(test["runs"]) / 3)
+        assert test["tokens_per_s_std"] > 0
+    assert report["re_prefills"] == 0  # 4 + 8 tokens stay inside the window
+
+
+def test_bench_without_baseline_has_no_uncached_test_and_no_speedup(rope):
+    report = bench(rope, *TINY_BENCH, "--no-baseline", "--json").json()
+    assert [test["name"] for test in report["tests"]] == ["pp16", "tg20"]
+    assert report["speedup"] is None
+
+
+def test_bench_prints_a_table_with_the_model_above_and_the_totals_below(rope, tmp_path):
+    # A path longer than the 80 columns Rich assumes on a pipe: every line must still come out whole.
+    long_path = tmp_path / ("a-folder-name-long-enough-to-pass-eighty-columns-" * 2) / "rope.safetensors"
+    long_path.parent.mkdir()
+    shutil.copy(rope.path, long_path)
+    run = manas("bench", "-c", long_path, *RUN_OPTIONS, *TINY_BENCH).ok()
+    header, model, *table, totals = run.out.splitlines()
+    assert header == str(long_path)
+    assert model.startswith(f"{rope.loaded.model.num_parameters():,} parameters · ")
+    assert all(item in model for item in ("block_size 32", "cpu", "float32", "1 threads", "batch 1", "1 runs"))
+    rows = {line.split("  ")[0]: line for line in table if line.startswith(("pp16 ", "tg20 "))}
+    assert set(rows) == {"pp16", "tg20", "tg20 no-cache"}
+    assert all(re.search(r"[\d,.]+ ± [\d,.]+$", row) for row in rows.values())
+    for total in ("time to first token", "cache speed-up", "re-prefills 3", "peak memory", "cache 8.0 KiB"):
+        assert total in totals
+    assert run.stderr == b""  # no progress bar on a pipe
+
+
+def test_bench_sweep_charts_decode_speed_through_an_overflow(rope):
+    report = bench(rope, *TINY_BENCH, "--no-baseline", "--sweep", "--json").json()
+    rows = report["sweep"]
+    assert rows[-1]["end"] > BLOCK_SIZE  # through and past one overflow
+    assert sum(row["re_prefills"] for row in rows) > 0
+    assert all(row["tokens_per_s"] > 0 for row in rows)
+    text = bench(rope, *TINY_BENCH, "--no-baseline", "--sweep").out
+    assert "decode speed by context position" in text
+    assert text.count("█") >= len(rows)  # a bar per row
+
+
+# ---- inspect-cache ------------------------------------------------------------------------------------------------
+
+
+def inspect(checkpoint, *args: str, stdin: bytes = b""):
+    return manas("inspect-cache", "-c", checkpoint.path, *RUN_OPTIONS, *args, stdin=stdin).ok()
+
+
+@pytest.mark.parametrize("name, tokens", [("rope-gqa", 0), ("learned-mha", 5), ("rope-gqa", 40)])
+def test_inspect_cache_json_describes_the_cache_after_prompt_and_decoding(checkpoints, name, tokens):
+    checkpoint = checkpoints[name]
+    report = inspect(checkpoint, "-p", "ROMEO:", "--tokens", str(tokens), "--json").json()
+    prompt_tokens = len(checkpoint.prompt_ids("ROMEO:"))
+    positions = min(prompt_tokens + tokens, BLOCK_SIZE)
+    n_kv_head = N_KV_HEAD[name]
+    assert report["positions"] == positions
+    assert report["block_size"] == BLOCK_SIZE
+    assert report["dtype"] == "float32"
+    assert isinstance(report["allocation"], str) and report["allocation"]
+    assert report["layers"] == [
+        {"layer": layer, "k_shape": [1, n_kv_head, positions, HEAD_SIZE], "v_shape": [1, n_kv_head, positions, HEAD_SIZE],
+         "bytes": cache_bytes(name, positions) // N_LAYER}
+        for layer in range(N_LAYER)
+    ]
+    assert report["logical_bytes"] == cache_bytes(name, positions)
+    assert report["storage_bytes"] >= report["logical_bytes"]
+    assert report["bytes_per_position"] == cache_bytes(name, 1)
+    assert report["full_window_bytes"] == cache_bytes(name, BLOCK_SIZE)
+    assert report["mha_equivalent_bytes"] == report["logical_bytes"] * N_HEAD // n_kv_head
+    re_prefills = report["re_prefill_positions"]
+    if prompt_tokens + tokens <= BLOCK_SIZE:
+        assert re_prefills == []
+    else:  # one re-prefill per token decoded past the window, at positions after it
+        assert len(re_prefills) == prompt_tokens + tokens - BLOCK_SIZE
+        assert re_prefills == sorted(re_prefills) and re_prefills[0] > BLOCK_SIZE
+
+
+@pytest.mark.parametrize("source", ["default prompt", "--prompt-file"])
+def test_inspect_cache_takes_the_prompt_as_generate_does(rope, tmp_path, source):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?", encoding="utf-8")
+    args, stdin, text = {
+        "default prompt": ((), b"", DEFAULT_INSPECT_PROMPT),
+        "--prompt-file": (("--prompt-file", str(prompt_file)), b"", prompt_file.read_text()),
+    }[source]
+    report = inspect(rope, *args, "--json", stdin=stdin).json()
+    assert report["positions"] == len(rope.prompt_ids(text)) > 0
+
+
+def test_inspect_cache_view_shows_fill_layers_totals_gqa_saving_and_re_prefills(rope):
+    text = inspect(rope, "-p", "ROMEO:", "--tokens", "40").out
+    assert text.splitlines()[0] == str(rope.path)
+    assert f"positions {BLOCK_SIZE}/{BLOCK_SIZE}" in text and "100%" in text
+    assert text.count(f"(1, 2, {BLOCK_SIZE}, {HEAD_SIZE})") == 2 * N_LAYER  # K and V of each layer
+    assert "logical 8.0 KiB" in text and "allocated 8.0 KiB" in text
+    assert "256 B per position" in text and f"8.0 KiB at a full window of {BLOCK_SIZE}" in text
+    assert "multi-head cache would hold 16.0 KiB" in text and "saves 50%" in text
+    assert "re-prefills at sequence positions" in text
+
+
+def test_inspect_cache_view_of_a_multi_head_model_claims_no_saving(learned):
+    text = inspect(learned, "-p", "ROMEO:", "--tokens", "5").out
+    assert "(1, 4, " in text
+    assert "multi-head cache would hold" not in text
+    assert "re-prefills" not in text

@@ -167,9 +167,14 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
 
 def encode_prompt(checkpoint, text: str, console) -> list[int]:
     """Token ids of the prompt, cropped to the window with a notice; the empty prompt is end-of-text."""
-    from .tokenizer import end_of_text_id
+    from .tokenizer import encode_text, end_of_text_id
 
-    ids = checkpoint.encoding.encode_ordinary(text) or [end_of_text_id(checkpoint.encoding)]
+    ids = encode_text(checkpoint.encoding, text)
+    if not ids:
+        eot = end_of_text_id(checkpoint.encoding)
+        if eot is None:
+            raise InputError("the prompt is empty and this model's vocabulary has no <|endoftext|> to start from")
+        ids = [eot]
     block_size = checkpoint.model.config.block_size
     if len(ids) > block_size:
         console.print(f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)")

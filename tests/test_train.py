@@ -95,6 +95,21 @@ def test_validation_loss_goes_down_during_training(trained):
     assert training["val_loss"] == pytest.approx(val_40, abs=1e-4)
 
 
+def test_resume_continues_from_the_saved_step_and_keeps_the_best_checkpoint(trained, small_text, tmp_path):
+    _, path = trained
+    resumed = tmp_path / "x.safetensors"
+    resumed.write_bytes(path.read_bytes())
+    result = manas("train", small_text, "--out", resumed, *TINY_SHAPE, "--steps", "60", "--eval-every", "10", "--resume",
+                   cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    steps = [int(step) for step, *_ in EVAL_LINE.findall(result.stderr)]
+    assert steps == [50, 60]  # continued after step 40, not from the start
+    training = json.loads(read_metadata(resumed)["training"])
+    best_before = json.loads(read_metadata(path)["training"])["val_loss"]
+    assert training["step"] in (40, 50, 60) and training["val_loss"] <= best_before
+    assert load_checkpoint(resumed).model.config.n_layer == 1
+
+
 def test_tokenizer_only_writes_a_loadable_tiktoken_file(small_text, tmp_path, monkeypatch):
     result = manas("train", small_text, "--out", "bpe.tiktoken", "--tokenizer-only", "--vocab-size", "300", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

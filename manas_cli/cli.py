@@ -200,12 +200,12 @@ def train(
     tokenizer: Annotated[str, typer.Option(help="'bpe': train one on the text; 'gpt2': use --tokenizer-file's ranks.")] = "bpe",
     tokenizer_file: Annotated[Optional[Path], typer.Option(help="A .tiktoken ranks file (with --tokenizer gpt2).")] = None,
     tokenizer_only: Annotated[bool, typer.Option(help="Train the BPE and write its .tiktoken ranks to --out; no model.")] = False,
-    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps in all (a resumed run continues to this).")] = 2500,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps in all (a resumed run continues to this).")] = 1500,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences of block_size tokens per step.")] = 16,
     lr: Annotated[float, typer.Option(min=0.0, help="Peak learning rate (AdamW, linear warm-up, cosine decay to lr/10).")] = 1.5e-3,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warm-up.")] = 100,
-    dropout: Annotated[float, typer.Option(min=0.0, max=0.99, help="Dropout probability while training.")] = 0.1,
-    eval_every: Annotated[int, typer.Option(min=1, help="Steps between validation (and best-checkpoint saves).")] = 250,
+    dropout: Annotated[float, typer.Option(min=0.0, max=0.99, help="Dropout probability while training.")] = 0.2,
+    eval_every: Annotated[int, typer.Option(min=1, help="Steps between validation (and best-checkpoint saves).")] = 100,
     seed: Annotated[int, typer.Option(help="Seed for initialization and batch sampling.")] = 1337,
     val_fraction: Annotated[float, typer.Option(min=0.001, max=0.5, help="Held-out tail of the text for validation.")] = 0.1,
     resume: Annotated[bool, typer.Option(help="Continue from the checkpoint at --out (its weights and step; fresh optimizer moments).")] = False,
@@ -216,11 +216,11 @@ def train(
 
     Examples:
 
-      manas train ../shared/data/tinyshakespeare.txt --out checkpoints/shakespeare.safetensors
+      manas train input.txt --out model.safetensors
 
-      manas train input.txt --out tiny.safetensors --n-layer 2 --n-embd 64 --steps 200
+      manas train input.txt -o tiny.safetensors --n-layer 2 --n-embd 64
 
-      manas train input.txt --out bpe.tiktoken --tokenizer-only --vocab-size 4096
+      manas train input.txt -o bpe.tiktoken --tokenizer-only --vocab-size 4096
     """
     from . import commands
 

@@ -18,14 +18,14 @@ from .model import GPT
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 2000
+    steps: int = 1500
     batch_size: int = 16
-    lr: float = 1e-3
+    lr: float = 1.5e-3
     min_lr: float | None = None  # default lr / 10
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    eval_every: int = 250
+    eval_every: int = 100
     eval_windows: int = 64  # validation windows per evaluation: bounded so evaluation stays cheap
     seed: int = 1337
 

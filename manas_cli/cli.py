@@ -42,6 +42,11 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+class TrainTokenizer(str, Enum):
+    bpe = "bpe"
+    gpt2 = "gpt2"
+
+
 class PositionEncoding(str, Enum):
     learned = "learned"
     rope = "rope"
@@ -197,7 +202,7 @@ def train(
     block_size: Annotated[int, typer.Option(min=2, help="Context window in tokens.")] = 256,
     position_encoding: Annotated[PositionEncoding, typer.Option(help="rope (rotary) or learned (GPT-2's table).")] = PositionEncoding.rope,
     vocab_size: Annotated[int, typer.Option(min=257, help="Size of the byte-level BPE trained on the text.")] = 2048,
-    tokenizer: Annotated[str, typer.Option(help="'bpe': train one on the text; 'gpt2': use --tokenizer-file's ranks.")] = "bpe",
+    tokenizer: Annotated[TrainTokenizer, typer.Option(help="'bpe': train one on the text; 'gpt2': use --tokenizer-file's ranks.")] = TrainTokenizer.bpe,
     tokenizer_file: Annotated[Optional[Path], typer.Option(help="A .tiktoken ranks file (with --tokenizer gpt2).")] = None,
     tokenizer_only: Annotated[bool, typer.Option(help="Train the BPE and write its .tiktoken ranks to --out; no model.")] = False,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps in all (a resumed run continues to this).")] = 1500,

@@ -26,15 +26,12 @@ def read_text_file(path: Path, what: str) -> str:
 
 
 def train(**options) -> None:
-    from .bpe import train_bpe
-    from .checkpoint import atomic_write, load_checkpoint, read_metadata
-    from .model import GPT, GPTConfig
+    import torch
+
     from .render import stderr_console, train_progress
     from .runtime import resolve_device, set_threads
-    from .tokenizer import build_encoding, bpe_spec, encode_ranks, spec_from_tiktoken_file
+    from .tokenizer import build_encoding
     from .training import TrainSettings, make_dataset, train
-
-    import torch
 
     console = stderr_console()
     set_threads(options["threads"])
@@ -42,54 +39,73 @@ def train(**options) -> None:
     out: Path = options["out"]
     if not out.parent.is_dir():
         raise InputError(f"the folder of --out {out} does not exist")
-
-    if options["tokenizer"] == "gpt2":
-        if options["tokenizer_file"] is None:
-            raise InputError("--tokenizer gpt2 needs --tokenizer-file PATH (a .tiktoken ranks file such as gpt2.tiktoken)")
-        spec = spec_from_tiktoken_file(options["tokenizer_file"])
-    elif options["tokenizer"] == "bpe":
-        with console.status(f"training a {options['vocab_size']}-token byte-level BPE"):
-            ranks = train_bpe(text, options["vocab_size"])
-        spec = bpe_spec(ranks)
-        if options["tokenizer_only"]:
-            atomic_write(out, lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii"))
-            console.print(f"wrote {len(ranks)} BPE ranks to {out}")
-            return
-    else:
-        raise InputError(f"--tokenizer must be 'bpe' or 'gpt2', got {options['tokenizer']!r}")
-
-    encoding = build_encoding(spec)
-    device = resolve_device(options["device"].value)
-    start_step, best = 0, math.inf
     if options["resume"]:
-        checkpoint = load_checkpoint(out, device=device)
-        model, spec, encoding = checkpoint.model, checkpoint.tokenizer_spec, checkpoint.encoding
-        progress = json.loads(read_metadata(out).get("training", "{}"))
-        start_step, best = progress.get("step", 0), progress.get("val_loss", math.inf)
+        model, spec, start_step, best = resumed_model(out, resolve_device(options["device"].value))
     else:
-        try:
-            config = GPTConfig(
-                vocab_size=encoding.n_vocab, block_size=options["block_size"], n_layer=options["n_layer"],
-                n_head=options["n_head"], n_kv_head=options["n_kv_head"], n_embd=options["n_embd"],
-                position_encoding=options["position_encoding"].value, dropout=options["dropout"],
-            )
-        except ValueError as exc:
-            raise InputError(f"invalid model shape: {exc}") from None
-        torch.manual_seed(options["seed"])
-        model = GPT(config).to(device)
-    data = make_dataset(text, encoding.encode_ordinary, options["val_fraction"], model.config.block_size)
+        spec = training_tokenizer(text, options, console)
+        if spec is None:  # --tokenizer-only: the ranks are written, there is no model to train
+            return
+        model, start_step, best = new_model(spec, options).to(resolve_device(options["device"].value)), 0, math.inf
+    data = make_dataset(text, build_encoding(spec).encode_ordinary, options["val_fraction"], model.config.block_size)
     settings = TrainSettings(
         steps=options["steps"], batch_size=options["batch_size"], lr=options["lr"],
         warmup_steps=options["warmup_steps"], eval_every=options["eval_every"], seed=options["seed"],
     )
     console.print(
         f"training {model.num_parameters():,} parameters on {len(data.train_ids):,} tokens "
-        f"({len(data.val_ids):,} held out) on {device}, {torch.get_num_threads()} threads"
+        f"({len(data.val_ids):,} held out) on {next(model.parameters()).device}, {torch.get_num_threads()} threads"
     )
     with train_progress(console, settings.steps, start_step) as show:
         for event in train(model, data, settings, out, spec, start_step, best):
             show(event)
     console.print(f"best checkpoint: {out}")
+
+
+def training_tokenizer(text: str, options: dict, console) -> dict | None:
+    """GPT-2's ranks from --tokenizer-file, or a BPE trained on the text (written alone with --tokenizer-only)."""
+    from .bpe import train_bpe
+    from .checkpoint import atomic_write
+    from .tokenizer import bpe_spec, encode_ranks, spec_from_tiktoken_file
+
+    if options["tokenizer"].value == "gpt2":
+        if options["tokenizer_file"] is None:
+            raise InputError("--tokenizer gpt2 needs --tokenizer-file PATH (a .tiktoken ranks file such as gpt2.tiktoken)")
+        return spec_from_tiktoken_file(options["tokenizer_file"])
+    with console.status(f"training a {options['vocab_size']}-token byte-level BPE"):
+        ranks = train_bpe(text, options["vocab_size"])
+    if options["tokenizer_only"]:
+        out = options["out"]
+        atomic_write(out, lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii"))
+        console.print(f"wrote {len(ranks)} BPE ranks to {out}")
+        return None
+    return bpe_spec(ranks)
+
+
+def new_model(spec: dict, options: dict):
+    import torch
+
+    from .model import GPT, GPTConfig
+    from .tokenizer import build_encoding, vocabulary_size
+
+    try:
+        config = GPTConfig(
+            vocab_size=vocabulary_size(build_encoding(spec)), block_size=options["block_size"],
+            n_layer=options["n_layer"], n_head=options["n_head"], n_kv_head=options["n_kv_head"],
+            n_embd=options["n_embd"], position_encoding=options["position_encoding"].value, dropout=options["dropout"],
+        )
+    except ValueError as exc:
+        raise InputError(f"invalid model shape: {exc}") from None
+    torch.manual_seed(options["seed"])
+    return GPT(config)
+
+
+def resumed_model(out: Path, device):
+    """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
+    from .checkpoint import load_checkpoint, read_metadata
+
+    checkpoint = load_checkpoint(out, device=device)
+    progress = json.loads(read_metadata(out).get("training", "{}"))
+    return checkpoint.model, checkpoint.tokenizer_spec, progress.get("step", 0), progress.get("val_loss", math.inf)
 
 
 # ---- shared by generate, bench and inspect-cache -------------------------------------------------------------

@@ -233,20 +233,7 @@ def generate(**options) -> None:
 
     if options["echo"]:
         out.text(0, text)
-    interrupted = False
-    try:
-        for step in steps:
-            stats.update(step)
-            for row, (stream, token) in enumerate(zip(streams, step.tokens)):
-                out.text(row, stream.feed(token))
-            if all(stream.finished for stream in streams):
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        steps.close()
-    for row, stream in enumerate(streams):
-        out.text(row, stream.finish("interrupted" if interrupted else "length"))
+    interrupted = stream_text(steps, streams, stats, out)
     storage = session.storage()
     if options["json_output"]:
         for stream in streams:
@@ -257,6 +244,25 @@ def generate(**options) -> None:
         console.print(generation_stats_line(stats, storage))
     if interrupted:
         raise typer.Exit(130)
+
+
+def stream_text(steps, streams, stats, out) -> bool:
+    """Print each row's text as its tokens arrive, until every row has finished; True if Ctrl-C stopped it."""
+    interrupted = False
+    try:
+        for step in steps:
+            stats.update(step)
+            for row, (stream, token) in enumerate(zip(streams, step.tokens)):
+                out.text(row, stream.feed(token))
+            if all(stream.finished for stream in streams):
+                break
+    except KeyboardInterrupt:
+        interrupted = True  # keep the text so far, and still report
+    finally:
+        steps.close()
+    for row, stream in enumerate(streams):
+        out.text(row, stream.finish("interrupted" if interrupted else "length"))
+    return interrupted
 
 
 def sample_record(stream, stats, storage: dict, seed: int) -> dict:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from conftest import BLOCK_SIZE, make_model
 from manas_cli.generation import GenerationStats, crop_window, generate, generate_reference
+from manas_cli.kv_cache import CacheSession
+from manas_cli.model import use_decode_layout
 from manas_cli.sampling import Sampler
 
 NEW_TOKENS = 5 * BLOCK_SIZE // 2  # 2.5 × block_size: the window overflows many times
@@ -42,6 +46,44 @@ def test_cached_generation_equals_crop_and_recompute_past_block_size(tiny_model,
     assert kinds == {"prefill", "decode", "re_prefill"}  # the cache was used, and overflowed
     if sampler != "greedy":  # greedy on random weights may settle into a short loop; sampling must not
         assert len({token for step in cached for token in step.tokens}) > 3
+
+
+FAST_PATHS = {  # allocation, weight layout: every combination the CLI can run besides the default
+    "static-cache": ("static", False),
+    "decode-layout": ("dynamic", True),
+    "static-cache-decode-layout": ("static", True),
+}
+
+
+@pytest.mark.parametrize("fast_path", FAST_PATHS)
+@pytest.mark.parametrize("sampler", ["greedy", "top-k-top-p"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_fast_path_equals_crop_and_recompute_within_and_past_the_window(tiny_model, batch, sampler, fast_path):
+    allocation, decode_layout = FAST_PATHS[fast_path]
+    fast = copy.deepcopy(tiny_model)
+    if decode_layout:
+        use_decode_layout(fast)
+        assert not fast.blocks[0].ffn.up.weight.is_contiguous()  # really stored (in, out)
+        assert fast.lm_head.weight is fast.token_embedding.weight
+    ids = prompt(batch)
+    session = CacheSession(fast, allocation)
+    cached = list(generate(fast, ids, make_sampler(sampler), NEW_TOKENS, session=session))
+    reference = list(generate_reference(tiny_model, ids, make_sampler(sampler), NEW_TOKENS))
+    assert tokens_of(cached) == tokens_of(reference)
+    assert {step.kind for step in cached} == {"prefill", "decode", "re_prefill"}
+
+
+def test_static_cache_reports_its_preallocated_window_as_storage():
+    model = make_model("rope", "gqa")
+    session = CacheSession(model, "static")
+    session.prefill(prompt(2))
+    session.decode(prompt(2, length=1))
+    storage = session.storage()
+    per_position = 2 * model.config.n_layer * 2 * model.config.n_kv_head * model.config.head_size * 4  # K+V, float32
+    assert storage["positions"] == 6
+    assert storage["logical_bytes"] == 6 * per_position
+    assert storage["storage_bytes"] == BLOCK_SIZE * per_position
+    assert storage["allocation"].startswith("static")
 
 
 def test_seeded_sampling_draws_differ_between_seeds_and_repeat_with_the_same_seed():

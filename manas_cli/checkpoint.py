@@ -37,10 +37,18 @@ def atomic_write(path: str | Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, _new_file_mode())  # mkstemp makes it private (0600); the result is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _new_file_mode() -> int:
+    """What open() would give a new file: 0666 less the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def save_checkpoint(path: str | Path, model: GPT, tokenizer_spec: dict, extra_metadata: dict[str, str] | None = None) -> None:

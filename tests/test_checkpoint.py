@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -288,3 +290,13 @@ def test_successful_save_replaces_the_previous_checkpoint(tiny_bpe_spec, tmp_pat
     save_checkpoint(path, newer, tiny_bpe_spec)
     assert torch.equal(load_checkpoint(path).model.token_embedding.weight, newer.token_embedding.weight)
     assert list(tmp_path.iterdir()) == [path]
+
+
+def test_saved_checkpoint_is_an_ordinary_file_not_a_private_temporary_one(tiny_bpe_spec, tmp_path):
+    path = tmp_path / "model.safetensors"
+    umask = os.umask(0o022)
+    try:
+        save_checkpoint(path, make_model("rope", "gqa"), tiny_bpe_spec)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644

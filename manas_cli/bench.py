@@ -67,6 +67,7 @@ def run_bench(
     batch: int = 1,
     baseline: bool = True,
     allocation: str = "dynamic",
+    overflow: str = "recompute",
     on_run: Callable[[str], None] = lambda name: None,
 ) -> BenchResult:
     """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each."""
@@ -74,7 +75,7 @@ def run_bench(
     prompt_tokens = min(prompt_tokens, model.config.block_size)  # what the prefill really runs
     greedy = Sampler(temperature=0.0)
     session = CacheSession(model, allocation)
-    runs = {"cached": lambda: generate(model, prompt, greedy, new_tokens, session=session)}
+    runs = {"cached": lambda: generate(model, prompt, greedy, new_tokens, overflow=overflow, session=session)}
     if baseline:
         runs["baseline"] = lambda: generate_reference(model, prompt, greedy, new_tokens)
     results: dict[str, list[GenerationStats]] = {}

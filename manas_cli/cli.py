@@ -136,6 +136,7 @@ def bench(
     repeat: Annotated[int, typer.Option("--repeat", "-r", min=1, help="Timed runs of each test, after one warm-up.")] = 3,
     batch: Annotated[int, typer.Option(min=1, help="Rows decoded together.")] = 1,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also time uncached crop-and-recompute decoding.")] = True,
+    overflow: Annotated[Overflow, typer.Option(help="Past the window (prompt + tokens > block_size): 'recompute' re-prefills at every step, exactly as crop-and-recompute; 'shift' re-prefills half the window, then decodes from the cache.")] = Overflow.recompute,
     sweep: Annotated[bool, typer.Option("--sweep", help="Also chart decode speed against context position, through one overflow.")] = False,
     json_output: JsonOption = False,
     cache: CacheOption = Allocation.dynamic,
@@ -152,7 +153,7 @@ def bench(
 
       manas bench --tokens 256
 
-      manas bench --tokens 512 --prompt-tokens 64 --no-baseline --sweep
+      manas bench --tokens 512 --overflow shift --no-baseline --sweep
 
       manas bench --json | jq '.tests[] | {name, tokens_per_s_mean}'
     """

@@ -308,7 +308,7 @@ def bench(**options) -> None:
     with bench_progress(console, runs) as advance:
         result = run_bench(
             model, options["prompt_tokens"], options["tokens"], options["repeat"], options["batch"],
-            options["baseline"], options["cache"].value, on_run=advance,
+            options["baseline"], options["cache"].value, options["overflow"].value, on_run=advance,
         )
     sweep_rows = None
     if options["sweep"]:
@@ -328,6 +328,7 @@ def bench(**options) -> None:
         "cache_bytes": result.cache_bytes,
         "batch": options["batch"],
         "repeat": options["repeat"],
+        "overflow": options["overflow"].value,
     }
     if sweep_rows is not None:
         report["sweep"] = sweep_rows

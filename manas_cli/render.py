@@ -145,7 +145,7 @@ def bench_table(report: dict):
     header = Text(
         f"{model['path']}\n{model['parameters']:,} parameters · {format_bytes(model['size_bytes'])} · "
         f"block_size {model['block_size']} · {model['device']} · {model['dtype']} · {model['threads']} threads · "
-        f"batch {report['batch']} · {report['repeat']} runs"
+        f"batch {report['batch']} · {report['repeat']} runs · overflow {report['overflow']}"
     )
     table = Table(box=None, pad_edge=False)
     table.add_column("test")

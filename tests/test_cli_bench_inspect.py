@@ -49,6 +49,14 @@ def test_bench_json_reports_the_model_and_each_test(checkpoints, name, batch):
     assert report["peak_memory_bytes"] > report["cache_bytes"]
 
 
+def test_bench_shift_overflow_re_prefills_half_windows_instead_of_every_step(rope):
+    report = bench(rope, "--tokens", "40", "--prompt-tokens", "16", "--repeat", "1", "--no-baseline",
+                   "--overflow", "shift", "--json").json()
+    assert report["overflow"] == "shift"
+    # 16 + 40 tokens: the window fills at 32, then every BLOCK_SIZE // 2 steps a re-prefill of half the window
+    assert report["re_prefills"] == 2
+
+
 def test_bench_repeats_give_a_mean_and_a_spread(rope):
     report = bench(rope, "--tokens", "8", "--prompt-tokens", "4", "--repeat", "3", "--no-baseline", "--json").json()
     for test in report["tests"]:

@@ -1,0 +1,54 @@
+"""Does torch.compile pay for decoding? Compile time against decode tokens/s, eager vs compiled, same tokens.
+
+    python benchmarks/compile_decode.py [--threads 2] [--tokens 200]
+
+Compiles the model's forward over cached positions (GPT.hidden_states, dynamic shapes: the cache grows) with
+the CPU inductor backend, on the shipped model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from manas_cli.bench import run_once
+from manas_cli.checkpoint import load_checkpoint
+from manas_cli.commands import default_checkpoint_candidates
+from manas_cli.generation import generate
+from manas_cli.kv_cache import CacheSession
+from manas_cli.model import use_decode_layout
+from manas_cli.sampling import Sampler
+
+
+def decode(model, tokens: int, allocation: str):
+    prompt = torch.zeros(1, 8, dtype=torch.long)
+    steps = list(generate(model, prompt, Sampler(temperature=0.0), tokens, session=CacheSession(model, allocation)))
+    stats = run_once(iter(steps), 8, 1)
+    return [s.tokens for s in steps], stats.decode_tokens_per_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = use_decode_layout(load_checkpoint(next(p for p in default_checkpoint_candidates() if p.is_file())).model)
+    for allocation in ("dynamic", "static"):
+        decode(model, 16, allocation)  # warm-up
+        eager_tokens, eager_rate = decode(model, args.tokens, allocation)
+        compiled = use_decode_layout(load_checkpoint(next(p for p in default_checkpoint_candidates() if p.is_file())).model)
+        compiled.hidden_states = torch.compile(compiled.hidden_states, dynamic=True)
+        started = time.perf_counter()
+        decode(compiled, 16, allocation)  # compiles prefill and decode graphs
+        compile_s = time.perf_counter() - started
+        compiled_tokens, compiled_rate = decode(compiled, args.tokens, allocation)
+        print(f"{allocation}: eager {eager_rate:.0f} tok/s, compiled {compiled_rate:.0f} tok/s "
+              f"({compiled_rate / eager_rate:.2f}x) after {compile_s:.1f} s of compilation; "
+              f"same tokens: {compiled_tokens == eager_tokens}")
+
+
+if __name__ == "__main__":
+    main()

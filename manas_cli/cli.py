@@ -29,37 +29,18 @@ app = typer.Typer(
 )
 
 
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
+def choices(name: str, *values: str) -> type[Enum]:
+    """A str Enum whose members are the flag's allowed values: typer shows them and refuses others."""
+    return Enum(name, {value: value for value in values}, type=str)
 
 
-class DType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class TrainTokenizer(str, Enum):
-    bpe = "bpe"
-    gpt2 = "gpt2"
-
-
-class PositionEncoding(str, Enum):
-    learned = "learned"
-    rope = "rope"
-
-
-class Allocation(str, Enum):
-    dynamic = "dynamic"
-    static = "static"
-
-
-class Overflow(str, Enum):
-    recompute = "recompute"
-    shift = "shift"
+Device = choices("Device", "auto", "cpu", "cuda")
+DType = choices("DType", "auto", "float32", "bfloat16", "float16")
+TrainTokenizer = choices("TrainTokenizer", "bpe", "gpt2")
+PositionEncoding = choices("PositionEncoding", "learned", "rope")
+Allocation = choices("Allocation", "dynamic", "static")
+Overflow = choices("Overflow", "recompute", "shift")
+ExportFormat = choices("ExportFormat", "hf")
 
 
 def _top_p_in_range(value: Optional[float]) -> Optional[float]:
@@ -88,6 +69,7 @@ CacheOption = Annotated[
 @app.callback()
 def root(debug: Annotated[bool, typer.Option("--debug", help="Show the Python traceback of a failure.")] = False) -> None:
     """Fast text generation from small GPT checkpoints, with a KV cache you can inspect."""
+
 
 @app.command()
 def generate(
@@ -260,10 +242,6 @@ def convert(
     from . import commands
 
     commands.convert(**locals())
-
-
-class ExportFormat(str, Enum):
-    hf = "hf"
 
 
 @app.command(no_args_is_help=True)

@@ -174,6 +174,8 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
         return prompt
     if prompt is None and default is not None:
         return default
+    if sys.stdin is not None and sys.stdin.isatty():
+        print("reading the prompt from standard input (end it with Ctrl-D)", file=sys.stderr)
     data = sys.stdin.buffer.read() if sys.stdin is not None else b""
     try:
         return data.decode("utf-8")

@@ -213,7 +213,7 @@ def generate(**options) -> None:
     from .render import Output, generation_stats_line, stderr_console
     from .sampling import Sampler, seeded_generator
     from .streaming import TextStream
-    from .tokenizer import end_of_text_id
+    from .tokenizer import end_of_text_id, vocabulary_size
 
     console = stderr_console(quiet=options["quiet"])
     show_stats = not options["quiet"] and (options["stats"] if options["stats"] is not None else sys.stderr.isatty())
@@ -223,7 +223,7 @@ def generate(**options) -> None:
     ids = encode_prompt(checkpoint, text, console)
     batch = options["num_samples"]
     generator, seed = seeded_generator(options["seed"], model)
-    sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], generator)
+    sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], generator, vocabulary_size(encoding))
     eot = end_of_text_id(encoding)
     streams = [TextStream(encoding, eot, options["stop"] or ()) for _ in range(batch)]
     out = Output(sys.stdout, json_lines=options["json_output"], samples=batch)

@@ -25,6 +25,9 @@ class Sampler:
     top_k: int | None = None
     top_p: float | None = None
     generator: torch.Generator | None = None
+    # Only ids below this are drawn: nanoGPT pads its embedding (50304 rows for GPT-2's 50257 tokens), and a
+    # padded id has no token to print.
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -36,6 +39,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, vocab) -> next token ids (B, 1)."""
+        logits = logits[:, : self.vocab_size]
         if self.temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)
         probs = self.probabilities(logits)

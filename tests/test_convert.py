@@ -240,6 +240,23 @@ def test_nanogpt_checkpoint_converts_and_matches_an_independent_forward(tmp_path
     assert read_metadata(dst)["converted_from"] == "nanoGPT checkpoint"
 
 
+def test_nanogpt_padded_vocabulary_converts_and_generates_only_real_tokens(tmp_path):
+    state = nanogpt_state(bias=False, vocab_size=50304)  # nanoGPT rounds GPT-2's 50257 up to a multiple of 64
+    state["transformer.wte.weight"][GPT2_VOCAB:] *= 40  # make the padded ids the model's favourites
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    save_nanogpt_checkpoint(tmp_path / "ckpt.pt", state)
+    dst = tmp_path / "padded.safetensors"
+    assert_converted(run_manas("convert", tmp_path / "ckpt.pt", "--out", dst, "--tokenizer-file", GPT2_RANKS), dst)
+    assert load_checkpoint(dst).model.config.vocab_size == 50304
+
+    for temperature in ("0", "1"):
+        generated = run_manas("generate", "-c", dst, "-p", "Hello", "-n", "8", "-t", temperature, "--seed", "1",
+                              "--json", "--threads", "1")
+        assert generated.returncode == 0, generated.stderr
+        tokens = json.loads(generated.stdout)["tokens"]
+        assert len(tokens) == 8 and max(tokens) < GPT2_VOCAB
+
+
 def test_uncompiled_nanogpt_checkpoint_with_mask_buffers_converts(tmp_path):
     """Before flash attention, nanoGPT kept a causal mask `attn.bias` in the state dict, and without torch.compile
     there is no `_orig_mod.` prefix: the mask is not a weight, and the model is the same."""

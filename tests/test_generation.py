@@ -219,6 +219,14 @@ def test_crop_window_keeps_the_last_block_size_tokens():
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0], [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]])
 
 
+@pytest.mark.parametrize("options", [dict(temperature=0.0), dict(temperature=1.0, top_k=3), dict(temperature=1.0)])
+def test_sampler_never_draws_ids_past_the_tokenizers_vocabulary(options):
+    logits = torch.zeros(4, 10)
+    logits[:, 8:] = 50.0  # padded ids (no token) the model happens to favour
+    sampler = Sampler(**options, generator=torch.Generator().manual_seed(0), vocab_size=8)
+    assert all(sampler(logits).flatten() < 8)
+
+
 def test_temperature_zero_is_argmax():
     assert Sampler(temperature=0.0)(LOGITS).tolist() == [[5], [5]]
 

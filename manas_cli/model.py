@@ -89,13 +89,16 @@ class CausalSelfAttention(nn.Module):
 
     def project(self, x: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B, n_head, T, hs), keys and values (B, n_kv_head, T, hs) for positions start_pos.."""
-        B, T, C = x.shape
-        kv_width = self.n_kv_head * self.head_size
-        q, k, v = self.qkv(x).split((C, kv_width, kv_width), dim=2)
-        q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_head, self.head_size).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_head, self.head_size).transpose(1, 2)
-        return q, k, v
+        B, T, _ = x.shape
+        # q|k|v are whole heads side by side: one view gives every head, queries first, then keys, then values.
+        heads = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_size).transpose(1, 2)
+        qk = self.encode_positions(heads[:, : self.n_head + self.n_kv_head], start_pos)
+        q, k = qk.split((self.n_head, self.n_kv_head), dim=1)
+        return q, k, heads[:, self.n_head + self.n_kv_head :]
+
+    def encode_positions(self, qk: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Queries and keys as attention sees them; learned positions were already added to the embeddings."""
+        return qk
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Several queries are always the newest positions of the keys (a prompt), so the causal mask applies;

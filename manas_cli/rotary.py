@@ -31,8 +31,7 @@ class RotaryAttention(CausalSelfAttention):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def project(self, x: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project(x, start_pos)
-        positions = slice(start_pos, start_pos + x.size(1))
-        cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)
-        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v
+    def encode_positions(self, qk: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Rotate queries and keys (B, heads, T, hs) together: they share positions, and one call is half the ops."""
+        positions = slice(start_pos, start_pos + qk.size(2))
+        return rotate_pairs(qk, self.cos[positions].to(qk.dtype), self.sin[positions].to(qk.dtype))

@@ -35,7 +35,7 @@ def prompt_batch(ids: list[int], batch_size: int, model: GPT) -> torch.Tensor:
     return torch.tensor([ids] * batch_size, dtype=torch.long, device=next(model.parameters()).device)
 
 
-def validate_prompt(model: GPT, prompt: torch.Tensor) -> None:
+def validate_prompt(prompt: torch.Tensor) -> None:
     if prompt.dim() != 2 or prompt.size(1) == 0:
         raise ValueError(f"the prompt must be a non-empty (B, T) tensor of token ids, got shape {tuple(prompt.shape)}")
 
@@ -64,7 +64,7 @@ def generate(
     """
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
-    validate_prompt(model, prompt)
+    validate_prompt(prompt)
     session = session or CacheSession(model)
     block_size = model.config.block_size
     keep = block_size if overflow == "recompute" else max(1, block_size // 2)
@@ -90,7 +90,7 @@ def generate_reference(
     model: GPT, prompt: torch.Tensor, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None
 ) -> Iterator[Step]:
     """nanoGPT's crop-and-recompute sampling: the full model over the last block_size tokens at every step."""
-    validate_prompt(model, prompt)
+    validate_prompt(prompt)
     sequence = prompt
     finished = [False] * prompt.size(0)
     for _ in range(max_new_tokens):

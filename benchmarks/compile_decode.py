@@ -15,7 +15,7 @@ import torch
 
 from manas_cli.bench import run_once
 from manas_cli.checkpoint import load_checkpoint
-from manas_cli.commands import default_checkpoint_candidates
+from manas_cli.commands import resolve_checkpoint
 from manas_cli.generation import generate
 from manas_cli.kv_cache import CacheSession
 from manas_cli.model import use_decode_layout
@@ -35,11 +35,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = use_decode_layout(load_checkpoint(next(p for p in default_checkpoint_candidates() if p.is_file())).model)
+    def shipped_model():
+        return use_decode_layout(load_checkpoint(resolve_checkpoint(None)).model)
+
+    model = shipped_model()
     for allocation in ("dynamic", "static"):
         decode(model, 16, allocation)  # warm-up
         eager_tokens, eager_rate = decode(model, args.tokens, allocation)
-        compiled = use_decode_layout(load_checkpoint(next(p for p in default_checkpoint_candidates() if p.is_file())).model)
+        compiled = shipped_model()
         compiled.hidden_states = torch.compile(compiled.hidden_states, dynamic=True)
         started = time.perf_counter()
         decode(compiled, 16, allocation)  # compiles prefill and decode graphs

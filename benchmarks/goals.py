@@ -29,7 +29,7 @@ import torch
 
 from manas_cli.bench import run_once
 from manas_cli.checkpoint import load_checkpoint
-from manas_cli.commands import default_checkpoint_candidates
+from manas_cli.commands import resolve_checkpoint
 from manas_cli.generation import generate, generate_reference
 from manas_cli.kv_cache import CacheSession
 from manas_cli.model import GPT, use_decode_layout
@@ -124,7 +124,7 @@ def goal_gpt2_vs_hf(threads: int, runs: int) -> dict:
 
 def shipped_model(threads: int):
     torch.set_num_threads(threads)
-    checkpoint = load_checkpoint(next(p for p in default_checkpoint_candidates() if p.is_file()))
+    checkpoint = load_checkpoint(resolve_checkpoint(None))
     return use_decode_layout(checkpoint.model)
 
 

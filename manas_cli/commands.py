@@ -335,8 +335,6 @@ def bench(**options) -> None:
     if sweep_rows is not None:
         report["sweep"] = sweep_rows
     if options["json_output"]:
-        import json
-
         print(json.dumps(report))
         return
     from rich.console import Console
@@ -351,8 +349,6 @@ def bench(**options) -> None:
 
 
 def inspect_cache(**options) -> None:
-    import json
-
     from .generation import generate, prompt_batch, GenerationStats
     from .kv_cache import CacheSession, cache_report
     from .render import cache_view, stderr_console

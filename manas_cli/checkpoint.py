@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from .errors import CheckpointError, TokenizerError
+from .files import atomic_write
 from .model import GPT, GPTConfig
 from .tokenizer import build_encoding, parse_spec, vocabulary_size
 
@@ -30,29 +29,11 @@ class Checkpoint:
     path: Path | None = None
 
 
-def atomic_write(path: str | Path, write) -> None:
-    """Call write(temporary_path) in path's folder, then rename into place: a crash never leaves a partial file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, _new_file_mode())  # mkstemp makes it private (0600); the result is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _new_file_mode() -> int:
-    """What open() would give a new file: 0666 less the process's umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def save_checkpoint(path: str | Path, model: GPT, tokenizer_spec: dict, extra_metadata: dict[str, str] | None = None) -> None:
-    """Validate that the tokenizer fits the model, then write the checkpoint atomically."""
+def save_checkpoint(
+    path: str | Path, model: GPT, tokenizer_spec: dict, extra_metadata: dict[str, str] | None = None, *,
+    overwrite: bool = True,
+) -> None:
+    """Validate that the tokenizer fits the model, then write the checkpoint atomically (see files.atomic_write)."""
     encoding = build_encoding(tokenizer_spec)
     _check_vocabulary(encoding, model.config, path)
     tensors = {
@@ -67,7 +48,9 @@ def save_checkpoint(path: str | Path, model: GPT, tokenizer_spec: dict, extra_me
         "config": json.dumps(model.config.to_dict()),
         "tokenizer": json.dumps(tokenizer_spec),
     }
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    # save() to bytes, not save_file(): the latter writes a temporary file of its own beside the target, which a
+    # signal can orphan; ours is the only one, and atomic_write removes it.
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(save(tensors, metadata=metadata)), overwrite=overwrite)
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:

@@ -64,7 +64,7 @@ def train(**options) -> None:
 def training_tokenizer(text: str, options: dict, console) -> dict | None:
     """GPT-2's ranks from --tokenizer-file, or a BPE trained on the text (written alone with --tokenizer-only)."""
     from .bpe import train_bpe
-    from .checkpoint import atomic_write
+    from .files import atomic_write
     from .tokenizer import bpe_spec, encode_ranks, spec_from_tiktoken_file
 
     if options["tokenizer"].value == "gpt2":
@@ -75,7 +75,7 @@ def training_tokenizer(text: str, options: dict, console) -> dict | None:
         ranks = train_bpe(text, options["vocab_size"])
     if options["tokenizer_only"]:
         out = options["out"]
-        atomic_write(out, lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii"))
+        atomic_write(out, lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii"), overwrite=True)
         console.print(f"wrote {len(ranks)} BPE ranks to {out}")
         return None
     return bpe_spec(ranks)

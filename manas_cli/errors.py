@@ -15,3 +15,7 @@ class TokenizerError(ManasError, ValueError):
 
 class InputError(ManasError, ValueError):
     """Input data (a prompt, a training text) that cannot be used as given."""
+
+
+class OutputExistsError(ManasError):
+    """The output path exists and --force was not given."""

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_model
-from manas_cli.checkpoint import atomic_write, load_checkpoint, read_metadata, save_checkpoint
+from manas_cli.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from manas_cli.files import atomic_write
 from manas_cli.errors import CheckpointError, ManasError
 from manas_cli.tokenizer import build_encoding, end_of_text_id
 
@@ -278,7 +279,7 @@ def test_write_interrupted_half_way_keeps_the_old_file(tmp_path, interruption):
         raise interruption
 
     with pytest.raises(type(interruption)):
-        atomic_write(path, write_half_then_fail)
+        atomic_write(path, write_half_then_fail, overwrite=True)
     assert path.read_bytes() == b"old complete contents"
     assert list(tmp_path.iterdir()) == [path]
 

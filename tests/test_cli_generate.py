@@ -178,21 +178,25 @@ def test_the_same_seed_gives_the_same_tokens_and_another_seed_others(rope):
 
 # ---- stop strings -------------------------------------------------------------------------------------------------
 
-STOP_RUN = ("-p", "ROMEO:", "-n", "40", "-t", "0.8", "--top-k", "20", "--seed", "4")
+STOP_RUN = ("-p", "ROMEO:", "-n", "40", "-t", "0.8", "--top-k", "20")
 
 
 @pytest.fixture(scope="module")
-def stops(rope) -> dict[str, str]:
+def stops(rope) -> dict:
     """Stop strings found in the continuation without stops (the same seed makes the same text up to a stop):
     'split' begins in one token and ends in the next, so it must be held back while it arrives; 'late' is the
-    text's last three characters, whose first occurrence comes after the split one's."""
-    record = generate(rope, *STOP_RUN, "--json").ok().json()
-    assert record["finish_reason"] == "length"
-    text, pieces = record["text"], [rope.encoding.decode([token]) for token in record["tokens"]]
-    j = next(j for j in range(2, len(pieces) - 1) if len(pieces[j]) >= 2 and len(pieces[j + 1]) >= 2)
-    found = {"text": text, "split": pieces[j][-1] + pieces[j + 1], "late": text[-3:]}
-    assert 0 < text.find(found["split"]) < text.find(found["late"])
-    return found
+    text's last three characters, whose first occurrence comes after the split one's. The first seed whose text
+    has such a split is used: the tiny model's training, and so its text, differs slightly between CPUs."""
+    for seed in range(4, 44):
+        run = (*STOP_RUN, "--seed", str(seed))
+        record = generate(rope, *run, "--json").ok().json()
+        assert record["finish_reason"] == "length"
+        text, pieces = record["text"], [rope.encoding.decode([token]) for token in record["tokens"]]
+        for j in range(2, len(pieces) - 1):
+            split = pieces[j][-1] + pieces[j + 1]
+            if len(pieces[j]) >= 2 and len(pieces[j + 1]) >= 2 and 0 < text.find(split) < text.find(text[-3:]):
+                return {"run": run, "text": text, "split": split, "late": text[-3:]}
+    raise AssertionError("no seed in 4..43 gave a stop string split across two tokens")
 
 
 STOP_CASES = {"one stop": ("split",), "the earliest to occur wins": ("zqzq", "late", "split")}
@@ -203,13 +207,13 @@ def test_generation_ends_before_the_first_stop_string_which_is_not_printed(rope,
     text = stops["text"]
     strings = [stops.get(stop, stop) for stop in STOP_CASES[case]]
     expected = text[: min(text.find(stop) for stop in strings if stop in text)]
-    record = generate(rope, *STOP_RUN, *[arg for stop in strings for arg in ("--stop", stop)], "--json").ok().json()
+    record = generate(rope, *stops["run"], *[arg for stop in strings for arg in ("--stop", stop)], "--json").ok().json()
     assert (record["text"], record["finish_reason"]) == (expected, "stop")
 
 
 def test_a_stop_string_split_across_tokens_never_reaches_stdout(rope, stops):
     text = stops["text"]
-    run = generate(rope, *STOP_RUN, "--stop", stops["split"]).ok()
+    run = generate(rope, *stops["run"], "--stop", stops["split"]).ok()
     assert run.stdout == (text[: text.find(stops["split"])] + "\n").encode()
 
 

@@ -288,9 +288,12 @@ def test_checkpoint_flag_wins_over_the_variable(learned, tmp_path):
 
 
 def start_generate(checkpoint, *args: str) -> subprocess.Popen:
-    """Unbuffered pipes: what the test reads is exactly what left the process, nothing read ahead and lost."""
+    """Unbuffered pipes: what the test reads is exactly what left the process, nothing read ahead and lost. SIGINT
+    is reset to its default in the child: a suite started in the background (`pytest &`) ignores it, Python then
+    installs no KeyboardInterrupt handler, and the Ctrl-C tests would test nothing."""
     return subprocess.Popen([*MANAS, "generate", "-c", str(checkpoint.path), *RUN_OPTIONS, *args], bufsize=0,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def read_exactly(pipe, count: int) -> bytes:

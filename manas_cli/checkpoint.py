@@ -13,7 +13,7 @@ from safetensors.torch import save
 
 from .errors import CheckpointError, TokenizerError
 from .files import atomic_write
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, parameter_shapes
 from .tokenizer import build_encoding, parse_spec, vocabulary_size
 
 FORMAT = "manas-gpt"
@@ -53,16 +53,116 @@ def save_checkpoint(
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(save(tensors, metadata=metadata)), overwrite=overwrite)
 
 
+# The dtypes a tensor may be stored in, as the safetensors header names them: one rule, in one place, for every
+# format version (a quantized format extends this table rather than adding checks elsewhere).
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def expected_dtypes(name: str) -> tuple[str, ...]:
+    """The header dtypes tensor `name` may have: every weight is a real floating-point tensor."""
+    return FLOAT_DTYPES
+
+
+@dataclass
+class Header:
+    """What a checkpoint claims, from its safetensors header alone: no tensor data read."""
+
+    metadata: dict[str, str]
+    config: GPTConfig
+    tokenizer_spec: dict
+    encoding: tiktoken.Encoding
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+
+
 def read_metadata(path: str | Path) -> dict[str, str]:
     """The checkpoint's string metadata, after checking that it is a manas checkpoint of a version we read."""
+    path = _existing_file(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            return _checked_metadata(f, path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise _unreadable(path, exc) from exc
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Checkpoint:
+    """Load, check every tensor against the config, tie lm_head, and return the model in eval mode.
+
+    The header and the tensors are read from one open file (a checkpoint replaced meanwhile is not mixed with the
+    old one), and every name, shape and dtype is checked against the config before any tensor data is read or the
+    model is built: memory is bounded by the file, not by what its config claims."""
+    path = _existing_file(path)
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            header = read_header(f, path)
+            state = {name: _read_tensor(f, name, path) for name in sorted(header.shapes)}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise _unreadable(path, exc) from exc
+    # A real (random) init, then overwritten: cheaper than building on the meta device, whose init imports
+    # torch._dynamo (over a second of every command's start-up). Its size is now backed by the file's tensors.
+    model = GPT(header.config)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.lm_head.weight = model.token_embedding.weight  # assign=True replaced the tied parameter
+    model = model.to(device=device, dtype=dtype).eval()
+    return Checkpoint(model, header.encoding, header.tokenizer_spec, path)
+
+
+def read_header(f, path: Path) -> Header:
+    """Metadata, config, tokenizer and tensor shapes and dtypes from an open checkpoint, each checked (see
+    FORMAT.md, Reading a checkpoint)."""
+    metadata = _checked_metadata(f, path)
+    try:
+        config = GPTConfig.from_dict(json.loads(metadata["config"]))
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: invalid config: {exc}") from exc
+    try:
+        spec = parse_spec(metadata.get("tokenizer", "null"))
+        encoding = build_encoding(spec)
+    except TokenizerError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    _check_vocabulary(encoding, config, path)
+    shapes, dtypes = {}, {}
+    for name in f.keys():
+        info = f.get_slice(name)
+        shapes[name], dtypes[name] = tuple(info.get_shape()), info.get_dtype()
+    check_tensors(shapes, dtypes, config, path)
+    return Header(metadata, config, spec, encoding, shapes, dtypes)
+
+
+def check_tensors(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str], config: GPTConfig, path: Path) -> None:
+    """Every tensor the config needs, with its shape and an allowed dtype, and no other. Walks the config's tensors
+    lazily, so a claim of more layers than the file holds stops at the first missing one."""
+    seen = set()
+    for name, shape in parameter_shapes(config):
+        if name not in shapes:
+            raise CheckpointError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
+        if shapes[name] != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(shapes[name])}, the config needs {list(shape)}")
+        if dtypes[name] not in expected_dtypes(name):
+            raise CheckpointError(
+                f"{path}: tensor {name} is {dtypes[name]}; it must be one of {', '.join(expected_dtypes(name))}"
+            )
+        seen.add(name)
+    if unexpected := sorted(set(shapes) - seen):
+        raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]} (not part of this config's model)")
+
+
+def _read_tensor(f, name: str, path: Path) -> torch.Tensor:
+    tensor = f.get_tensor(name)
+    if not torch.isfinite(tensor).all():
+        raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values: the weights are corrupt")
+    return tensor
+
+
+def _existing_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt header: {exc})") from exc
+    return path
+
+
+def _checked_metadata(f, path: Path) -> dict[str, str]:
+    metadata = f.metadata() or {}
     if metadata.get("format") != FORMAT or "config" not in metadata:
         raise CheckpointError(
             f"{path}: not a manas checkpoint (no format/config metadata); "
@@ -75,46 +175,8 @@ def read_metadata(path: str | Path) -> dict[str, str]:
     return metadata
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Checkpoint:
-    """Load, check every tensor against the config, tie lm_head, and return the model in eval mode."""
-    path = Path(path)
-    metadata = read_metadata(path)
-    try:
-        config = GPTConfig.from_dict(json.loads(metadata["config"]))
-    except (json.JSONDecodeError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: invalid config: {exc}") from exc
-    try:
-        spec = parse_spec(metadata.get("tokenizer", "null"))
-        encoding = build_encoding(spec)
-    except TokenizerError as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
-    _check_vocabulary(encoding, config, path)
-
-    # A real (random) init, then overwritten: cheaper than building on the meta device, whose init imports
-    # torch._dynamo (over a second of every command's start-up).
-    model = GPT(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name != TIED}
-    try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            if unexpected := sorted(names - set(expected)):
-                raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]} (not part of this config's model)")
-            if missing := sorted(set(expected) - names):
-                raise CheckpointError(f"{path}: missing tensor {missing[0]} (expected shape {list(expected[missing[0]])})")
-            state = {}
-            for name in sorted(names):
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise CheckpointError(
-                        f"{path}: tensor {name} has shape {list(shape)}, the config needs {list(expected[name])}"
-                    )
-                state[name] = f.get_tensor(name)
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path}: truncated or corrupt tensor data ({exc})") from exc
-    model.load_state_dict(state, strict=False, assign=True)
-    model.lm_head.weight = model.token_embedding.weight  # assign=True replaced the tied parameter
-    model = model.to(device=device, dtype=dtype).eval()
-    return Checkpoint(model, encoding, spec, path)
+def _unreadable(path: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt: {exc})")
 
 
 def _check_vocabulary(encoding: tiktoken.Encoding, config: GPTConfig, path: str | Path) -> None:

@@ -183,21 +183,37 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
         raise InputError(f"standard input is not valid UTF-8 (byte {exc.start}): pass UTF-8 text") from None
 
 
-def encode_prompt(checkpoint, text: str, console) -> list[int]:
-    """Token ids of the prompt, cropped to the window with a notice; the empty prompt is end-of-text."""
-    from .tokenizer import encode_text, end_of_text_id
+# The most prompt characters ever encoded: a window's worth for GPT-2 (1024 tokens of up to 128 bytes, twice over),
+# and well under the whitespace run (~10^6 characters) that overflows tiktoken's regex stack.
+PROMPT_TAIL_CHARS = 300_000
 
-    ids = encode_text(checkpoint.encoding, text)
+
+def encode_prompt(checkpoint, text: str, console) -> list[int]:
+    """Token ids of the prompt, cropped to the window with a notice; the empty prompt is end-of-text.
+
+    Only the text that can reach the window is encoded: block_size tokens never span more than block_size times
+    the longest token's bytes in characters, so twice that (the tokens at the cut may differ, and are cropped) is
+    exact, up to PROMPT_TAIL_CHARS. That bound also keeps any whitespace run far below the length (~10^6
+    characters) at which tiktoken's regex engine overflows its stack and panics."""
+    from .tokenizer import encode_text, end_of_text_id, longest_token_bytes
+
+    block_size = checkpoint.model.config.block_size
+    tail = min(2 * block_size * longest_token_bytes(checkpoint.encoding), PROMPT_TAIL_CHARS)
+    cut = len(text) > tail
+    ids = encode_text(checkpoint.encoding, text[-tail:] if cut else text)
     if not ids:
         eot = end_of_text_id(checkpoint.encoding)
         if eot is None:
             raise InputError("the prompt is empty and this model's vocabulary has no <|endoftext|> to start from")
         ids = [eot]
-    block_size = checkpoint.model.config.block_size
-    if len(ids) > block_size:
+    if cut:
+        console.print(
+            f"notice: the prompt has {len(text)} characters; encoding its last {tail} and keeping its last "
+            f"{min(len(ids), block_size)} tokens (the model's block_size is {block_size})"
+        )
+    elif len(ids) > block_size:
         console.print(f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)")
-        ids = ids[-block_size:]
-    return ids
+    return ids[-block_size:]
 
 
 # ---- generate -------------------------------------------------------------------------------------------------
@@ -206,6 +222,7 @@ def encode_prompt(checkpoint, text: str, console) -> list[int]:
 def generate(**options) -> None:
     import sys
 
+    import torch
     import typer
 
     from .generation import GenerationStats, generate, prompt_batch
@@ -213,7 +230,7 @@ def generate(**options) -> None:
     from .render import Output, generation_stats_line, stderr_console
     from .sampling import Sampler, seeded_generator
     from .streaming import TextStream
-    from .tokenizer import end_of_text_id, vocabulary_size
+    from .tokenizer import decodable, end_of_text_id
 
     console = stderr_console(quiet=options["quiet"])
     show_stats = not options["quiet"] and (options["stats"] if options["stats"] is not None else sys.stderr.isatty())
@@ -223,7 +240,7 @@ def generate(**options) -> None:
     ids = encode_prompt(checkpoint, text, console)
     batch = options["num_samples"]
     generator, seed = seeded_generator(options["seed"], model)
-    sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], generator, vocabulary_size(encoding))
+    sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], generator, torch.tensor(decodable(encoding)))
     eot = end_of_text_id(encoding)
     streams = [TextStream(encoding, eot, options["stop"] or ()) for _ in range(batch)]
     out = Output(sys.stdout, json_lines=options["json_output"], samples=batch)

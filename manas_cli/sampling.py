@@ -25,9 +25,9 @@ class Sampler:
     top_k: int | None = None
     top_p: float | None = None
     generator: torch.Generator | None = None
-    # Only ids below this are drawn: nanoGPT pads its embedding (50304 rows for GPT-2's 50257 tokens), and a
-    # padded id has no token to print.
-    vocab_size: int | None = None
+    # Which ids may be drawn (tokenizer.decodable: a bool per id; ids past its end never are): nanoGPT pads its
+    # embedding (50304 rows for GPT-2's 50257 tokens), and a padded id, or a hole in the ids, has no token to print.
+    decodable: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -39,7 +39,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, vocab) -> next token ids (B, 1)."""
-        logits = logits[:, : self.vocab_size]
+        if self.decodable is not None:
+            allowed = self.decodable.to(logits.device)
+            logits = logits[:, : allowed.numel()].masked_fill(~allowed, float("-inf"))
         if self.temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)
         probs = self.probabilities(logits)

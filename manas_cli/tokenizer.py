@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import tiktoken
@@ -12,6 +15,7 @@ import tiktoken
 from .errors import TokenizerError
 
 END_OF_TEXT = "<|endoftext|>"
+MAX_ID = 1 << 32  # tiktoken's ranks are u32
 # GPT-2's pre-tokenizer split (tiktoken's r50k_base pattern).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -22,15 +26,28 @@ def encode_ranks(ranks: dict[bytes, int]) -> str:
 
 
 def decode_ranks(text: str) -> dict[bytes, int]:
-    ranks = {}
+    """A .tiktoken file's ranks, each token and each rank given once, every rank in [0, 2^32)."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"the BPE ranks must be the text of a .tiktoken file, got {type(text).__name__}")
+    ranks: dict[bytes, int] = {}
+    lines: dict[int, int] = {}  # rank -> the line that gave it
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
+            encoded, rank_text = line.split()
+            token, rank = base64.b64decode(encoded, validate=True), int(rank_text)
         except ValueError as exc:
             raise TokenizerError(f"line {line_number} of the BPE ranks is not 'base64-token rank': {line[:60]!r}") from exc
+        if not 0 <= rank < MAX_ID:
+            raise TokenizerError(f"line {line_number} of the BPE ranks: rank {rank} is outside [0, 2^32)")
+        if not token:
+            raise TokenizerError(f"line {line_number} of the BPE ranks: the token is empty")
+        if token in ranks:
+            raise TokenizerError(f"line {line_number} of the BPE ranks: token {token!r} already has rank {ranks[token]}")
+        if rank in lines:
+            raise TokenizerError(f"line {line_number} of the BPE ranks: rank {rank} is already given on line {lines[rank]}")
+        ranks[token], lines[rank] = rank, line_number
     return ranks
 
 
@@ -42,16 +59,22 @@ def bpe_spec(ranks: dict[bytes, int], pat_str: str = GPT2_PAT_STR, special_token
 
 
 def spec_from_tiktoken_file(path: str | Path) -> dict:
-    """Embed a .tiktoken ranks file (such as GPT-2's) with GPT-2's split pattern."""
+    """Embed a .tiktoken ranks file (such as GPT-2's) with GPT-2's split pattern, validated as build_encoding does."""
     try:
         text = Path(path).read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as exc:
         raise TokenizerError(f"cannot read tokenizer file {path}: {exc}") from exc
-    return bpe_spec(decode_ranks(text))
+    try:
+        spec = bpe_spec(decode_ranks(text))
+        build_encoding(spec)
+    except TokenizerError as exc:
+        raise TokenizerError(f"{path}: {exc}") from None
+    return spec
 
 
 def build_encoding(spec: dict) -> tiktoken.Encoding:
-    """A tiktoken.Encoding from {"kind": "tiktoken", "encoding": name} or an embedded {"kind": "bpe", ...}."""
+    """A tiktoken.Encoding from {"kind": "tiktoken", "encoding": name} or an embedded {"kind": "bpe", ...}, the
+    embedded form fully validated (see check_bpe): every id from 0 to the largest names exactly one token."""
     kind = spec.get("kind")
     if kind == "tiktoken":
         name = spec.get("encoding")
@@ -63,16 +86,79 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
                 "cannot be downloaded here: embed the ranks instead (manas convert --tokenizer-file gpt2.tiktoken)"
             ) from exc
     if kind == "bpe":
+        for key in ("pat_str", "ranks", "special_tokens"):
+            if key not in spec:
+                raise TokenizerError(f"the embedded BPE tokenizer lacks a valid {key!r} entry")
+        ranks = decode_ranks(spec["ranks"])
+        check_bpe(spec["pat_str"], ranks, spec["special_tokens"])
         try:
-            ranks = decode_ranks(spec["ranks"])
-            return tiktoken.Encoding(
-                name="manas-bpe", pat_str=spec["pat_str"], mergeable_ranks=ranks, special_tokens=dict(spec["special_tokens"])
-            )
-        except (KeyError, TypeError) as exc:
-            raise TokenizerError(f"the embedded BPE tokenizer lacks a valid {exc} entry") from exc
-        except ValueError as exc:
-            raise TokenizerError(f"the embedded BPE tokenizer is invalid: {exc}") from exc
+            with tiktoken_errors():
+                return tiktoken.Encoding(
+                    name="manas-bpe", pat_str=spec["pat_str"], mergeable_ranks=ranks, special_tokens=spec["special_tokens"]
+                )
+        except ValueError as exc:  # the pattern does not compile
+            raise TokenizerError(f"the embedded BPE tokenizer's pat_str is invalid: {_first_line(exc)}") from None
     raise TokenizerError(f"unknown tokenizer kind {kind!r}: expected 'tiktoken' or 'bpe'")
+
+
+def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) -> None:
+    """What tiktoken does not check itself: a pattern that cannot backtrack catastrophically (pattern_is_safe),
+    special tokens with integer ids in [0, 2^32) that no rank has, and ids with no holes."""
+    if not isinstance(pat_str, str) or not pat_str:
+        raise TokenizerError(f"the embedded BPE tokenizer's pat_str must be a non-empty regular expression, got {pat_str!r}")
+    if not pattern_is_safe(pat_str):
+        raise TokenizerError(
+            f"the embedded BPE tokenizer's pat_str {pat_str[:60]!r} uses lookaround, backreferences, atomic groups or "
+            "possessive quantifiers, which can backtrack without bound; only GPT-2's pattern may (see FORMAT.md)"
+        )
+    if not isinstance(special_tokens, dict):
+        raise TokenizerError(f"the embedded BPE tokenizer's special_tokens must be an object, got {special_tokens!r}")
+    owners = {rank: token for token, rank in ranks.items()}
+    for text, token_id in special_tokens.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < MAX_ID:
+            raise TokenizerError(f"special token {text!r} has id {token_id!r}, not an integer in [0, 2^32)")
+        if token_id in owners:
+            raise TokenizerError(f"special token {text!r} has id {token_id}, which is already the token {owners[token_id]!r}")
+        owners[token_id] = text
+    if len(owners) != len(ranks) + len(special_tokens):
+        raise TokenizerError("two special tokens share an id")
+    if holes := len(owners) and max(owners) + 1 - len(owners):
+        first = next(i for i in range(max(owners)) if i not in owners)
+        raise TokenizerError(f"no token has id {first} ({holes} id(s) below the largest, {max(owners)}, have none)")
+
+
+def pattern_is_safe(pat_str: str) -> bool:
+    """GPT-2's pattern, whose one lookahead (after a whitespace run) manas bounds by the text it encodes, or a
+    pattern without the constructs that make tiktoken's regex engine (fancy-regex) backtrack: such a pattern runs
+    on the linear-time regex crate."""
+    return pat_str == GPT2_PAT_STR or not _FANCY.search(_CLASSES.sub("", _ESCAPES.sub(_plain_escape, pat_str)))
+
+
+# Escapes: a backreference (\1, \k<name>, \g) or \G is fancy; any other escaped character is a plain literal.
+_ESCAPES = re.compile(r"\\([pP]\{[^}]*\}|.)", re.DOTALL)
+_CLASSES = re.compile(r"\[\^?\]?[^\]]*\]")  # inside a character class nothing is fancy
+_FANCY = re.compile(r"FANCY|\(\?(?:[=!>(]|<[=!])|[*+?}]\+")  # lookaround, atomic, conditional, possessive
+
+
+def _plain_escape(match: re.Match) -> str:
+    return "FANCY" if match.group(1) in tuple("123456789kgG") else "e"
+
+
+@contextmanager
+def tiktoken_errors() -> Iterator[None]:
+    """The last line of defence around tiktoken: its Rust code reports some failures (a regex stack overflow) by
+    panicking, and pyo3's PanicException is a BaseException that no `except Exception` catches. pyo3 does not
+    export the type, so it is recognised by name."""
+    try:
+        yield
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise TokenizerError(f"the tokenizer failed on this text ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def parse_spec(text: str) -> dict:
@@ -106,12 +192,27 @@ def encode_text(encoding: tiktoken.Encoding, text: str) -> list[int]:
         if unknown:
             shown = ", ".join(repr(ch) for ch in unknown[:10])
             raise TokenizerError(f"the model's vocabulary has no token for {shown}: remove them from the prompt")
-    return encoding.encode_ordinary(text)
+    with tiktoken_errors():
+        return encoding.encode_ordinary(text)
+
+
+def longest_token_bytes(encoding: tiktoken.Encoding) -> int:
+    """The most bytes one ordinary token stands for: n tokens never cover more than n times this many characters."""
+    return max(map(len, encoding.token_byte_values()), default=1)
 
 
 def vocabulary_size(encoding: tiktoken.Encoding) -> int:
     """One past the largest token id, special tokens included."""
     return encoding.max_token_value + 1
+
+
+def decodable(encoding: tiktoken.Encoding) -> list[bool]:
+    """For each id below vocabulary_size, whether a token has it. An embedded tokenizer has no holes (check_bpe),
+    but tiktoken's own encodings may (cl100k_base's special tokens are not contiguous)."""
+    ids = [False] * vocabulary_size(encoding)
+    for token_id in (*encoding._mergeable_ranks.values(), *encoding._special_tokens.values()):  # no public accessor
+        ids[token_id] = True
+    return ids
 
 
 class IncrementalDecoder:

@@ -220,11 +220,14 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0], [0.0, 0.1, 0.2, 0.3, 0.4
 
 
 @pytest.mark.parametrize("options", [dict(temperature=0.0), dict(temperature=1.0, top_k=3), dict(temperature=1.0)])
-def test_sampler_never_draws_ids_past_the_tokenizers_vocabulary(options):
+def test_sampler_never_draws_ids_the_tokenizer_cannot_decode(options):
     logits = torch.zeros(4, 10)
     logits[:, 8:] = 50.0  # padded ids (no token) the model happens to favour
-    sampler = Sampler(**options, generator=torch.Generator().manual_seed(0), vocab_size=8)
-    assert all(sampler(logits).flatten() < 8)
+    logits[:, 3] = 50.0  # a hole in the ids
+    decodable = torch.tensor([True] * 3 + [False] + [True] * 4)
+    sampler = Sampler(**options, generator=torch.Generator().manual_seed(0), decodable=decodable)
+    drawn = sampler(logits).flatten()
+    assert all((drawn < 8) & (drawn != 3))
 
 
 def test_temperature_zero_is_argmax():

@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import warnings
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import CheckpointError, InputError, TokenizerError
-from .model import GPT, GPTConfig
-from .tokenizer import bpe_spec, build_encoding, spec_from_tiktoken_file, vocabulary_size
+from .model import GPT, GPTConfig, parameter_shapes
+from .tokenizer import bpe_spec, build_encoding, checked_spec, spec_from_tiktoken_file, vocabulary_size
 
 # Inside transformer.h.N: GPT-2's module names (nanoGPT's too) and manas' inside blocks.N.
 GPT2_BLOCK_MODULES = {
@@ -115,18 +119,21 @@ def gpt2_state_to_manas(state: dict[str, torch.Tensor], *, conv1d: bool, source:
 
 
 def build_model(config: GPTConfig, state: dict[str, torch.Tensor], source: Path) -> GPT:
-    """A float32 manas model holding exactly the given tensors: every one present, none extra, shapes matching."""
-    model = GPT(config)  # a real init costs less than the meta device, whose first use imports torch._dynamo
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name != TIED_HEAD}
-    if missing := sorted(set(expected) - set(state)):
-        raise CheckpointError(f"{source}: missing tensor for {missing[0]} (shape {list(expected[missing[0]])})")
-    if extra := sorted(set(state) - set(expected)):
+    """A float32 manas model holding exactly the given tensors: every one present, none extra, shapes matching, each
+    real floating-point. Checked before the model is built, so its size is backed by the source's tensors."""
+    expected = set()
+    for name, shape in parameter_shapes(config):
+        if name not in state:
+            raise CheckpointError(f"{source}: missing tensor for {name} (shape {list(shape)})")
+        tensor = state[name]
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{source}: tensor for {name} has shape {list(tensor.shape)}, the config needs {list(shape)}")
+        if not tensor.is_floating_point():  # complex too: copying it into a float32 weight drops the imaginary part
+            raise CheckpointError(f"{source}: tensor for {name} is {tensor.dtype}, not a real floating-point tensor")
+        expected.add(name)
+    if extra := sorted(set(state) - expected):
         raise CheckpointError(f"{source}: tensor for {extra[0]} does not fit this config (bias={config.bias})")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise CheckpointError(
-                f"{source}: tensor for {name} has shape {list(state[name].shape)}, the config needs {list(shape)}"
-            )
+    model = GPT(config)  # a real init costs less than the meta device, whose first use imports torch._dynamo
     model.load_state_dict(state, strict=False)  # copies into float32 parameters; lm_head stays tied
     return model.eval()
 
@@ -135,19 +142,47 @@ def build_model(config: GPTConfig, state: dict[str, torch.Tensor], source: Path)
 
 
 def load_pickled_weights(path: Path) -> object:
-    """torch.load with weights only: tensors and plain values load, a pickle that would run code is refused."""
+    """torch.load with weights only: tensors and plain values load, a pickle that would run code is refused. A zip
+    checkpoint's tensors are memory-mapped, not read, so their shapes are checked against the config before any
+    data is touched; a compressed entry (torch.save never writes one) is refused, as its size is not the file's."""
+    _refuse_compressed_entries(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with quiet_warnings():  # torch warns about legacy (non-zip) checkpoints on stderr
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         # torch's message is long and holds ANSI codes; the global it refused is what the user needs to know.
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        what = f" ({found.group(1)})" if found else ""
+        if not found:  # not a pickle at all (random bytes)
+            raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(exc)[:120]})") from None
         raise CheckpointError(
-            f"{path}: refused: its pickle would run code{what}; manas loads weights only and never runs code "
-            "from a file. nanoGPT's and Hugging Face's checkpoints hold only tensors and plain values"
+            f"{path}: refused: its pickle would run code ({found.group(1)}); manas loads weights only and never runs "
+            "code from a file. nanoGPT's and Hugging Face's checkpoints hold only tensors and plain values"
         ) from None
     except Exception as exc:  # torch reports garbage as any of RuntimeError, EOFError, IndexError, KeyError...
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(exc)[:120]})") from None
+
+
+def _refuse_compressed_entries(path: Path) -> None:
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            compressed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(exc)})") from None
+    if compressed:
+        raise CheckpointError(
+            f"{path}: {compressed[0]} is compressed inside the archive; torch.save never compresses, and manas does "
+            "not inflate what the file's size does not bound: re-save it with torch.save"
+        )
+
+
+@contextmanager
+def quiet_warnings() -> Iterator[None]:
+    """No library's warning text reaches the user's stderr: what matters becomes an error or nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -155,7 +190,8 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:
-        return load_file(path)
+        with quiet_warnings():
+            return load_file(path)
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
 
@@ -201,10 +237,10 @@ def config_from_nanogpt(model_args: object, source: Path) -> GPTConfig:
     keys = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
     if missing := [key for key in keys if key not in model_args]:
         raise CheckpointError(f"{source}: model_args lacks {', '.join(missing)}")
-    values = {key: model_args[key] for key in keys}
+    field = _typed_field(model_args, source, "model_args.")
     return _make_config(
-        source, **values, bias=bool(model_args.get("bias", True)), dropout=float(model_args.get("dropout", 0.0)),
-        gelu_approximate="none",
+        source, **{key: field(key, int) for key in keys}, bias=field("bias", bool, True),
+        dropout=field("dropout", float, 0.0), gelu_approximate="none",
     )
 
 
@@ -219,7 +255,8 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
     activation = values.get("activation_function", "gelu_new")
     if activation not in HF_ACTIVATIONS:
         raise CheckpointError(f"{source}: activation_function {activation!r} is not supported (only {', '.join(HF_ACTIVATIONS)})")
-    n_embd = values.get("n_embd", 768)
+    field = _typed_field(values, source)
+    n_embd = field("n_embd", int, 768)
     unsupported = {
         "n_inner": values.get("n_inner") not in (None, 4 * n_embd),
         "scale_attn_weights": values.get("scale_attn_weights", True) is not True,
@@ -230,11 +267,25 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
         raise CheckpointError(f"{source}: {changed[0]}={values[changed[0]]!r} has no manas equivalent")
     return _make_config(
         source,
-        vocab_size=values.get("vocab_size", 50257), block_size=values.get("n_positions", 1024),
-        n_layer=values.get("n_layer", 12), n_head=values.get("n_head", 12), n_embd=n_embd,
-        norm_eps=float(values.get("layer_norm_epsilon", 1e-5)), dropout=float(values.get("resid_pdrop", 0.0)),
+        vocab_size=field("vocab_size", int, 50257), block_size=field("n_positions", int, 1024),
+        n_layer=field("n_layer", int, 12), n_head=field("n_head", int, 12), n_embd=n_embd,
+        norm_eps=field("layer_norm_epsilon", float, 1e-5), dropout=field("resid_pdrop", float, 0.0),
         gelu_approximate=HF_ACTIVATIONS[activation],
     )
+
+
+def _typed_field(values: dict, source: Path, prefix: str = ""):
+    """A reader of values[key] (or a default) that is exactly of its type (a bool is not an int, a string not a
+    bool; an int is a float), naming the field otherwise."""
+
+    def field(key: str, kind: type, default: object = None) -> object:
+        value = values.get(key, default)
+        valid = isinstance(value, (int, float) if kind is float else kind) and (kind is bool or not isinstance(value, bool))
+        if not valid:
+            raise CheckpointError(f"{source}: {prefix}{key} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}")
+        return value
+
+    return field
 
 
 def _make_config(source: Path, **values) -> GPTConfig:
@@ -244,13 +295,15 @@ def _make_config(source: Path, **values) -> GPTConfig:
         raise CheckpointError(f"{source}: invalid model shape: {exc}") from None
 
 
-def read_hf_config(path: Path) -> dict:
+def read_hf_config(path: Path) -> GPTConfig:
+    """A config.json read and checked, its errors naming it, before any weights are loaded."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        values = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"{path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: not a readable JSON config ({_first_line(exc)})") from None
+    return config_from_hf(values, path)
 
 
 # --- sources -----------------------------------------------------------------------------------------------------------
@@ -264,7 +317,8 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
             raise InputError(f"{src} is a folder with its own config.json; --config is for a bare model.safetensors")
         return HF_FOLDER, _load_hf_folder(src)
     if src.suffix == ".safetensors":
-        return HF_WEIGHTS, _load_hf(load_safetensors(src), src, _require_config(src, config_path))
+        config = _require_config(src, config_path)
+        return HF_WEIGHTS, _load_hf(load_safetensors(src), src, config)
     loaded = load_pickled_weights(src)
     if isinstance(loaded, dict) and "model_args" in loaded and "model" in loaded:
         if config_path is not None:
@@ -292,8 +346,7 @@ def _load_hf_folder(folder: Path) -> GPT:
     raise InputError(f"{folder} holds neither model.safetensors nor pytorch_model.bin (sharded weights are not supported)")
 
 
-def _load_hf(state: dict[str, torch.Tensor], source: Path, hf_config: dict) -> GPT:
-    config = config_from_hf(hf_config, source)
+def _load_hf(state: dict[str, torch.Tensor], source: Path, config: GPTConfig) -> GPT:
     return build_model(config, gpt2_state_to_manas(state, conv1d=True, source=source), source)
 
 
@@ -305,7 +358,7 @@ def _load_nanogpt(checkpoint: dict, source: Path) -> GPT:
     return build_model(config, gpt2_state_to_manas(state, conv1d=False, source=source), source)
 
 
-def _require_config(src: Path, config_path: Path | None) -> dict:
+def _require_config(src: Path, config_path: Path | None) -> GPTConfig:
     if config_path is None:
         raise InputError(f"{src} holds bare weights: pass --config PATH, the Hugging Face GPT-2 config.json that goes with them")
     return read_hf_config(config_path)
@@ -383,7 +436,7 @@ def character_spec(meta: object, source: Path) -> dict:
         raise TokenizerError(f"{source}: the vocabulary is empty")
     if len(set(ranks.values())) != len(ranks):
         raise TokenizerError(f"{source}: two characters share an id, so decoding would be ambiguous")
-    return bpe_spec(ranks, CHARACTER_PAT_STR, special_tokens={})
+    return checked_spec(bpe_spec(ranks, CHARACTER_PAT_STR, special_tokens={}), source)
 
 
 def check_tokenizer_fits(spec: dict, config: GPTConfig, description: str) -> None:

@@ -65,10 +65,18 @@ def spec_from_tiktoken_file(path: str | Path) -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise TokenizerError(f"cannot read tokenizer file {path}: {exc}") from exc
     try:
-        spec = bpe_spec(decode_ranks(text))
-        build_encoding(spec)
+        ranks = decode_ranks(text)
     except TokenizerError as exc:
         raise TokenizerError(f"{path}: {exc}") from None
+    return checked_spec(bpe_spec(ranks), path)
+
+
+def checked_spec(spec: dict, source: str | Path) -> dict:
+    """The spec, once build_encoding accepts it; its refusal names the file the tokenizer came from."""
+    try:
+        build_encoding(spec)
+    except TokenizerError as exc:
+        raise TokenizerError(f"{source}: {exc}") from None
     return spec
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import tiktoken
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from .errors import CheckpointError, TokenizerError
@@ -53,14 +57,25 @@ def save_checkpoint(
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(save(tensors, metadata=metadata)), overwrite=overwrite)
 
 
-# The dtypes a tensor may be stored in, as the safetensors header names them: one rule, in one place, for every
-# format version (a quantized format extends this table rather than adding checks elsewhere).
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# The dtypes a tensor may be stored in, by the name the safetensors header gives them: one rule, in one place, for
+# every format version (a quantized format extends this table and expected_dtypes rather than adding checks).
+TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+FLOAT_DTYPES = tuple(TORCH_DTYPES)
 
 
 def expected_dtypes(name: str) -> tuple[str, ...]:
     """The header dtypes tensor `name` may have: every weight is a real floating-point tensor."""
     return FLOAT_DTYPES
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors header: its dtype name, shape and absolute byte range in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
 
 
 @dataclass
@@ -71,33 +86,26 @@ class Header:
     config: GPTConfig
     tokenizer_spec: dict
     encoding: tiktoken.Encoding
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, str]
+    tensors: dict[str, TensorEntry]
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
     """The checkpoint's string metadata, after checking that it is a manas checkpoint of a version we read."""
     path = _existing_file(path)
-    try:
-        with safe_open(path, framework="pt") as f:
-            return _checked_metadata(f, path)
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise _unreadable(path, exc) from exc
+    with _open(path) as f:
+        return _checked_metadata(read_safetensors_header(f, path)[0], path)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Checkpoint:
     """Load, check every tensor against the config, tie lm_head, and return the model in eval mode.
 
-    The header and the tensors are read from one open file (a checkpoint replaced meanwhile is not mixed with the
+    The header and the tensors are read from one open file (a checkpoint replaced meanwhile is never mixed with the
     old one), and every name, shape and dtype is checked against the config before any tensor data is read or the
     model is built: memory is bounded by the file, not by what its config claims."""
     path = _existing_file(path)
-    try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            header = read_header(f, path)
-            state = {name: _read_tensor(f, name, path) for name in sorted(header.shapes)}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise _unreadable(path, exc) from exc
+    with _open(path) as f:
+        header = read_header(f, path)
+        state = {name: _read_tensor(f, name, entry, path) for name, entry in sorted(header.tensors.items())}
     # A real (random) init, then overwritten: cheaper than building on the meta device, whose init imports
     # torch._dynamo (over a second of every command's start-up). Its size is now backed by the file's tensors.
     model = GPT(header.config)
@@ -107,10 +115,11 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     return Checkpoint(model, header.encoding, header.tokenizer_spec, path)
 
 
-def read_header(f, path: Path) -> Header:
-    """Metadata, config, tokenizer and tensor shapes and dtypes from an open checkpoint, each checked (see
-    FORMAT.md, Reading a checkpoint)."""
-    metadata = _checked_metadata(f, path)
+def read_header(f: BinaryIO, path: Path) -> Header:
+    """Metadata, config, tokenizer and tensor entries of an open checkpoint, each checked (see FORMAT.md, Reading a
+    checkpoint)."""
+    metadata, tensors = read_safetensors_header(f, path)
+    metadata = _checked_metadata(metadata, path)
     try:
         config = GPTConfig.from_dict(json.loads(metadata["config"]))
     except (json.JSONDecodeError, TypeError, ValueError) as exc:
@@ -121,37 +130,82 @@ def read_header(f, path: Path) -> Header:
     except TokenizerError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     _check_vocabulary(encoding, config, path)
-    shapes, dtypes = {}, {}
-    for name in f.keys():
-        info = f.get_slice(name)
-        shapes[name], dtypes[name] = tuple(info.get_shape()), info.get_dtype()
-    check_tensors(shapes, dtypes, config, path)
-    return Header(metadata, config, spec, encoding, shapes, dtypes)
+    check_tensors(tensors, config, path)
+    return Header(metadata, config, spec, encoding, tensors)
 
 
-def check_tensors(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str], config: GPTConfig, path: Path) -> None:
+def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
+    """The string metadata and the tensor entries of an open safetensors file (an 8-byte little-endian length, a
+    JSON header, the data), every byte range checked to lie inside the file."""
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    length = int.from_bytes(prefix, "little")
+    if len(prefix) < 8 or length > size - 8:
+        raise _unreadable(path, f"the header length {length} exceeds the file's {size} bytes")
+    try:
+        header = json.loads(f.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _unreadable(path, f"the header is not JSON: {exc}") from None
+    metadata = header.pop("__metadata__", None) if isinstance(header, dict) else None
+    if not isinstance(header, dict) or not isinstance(metadata or {}, dict):
+        raise _unreadable(path, "the header is not a JSON object of tensors")
+    data_start, tensors = 8 + length, {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            valid = isinstance(dtype, str) and all(_is_count(n) for n in (*shape, begin, end)) and begin <= end <= size - data_start
+        except (TypeError, KeyError, ValueError):
+            valid = False
+        if not valid:
+            raise _unreadable(path, f"the header entry of tensor {name} is malformed or lies outside the file")
+        tensors[name] = TensorEntry(dtype, shape, data_start + begin, data_start + end)
+    return metadata or {}, tensors
+
+
+def check_tensors(tensors: dict[str, TensorEntry], config: GPTConfig, path: Path) -> None:
     """Every tensor the config needs, with its shape and an allowed dtype, and no other. Walks the config's tensors
     lazily, so a claim of more layers than the file holds stops at the first missing one."""
     seen = set()
     for name, shape in parameter_shapes(config):
-        if name not in shapes:
+        if name not in tensors:
             raise CheckpointError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
-        if shapes[name] != shape:
-            raise CheckpointError(f"{path}: tensor {name} has shape {list(shapes[name])}, the config needs {list(shape)}")
-        if dtypes[name] not in expected_dtypes(name):
-            raise CheckpointError(
-                f"{path}: tensor {name} is {dtypes[name]}; it must be one of {', '.join(expected_dtypes(name))}"
-            )
+        entry = tensors[name]
+        if entry.shape != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(entry.shape)}, the config needs {list(shape)}")
+        if entry.dtype not in expected_dtypes(name):
+            raise CheckpointError(f"{path}: tensor {name} is {entry.dtype}; it must be one of {', '.join(expected_dtypes(name))}")
         seen.add(name)
-    if unexpected := sorted(set(shapes) - seen):
+    if unexpected := sorted(set(tensors) - seen):
         raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]} (not part of this config's model)")
 
 
-def _read_tensor(f, name: str, path: Path) -> torch.Tensor:
-    tensor = f.get_tensor(name)
+def _read_tensor(f: BinaryIO, name: str, entry: TensorEntry, path: Path) -> torch.Tensor:
+    """A checked entry's data (little-endian, as safetensors stores it), which must be finite."""
+    dtype = TORCH_DTYPES[entry.dtype]
+    nbytes = math.prod(entry.shape) * dtype.itemsize
+    if entry.end - entry.start != nbytes:
+        raise _unreadable(path, f"tensor {name} has {entry.end - entry.start} bytes of data, its shape needs {nbytes}")
+    data = bytearray(nbytes)
+    f.seek(entry.start)
+    if f.readinto(data) != nbytes:
+        raise _unreadable(path, f"tensor {name}'s data ends early")
+    tensor = torch.frombuffer(data, dtype=dtype).reshape(entry.shape) if nbytes else torch.empty(entry.shape, dtype=dtype)
     if not torch.isfinite(tensor).all():
         raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values: the weights are corrupt")
     return tensor
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@contextmanager
+def _open(path: Path) -> Iterator[BinaryIO]:
+    try:
+        with open(path, "rb") as f:
+            yield f
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read it ({exc.strerror})") from None
 
 
 def _existing_file(path: str | Path) -> Path:
@@ -161,8 +215,7 @@ def _existing_file(path: str | Path) -> Path:
     return path
 
 
-def _checked_metadata(f, path: Path) -> dict[str, str]:
-    metadata = f.metadata() or {}
+def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
     if metadata.get("format") != FORMAT or "config" not in metadata:
         raise CheckpointError(
             f"{path}: not a manas checkpoint (no format/config metadata); "
@@ -175,8 +228,8 @@ def _checked_metadata(f, path: Path) -> dict[str, str]:
     return metadata
 
 
-def _unreadable(path: Path, exc: Exception) -> CheckpointError:
-    return CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt: {exc})")
+def _unreadable(path: Path, reason: str) -> CheckpointError:
+    return CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt: {reason})")
 
 
 def _check_vocabulary(encoding: tiktoken.Encoding, config: GPTConfig, path: str | Path) -> None:

@@ -7,9 +7,11 @@ import pytest
 from manas_cli.errors import TokenizerError
 from manas_cli.tokenizer import (
     IncrementalDecoder,
+    bpe_spec,
     build_encoding,
     decode_ranks,
     encode_ranks,
+    encode_text,
     end_of_text_id,
     spec_from_tiktoken_file,
     vocabulary_size,
@@ -106,3 +108,12 @@ def test_incremental_decoder_streams_text_before_the_sequence_ends(encoding):
     ids = encoding.encode_ordinary("ab €")
     decoder = IncrementalDecoder(encoding)
     assert [decoder.feed(token) for token in ids] == ["a", "b", " ", "€"]  # " \xe2" gives its space at once
+
+
+def test_a_tiktoken_panic_becomes_a_tokenizer_error():
+    """tiktoken's regex engine overflows its stack on a whitespace run of about a million characters and panics
+    (a BaseException); encode_text turns that into a TokenizerError. The CLI never encodes so much (its prompts are
+    cut to a bounded tail); this is the last line of defence."""
+    encoding = build_encoding(bpe_spec({bytes([i]): i for i in range(256)}))
+    with pytest.raises(TokenizerError, match="the tokenizer failed on this text"):
+        encode_text(encoding, " " * 1_100_000 + "a")

@@ -30,7 +30,7 @@ def train(**options) -> None:
 
     from .render import stderr_console, train_progress
     from .runtime import resolve_device, set_threads
-    from .tokenizer import build_encoding
+    from .tokenizer import build_encoding, encode_text
     from .training import TrainSettings, make_dataset, train
 
     console = stderr_console()
@@ -46,7 +46,8 @@ def train(**options) -> None:
         if spec is None:  # --tokenizer-only: the ranks are written, there is no model to train
             return
         model, start_step, best = new_model(spec, options).to(resolve_device(options["device"].value)), 0, math.inf
-    data = make_dataset(text, build_encoding(spec).encode_ordinary, options["val_fraction"], model.config.block_size)
+    encoding = build_encoding(spec)
+    data = make_dataset(text, lambda part: encode_text(encoding, part), options["val_fraction"], model.config.block_size)
     settings = TrainSettings(
         steps=options["steps"], batch_size=options["batch_size"], lr=options["lr"],
         warmup_steps=options["warmup_steps"], eval_every=options["eval_every"], seed=options["seed"],

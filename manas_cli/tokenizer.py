@@ -111,7 +111,7 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
 
 def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) -> None:
     """What tiktoken does not check itself: a pattern that cannot backtrack catastrophically (pattern_is_safe),
-    special tokens with integer ids in [0, 2^32) that no rank has, and ids with no holes."""
+    special tokens with integer ids in [0, 2^32) that no other token has, and ids with no holes."""
     if not isinstance(pat_str, str) or not pat_str:
         raise TokenizerError(f"the embedded BPE tokenizer's pat_str must be a non-empty regular expression, got {pat_str!r}")
     if not pattern_is_safe(pat_str):
@@ -128,10 +128,10 @@ def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) 
         if token_id in owners:
             raise TokenizerError(f"special token {text!r} has id {token_id}, which is already the token {owners[token_id]!r}")
         owners[token_id] = text
-    if len(owners) != len(ranks) + len(special_tokens):
-        raise TokenizerError("two special tokens share an id")
-    if holes := len(owners) and max(owners) + 1 - len(owners):
-        first = next(i for i in range(max(owners)) if i not in owners)
+    if not owners:
+        raise TokenizerError("the embedded BPE tokenizer has no tokens")
+    if holes := max(owners) + 1 - len(owners):
+        first = next(i for i in range(len(owners) + 1) if i not in owners)  # among the first len + 1 ids, one is free
         raise TokenizerError(f"no token has id {first} ({holes} id(s) below the largest, {max(owners)}, have none)")
 
 

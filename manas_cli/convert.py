@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError, InputError, TokenizerError
+from .files import check_output_file
 from .model import GPT, GPTConfig, parameter_shapes
 from .tokenizer import bpe_spec, build_encoding, checked_spec, spec_from_tiktoken_file, vocabulary_size
 
@@ -452,15 +453,6 @@ def check_tokenizer_fits(spec: dict, config: GPTConfig, description: str) -> Non
 # --- the command -------------------------------------------------------------------------------------------------
 
 
-def check_destination(dst: Path, force: bool) -> None:
-    if dst.is_dir():
-        raise InputError(f"--out {dst} is a folder: name the checkpoint file to write (e.g. {dst / 'model.safetensors'})")
-    if dst.exists() and not force:
-        raise InputError(f"{dst} exists: pass --force to overwrite it")
-    if not dst.parent.is_dir():
-        raise InputError(f"the folder of --out {dst} does not exist")
-
-
 def convert_checkpoint(
     src: Path,
     dst: Path,
@@ -474,10 +466,10 @@ def convert_checkpoint(
     """Read src (nanoGPT or Hugging Face GPT-2), write the equivalent manas checkpoint to dst atomically."""
     from .checkpoint import save_checkpoint
 
-    check_destination(dst, force)
+    check_output_file(dst, force, inputs=(src, config_path, tokenizer_file, tokenizer_meta))
     check_source(src)
     description, spec = tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
     kind, model = load_source(src, config_path)
     check_tokenizer_fits(spec, model.config, description)
-    save_checkpoint(dst, model, spec, extra_metadata={"converted_from": kind})
+    save_checkpoint(dst, model, spec, extra_metadata={"converted_from": kind}, overwrite=force)
     return Converted(kind, model.config, model.num_parameters(), description)

@@ -21,6 +21,7 @@ import torch
 from .checkpoint import TIED, load_checkpoint
 from .convert import gpt2_name, is_gpt2_linear_weight
 from .errors import CheckpointError, InputError
+from .files import claim_folder
 from .model import GPT, GPTConfig
 from .tokenizer import END_OF_TEXT, GPT2_PAT_STR
 
@@ -207,16 +208,17 @@ def check_out_dir(out: Path, force: bool) -> None:
         raise InputError(f"the folder of --out {out} does not exist")
 
 
-def write_folder(out: Path, writers: dict[str, Callable[[Path], None]]) -> None:
-    """Write every file into a staging folder beside out, then move them in: a new folder appears whole (one
-    rename), an existing one has each file replaced atomically and no stale file left to shadow ours."""
+def write_folder(out: Path, writers: dict[str, Callable[[Path], None]], *, overwrite: bool) -> None:
+    """Write every file into a staging folder beside out, then move them in: a new (or empty) folder appears whole
+    (one rename, which fails if another writer filled it meanwhile); with overwrite, an existing one has each file
+    replaced atomically and no stale file left to shadow ours."""
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     os.chmod(staging, 0o755)  # mkdtemp's 0700 would stay on the renamed folder and hide it from a serving user
     try:
         for name, write in writers.items():
             write(staging / name)
-        if not out.exists():
-            os.rename(staging, out)
+        if not (overwrite and out.exists()):
+            claim_folder(staging, out)
             return
         for name in writers:
             os.replace(staging / name, out / name)
@@ -247,5 +249,5 @@ def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Expor
         name: (lambda path, text=text: path.write_text(text, encoding="utf-8")) for name, text in texts.items()
     }
     writers["model.safetensors"] = lambda path: save_file(tensors, str(path), metadata={"format": "pt"})
-    write_folder(out, writers)
+    write_folder(out, writers, overwrite=force)
     return Exported(out, sorted(writers), config)

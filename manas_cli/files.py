@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import OutputExistsError
+from .errors import InputError, OutputExistsError
+
+
+# Temporary files of writes in progress. A signal can land between creating one and the `try` that removes it, or
+# inside that clean-up itself; the CLI removes whatever is left here on its way out.
+_unfinished: set[str] = set()
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None], *, overwrite: bool) -> None:
@@ -18,23 +24,74 @@ def atomic_write(path: str | Path, write: Callable[[str], None], *, overwrite: b
     writers racing for one name, exactly one wins and the other gets OutputExistsError, nothing replaced.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = _create_temporary(path)
     try:
         write(tmp)
-        os.chmod(tmp, _new_file_mode())  # mkstemp makes it private (0600); the result is an ordinary file
+        os.chmod(tmp, _new_file_mode())  # created private (0600) while being written; the result is an ordinary file
         if overwrite:
             os.replace(tmp, path)
         else:
             _claim(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
+        _unfinished.discard(tmp)
+
+
+def remove_unfinished() -> None:
+    """Remove the temporary files that interrupted writes left (see _unfinished); the CLI calls this last."""
+    for tmp in list(_unfinished):
+        Path(tmp).unlink(missing_ok=True)
+        _unfinished.discard(tmp)
+
+
+def check_output_file(path: Path, overwrite: bool, *, inputs: tuple[Path | None, ...] = ()) -> None:
+    """Before any work: --out names a file (not a folder) in a folder that exists, is none of the command's inputs,
+    and is new unless overwrite."""
+    if path.is_dir():
+        raise InputError(f"--out {path} is a folder: name the file to write inside it")
+    if not path.parent.is_dir():
+        raise InputError(f"the folder of --out {path} does not exist")
+    for source in inputs:
+        if source is not None and _same_file(path, source):
+            raise InputError(f"--out {path} is the input file {source}: name another file to write")
+    refuse_existing(path, overwrite)
+
+
+def claim_folder(staging: Path, path: Path) -> None:
+    """Rename a finished staging folder to path, which may only be missing or empty: the rename fails if path holds
+    anything, so of two writers racing for one folder exactly one wins and the other gets OutputExistsError."""
+    try:
+        os.rename(staging, path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise
+        raise OutputExistsError(f"{path} exists and is not empty (written by another process meanwhile?): "
+                                "pass --force to overwrite its files") from None
 
 
 def refuse_existing(path: str | Path, overwrite: bool) -> None:
     """Fail early (before any work) when path exists and may not be replaced; atomic_write checks again at the end."""
     if not overwrite and os.path.lexists(path):
         raise OutputExistsError(f"{path} exists: pass --force to overwrite it")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # the same inode: also through a link or another spelling of the path
+    except OSError:  # either does not exist (yet)
+        return False
+
+
+def _create_temporary(path: Path) -> str:
+    """An empty private file `.NAME.RANDOM.tmp` beside path, recorded in _unfinished before it exists."""
+    tmp = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
+    _unfinished.add(tmp)
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:
+        _unfinished.discard(tmp)  # not ours (or not created): never to be removed
+        raise
+    return tmp
 
 
 def _claim(tmp: str, path: Path) -> None:

@@ -4,6 +4,7 @@ so `manas --help` answers without loading torch."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .errors import ManasError
+from .errors import ManasError, Terminated, interrupt_exit_code
+from .files import remove_unfinished
 
 app = typer.Typer(
     name="manas",
@@ -49,6 +51,13 @@ def _top_p_in_range(value: Optional[float]) -> Optional[float]:
     return value
 
 
+def _seed_in_range(value: Optional[int]) -> Optional[int]:
+    # torch's generators take 64 bits; a negative seed would alias a large one (-1 and 2^64 - 1 gave the same text)
+    if value is not None and not 0 <= value < 2**64:
+        raise typer.BadParameter(f"{value} is not in the range 0 <= seed < 2^64 (2^64 = 18446744073709551616)")
+    return value
+
+
 CheckpointOption = Annotated[
     Optional[Path],
     typer.Option("--checkpoint", "-c", help="Model file (.safetensors). Default: $MANAS_CHECKPOINT, else the model shipped with manas."),
@@ -76,10 +85,10 @@ def generate(
     prompt: PromptOption = None,
     prompt_file: PromptFileOption = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")] = 200,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature; 0 is greedy (argmax).")] = 0.8,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).")] = 0.8,
     top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample only from the k most likely tokens.")] = None,
-    top_p: Annotated[Optional[float], typer.Option(callback=_top_p_in_range, help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed the sampler: the same seed gives the same text, cached or not.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(callback=_top_p_in_range, help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.")] = None,
+    seed: Annotated[Optional[int], typer.Option(callback=_seed_in_range, help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", help="End before the first occurrence of TEXT, which is not printed. Repeatable.")] = None,
     num_samples: Annotated[int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")] = 1,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = False,
@@ -194,9 +203,10 @@ def train(
     warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warm-up.")] = 100,
     dropout: Annotated[float, typer.Option(min=0.0, max=0.99, help="Dropout probability while training.")] = 0.2,
     eval_every: Annotated[int, typer.Option(min=1, help="Steps between validation (and best-checkpoint saves).")] = 100,
-    seed: Annotated[int, typer.Option(help="Seed for initialization and batch sampling.")] = 1337,
+    seed: Annotated[int, typer.Option(callback=_seed_in_range, help="Seed for initialization and batch sampling (0 <= seed < 2^64).")] = 1337,
     val_fraction: Annotated[float, typer.Option(min=0.001, max=0.5, help="Held-out tail of the text for validation.")] = 0.1,
     resume: Annotated[bool, typer.Option(help="Continue from the checkpoint at --out (its weights and step; fresh optimizer moments).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists (without --resume: start afresh).")] = False,
     device: DeviceOption = Device.auto,
     threads: ThreadsOption = None,
 ) -> None:
@@ -275,6 +285,7 @@ def main() -> None:
     from typer.exceptions import Abort, Exit
 
     debug = "--debug" in sys.argv[1:]
+    signal.signal(signal.SIGTERM, _raise_terminated)
     command = typer.main.get_command(app)
     try:
         # Not command.main(standalone_mode=False): typer's main returns an Exit's code instead of raising it (so
@@ -288,14 +299,23 @@ def main() -> None:
         sys.exit(2)
     except ClickException as exc:
         _fail(exc.format_message(), exc.exit_code, debug)
-    except (KeyboardInterrupt, Abort):
-        _fail("interrupted", 130, debug)
+    except (KeyboardInterrupt, Abort) as exc:
+        _fail("terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted", interrupt_exit_code(exc), debug)
     except BrokenPipeError:
         _quiet_broken_pipe()
     except ManasError as exc:
         _fail(str(exc), 1, debug)
     except Exception as exc:
         _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the command is over: let nothing cut this clean-up short
+        remove_unfinished()
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C, so temporary files are removed; a second one must not cut that clean-up short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 def _fail(message: str, code: int, debug: bool) -> None:

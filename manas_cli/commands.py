@@ -6,7 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, interrupt_exit_code
+from .files import check_output_file
 
 
 def read_text_file(path: Path, what: str) -> str:
@@ -34,11 +35,12 @@ def train(**options) -> None:
     from .training import TrainSettings, make_dataset, train
 
     console = stderr_console()
+    out: Path = options["out"]
+    # Before any work: a run may replace --out only when told to (--resume continues it, --force replaces it).
+    replace = options["resume"] or options["force"]
+    check_output_file(out, replace, inputs=(options["text_file"], options["tokenizer_file"]))
     set_threads(options["threads"])
     text = read_text_file(options["text_file"], "training text")
-    out: Path = options["out"]
-    if not out.parent.is_dir():
-        raise InputError(f"the folder of --out {out} does not exist")
     if options["resume"]:
         model, spec, start_step, best = resumed_model(out, resolve_device(options["device"].value))
     else:
@@ -57,7 +59,7 @@ def train(**options) -> None:
         f"({len(data.val_ids):,} held out) on {next(model.parameters()).device}, {torch.get_num_threads()} threads"
     )
     with train_progress(console, settings.steps, start_step) as show:
-        for event in train(model, data, settings, out, spec, start_step, best):
+        for event in train(model, data, settings, out, spec, start_step, best, overwrite=replace):
             show(event)
     console.print(f"best checkpoint: {out}")
 
@@ -76,7 +78,8 @@ def training_tokenizer(text: str, options: dict, console) -> dict | None:
         ranks = train_bpe(text, options["vocab_size"])
     if options["tokenizer_only"]:
         out = options["out"]
-        atomic_write(out, lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii"), overwrite=True)
+        write = lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii")
+        atomic_write(out, write, overwrite=options["force"])
         console.print(f"wrote {len(ranks)} BPE ranks to {out}")
         return None
     return bpe_spec(ranks)
@@ -105,8 +108,26 @@ def resumed_model(out: Path, device):
     from .checkpoint import load_checkpoint, read_metadata
 
     checkpoint = load_checkpoint(out, device=device)
-    progress = json.loads(read_metadata(out).get("training", "{}"))
-    return checkpoint.model, checkpoint.tokenizer_spec, progress.get("step", 0), progress.get("val_loss", math.inf)
+    step, val_loss = training_progress(read_metadata(out).get("training", "{}"), out)
+    return checkpoint.model, checkpoint.tokenizer_spec, step, val_loss
+
+
+def training_progress(text: str, path: Path) -> tuple[int, float]:
+    """The step and validation loss in a checkpoint's `training` metadata (step 0 and no loss when it has none)."""
+    from .errors import CheckpointError
+
+    try:
+        progress = json.loads(text)
+    except json.JSONDecodeError:
+        progress = None
+    if isinstance(progress, dict):
+        step, val_loss = progress.get("step", 0), progress.get("val_loss", math.inf)
+        if type(step) is int and step >= 0 and type(val_loss) in (int, float) and not math.isnan(val_loss):
+            return step, float(val_loss)
+    raise CheckpointError(
+        f"{path}: its training metadata is not {{\"step\": N, \"val_loss\": X}} ({text[:60]!r}): "
+        "resume only a checkpoint that manas train wrote, or train afresh without --resume"
+    )
 
 
 # ---- shared by generate, bench and inspect-cache -------------------------------------------------------------
@@ -141,6 +162,23 @@ def resolve_checkpoint(option: Path | None) -> Path:
     raise InputError(f"no checkpoint given and none found (looked at ${CHECKPOINT_ENV}, {looked}): pass --checkpoint PATH")
 
 
+def checkpoint_file(path: Path) -> Path:
+    """path, unless it is a folder or a pipe: say so (opening a FIFO would block, and a checkpoint is read by seeking)."""
+    if path.is_dir():
+        raise InputError(f"checkpoint {path} is a folder, not a file: pass the .safetensors file inside it")
+    if path.exists() and not path.is_file():
+        raise InputError(f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that")
+    return path
+
+
+def require_stdout() -> None:
+    """Commands whose product is stdout refuse a closed one (`>&-`) before any work, not after loading a model."""
+    import sys
+
+    if sys.stdout is None:
+        raise InputError("standard output is closed (>&-): redirect it to a file, or to /dev/null to discard it")
+
+
 def load_model(options: dict):
     """The checkpoint on the chosen device, dtype and thread count, its weights laid out for decoding."""
     from .checkpoint import load_checkpoint
@@ -150,7 +188,7 @@ def load_model(options: dict):
     set_threads(options["threads"])
     device = resolve_device(options["device"].value)
     dtype = resolve_dtype(options["dtype"].value, device)
-    checkpoint = load_checkpoint(resolve_checkpoint(options["checkpoint"]), device=device, dtype=dtype)
+    checkpoint = load_checkpoint(checkpoint_file(resolve_checkpoint(options["checkpoint"])), device=device, dtype=dtype)
     use_decode_layout(checkpoint.model)
     return checkpoint
 
@@ -233,6 +271,7 @@ def generate(**options) -> None:
     from .streaming import TextStream
     from .tokenizer import decodable, end_of_text_id
 
+    require_stdout()
     console = stderr_console(quiet=options["quiet"])
     show_stats = not options["quiet"] and (options["stats"] if options["stats"] is not None else sys.stderr.isatty())
     text = read_prompt(options["prompt"], options["prompt_file"])
@@ -253,7 +292,7 @@ def generate(**options) -> None:
 
     if options["echo"]:
         out.text(0, text)
-    interrupted = stream_text(steps, streams, stats, out)
+    interruption = stream_text(steps, streams, stats, out)
     storage = session.storage()
     if options["json_output"]:
         for stream in streams:
@@ -262,13 +301,14 @@ def generate(**options) -> None:
         out.close_text([stream.text for stream in streams], echo=text if options["echo"] else None)
     if show_stats:
         console.print(generation_stats_line(stats, storage))
-    if interrupted:
-        raise typer.Exit(130)
+    if interruption is not None:
+        raise typer.Exit(interrupt_exit_code(interruption))
 
 
-def stream_text(steps, streams, stats, out) -> bool:
-    """Print each row's text as its tokens arrive, until every row has finished; True if Ctrl-C stopped it."""
-    interrupted = False
+def stream_text(steps, streams, stats, out) -> KeyboardInterrupt | None:
+    """Print each row's text as its tokens arrive, until every row has finished; the Ctrl-C (or SIGTERM) that
+    stopped it, if one did."""
+    interruption = None
     try:
         for step in steps:
             stats.update(step)
@@ -276,13 +316,13 @@ def stream_text(steps, streams, stats, out) -> bool:
                 out.text(row, stream.feed(token))
             if all(stream.finished for stream in streams):
                 break
-    except KeyboardInterrupt:
-        interrupted = True  # keep the text so far, and still report
+    except KeyboardInterrupt as exc:
+        interruption = exc  # keep the text so far, and still report
     finally:
         steps.close()
     for row, stream in enumerate(streams):
-        out.text(row, stream.finish("interrupted" if interrupted else "length"))
-    return interrupted
+        out.text(row, stream.finish("interrupted" if interruption is not None else "length"))
+    return interruption
 
 
 def sample_record(stream, stats, storage: dict, seed: int) -> dict:
@@ -311,6 +351,7 @@ def bench(**options) -> None:
     from .bench import model_size_bytes, run_bench, sweep
     from .render import bench_progress, bench_table, stderr_console, sweep_chart
 
+    require_stdout()
     console = stderr_console()
     checkpoint = load_model(options)
     model = checkpoint.model
@@ -372,6 +413,7 @@ def inspect_cache(**options) -> None:
     from .render import cache_view, stderr_console
     from .sampling import Sampler
 
+    require_stdout()
     console = stderr_console()
     text = read_prompt(options["prompt"], options["prompt_file"], default=DEFAULT_INSPECT_PROMPT)
     checkpoint = load_model(options)

@@ -19,3 +19,16 @@ class InputError(ManasError, ValueError):
 
 class OutputExistsError(ManasError):
     """The output path exists and --force was not given."""
+
+
+class TrainingError(ManasError):
+    """Training that cannot go on: its loss diverged to NaN or infinity."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that every clean-up (`finally`: temporary files) runs."""
+
+
+def interrupt_exit_code(interrupt: BaseException) -> int:
+    """What a shell reports for a process stopped by the signal: 128 + SIGTERM (15), or 128 + SIGINT (2)."""
+    return 143 if isinstance(interrupt, Terminated) else 130

@@ -48,7 +48,7 @@ class Sampler:
         return torch.multinomial(probs, num_samples=1, generator=self.generator)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float() / self.temperature
+        logits = tempered(logits.float(), self.temperature)
         if self.top_k is not None and self.top_k < logits.size(-1):
             kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -57,5 +57,14 @@ class Sampler:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass before it already does.
             drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p
+            drop_sorted[:, 0] = False  # a top_p below the top probability (or 0 in float32) keeps the top token
             probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
         return probs
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature; a row that the division overflows (a temperature too small to divide by) gets the
+    limit as temperature -> 0 instead, all its mass on the argmax: greedy, as temperature 0 is."""
+    scaled = logits / temperature
+    greedy = torch.full_like(logits, float("-inf")).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
+    return torch.where(scaled.amax(dim=-1, keepdim=True).isfinite(), scaled, greedy)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import save_checkpoint
-from .errors import InputError
+from .errors import InputError, TrainingError
 from .model import GPT
 
 
@@ -125,16 +125,23 @@ def train(
     tokenizer_spec: dict,
     start_step: int = 0,
     best_val_loss: float = math.inf,
+    *,
+    overwrite: bool = False,
 ) -> Iterator[TrainEvent]:
     """Train from start_step to settings.steps, yielding an event per step; the best-validation model is saved
-    atomically at each evaluation (and at the last step), so an interrupted run keeps its best checkpoint."""
+    atomically at each evaluation (and at the last step), so an interrupted run keeps its best checkpoint.
+
+    The first save replaces an existing out_path only with overwrite; later saves replace the run's own file. A loss
+    that becomes NaN or infinite stops the run with TrainingError, the last good checkpoint kept.
+    """
     device = next(model.parameters()).device
     block_size = model.config.block_size
     optimizer = make_optimizer(model, settings, device)
-    generator = torch.Generator().manual_seed(settings.seed + start_step)
+    generator = torch.Generator().manual_seed((settings.seed + start_step) % 2**64)
     model.train()
     started = time.perf_counter()
     tokens_per_step = settings.batch_size * block_size
+    best_step = start_step if math.isfinite(best_val_loss) else None  # the step the checkpoint at out_path holds
     for step in range(start_step, settings.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, settings)
@@ -146,16 +153,28 @@ def train(
         optimizer.step()
 
         done = step + 1
+        train_loss = check_finite(loss.item(), "training", done, out_path, best_step)
         elapsed = time.perf_counter() - started
         rate = (done - start_step) * tokens_per_step / elapsed
-        event = dict(step=done, train_loss=loss.item(), tokens_per_s=rate, elapsed_s=elapsed,
+        event = dict(step=done, train_loss=train_loss, tokens_per_s=rate, elapsed_s=elapsed,
                      eta_s=(settings.steps - done) * tokens_per_step / rate)
         if done % settings.eval_every == 0 or done == settings.steps:
-            val_loss = evaluate(model, data.val_ids, settings.eval_windows)
+            val_loss = check_finite(evaluate(model, data.val_ids, settings.eval_windows), "validation", done, out_path,
+                                    best_step)
             saved = val_loss < best_val_loss
             if saved:
-                best_val_loss = val_loss
+                best_val_loss, best_step = val_loss, done
                 metadata = {"training": json.dumps({"step": done, "val_loss": val_loss})}
-                save_checkpoint(out_path, model, tokenizer_spec, metadata)
+                save_checkpoint(out_path, model, tokenizer_spec, metadata, overwrite=overwrite)
+                overwrite = True  # the name is ours now: later bests replace it
             event.update(val_loss=val_loss, val_loss_per_char=val_loss * data.val_tokens_per_char, saved=saved)
         yield TrainEvent(**event)
+
+
+def check_finite(loss: float, what: str, step: int, out_path: str | Path, best_step: int | None) -> float:
+    """The loss, or TrainingError when it is NaN or infinite: the weights are ruined, and training on is pointless."""
+    if math.isfinite(loss):
+        return loss
+    kept = f"{out_path} keeps the best checkpoint, of step {best_step}" if best_step is not None else \
+        f"nothing was written to {out_path}"
+    raise TrainingError(f"the {what} loss became {loss} at step {step} (diverged: try a smaller --lr); {kept}")

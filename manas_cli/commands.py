@@ -27,6 +27,12 @@ def read_text_file(path: Path, what: str) -> str:
 
 
 def train(**options) -> None:
+    # Before any work, even importing torch: a run may replace --out only when told to (--resume continues it,
+    # --force replaces it), and never with its own input.
+    out: Path = options["out"]
+    replace = options["resume"] or options["force"]
+    check_output_file(out, replace, inputs=(options["text_file"], options["tokenizer_file"]))
+
     import torch
 
     from .render import stderr_console, train_progress
@@ -35,10 +41,6 @@ def train(**options) -> None:
     from .training import TrainSettings, make_dataset, train
 
     console = stderr_console()
-    out: Path = options["out"]
-    # Before any work: a run may replace --out only when told to (--resume continues it, --force replaces it).
-    replace = options["resume"] or options["force"]
-    check_output_file(out, replace, inputs=(options["text_file"], options["tokenizer_file"]))
     set_threads(options["threads"])
     text = read_text_file(options["text_file"], "training text")
     if options["resume"]:

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from .errors import InputError, interrupt_exit_code
+from .errors import CheckpointError, InputError, interrupt_exit_code
 from .files import check_output_file
 
 
@@ -80,8 +80,9 @@ def training_tokenizer(text: str, options: dict, console) -> dict | None:
         ranks = train_bpe(text, options["vocab_size"])
     if options["tokenizer_only"]:
         out = options["out"]
-        write = lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii")
-        atomic_write(out, write, overwrite=options["force"])
+        atomic_write(
+            out, lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii"), overwrite=options["force"]
+        )
         console.print(f"wrote {len(ranks)} BPE ranks to {out}")
         return None
     return bpe_spec(ranks)
@@ -116,8 +117,6 @@ def resumed_model(out: Path, device):
 
 def training_progress(text: str, path: Path) -> tuple[int, float]:
     """The step and validation loss in a checkpoint's `training` metadata (step 0 and no loss when it has none)."""
-    from .errors import CheckpointError
-
     try:
         progress = json.loads(text)
     except json.JSONDecodeError:

@@ -66,5 +66,8 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / temperature; a row that the division overflows (a temperature too small to divide by) gets the
     limit as temperature -> 0 instead, all its mass on the argmax: greedy, as temperature 0 is."""
     scaled = logits / temperature
+    overflowed = ~scaled.amax(dim=-1, keepdim=True).isfinite()
+    if not overflowed.any():  # the usual case: skip the argmax, which costs more than the division
+        return scaled
     greedy = torch.full_like(logits, float("-inf")).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
-    return torch.where(scaled.amax(dim=-1, keepdim=True).isfinite(), scaled, greedy)
+    return torch.where(overflowed, greedy, scaled)

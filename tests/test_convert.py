@@ -444,7 +444,7 @@ REFUSALS = {
     "multi-character-token": (setup_multi_character_meta, "token 'th' is not a single character"),
     "untied-lm-head": (setup_untied_head, "lm_head.weight differs from the token embedding"),
     "wrong-shape": (setup_model_args_disagreeing_with_tensors, "the config needs [96, 64]"),
-    "bias-flag-without-biases": (setup_bias_flag_disagreeing_with_tensors, "missing tensor for blocks.0.attention.output.bias"),
+    "bias-flag-without-biases": (setup_bias_flag_disagreeing_with_tensors, "missing tensor for blocks.0.ln_attention.bias"),
     "bare-weights-without-config": (setup_bare_safetensors_without_config, "pass --config PATH"),
     "not-gpt2": (setup_hf_config_of(model_type="llama"), "model_type is 'llama'; convert reads GPT-2 models"),
     "layer-scaled-attention": (setup_hf_config_of(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True has no manas equivalent"),

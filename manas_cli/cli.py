@@ -75,8 +75,20 @@ CacheOption = Annotated[
 ]
 
 
+def _show_version(value: bool) -> None:
+    """--version: the installed package's metadata, read without importing the engine (or torch)."""
+    if value:
+        from importlib.metadata import version
+
+        print(f"manas {version('manas')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def root(debug: Annotated[bool, typer.Option("--debug", help="Show the Python traceback of a failure.")] = False) -> None:
+def root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show the Python traceback of a failure.")] = False,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_show_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
     """Fast text generation from small GPT checkpoints, with a KV cache you can inspect."""
 
 

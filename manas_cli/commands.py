@@ -350,7 +350,7 @@ def bench(**options) -> None:
     import torch
 
     from .bench import model_size_bytes, run_bench, sweep
-    from .render import bench_progress, bench_table, stderr_console, sweep_chart
+    from .render import bench_progress, bench_table, json_line, stderr_console, sweep_chart
 
     require_stdout()
     console = stderr_console()
@@ -395,7 +395,7 @@ def bench(**options) -> None:
     if sweep_rows is not None:
         report["sweep"] = sweep_rows
     if options["json_output"]:
-        print(json.dumps(report))
+        print(json_line(report))
         return
     from rich.console import Console
 
@@ -411,7 +411,7 @@ def bench(**options) -> None:
 def inspect_cache(**options) -> None:
     from .generation import generate, prompt_batch, GenerationStats
     from .kv_cache import CacheSession, cache_report
-    from .render import cache_view, stderr_console
+    from .render import cache_view, json_line, stderr_console
     from .sampling import Sampler
 
     require_stdout()
@@ -443,7 +443,7 @@ def inspect_cache(**options) -> None:
         "decoded_tokens": options["tokens"],
     }
     if options["json_output"]:
-        print(json.dumps({**report, **header}))
+        print(json_line({**report, **header}))
         return
     from rich.console import Console
 

@@ -91,15 +91,25 @@ class Output:
         self.stream.flush()
 
     def json_line(self, record: dict) -> None:
-        import json
-
-        self.stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.stream.write(json_line(record) + "\n")
         self.stream.flush()
 
     def _rule(self) -> str:
         import shutil
 
         return "─" * min(80, shutil.get_terminal_size().columns) + "\n"
+
+
+# Legal raw inside a JSON string, but line ends to str.splitlines() and other splitters: escaped, so that a record
+# with such a character in its text is still one line. (json.dumps already escapes every C0 control character.)
+LINE_SEPARATORS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def json_line(record: dict) -> str:
+    """One JSON object on one line for any line splitter; the text stays readable UTF-8 otherwise."""
+    import json
+
+    return json.dumps(record, ensure_ascii=False).translate(LINE_SEPARATORS)
 
 
 def format_bytes(count: int) -> str:

@@ -259,54 +259,71 @@ def encode_prompt(checkpoint, text: str, console) -> list[int]:
 # ---- generate -------------------------------------------------------------------------------------------------
 
 
+# Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
+LATE_TOKENS = 32
+
+
 def generate(**options) -> None:
     import sys
+    from contextlib import nullcontext
 
     import torch
     import typer
 
     from .generation import GenerationStats, generate, prompt_batch
     from .kv_cache import CacheSession
-    from .render import Output, generation_stats_line, stderr_console
+    from .live import LiveDisplay, shares_terminal
+    from .render import Output, generation_stats_line, recompute_notice, stderr_console
     from .sampling import Sampler, seeded_generator
     from .streaming import TextStream
     from .tokenizer import decodable, end_of_text_id
 
     require_stdout()
     console = stderr_console(quiet=options["quiet"])
+    talk = sys.stderr.isatty() and not options["quiet"]  # notices meant for a person at a terminal
     show_stats = not options["quiet"] and (options["stats"] if options["stats"] is not None else sys.stderr.isatty())
+    live = show_stats and talk and not console.is_dumb_terminal
     text = read_prompt(options["prompt"], options["prompt_file"])
     checkpoint = load_model(options)
     model, encoding = checkpoint.model, checkpoint.encoding
     ids = encode_prompt(checkpoint, text, console)
-    batch = options["num_samples"]
+    batch, max_tokens, block_size = options["num_samples"], options["max_tokens"], model.config.block_size
     generator, seed = seeded_generator(options["seed"], model)
     sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], generator, torch.tensor(decodable(encoding)))
     eot = end_of_text_id(encoding)
     streams = [TextStream(encoding, eot, options["stop"] or ()) for _ in range(batch)]
-    out = Output(sys.stdout, json_lines=options["json_output"], samples=batch)
+    out = Output(sys.stdout, json_lines=options["json_output"], samples=batch,
+                 hold_lines=live and shares_terminal(sys.stdout, sys.stderr))
     stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = CacheSession(model, options["cache"].value)
-    steps = generate(
-        model, prompt_batch(ids, batch, model), sampler, options["max_tokens"], eot, options["overflow"].value, session
-    )
+    steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, options["overflow"].value, session)
+    display = LiveDisplay(console, out, streams, stats, max_tokens, block_size, session.storage)
+    warn_late = talk and options["overflow"].value == "recompute"
+
+    def on_step(step) -> None:
+        if warn_late and step.kind == "re_prefill" and stats.re_prefills == 1 and max_tokens - stats.steps >= LATE_TOKENS:
+            (display.notice if live else console.print)(recompute_notice(block_size))
+        if live:
+            display.update()
 
     if options["echo"]:
         out.text(0, text)
-    interruption = stream_text(steps, streams, stats, out)
+    with display if live else nullcontext():
+        interruption = stream_text(steps, streams, stats, out, on_step)
     storage = session.storage()
     if options["json_output"]:
         for stream in streams:
             out.json_line(sample_record(stream, stats, storage, seed))
     else:
         out.close_text([stream.text for stream in streams], echo=text if options["echo"] else None)
+    display.keep_notices()
     if show_stats:
         console.print(generation_stats_line(stats, storage))
     if interruption is not None:
         raise typer.Exit(interrupt_exit_code(interruption))
 
 
-def stream_text(steps, streams, stats, out) -> KeyboardInterrupt | None:
+def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None:
     """Print each row's text as its tokens arrive, until every row has finished; the Ctrl-C (or SIGTERM) that
     stopped it, if one did."""
     interruption = None
@@ -315,6 +332,7 @@ def stream_text(steps, streams, stats, out) -> KeyboardInterrupt | None:
             stats.update(step)
             for row, (stream, token) in enumerate(zip(streams, step.tokens)):
                 out.text(row, stream.feed(token))
+            on_step(step)
             if all(stream.finished for stream in streams):
                 break
     except KeyboardInterrupt as exc:

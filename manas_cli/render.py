@@ -68,23 +68,39 @@ def train_progress(console: Console, total_steps: int, start_step: int) -> Itera
 
 
 class Output:
-    """stdout, the product: streamed text for one sample, whole samples for several, or JSON lines."""
+    """stdout, the product: streamed text for one sample, whole samples for several, or JSON lines.
 
-    def __init__(self, stream, json_lines: bool, samples: int) -> None:
+    hold_lines (a live display on the same terminal) keeps the streamed text back until release(): the display
+    writes the complete lines between its frames, so they never cut through its region.
+    """
+
+    def __init__(self, stream, json_lines: bool, samples: int, hold_lines: bool = False) -> None:
         self.stream = stream
         self.json_lines = json_lines
         self.live = samples == 1 and not json_lines  # several samples decode together: print each when done
+        self.hold_lines = hold_lines
+        self.held = ""
 
     def text(self, row: int, piece: str) -> None:
         if self.live and piece:
-            self.stream.write(piece)
+            self.held += piece
+            if not self.hold_lines:
+                self.release(whole=True)
+
+    def release(self, whole: bool = False) -> None:
+        """Write the text held back: its complete lines, or all of it."""
+        cut = len(self.held) if whole else self.held.rfind("\n") + 1
+        if cut:
+            self.stream.write(self.held[:cut])
             self.stream.flush()
+            self.held = self.held[cut:]
 
     def close_text(self, texts: list[str], echo: str | None) -> None:
         """End the text: one newline after a streamed sample; several samples apart by a blank line (and a rule
         on a terminal)."""
         if self.live:
-            self.stream.write("\n")
+            self.stream.write(self.held + "\n")
+            self.held = ""
         else:
             rule = self._rule() if self.stream.isatty() else ""
             self.stream.write(("\n" + rule + "\n").join((echo or "") + text for text in texts) + "\n")
@@ -118,6 +134,16 @@ def format_bytes(count: int) -> str:
             return f"{count:,} B" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
+
+
+def recompute_explanation(block_size: int) -> str:
+    """Why generation slows past the window in the exact mode, and the way out."""
+    return (f"each further token re-prefills all {block_size} positions, exactly as crop-and-recompute; "
+            "--overflow shift is faster but no longer identical to it")
+
+
+def recompute_notice(block_size: int) -> str:
+    return f"notice: the context window is full: {recompute_explanation(block_size)}"
 
 
 def generation_stats_line(stats, storage: dict) -> str:
@@ -232,4 +258,5 @@ def cache_view(report: dict, header: dict):
                       f"grouped-query attention saves {saving:.0%}")
     if report["re_prefill_positions"]:
         totals.append("re-prefills at sequence positions " + ranges(report["re_prefill_positions"]))
+        totals.append(recompute_explanation(report["block_size"]))
     return Group(*lines, table, Text(""), *map(Text, totals))

@@ -4,18 +4,252 @@ notice when the window fills, JSON lines that survive any line splitter, and `ma
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import re
+import struct
 import subprocess
 import sys
+import termios
+import threading
+from dataclasses import dataclass
 from importlib.metadata import version
+from pathlib import Path
 
+import pyte
 import pytest
 import torch
 
-from cli_fixtures import MANAS, RUN_OPTIONS, cli_env, generate, manas  # noqa: F401
+from cli_fixtures import (  # noqa: F401 (checkpoints and rope are fixtures)
+    BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli_env, generate, manas, rope,
+)
 from manas_cli.checkpoint import save_checkpoint
 from manas_cli.model import GPT, GPTConfig
 from manas_cli.tokenizer import bpe_spec
+
+COLUMNS, ROWS = 160, 50  # wide enough for the stats line on one row
+END_FRAME = "\x1b[?2026l"  # the live display draws each frame as one synchronized update, ended by this
+STATUS_ROW = re.compile(r"(\d+)/(\d+) tokens( × \d+)? · (- |[\d,.]+ )tok/s · re-prefills \d+ · cache ▕.*▏ (\d+)/(\d+) · "
+                        r"[\d,.]+ (B|KiB|MiB) logical, [\d,.]+ (B|KiB|MiB) allocated")
+STATS_LINE = re.compile(r"prompt \d+ tokens · generated \d+( × \d+ samples)? · ttft .* · cache \d+ positions, .*")
+NOTICE = "notice: the context window is full: each further token re-prefills all 32 positions"
+PROMPT = "ROMEO:"
+SINGLE = (*RUN_OPTIONS, "-p", PROMPT, "-t", "0")
+N = "50"  # past the window (re-prefills), with too few tokens left then for the notice
+SAMPLES = (*RUN_OPTIONS, "-p", PROMPT, "--seed", "5", "--num-samples", "3", "-n", "40")
+
+
+@dataclass(frozen=True)
+class TerminalRun:
+    returncode: int
+    stdout: bytes  # what the stdout terminal, pipe or file received (b"" when stdout shares stderr's terminal)
+    stderr: bytes  # what stderr's terminal received (and stdout's, when they share it)
+
+
+def open_terminal() -> tuple[int, int]:
+    """A pseudo-terminal of COLUMNS × ROWS: (master, slave)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+    return master, slave
+
+
+def read_all(master: int, into: bytearray) -> None:
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every slave is closed and all was read
+            return
+        if not chunk:
+            return
+        into += chunk
+
+
+_terminal_runs: dict[tuple, TerminalRun] = {}
+
+
+def on_terminal(*args: str | Path, stdout: str | Path = "terminal", **env: str) -> TerminalRun:
+    """Run `manas generate -c <args>` with stderr on a pseudo-terminal and stdout on another one ("terminal"), on
+    the same one ("shared"), on a pipe ("pipe") or in a file (a Path). Identical runs are shared between tests."""
+    key = (args, stdout, tuple(sorted(env.items())))
+    if key in _terminal_runs:
+        return _terminal_runs[key]
+    err_master, err_slave = open_terminal()
+    masters, slaves, received = [err_master], [err_slave], [bytearray()]
+    if stdout == "terminal":
+        out_master, out_slave = open_terminal()
+        masters.insert(0, out_master)
+        slaves.append(out_slave)
+        received.insert(0, bytearray())
+    file = stdout.open("wb") if isinstance(stdout, Path) else None
+    out_target = file or {"terminal": slaves[-1], "shared": err_slave, "pipe": subprocess.PIPE}[stdout]
+    process = subprocess.Popen([*MANAS, "generate", "-c", *args], stdin=subprocess.DEVNULL, stdout=out_target,
+                               stderr=err_slave, env=cli_env(**env))
+    if file:
+        file.close()
+    for slave in slaves:
+        os.close(slave)
+    readers = [threading.Thread(target=read_all, args=pair) for pair in zip(masters, received)]
+    for reader in readers:
+        reader.start()
+    piped = process.stdout.read() if stdout == "pipe" else b""
+    process.wait(timeout=300)
+    for reader in readers:
+        reader.join(timeout=60)
+    for master in masters:
+        os.close(master)
+    out = {"pipe": piped, "terminal": bytes(received[0]), "shared": b""}.get(stdout) if file is None else stdout.read_bytes()
+    run = _terminal_runs[key] = TerminalRun(process.returncode, out, bytes(received[-1]))
+    assert run.returncode == 0, run.stderr.decode(errors="replace")
+    return run
+
+
+def screen(data: bytes) -> list[str]:
+    """The rows a terminal shows after receiving data, trailing blanks dropped."""
+    emulator = pyte.Screen(COLUMNS, ROWS)
+    pyte.ByteStream(emulator).feed(data)
+    rows = [row.rstrip() for row in emulator.display]
+    while rows and not rows[-1]:
+        rows.pop()
+    return rows
+
+
+def frames(data: bytes) -> list[list[str]]:
+    """The screen after each frame the live display drew (the last update it sends erases it)."""
+    ends = [match.end() for match in re.finditer(re.escape(END_FRAME.encode()), data)]
+    return [screen(data[:end]) for end in ends[:-1]]
+
+
+def status_rows(rows: list[str]) -> list[re.Match]:
+    return [match for row in rows if (match := STATUS_ROW.fullmatch(row))]
+
+
+def decoded_rows(text: str) -> list[str]:
+    """The rows a terminal shows for plain text whose lines are narrower than it."""
+    assert all(len(line) < COLUMNS for line in text.split("\n"))
+    return [line.rstrip() for line in text.split("\n")]
+
+
+# ---- the live status line ---------------------------------------------------------------------------------------
+
+
+def test_the_live_line_shows_the_run_on_stderr_and_gives_way_to_the_stats_line(rope):
+    run = on_terminal(rope.path, *SINGLE, "-n", N)
+    drawn = frames(run.stderr)
+    assert drawn, "no live frame was drawn"
+    progress = [status_rows(rows) for rows in drawn]
+    assert all(len(matches) == 1 for matches in progress)  # one status line in every frame, nothing else
+    tokens = [int(matches[0].group(1)) for matches in progress]
+    assert tokens == sorted(tokens) and tokens[-1] == int(N)  # counts up to the end
+    assert {matches[0].group(2) for matches in progress} == {N}
+    assert {matches[0].group(6) for matches in progress} == {str(BLOCK_SIZE)}
+    final = screen(run.stderr)
+    assert len(final) == 1 and STATS_LINE.fullmatch(final[0])  # the live line is gone; today's stats line stays
+
+
+def test_stdout_on_a_terminal_is_byte_for_byte_the_same_with_and_without_the_live_line(rope):
+    live = on_terminal(rope.path, *SINGLE, "-n", N)
+    plain = on_terminal(rope.path, *SINGLE, "-n", N, "--no-stats")
+    piped = generate(rope, "-p", PROMPT, "-t", "0", "-n", N).ok()
+    assert plain.stderr == b""
+    assert live.stdout == plain.stdout == piped.stdout.replace(b"\n", b"\r\n")  # the terminal's own \n -> \r\n
+    assert b"\x1b" not in live.stdout
+
+
+def test_on_one_terminal_the_text_scrolls_above_the_live_line_and_ends_as_without_it(rope):
+    """stdout and stderr on the same terminal: every frame shows the text so far above one status line, and the
+    final screen is the plain decode and the stats line."""
+    piped = generate(rope, "-p", PROMPT, "-t", "0", "-n", N).ok()
+    expected = decoded_rows(piped.out.removesuffix("\n"))
+    run = on_terminal(rope.path, *SINGLE, "-n", N, stdout="shared")
+    drawn = frames(run.stderr)
+    assert drawn
+    for rows in drawn:
+        *text, status = rows
+        assert STATUS_ROW.fullmatch(status)
+        assert "\n".join(expected).startswith("\n".join(text))
+    *text, stats = screen(run.stderr)
+    assert text == expected and STATS_LINE.fullmatch(stats)
+    without = screen(on_terminal(rope.path, *SINGLE, "-n", N, "--no-stats", stdout="shared").stderr)
+    assert without == "\n".join(expected).rstrip("\n").split("\n")  # (screen() drops the trailing blank rows)
+
+
+@pytest.mark.parametrize("stdout", ["pipe", "file"])
+def test_stdout_on_a_pipe_or_a_file_is_unchanged_and_free_of_escape_codes(rope, tmp_path, stdout):
+    """stderr on a terminal shows the live line; stdout, elsewhere, gets the bytes it gets without one."""
+    piped = generate(rope, "-p", PROMPT, "-t", "0", "-n", N).ok()
+    run = on_terminal(rope.path, *SINGLE, "-n", N, stdout=stdout if stdout == "pipe" else tmp_path / "out.txt")
+    assert run.stdout == piped.stdout
+    assert b"\x1b" not in run.stdout
+    assert all(len(status_rows(rows)) == 1 for rows in frames(run.stderr))
+    assert STATS_LINE.fullmatch(*screen(run.stderr))
+
+
+@pytest.mark.parametrize("flags, env, expected", [
+    ((), {"TERM": "dumb"}, ["notice", "stats"]),
+    (("--no-stats",), {}, ["notice"]),
+    (("--quiet",), {}, []),
+], ids=["TERM=dumb", "--no-stats", "--quiet"])
+def test_no_live_line_on_a_dumb_terminal_without_stats_or_when_quiet(rope, flags, env, expected):
+    run = on_terminal(rope.path, *SINGLE, "-n", "80", *flags, **env)
+    assert b"\x1b" not in run.stderr  # no frame, no colour, no cursor movement
+    lines = run.stderr.decode().replace("\r\n", "\n").splitlines()
+    kinds = ["stats" if STATS_LINE.fullmatch(line) else line.split(":")[0] for line in lines]
+    assert kinds == expected
+    assert run.stdout == on_terminal(rope.path, *SINGLE, "-n", "80").stdout
+
+
+# ---- the notice when recompute mode starts re-prefilling ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, noticed", [
+    (("-n", "80"), True),
+    (("-n", N), False),  # re-prefills, but fewer than 32 tokens are left when they start
+    (("-n", "80", "--overflow", "shift"), False),
+], ids=["recompute-80", "recompute-50", "shift-80"])
+def test_a_notice_says_why_recompute_mode_slows_once_the_window_is_full(rope, flags, noticed):
+    record = generate(rope, "-p", PROMPT, "-t", "0", *flags, "--json").ok().json()
+    assert record["re_prefills"] > 0
+    run = on_terminal(rope.path, *SINGLE, *flags)
+    final = screen(run.stderr)
+    assert (final[0].startswith(NOTICE)) == noticed
+    assert STATS_LINE.fullmatch(final[-1])
+    assert len(final) == (3 if noticed else 1)  # the notice, wrapped once, above the stats line
+    if noticed:  # shown in the live region from the moment the window filled, then kept above the stats line
+        shown = [" ".join(rows) for rows in frames(run.stderr)]
+        assert any(NOTICE in rows and "--overflow shift is faster but no longer identical to it" in rows
+                   for rows in shown)
+
+
+def test_inspect_cache_explains_the_re_prefills_it_reports(rope):
+    run = manas("inspect-cache", "-c", rope.path, *RUN_OPTIONS, "-p", PROMPT, "--tokens", "40").ok()
+    assert "re-prefills at sequence positions" in run.out
+    assert f"each further token re-prefills all {BLOCK_SIZE} positions, exactly as crop-and-recompute" in run.out
+
+
+# ---- several samples -----------------------------------------------------------------------------------------------
+
+
+def test_several_samples_grow_together_in_their_own_regions_then_print_as_today(rope):
+    texts = [record["text"] for record in generate(rope, *SAMPLES[len(RUN_OPTIONS):], "--json").ok().json_lines()]
+    run = on_terminal(rope.path, *SAMPLES)
+    drawn = frames(run.stderr)
+    assert drawn
+    for rows in drawn:
+        headers = [index for index, row in enumerate(rows) if row.startswith("── sample ")]
+        assert [rows[index].split(" · ")[0] for index in headers] == [f"── sample {n}" for n in (1, 2, 3)]
+        assert STATUS_ROW.fullmatch(rows[-1]) and STATUS_ROW.fullmatch(rows[-1]).group(3) == " × 3"
+        for sample, (start, end) in enumerate(zip(headers, [*headers[1:], len(rows) - 1])):
+            shown = "\n".join(rows[start + 1 : end])
+            assert shown in "\n".join(decoded_rows(texts[sample]))
+    *regions, _ = drawn[-1]  # the final frame holds each sample whole (they fit the screen), under its header
+    assert [row for row in regions if not row.startswith("── sample ")] == [
+        row for text in texts for row in decoded_rows(text)]
+    plain = on_terminal(rope.path, *SAMPLES, "--no-stats")
+    assert run.stdout == plain.stdout  # stdout as today: each sample at the end, apart by a rule
+    assert len(screen(run.stderr)) == 1 and STATS_LINE.fullmatch(screen(run.stderr)[0])
+
 
 # ---- JSON lines ---------------------------------------------------------------------------------------------------
 

@@ -296,12 +296,14 @@ def generate(**options) -> None:
                  hold_lines=live and shares_terminal(sys.stdout, sys.stderr))
     stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = CacheSession(model, options["cache"].value)
-    steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, options["overflow"].value, session)
+    overflow = options["overflow"].value
+    steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session)
     display = LiveDisplay(console, out, streams, stats, max_tokens, block_size, session.storage)
-    warn_late = talk and options["overflow"].value == "recompute"
+    warn_late = talk and overflow == "recompute"
 
     def on_step(step) -> None:
-        if warn_late and step.kind == "re_prefill" and stats.re_prefills == 1 and max_tokens - stats.steps >= LATE_TOKENS:
+        window_filled = step.kind == "re_prefill" and stats.re_prefills == 1
+        if warn_late and window_filled and max_tokens - stats.steps >= LATE_TOKENS:
             (display.notice if live else console.print)(recompute_notice(block_size))
         if live:
             display.update()

@@ -54,9 +54,10 @@ class LiveDisplay:
         failure, the text held back goes out as it would have without the display."""
         if error_type is None:
             self.frame()
-        self._write(BEGIN_FRAME + self._erase())
-        self.out.release(whole=error_type is not None)
-        self._write(SHOW_CURSOR + END_FRAME)
+        self._write(BEGIN_FRAME + self._erase() + SHOW_CURSOR + END_FRAME)
+        self._rows = 0
+        if error_type is not None:
+            self.out.release(whole=True)
 
     def update(self) -> None:
         if self._drawn_at is None or time.monotonic() - self._drawn_at >= REFRESH_S:
@@ -81,8 +82,9 @@ class LiveDisplay:
         self._drawn_at = time.monotonic()
 
     def _region(self, width: int, height: int) -> list[Text]:
-        status = status_line(self.stats, self.max_tokens, self.storage(), self.block_size).wrap(self.console, width - 1)
-        notices = [row for message in self.notices for row in Text(message, style="yellow").wrap(self.console, width - 1)]
+        wrap = width - 1  # rows end short of the last column, where a terminal would hold the cursor pending a wrap
+        status = status_line(self.stats, self.max_tokens, self.storage(), self.block_size).wrap(self.console, wrap)
+        notices = [row for message in self.notices for row in Text(message, style="yellow").wrap(self.console, wrap)]
         room = max(0, height - 1 - len(status) - len(notices))  # one row spare: a full screen would scroll
         if len(self.streams) > 1:
             body = sample_rows(self.streams, width, room)

@@ -272,7 +272,7 @@ def generate(**options) -> None:
 
     from .generation import GenerationStats, generate, prompt_batch
     from .kv_cache import CacheSession
-    from .live import LiveDisplay, shares_terminal
+    from .live import LiveDisplay, piped, shares_terminal
     from .render import Output, generation_stats_line, recompute_notice, stderr_console
     from .sampling import Sampler, seeded_generator
     from .streaming import TextStream
@@ -282,7 +282,7 @@ def generate(**options) -> None:
     console = stderr_console(quiet=options["quiet"])
     talk = sys.stderr.isatty() and not options["quiet"]  # notices meant for a person at a terminal
     show_stats = not options["quiet"] and (options["stats"] if options["stats"] is not None else sys.stderr.isatty())
-    live = show_stats and talk and not console.is_dumb_terminal
+    live = show_stats and talk and not console.is_dumb_terminal and not piped(sys.stdout)
     text = read_prompt(options["prompt"], options["prompt_file"])
     checkpoint = load_model(options)
     model, encoding = checkpoint.model, checkpoint.encoding

@@ -1,5 +1,6 @@
 """The live display of `manas generate` on a terminal: a status line on stderr (and, for several samples, one region
 per sample growing above it), redrawn below the streamed text at most ten times a second and erased at the end.
+It needs stderr on a terminal and stdout on a terminal or in a file (see piped()).
 
 When stdout is the same terminal, the text's complete lines are written to stdout between erasing the region and
 drawing it again, so text and status never interleave, and the line still being written shows in the region. The
@@ -9,6 +10,7 @@ bytes of stdout are those written without the display; only the moment they are 
 from __future__ import annotations
 
 import os
+import stat
 import time
 import unicodedata
 from collections.abc import Callable
@@ -140,3 +142,10 @@ def fold(text: str, width: int) -> list[str]:
 def shares_terminal(stdout, stderr) -> bool:
     """stdout is the very terminal the display draws on (not a pipe, a file or another terminal)."""
     return stdout.isatty() and os.path.sameopenfile(stdout.fileno(), stderr.fileno())
+
+
+def piped(stdout) -> bool:
+    """stdout goes to a pipe or a socket, whose reader (head, tee, less) may write to the terminal the display
+    draws on: the region would then erase or garble what that reader shows, so there is none."""
+    mode = os.fstat(stdout.fileno()).st_mode
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)

@@ -292,8 +292,8 @@ def generate(**options) -> None:
     sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], generator, torch.tensor(decodable(encoding)))
     eot = end_of_text_id(encoding)
     streams = [TextStream(encoding, eot, options["stop"] or ()) for _ in range(batch)]
-    out = Output(sys.stdout, json_lines=options["json_output"], samples=batch,
-                 hold_lines=live and shares_terminal(sys.stdout, sys.stderr))
+    shared = shares_terminal(sys.stdout, sys.stderr)
+    out = Output(sys.stdout, json_lines=options["json_output"], samples=batch, hold_lines=live and shared)
     stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = CacheSession(model, options["cache"].value)
     overflow = options["overflow"].value
@@ -304,7 +304,8 @@ def generate(**options) -> None:
     def on_step(step) -> None:
         window_filled = step.kind == "re_prefill" and stats.re_prefills == 1
         if warn_late and window_filled and max_tokens - stats.steps >= LATE_TOKENS:
-            (display.notice if live else console.print)(recompute_notice(block_size))
+            # On the text's own terminal a notice would cut through a line: the live region shows it, or it waits.
+            (display.notice if live or shared else console.print)(recompute_notice(block_size))
         if live:
             display.update()
 

@@ -230,6 +230,15 @@ def test_a_notice_says_why_recompute_mode_slows_once_the_window_is_full(rope, fl
                    for rows in shown)
 
 
+def test_on_the_text_s_own_terminal_without_the_live_line_the_notice_waits_for_the_end_of_the_text(rope):
+    piped = generate(rope, "-p", PROMPT, "-t", "0", "-n", "80").ok()
+    *text, notice_head, notice_tail = screen(on_terminal(rope.path, *SINGLE, "-n", "80", "--no-stats",
+                                                          stdout="shared").stderr)
+    assert text == decoded_rows(piped.out.removesuffix("\n"))
+    notice = notice_head + notice_tail  # the terminal wraps it
+    assert notice.startswith(NOTICE) and notice.endswith("no longer identical to it")
+
+
 def test_inspect_cache_explains_the_re_prefills_it_reports(rope):
     run = manas("inspect-cache", "-c", rope.path, *RUN_OPTIONS, "-p", PROMPT, "--tokens", "40").ok()
     assert "re-prefills at sequence positions" in run.out

@@ -91,16 +91,17 @@ class Output:
         """Write the text held back: its complete lines, or all of it."""
         cut = len(self.held) if whole else self.held.rfind("\n") + 1
         if cut:
-            self.stream.write(self.held[:cut])
+            # Take the text before writing it: a Ctrl-C during the write must not leave it to be written again.
+            ready, self.held = self.held[:cut], self.held[cut:]
+            self.stream.write(ready)
             self.stream.flush()
-            self.held = self.held[cut:]
 
     def close_text(self, texts: list[str], echo: str | None) -> None:
         """End the text: one newline after a streamed sample; several samples apart by a blank line (and a rule
         on a terminal)."""
         if self.live:
-            self.stream.write(self.held + "\n")
-            self.held = ""
+            rest, self.held = self.held, ""
+            self.stream.write(rest + "\n")
         else:
             rule = self._rule() if self.stream.isatty() else ""
             self.stream.write(("\n" + rule + "\n").join((echo or "") + text for text in texts) + "\n")

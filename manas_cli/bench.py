@@ -129,7 +129,3 @@ def peak_memory_bytes(model: GPT) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def model_size_bytes(model: GPT) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())

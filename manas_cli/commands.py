@@ -181,17 +181,31 @@ def require_stdout() -> None:
 
 
 def load_model(options: dict):
-    """The checkpoint on the chosen device, dtype and thread count, its weights laid out for decoding."""
+    """The checkpoint on the chosen device, dtype and thread count, quantized if asked, its float weights laid out
+    for decoding."""
     from .checkpoint import load_checkpoint
     from .model import use_decode_layout
+    from .quantize import is_quantized
     from .runtime import resolve_device, resolve_dtype, set_threads
 
     set_threads(options["threads"])
     device = resolve_device(options["device"].value)
     dtype = resolve_dtype(options["dtype"].value, device)
     checkpoint = load_checkpoint(checkpoint_file(resolve_checkpoint(options["checkpoint"])), device=device, dtype=dtype)
-    use_decode_layout(checkpoint.model)
+    if options["quantize"] is not None:
+        quantize_checkpoint(checkpoint, "run it without --quantize")
+    if not is_quantized(checkpoint.model):  # int8 layers keep their own layout; the embeddings gain nothing
+        use_decode_layout(checkpoint.model)
     return checkpoint
+
+
+def quantize_checkpoint(checkpoint, hint: str) -> None:
+    """Quantize a loaded float checkpoint's model to int8, refusing one that is int8 already."""
+    from .quantize import int8_tensor_names, quantize_model
+
+    if int8 := int8_tensor_names(checkpoint.model):
+        raise InputError(f"{checkpoint.path} is already quantized: its tensor {int8[0]} is int8 ({hint})")
+    quantize_model(checkpoint.model)
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
@@ -273,6 +287,7 @@ def generate(**options) -> None:
     from .generation import GenerationStats, generate, prompt_batch
     from .kv_cache import CacheSession
     from .live import LiveDisplay, piped, shares_terminal
+    from .quantize import weights_name
     from .render import Output, generation_stats_line, recompute_notice, stderr_console
     from .sampling import Sampler, seeded_generator
     from .streaming import TextStream
@@ -316,7 +331,7 @@ def generate(**options) -> None:
     storage = session.storage()
     if options["json_output"]:
         for stream in streams:
-            out.json_line(sample_record(stream, stats, storage, seed))
+            out.json_line(sample_record(stream, stats, storage, seed, weights_name(model)))
     else:
         out.close_text([stream.text for stream in streams], echo=text if options["echo"] else None)
     display.keep_notices()
@@ -347,7 +362,7 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
     return interruption
 
 
-def sample_record(stream, stats, storage: dict, seed: int) -> dict:
+def sample_record(stream, stats, storage: dict, seed: int, weights: str) -> dict:
     """One --json line: the contract fields first, extras after."""
     return {
         "text": stream.text,
@@ -361,6 +376,7 @@ def sample_record(stream, stats, storage: dict, seed: int) -> dict:
         "re_prefills": stats.re_prefills,
         "cache": storage,
         "seed": seed,
+        "weights": weights,
     }
 
 
@@ -370,7 +386,8 @@ def sample_record(stream, stats, storage: dict, seed: int) -> dict:
 def bench(**options) -> None:
     import torch
 
-    from .bench import model_size_bytes, run_bench, sweep
+    from .bench import run_bench, sweep
+    from .quantize import weights_bytes, weights_name
     from .render import bench_progress, bench_table, json_line, stderr_console, sweep_chart
 
     require_stdout()
@@ -381,11 +398,13 @@ def bench(**options) -> None:
     info = {
         "path": str(checkpoint.path),
         "parameters": model.num_parameters(),
-        "size_bytes": model_size_bytes(model),
+        "size_bytes": weights_bytes(model),
         "block_size": model.config.block_size,
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "weights": weights_name(model),
+        "weights_bytes": weights_bytes(model),
     }
     runs = options["repeat"] * (2 if options["baseline"] else 1)
     with bench_progress(console, runs) as advance:
@@ -432,6 +451,7 @@ def bench(**options) -> None:
 def inspect_cache(**options) -> None:
     from .generation import generate, prompt_batch, GenerationStats
     from .kv_cache import CacheSession, cache_report
+    from .quantize import weights_bytes, weights_name
     from .render import cache_view, json_line, stderr_console
     from .sampling import Sampler
 
@@ -460,6 +480,8 @@ def inspect_cache(**options) -> None:
         "n_kv_head": config.n_kv_head,
         "head_size": config.head_size,
         "device": str(next(model.parameters()).device),
+        "weights": weights_name(model),
+        "weights_bytes": weights_bytes(model),
         "prompt_tokens": len(ids),
         "decoded_tokens": options["tokens"],
     }
@@ -487,6 +509,21 @@ def convert(**options) -> None:
         f"converted the {result.source_kind} {options['src']}: {result.parameters:,} parameters "
         f"(n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, block_size={config.block_size}, "
         f"vocab_size={config.vocab_size}, bias={config.bias}), tokenizer: {result.tokenizer}\nwrote {options['out']}"
+    )
+
+
+def quantize(**options) -> None:
+    from .checkpoint import load_checkpoint, save_checkpoint
+    from .files import refuse_existing
+    from .render import stderr_console
+
+    src, out = options["checkpoint"], options["out"]
+    refuse_existing(out, options["force"])
+    checkpoint = load_checkpoint(src)
+    quantize_checkpoint(checkpoint, "there is nothing to quantize")
+    save_checkpoint(out, checkpoint.model, checkpoint.tokenizer_spec, overwrite=options["force"])
+    stderr_console().print(
+        f"quantized {src} to int8: {src.stat().st_size:,} → {out.stat().st_size:,} bytes\nwrote {out}"
     )
 
 

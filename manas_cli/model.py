@@ -226,8 +226,10 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_parameters(self) -> int:
-        """Distinct parameters (the tied lm_head counted once)."""
-        return sum(p.numel() for p in self.parameters())
+        """The weights' values, counted as in the float model: the output layer (tied, or an int8 copy) is the token
+        embedding, and int8 scales are not parameters of their own."""
+        return sum(t.numel() for name, t in self.state_dict().items()
+                   if not name.startswith("lm_head.") and not name.endswith(".scales"))
 
     def hidden_states(self, idx: torch.Tensor, start_pos: int = 0, caches=None) -> torch.Tensor:
         """The final-normed residual stream for tokens at positions start_pos..start_pos+T-1."""

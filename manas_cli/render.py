@@ -180,7 +180,8 @@ def bench_table(report: dict):
 
     model = report["model"]
     header = Text(
-        f"{model['path']}\n{model['parameters']:,} parameters · {format_bytes(model['size_bytes'])} · "
+        f"{model['path']}\n{model['parameters']:,} parameters · {model['weights']} weights "
+        f"{format_bytes(model['weights_bytes'])} · "
         f"block_size {model['block_size']} · {model['device']} · {model['dtype']} · {model['threads']} threads · "
         f"batch {report['batch']} · {report['repeat']} runs · overflow {report['overflow']}"
     )
@@ -237,7 +238,8 @@ def cache_view(report: dict, header: dict):
     lines = [
         Text(f"{header['checkpoint']}"),
         Text(f"{header['n_layer']} layers · {header['n_head']} query heads · {header['n_kv_head']} kv heads · "
-             f"head size {header['head_size']} · {report['dtype']} · {header['device']}"),
+             f"head size {header['head_size']} · {report['dtype']} · {header['device']} · "
+             f"{header['weights']} weights {format_bytes(header['weights_bytes'])}"),
         Text(f"positions {report['positions']}/{report['block_size']} {bar(fill, 40):<40} {fill:.0%}"),
         Text(""),
     ]

@@ -18,10 +18,13 @@ from safetensors.torch import save
 from .errors import CheckpointError, TokenizerError
 from .files import atomic_write
 from .model import GPT, GPTConfig, parameter_shapes
+from .quantize import dequantize_rows, is_quantized, load_int8
 from .tokenizer import build_encoding, parse_spec, vocabulary_size
 
 FORMAT = "manas-gpt"
 FORMAT_VERSION = "1"
+INT8_FORMAT_VERSION = "2"  # format 1 with int8 matrices and their scales (FORMAT.md, "Version 2: int8 weights")
+INT8 = "int8"  # the `quantization` metadata of a version-2 file
 TIED = "lm_head.weight"  # tied to token_embedding.weight: never stored, tied again on load
 
 
@@ -40,15 +43,13 @@ def save_checkpoint(
     """Validate that the tokenizer fits the model, then write the checkpoint atomically (see files.atomic_write)."""
     encoding = build_encoding(tokenizer_spec)
     _check_vocabulary(encoding, model.config, path)
-    tensors = {
-        name: tensor.detach().to("cpu").contiguous()
-        for name, tensor in model.state_dict().items()
-        if name != TIED
-    }
+    quantized = is_quantized(model)
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in stored_state(model, quantized).items()}
     metadata = {
         **(extra_metadata or {}),
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": INT8_FORMAT_VERSION if quantized else FORMAT_VERSION,
+        **({"quantization": INT8} if quantized else {}),
         "config": json.dumps(model.config.to_dict()),
         "tokenizer": json.dumps(tokenizer_spec),
     }
@@ -57,15 +58,40 @@ def save_checkpoint(
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(save(tensors, metadata=metadata)), overwrite=overwrite)
 
 
+def stored_state(model: GPT, quantized: bool) -> dict[str, torch.Tensor]:
+    """The model's tensors by their stored names. Format 1 leaves out the tied lm_head; format 2 stores the int8
+    output layer in the token embedding's place (it is that matrix, quantized), and no float copy of it."""
+    state = model.state_dict()
+    if not quantized:
+        del state[TIED]
+        return state
+    del state["token_embedding.weight"]
+    return {name.replace("lm_head.", "token_embedding.", 1): tensor for name, tensor in state.items()}
+
+
+def scales_name(weight_name: str) -> str:
+    """A stored int8 matrix's scales: `blocks.0.ffn.up.weight` → `blocks.0.ffn.up.scales`."""
+    return weight_name.removesuffix("weight") + "scales"
+
+
 # The dtypes a tensor may be stored in, by the name the safetensors header gives them: one rule, in one place, for
-# every format version (a quantized format extends this table and expected_dtypes rather than adding checks).
-TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-FLOAT_DTYPES = tuple(TORCH_DTYPES)
+# every format version.
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+INT8_DTYPES = ("I8",)
+TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+                "I8": torch.int8}
 
 
-def expected_dtypes(name: str) -> tuple[str, ...]:
-    """The header dtypes tensor `name` may have: every weight is a real floating-point tensor."""
-    return FLOAT_DTYPES
+def stored_tensors(config: GPTConfig, quantized: bool) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+    """Name, shape and allowed dtypes of every tensor a checkpoint of this config holds, lazily. Format 2 stores
+    each matrix the model multiplies by (every 2-D tensor but the position table) as int8, followed by its
+    scales, one per row."""
+    for name, shape in parameter_shapes(config):
+        if quantized and len(shape) == 2 and name != "position_embedding.weight":
+            yield name, shape, INT8_DTYPES
+            yield scales_name(name), shape[:1], FLOAT_DTYPES
+        else:
+            yield name, shape, FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -88,6 +114,10 @@ class Header:
     encoding: tiktoken.Encoding
     tensors: dict[str, TensorEntry]
 
+    @property
+    def quantized(self) -> bool:
+        return self.metadata["format_version"] == INT8_FORMAT_VERSION
+
 
 def read_metadata(path: str | Path) -> dict[str, str]:
     """The checkpoint's string metadata, after checking that it is a manas checkpoint of a version we read."""
@@ -109,10 +139,24 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     # A real (random) init, then overwritten: cheaper than building on the meta device, whose init imports
     # torch._dynamo (over a second of every command's start-up). Its size is now backed by the file's tensors.
     model = GPT(header.config)
+    int8 = _split_int8(state) if header.quantized else {}
     model.load_state_dict(state, strict=False, assign=True)
     model.lm_head.weight = model.token_embedding.weight  # assign=True replaced the tied parameter
     model = model.to(device=device, dtype=dtype).eval()
+    if int8:  # after the cast: it would cast the scales too
+        load_int8(model, int8)
     return Checkpoint(model, header.encoding, header.tokenizer_spec, path)
+
+
+def _split_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Take a version-2 file's int8 matrices and scales out of `state`, by module name (the stored token embedding
+    is the output layer), and leave the token embedding as its dequantized rows."""
+    int8 = {}
+    for name in [name for name, tensor in state.items() if tensor.dtype == torch.int8]:
+        module = "lm_head." if name == "token_embedding.weight" else name.removesuffix("weight")
+        int8[module + "weight"], int8[module + "scales"] = state.pop(name), state.pop(scales_name(name))
+    state["token_embedding.weight"] = dequantize_rows(int8["lm_head.weight"], int8["lm_head.scales"])
+    return int8
 
 
 def read_header(f: BinaryIO, path: Path) -> Header:
@@ -130,8 +174,9 @@ def read_header(f: BinaryIO, path: Path) -> Header:
     except TokenizerError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     _check_vocabulary(encoding, config, path)
-    check_tensors(tensors, config, path)
-    return Header(metadata, config, spec, encoding, tensors)
+    header = Header(metadata, config, spec, encoding, tensors)
+    check_tensors(tensors, stored_tensors(config, header.quantized), path)
+    return header
 
 
 def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
@@ -162,18 +207,19 @@ def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], di
     return metadata or {}, tensors
 
 
-def check_tensors(tensors: dict[str, TensorEntry], config: GPTConfig, path: Path) -> None:
-    """Every tensor the config needs, with its shape and an allowed dtype, and no other. Walks the config's tensors
-    lazily, so a claim of more layers than the file holds stops at the first missing one."""
+def check_tensors(tensors: dict[str, TensorEntry], expected: Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]],
+                  path: Path) -> None:
+    """Every expected tensor (stored_tensors), with its shape and an allowed dtype, and no other. Walks the expected
+    tensors lazily, so a config's claim of more layers than the file holds stops at the first missing one."""
     seen = set()
-    for name, shape in parameter_shapes(config):
+    for name, shape, allowed in expected:
         if name not in tensors:
             raise CheckpointError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
         entry = tensors[name]
         if entry.shape != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {list(entry.shape)}, the config needs {list(shape)}")
-        if entry.dtype not in expected_dtypes(name):
-            raise CheckpointError(f"{path}: tensor {name} is {entry.dtype}; it must be one of {', '.join(expected_dtypes(name))}")
+        if entry.dtype not in allowed:
+            raise CheckpointError(f"{path}: tensor {name} is {entry.dtype}; it must be {_dtype_rule(allowed)}")
         seen.add(name)
     if unexpected := sorted(set(tensors) - seen):
         raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]} (not part of this config's model)")
@@ -221,11 +267,22 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
             f"{path}: not a manas checkpoint (no format/config metadata); "
             "`manas convert` imports nanoGPT and Hugging Face GPT-2 weights"
         )
-    if metadata.get("format_version") != FORMAT_VERSION:
+    version = metadata.get("format_version")
+    if version not in (FORMAT_VERSION, INT8_FORMAT_VERSION):
         raise CheckpointError(
-            f"{path}: unsupported format_version {metadata.get('format_version')!r} (this manas reads {FORMAT_VERSION})"
+            f"{path}: unsupported format_version {version!r} "
+            f"(this manas reads {FORMAT_VERSION}, and {INT8_FORMAT_VERSION} with int8 weights)"
+        )
+    if version == INT8_FORMAT_VERSION and metadata.get("quantization") != INT8:
+        raise CheckpointError(
+            f"{path}: format_version {version} with quantization {metadata.get('quantization')!r}: "
+            f"this manas reads {INT8!r} only"
         )
     return metadata
+
+
+def _dtype_rule(allowed: tuple[str, ...]) -> str:
+    return "int8 (I8) in a quantized checkpoint" if allowed == INT8_DTYPES else f"floating point ({', '.join(allowed)})"
 
 
 def _unreadable(path: Path, reason: str) -> CheckpointError:

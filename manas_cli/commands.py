@@ -109,8 +109,11 @@ def new_model(spec: dict, options: dict):
 def resumed_model(out: Path, device):
     """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
     from .checkpoint import load_checkpoint, read_metadata
+    from .quantize import is_quantized
 
     checkpoint = load_checkpoint(out, device=device)
+    if is_quantized(checkpoint.model):
+        raise InputError(f"{out} is an int8 checkpoint: training needs float weights (resume from the float one)")
     step, val_loss = training_progress(read_metadata(out).get("training", "{}"), out)
     return checkpoint.model, checkpoint.tokenizer_spec, step, val_loss
 

@@ -23,6 +23,7 @@ from .convert import gpt2_name, is_gpt2_linear_weight
 from .errors import CheckpointError, InputError
 from .files import claim_folder
 from .model import GPT, GPTConfig
+from .quantize import dequantize_model
 from .tokenizer import END_OF_TEXT, GPT2_PAT_STR
 
 GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}
@@ -234,6 +235,7 @@ def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Expor
 
     check_out_dir(out, force)
     checkpoint = load_checkpoint(checkpoint_path)
+    dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
     config = checkpoint.model.config
     check_exportable(config, checkpoint_path)
     texts = tokenizer_files(checkpoint.encoding, config.block_size, checkpoint_path)

@@ -143,7 +143,7 @@ def other_format(path, spec):
 
 def future_version(path, spec):
     tensors, metadata = valid_tensors_and_metadata(spec)
-    save_file(tensors, path, metadata={**metadata, "format_version": "2"})
+    save_file(tensors, path, metadata={**metadata, "format_version": "3"})
 
 
 def missing_tensor(path, spec):
@@ -208,7 +208,7 @@ BAD_FILES = [
     (corrupt_header, "not a readable safetensors file.*truncated or corrupt"),
     (plain_safetensors, "not a manas checkpoint.*`manas convert` imports nanoGPT and Hugging Face GPT-2"),
     (other_format, "not a manas checkpoint.*manas convert"),
-    (future_version, "unsupported format_version '2'.*reads 1"),
+    (future_version, "unsupported format_version '3'.*reads 1"),
     (missing_tensor, r"missing tensor blocks\.1\.ffn\.down\.weight \(expected shape \[32, 128\]\)"),
     (unexpected_tensor, r"unexpected tensor blocks\.2\.ffn\.up\.weight"),
     (stored_lm_head, r"unexpected tensor lm_head\.weight"),

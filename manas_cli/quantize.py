@@ -15,12 +15,22 @@ COMPUTE_DTYPE = torch.bfloat16
 # The kernel works row by row; above this many rows (a prompt's prefill) one float32 GEMM over the dequantized
 # weight is faster (768 → 2304: 4.0 ms against 3.2 ms at 64 rows, 0.99 against 2.1 ms at 16, on 1 thread).
 KERNEL_MAX_ROWS = 32
+# What torch's kernel silently assumes (torch 2.13; tested in tests/test_quantize.py): rows of a multiple of 16
+# values (others read garbage or crash), and inputs on 64-byte boundaries (its aligned vector loads crash on a
+# tensor mapped from a file, or a view into the middle of one).
+KERNEL_IN_FEATURES_MULTIPLE = 16
+KERNEL_ALIGNMENT = 64
 QUANTIZE_SLICE_ELEMENTS = 1 << 18  # 1 MiB of float32 rows: quantize_rows' temporaries fit in cache
 
 
 def has_int8_kernel() -> bool:
     """Whether this torch has _weight_int8pack_mm (2.4 and later)."""
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor, or a copy of it on a 64-byte boundary (a fresh allocation is; a slice or a mapped file may not be)."""
+    return tensor if tensor.data_ptr() % KERNEL_ALIGNMENT == 0 else tensor.clone()
 
 
 @torch.no_grad()
@@ -58,10 +68,11 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: nn.Parameter | None = None,
                  kernel: bool | None = None) -> None:
         super().__init__()
-        self.register_buffer("weight", weight)
-        self.register_buffer("scales", scales)
+        self.register_buffer("weight", _aligned(weight.contiguous()))
+        self.register_buffer("scales", _aligned(scales.contiguous()))
         self.bias = bias
-        self.kernel = has_int8_kernel() if kernel is None else kernel and has_int8_kernel()
+        fits = weight.size(1) % KERNEL_IN_FEATURES_MULTIPLE == 0
+        self.kernel = fits and has_int8_kernel() and kernel is not False
 
     @property
     def in_features(self) -> int:
@@ -74,7 +85,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.size(-1)).to(self.scales.dtype).contiguous()
         if self.kernel and rows.device.type == "cpu" and rows.size(0) <= KERNEL_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+            y = torch.ops.aten._weight_int8pack_mm(_aligned(rows), self.weight, self.scales)
         else:
             y = (F.linear(rows.float(), self.weight.float()) * self.scales.float()).to(self.scales.dtype)
         y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)

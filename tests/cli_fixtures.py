@@ -21,6 +21,7 @@ from manas_cli.bpe import train_bpe
 from manas_cli.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from manas_cli.generation import generate_reference, prompt_batch
 from manas_cli.model import GPT, GPTConfig
+from manas_cli.quantize import quantize_model
 from manas_cli.sampling import Sampler, seeded_generator
 from manas_cli.tokenizer import bpe_spec, build_encoding, end_of_text_id
 
@@ -43,10 +44,14 @@ LONG_PROMPT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAl
 class TinyCheckpoint:
     name: str
     path: Path
+    quantize: bool = False  # as `--quantize int8` runs it
 
     @cached_property
     def loaded(self) -> Checkpoint:
-        return load_checkpoint(self.path)
+        checkpoint = load_checkpoint(self.path)
+        if self.quantize:
+            quantize_model(checkpoint.model)
+        return checkpoint
 
     @property
     def encoding(self):

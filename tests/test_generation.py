@@ -11,6 +11,7 @@ from conftest import BLOCK_SIZE, make_model
 from manas_cli.generation import GenerationStats, crop_window, generate, generate_reference
 from manas_cli.kv_cache import CacheSession
 from manas_cli.model import use_decode_layout
+from manas_cli.quantize import Int8Linear, quantize_model
 from manas_cli.sampling import Sampler
 
 NEW_TOKENS = 5 * BLOCK_SIZE // 2  # 2.5 × block_size: the window overflows many times
@@ -71,6 +72,41 @@ def test_every_fast_path_equals_crop_and_recompute_within_and_past_the_window(ti
     reference = list(generate_reference(tiny_model, ids, make_sampler(sampler), NEW_TOKENS))
     assert tokens_of(cached) == tokens_of(reference)
     assert {step.kind for step in cached} == {"prefill", "decode", "re_prefill"}
+
+
+INT8_PATHS = {"int8-kernel": None, "int8-dequantize": False}  # quantize_model's kernel: torch's int8 kernel, or none
+
+
+def int8_model(model, path: str):
+    quantized = quantize_model(copy.deepcopy(model), kernel=INT8_PATHS[path])
+    assert isinstance(quantized.blocks[0].ffn.up, Int8Linear) and isinstance(quantized.lm_head, Int8Linear)
+    assert quantized.lm_head.kernel == (path == "int8-kernel")  # torch 2.13 has the kernel: it really runs
+    return quantized
+
+
+@pytest.mark.parametrize("allocation", ["dynamic", "static"])
+@pytest.mark.parametrize("path", INT8_PATHS)
+@pytest.mark.parametrize("sampler", ["greedy", "top-k-top-p"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_int8_cached_generation_equals_its_own_crop_and_recompute_past_the_window(tiny_model, batch, sampler, path,
+                                                                                  allocation):
+    """A quantized model is another model: exactness is against its own uncached reference. Decoding runs the int8
+    kernel on a few rows, the reference's longer windows the dequantized product: the two must agree."""
+    model = int8_model(tiny_model, path)
+    ids = prompt(batch)
+    cached = list(generate(model, ids, make_sampler(sampler), NEW_TOKENS, session=CacheSession(model, allocation)))
+    reference = list(generate_reference(model, ids, make_sampler(sampler), NEW_TOKENS))
+    assert tokens_of(cached) == tokens_of(reference)
+    assert {step.kind for step in cached} == {"prefill", "decode", "re_prefill"}
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "top-k-top-p"])
+def test_int8_kernel_and_dequantized_products_give_the_same_tokens(tiny_model, sampler):
+    runs = [
+        tokens_of(generate(int8_model(tiny_model, path), prompt(3), make_sampler(sampler), NEW_TOKENS))
+        for path in INT8_PATHS
+    ]
+    assert runs[0] == runs[1]
 
 
 def test_static_cache_reports_its_preallocated_window_as_storage():

@@ -88,8 +88,10 @@ class Int8Linear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(_aligned(rows), self.weight, self.scales)
         else:
             y = (F.linear(rows.float(), self.weight.float()) * self.scales.float()).to(self.scales.dtype)
-        y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        y = y.view(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = torch.add(self.bias, y)  # one op: the sum takes the bias's (the model's) dtype
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -139,7 +139,7 @@ def load_int8(model: GPT, tensors: dict[str, torch.Tensor], kernel: bool | None 
         linear = model.get_submodule(name)
         device = linear.weight.device
         weight, scales = tensors[f"{name}.weight"].to(device), tensors[f"{name}.scales"].to(device, COMPUTE_DTYPE)
-        _replace(model, name, Int8Linear(weight.contiguous(), scales, linear.bias, kernel))
+        _replace(model, name, Int8Linear(weight, scales, linear.bias, kernel))
     return model
 
 

@@ -10,12 +10,23 @@
 3. Time to first token of a whole `manas generate` process against `python -c "import torch"`; `manas --help`.
 4. `--num-samples 8` against one sample.
 
-Decode speed depends on the machine and its load: compare the ratios of one run, not numbers across runs.
+Issue 10 (int8 weights and both cores), every variant measured in turns within one run (`--goal int8` etc.):
+int8      GPT-2-124M shape, 64-token prompt, 256 new tokens: int8 decode against manas float32 and Hugging Face
+          `generate` float32 on 1 thread; int8 on 2 threads against 1.
+threads   the same float32 decode (and pp64 prefill) on 2 threads against 1, and whether the tokens agree.
+shipped   the shipped model: int8 against float32 decode, on 1 and 2 threads.
+prefill   GPT-2-124M shape, pp64 and pp512 prefill: int8 against float32, on 1 and 2 threads.
+bfloat16  bfloat16 against float32 weights: the shipped model and the GPT-2-124M shape, prefill and decode.
+
+Decode speed depends on the machine and its load: compare the ratios of one run, not numbers across runs; the
+report gives the load average before and after. Two threads on a busy machine are slower than one (OpenMP's
+threads spin-wait for a core someone else holds), so measure these on a quiet one.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -27,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from manas_cli.bench import run_once
+from manas_cli.bench import bench_prompt, run_once
 from manas_cli.checkpoint import load_checkpoint
 from manas_cli.commands import resolve_checkpoint
 from manas_cli.generation import generate, generate_reference
@@ -36,6 +47,11 @@ from manas_cli.model import GPT, use_decode_layout
 from manas_cli.sampling import Sampler
 
 GREEDY = Sampler(temperature=0.0)
+GPT2_PROMPT_TOKENS, GPT2_NEW_TOKENS = 64, 256
+
+
+class Unavailable(Exception):
+    """A goal that this checkout cannot measure."""
 
 
 def median_rate(runs: int, measure) -> float:
@@ -78,28 +94,36 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def goal_gpt2_vs_hf(threads: int, runs: int) -> dict:
+def gpt2_pair():
+    """Hugging Face's GPT-2-124M shape with random weights, and the same weights as a manas model (plain layout)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from manas_cli.convert import build_model, config_from_hf, gpt2_state_to_manas
 
-    torch.set_num_threads(threads)
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config()).eval()  # GPT-2-124M's shape, random weights
+    hf = GPT2LMHeadModel(GPT2Config()).eval()
     config = config_from_hf(hf.config.to_dict(), Path("gpt2"))
     manas = build_model(config, gpt2_state_to_manas(hf.state_dict(), conv1d=True, source=Path("gpt2")), Path("gpt2"))
-    prompt_tokens, new_tokens = 64, 256
-    prompt = torch.randint(config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    return hf, manas
 
-    def hf_generate(max_new: int) -> float:
+
+def hf_decode_rate(hf, prompt: torch.Tensor, new_tokens: int) -> float:
+    """Hugging Face `generate`'s decode tokens/s: a run of new_tokens less a run of one (the prefill)."""
+
+    def seconds(max_new: int) -> float:
         with torch.inference_mode():
             return _timed(lambda: hf.generate(prompt, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
                                               pad_token_id=0))
 
-    def hf_rate() -> float:
-        return (new_tokens - 1) / (hf_generate(new_tokens) - hf_generate(1))
+    return (new_tokens - 1) / (seconds(new_tokens) - seconds(1))
 
-    results = {"hf_generate": median_rate(runs, hf_rate)}
+
+def goal_gpt2_vs_hf(threads: int, runs: int) -> dict:
+    torch.set_num_threads(threads)
+    hf, manas = gpt2_pair()
+    new_tokens = GPT2_NEW_TOKENS
+    prompt = bench_prompt(manas, GPT2_PROMPT_TOKENS, 1)
+    results = {"hf_generate": median_rate(runs, lambda: hf_decode_rate(hf, prompt, new_tokens))}
     results["manas_plain_layout_dynamic"] = median_rate(runs, lambda: manas_decode_rate(manas, prompt, new_tokens, "dynamic"))
     use_decode_layout(manas)
     for allocation in ("dynamic", "static"):
@@ -181,31 +205,194 @@ def goal_batched_samples(threads: int, runs: int) -> dict:
     return {"one_sample_s": one, "eight_samples_s": eight, "ratio_to_8x_one": eight / (8 * one)}
 
 
+def interleaved(variants: dict, runs: int) -> dict[str, dict[str, float]]:
+    """variants: name -> (threads, measure), measure() -> {figure: value}. The variants take turns, round after
+    round, so that a change in the machine's load falls on all of them alike; the first round only warms up (first
+    calls are several times slower). The median of each figure."""
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    for round_ in range(runs + 1):
+        for name, (threads, measure) in variants.items():
+            torch.set_num_threads(threads)
+            figures = measure()
+            if round_:
+                samples[name].append(figures)
+    return {name: {key: statistics.median(f[key] for f in runs_) for key in runs_[0]} for name, runs_ in samples.items()}
+
+
+def speeds(model: GPT, prompt: torch.Tensor, new_tokens: int) -> dict[str, float]:
+    """Prefill and cached decode tokens/s of one greedy generation."""
+    stats = run_once(generate(model, prompt, GREEDY, new_tokens), prompt.size(1), prompt.size(0))
+    return {"prefill": stats.prefill_tokens_per_s, "decode": stats.decode_tokens_per_s}
+
+
+def int8_copy(model: GPT) -> GPT:
+    """An int8 copy of a float model in its plain layout (int8 layers keep their own layout, as in the CLI)."""
+    try:
+        from manas_cli.quantize import quantize_model
+    except ImportError:
+        raise Unavailable("int8 weights (manas_cli.quantize, issue 10) are not in this checkout") from None
+    return quantize_model(copy.deepcopy(model))
+
+
+def greedy_tokens(model: GPT, prompt: torch.Tensor, new_tokens: int) -> list[int]:
+    return [step.tokens[0] for step in generate(model, prompt, GREEDY, new_tokens)]
+
+
+def goal_int8_gpt2(runs: int) -> dict:
+    hf, plain = gpt2_pair()
+    int8 = int8_copy(plain)
+    manas = use_decode_layout(plain)
+    prompt = bench_prompt(manas, GPT2_PROMPT_TOKENS, 1)
+    rates = interleaved({
+        "int8_1_thread": (1, lambda: speeds(int8, prompt, GPT2_NEW_TOKENS)),
+        "int8_2_threads": (2, lambda: speeds(int8, prompt, GPT2_NEW_TOKENS)),
+        "float32_1_thread": (1, lambda: speeds(manas, prompt, GPT2_NEW_TOKENS)),
+        "hf_float32_1_thread": (1, lambda: {"decode": hf_decode_rate(hf, prompt, GPT2_NEW_TOKENS)}),
+    }, runs)
+    decode = {name: figures["decode"] for name, figures in rates.items()}
+    return {
+        "decode_tokens_per_s": decode,
+        "int8_over_float32_1_thread": decode["int8_1_thread"] / decode["float32_1_thread"],  # goal ≥ 2.5
+        "int8_over_hf_1_thread": decode["int8_1_thread"] / decode["hf_float32_1_thread"],  # goal ≥ 3.5
+        "int8_2_over_1_threads": decode["int8_2_threads"] / decode["int8_1_thread"],  # goal ≥ 1.6
+        # llama.cpp q8_0 on the same weights, llama-bench -p 64 -n 256, measured on a Zen 4 host (issue 10)
+        "int8_over_llama_cpp_q8_0_zen4": {"1_thread": decode["int8_1_thread"] / 110.9,
+                                          "2_threads": decode["int8_2_threads"] / 164.7},
+    }
+
+
+def goal_float32_threads(runs: int) -> dict:
+    _, plain = gpt2_pair()
+    manas = use_decode_layout(plain)
+    prompt = bench_prompt(manas, GPT2_PROMPT_TOKENS, 1)
+    rates = interleaved({f"{threads}_threads": (threads, lambda: speeds(manas, prompt, GPT2_NEW_TOKENS))
+                         for threads in (1, 2)}, runs)
+    tokens = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        tokens[threads] = greedy_tokens(manas, prompt, 64)
+    return {
+        "tokens_per_s": rates,
+        "decode_2_over_1_threads": rates["2_threads"]["decode"] / rates["1_threads"]["decode"],  # goal ≥ 1.4
+        "prefill_2_over_1_threads": rates["2_threads"]["prefill"] / rates["1_threads"]["prefill"],
+        "greedy_tokens_agree_of_64": sum(a == b for a, b in zip(tokens[1], tokens[2])),
+    }
+
+
+def goal_int8_shipped(runs: int) -> dict:
+    model = shipped_model(1)
+    int8 = int8_copy(load_checkpoint(resolve_checkpoint(None)).model)
+    prompt = bench_prompt(model, 16, 1)
+    new_tokens = model.config.block_size - prompt.size(1)  # every step within the window: no re-prefill
+    variants = {}
+    for threads in (1, 2):
+        variants[f"float32_{threads}_threads"] = (threads, lambda: speeds(model, prompt, new_tokens))
+        variants[f"int8_{threads}_threads"] = (threads, lambda: speeds(int8, prompt, new_tokens))
+    rates = interleaved(variants, runs)
+    return {
+        "tokens_per_s": rates,
+        "int8_over_float32_decode": {f"{t}_threads": rates[f"int8_{t}_threads"]["decode"]
+                                     / rates[f"float32_{t}_threads"]["decode"] for t in (1, 2)},
+    }
+
+
+def goal_int8_prefill(runs: int) -> dict:
+    _, plain = gpt2_pair()
+    int8 = int8_copy(plain)
+    manas = use_decode_layout(plain)
+    variants = {}
+    for prompt_tokens in (64, 512):
+        prompt = bench_prompt(manas, prompt_tokens, 1)
+        for threads in (1, 2):
+            for weights, model in (("float32", manas), ("int8", int8)):
+                variants[f"pp{prompt_tokens}_{weights}_{threads}_threads"] = (
+                    threads, lambda model=model, prompt=prompt: speeds(model, prompt, 1))
+    prefill = {name: figures["prefill"] for name, figures in interleaved(variants, runs).items()}
+    return {
+        "prefill_tokens_per_s": prefill,
+        "int8_over_float32": {  # goal ≥ 0.8
+            f"pp{p}_{t}_threads": prefill[f"pp{p}_int8_{t}_threads"] / prefill[f"pp{p}_float32_{t}_threads"]
+            for p in (64, 512) for t in (1, 2)
+        },
+    }
+
+
+def goal_bfloat16(runs: int) -> dict:
+    """bfloat16 weights (and activations) against float32, as `--dtype bfloat16` runs them."""
+    _, gpt2 = gpt2_pair()
+    shipped = load_checkpoint(resolve_checkpoint(None)).model
+    cases = {  # name: (float32 model, prompt tokens, new tokens): the shipped model stays within its window
+        "gpt2": (gpt2, GPT2_PROMPT_TOKENS, GPT2_NEW_TOKENS),
+        "shipped": (shipped, 64, shipped.config.block_size - 64),
+    }
+    variants = {}
+    for case, (model, prompt_tokens, new_tokens) in cases.items():
+        prompt = bench_prompt(model, prompt_tokens, 1)
+        for dtype in (torch.float32, torch.bfloat16):
+            typed = use_decode_layout(copy.deepcopy(model).to(dtype))
+            for threads in (1, 2):
+                variants[f"{case}_{str(dtype).removeprefix('torch.')}_{threads}_threads"] = (
+                    threads, lambda typed=typed, prompt=prompt, new_tokens=new_tokens: speeds(typed, prompt, new_tokens))
+    rates = interleaved(variants, runs)
+    return {
+        "tokens_per_s": rates,
+        "bfloat16_over_float32": {
+            f"{case}_{t}_threads_{figure}": rates[f"{case}_bfloat16_{t}_threads"][figure]
+            / rates[f"{case}_float32_{t}_threads"][figure]
+            for case in cases for t in (1, 2) for figure in ("prefill", "decode")
+        },
+    }
+
+
+def cpu_name() -> str:
+    """The CPU model and the vector extensions that decide which kernels torch runs."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    lines = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    name = lines.get("model name\t", platform.processor() or platform.machine()).strip()
+    flags = set(lines.get("flags\t\t", "").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return f"{name}, {os.cpu_count()} cores, " + " ".join(flag for flag in wanted if flag in flags)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--goal", type=int, choices=(1, 2, 3, 4), action="append", help="run only these goals")
-    parser.add_argument("--threads", type=int, default=2)
+    goals = {
+        "1": lambda: goal_gpt2_vs_hf(args.threads, args.runs),
+        "2": lambda: goal_cache_vs_recompute(args.threads, args.runs),
+        "3": lambda: goal_startup(args.runs),
+        "4": lambda: goal_batched_samples(args.threads, args.runs),
+        "int8": lambda: goal_int8_gpt2(args.runs),
+        "threads": lambda: goal_float32_threads(args.runs),
+        "shipped": lambda: goal_int8_shipped(args.runs),
+        "prefill": lambda: goal_int8_prefill(args.runs),
+        "bfloat16": lambda: goal_bfloat16(args.runs),
+    }
+    parser.add_argument("--goal", choices=goals, action="append", help="run only these goals")
+    parser.add_argument("--threads", type=int, default=2, help="threads of goals 1, 2 and 4 (the others set their own)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    goals = {
-        1: lambda: goal_gpt2_vs_hf(args.threads, args.runs),
-        2: lambda: goal_cache_vs_recompute(args.threads, args.runs),
-        3: lambda: goal_startup(args.runs),
-        4: lambda: goal_batched_samples(args.threads, args.runs),
-    }
     report = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": cpu_name(),
         "torch": torch.__version__,
         "threads": args.threads,
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load_average_before": os.getloadavg()[0],
     }
-    for number in args.goal or sorted(goals):
-        report[f"goal_{number}"] = goals[number]()
+    for name in args.goal or goals:
+        try:
+            report[f"goal_{name}"] = goals[name]()
+        except Unavailable as exc:
+            report[f"goal_{name}"] = {"skipped": str(exc)}
+            print(f"goal {name} skipped: {exc}", file=sys.stderr, flush=True)
+            continue
         if not args.json:
-            print(f"goal {number}: " + json.dumps(report[f"goal_{number}"], indent=2), flush=True)
+            print(f"goal {name}: " + json.dumps(report[f"goal_{name}"], indent=2), flush=True)
+    report["load_average_after"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(report, indent=2))
+    else:
+        print(f"load average {report['load_average_before']:.2f} before, {report['load_average_after']:.2f} after")
 
 
 if __name__ == "__main__":

@@ -254,12 +254,15 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def use_decode_layout(model: GPT) -> GPT:
-    """Store each weight matrix transposed in memory, (in, out), keeping its shape, values and tying.
+    """Store each float32 weight matrix transposed in memory, (in, out), keeping its shape, values and tying.
 
     F.linear then multiplies by a contiguous (in, out) matrix, which CPU BLAS streams about 1.5× faster in the
     matrix-vector products of decoding (13 → 8 ms for GPT-2's lm_head on this project's 2-core machine).
+    Half-precision weights keep nn.Linear's (out, in): torch's bfloat16 and float16 kernels stream that layout
+    faster (GPT-2-124M decode on a 2-core Xeon, 2 threads: bfloat16 23.2 vs 18.6 tok/s, float16 37.5 vs 20.3).
     """
     for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.t().is_contiguous():
+        if (isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.dtype == torch.float32
+                and not module.weight.t().is_contiguous()):
             module.weight.data = module.weight.data.t().contiguous().t()
     return model

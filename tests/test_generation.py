@@ -302,3 +302,15 @@ def test_top_p_sampling_never_draws_a_dropped_token():
 def test_sampler_refuses_invalid_settings(options, message):
     with pytest.raises(ValueError, match=message):
         Sampler(**options)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_layout_transposes_float32_weights_only(tiny_model, dtype):
+    """Half-precision CPU kernels stream nn.Linear's own (out, in) layout faster, so it stays."""
+    float32 = use_decode_layout(copy.deepcopy(tiny_model))
+    half = use_decode_layout(copy.deepcopy(tiny_model).to(dtype))
+    for name, weight in float32.named_parameters():
+        if weight.dim() == 2:
+            assert weight.t().is_contiguous(), name
+            assert half.get_parameter(name).is_contiguous(), name
+    assert half.lm_head.weight is half.token_embedding.weight

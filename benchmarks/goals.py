@@ -16,7 +16,8 @@ int8      GPT-2-124M shape, 64-token prompt, 256 new tokens: int8 decode against
 threads   the same float32 decode (and pp64 prefill) on 2 threads against 1, and whether the tokens agree.
 shipped   the shipped model: int8 against float32 decode, on 1 and 2 threads.
 prefill   GPT-2-124M shape, pp64 and pp512 prefill: int8 against float32, on 1 and 2 threads.
-bfloat16  bfloat16 against float32 weights: the shipped model and the GPT-2-124M shape, prefill and decode.
+dtype     bfloat16 and float16 against float32 (`--dtype`): the shipped model and the GPT-2-124M shape, prefill
+          and decode.
 
 Decode speed depends on the machine and its load: compare the ratios of one run, not numbers across runs; the
 report gives the load average before and after. Two threads on a busy machine are slower than one (OpenMP's
@@ -216,7 +217,7 @@ def interleaved(variants: dict, runs: int) -> dict[str, dict[str, float]]:
             figures = measure()
             if round_:
                 samples[name].append(figures)
-    return {name: {key: statistics.median(f[key] for f in runs_) for key in runs_[0]} for name, runs_ in samples.items()}
+    return {name: {key: statistics.median(s[key] for s in taken) for key in taken[0]} for name, taken in samples.items()}
 
 
 def speeds(model: GPT, prompt: torch.Tensor, new_tokens: int) -> dict[str, float]:
@@ -317,8 +318,8 @@ def goal_int8_prefill(runs: int) -> dict:
     }
 
 
-def goal_bfloat16(runs: int) -> dict:
-    """bfloat16 weights (and activations) against float32, as `--dtype bfloat16` runs them."""
+def goal_dtypes(runs: int) -> dict:
+    """Half-precision weights (and activations) against float32, as `--dtype` runs them."""
     _, gpt2 = gpt2_pair()
     shipped = load_checkpoint(resolve_checkpoint(None)).model
     cases = {  # name: (float32 model, prompt tokens, new tokens): the shipped model stays within its window
@@ -328,7 +329,7 @@ def goal_bfloat16(runs: int) -> dict:
     variants = {}
     for case, (model, prompt_tokens, new_tokens) in cases.items():
         prompt = bench_prompt(model, prompt_tokens, 1)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
             typed = use_decode_layout(copy.deepcopy(model).to(dtype))
             for threads in (1, 2):
                 variants[f"{case}_{str(dtype).removeprefix('torch.')}_{threads}_threads"] = (
@@ -336,10 +337,10 @@ def goal_bfloat16(runs: int) -> dict:
     rates = interleaved(variants, runs)
     return {
         "tokens_per_s": rates,
-        "bfloat16_over_float32": {
-            f"{case}_{t}_threads_{figure}": rates[f"{case}_bfloat16_{t}_threads"][figure]
+        "over_float32": {
+            f"{case}_{half}_{t}_threads_{figure}": rates[f"{case}_{half}_{t}_threads"][figure]
             / rates[f"{case}_float32_{t}_threads"][figure]
-            for case in cases for t in (1, 2) for figure in ("prefill", "decode")
+            for case in cases for half in ("bfloat16", "float16") for t in (1, 2) for figure in ("prefill", "decode")
         },
     }
 
@@ -365,7 +366,7 @@ def main() -> None:
         "threads": lambda: goal_float32_threads(args.runs),
         "shipped": lambda: goal_int8_shipped(args.runs),
         "prefill": lambda: goal_int8_prefill(args.runs),
-        "bfloat16": lambda: goal_bfloat16(args.runs),
+        "dtype": lambda: goal_dtypes(args.runs),
     }
     parser.add_argument("--goal", choices=goals, action="append", help="run only these goals")
     parser.add_argument("--threads", type=int, default=2, help="threads of goals 1, 2 and 4 (the others set their own)")

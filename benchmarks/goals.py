@@ -11,13 +11,13 @@
 4. `--num-samples 8` against one sample.
 
 Issue 10 (int8 weights and both cores), every variant measured in turns within one run (`--goal int8` etc.):
-int8      GPT-2-124M shape, 64-token prompt, 256 new tokens: int8 decode against manas float32 and Hugging Face
-          `generate` float32 on 1 thread; int8 on 2 threads against 1.
-threads   the same float32 decode (and pp64 prefill) on 2 threads against 1, and whether the tokens agree.
-shipped   the shipped model: int8 against float32 decode, on 1 and 2 threads.
-prefill   GPT-2-124M shape, pp64 and pp512 prefill: int8 against float32, on 1 and 2 threads.
-dtype     bfloat16 and float16 against float32 (`--dtype`): the shipped model and the GPT-2-124M shape, prefill
-          and decode.
+int8          GPT-2-124M shape, 64-token prompt, 256 new tokens: int8 decode against manas float32 and Hugging
+              Face `generate` float32 on 1 thread; int8 on 2 threads against 1.
+threads       the same float32 decode (and pp64 prefill) on 2 threads against 1, and whether the tokens agree.
+int8-shipped  the shipped model: int8 against float32 decode, on 1 and 2 threads.
+int8-prefill  GPT-2-124M shape, pp64 and pp512 prefill: int8 against float32, on 1 and 2 threads.
+dtype         bfloat16 and float16 against float32 (`--dtype`): the shipped model and the GPT-2-124M shape,
+              prefill and decode.
 
 Decode speed depends on the machine and its load: compare the ratios of one run, not numbers across runs; the
 report gives the load average before and after. Two threads on a busy machine are slower than one (OpenMP's
@@ -364,8 +364,8 @@ def main() -> None:
         "4": lambda: goal_batched_samples(args.threads, args.runs),
         "int8": lambda: goal_int8_gpt2(args.runs),
         "threads": lambda: goal_float32_threads(args.runs),
-        "shipped": lambda: goal_int8_shipped(args.runs),
-        "prefill": lambda: goal_int8_prefill(args.runs),
+        "int8-shipped": lambda: goal_int8_shipped(args.runs),
+        "int8-prefill": lambda: goal_int8_prefill(args.runs),
         "dtype": lambda: goal_dtypes(args.runs),
     }
     parser.add_argument("--goal", choices=goals, action="append", help="run only these goals")

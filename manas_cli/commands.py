@@ -535,4 +535,4 @@ def export(**options) -> None:
     from .render import stderr_console
 
     result = export_hf(options["checkpoint"], options["out"], force=options["force"])
-    stderr_console().print(f"wrote a Hugging Face GPT-2 model to {result.out}: {', '.join(result.files)}")
+    stderr_console().print(f"wrote a Hugging Face {result.architecture} model to {result.out}: {', '.join(result.files)}")

@@ -1,4 +1,4 @@
-"""Weights trained elsewhere, as manas checkpoints: nanoGPT's ckpt.pt and Hugging Face GPT-2 folders.
+"""Weights trained elsewhere, as manas checkpoints: nanoGPT's ckpt.pt and Hugging Face GPT-2 and Starcoder2 folders.
 
 nanoGPT kept GPT-2's tensor names, so one table maps both onto manas' names. The differences are layout
 (Hugging Face's Conv1D stores linear weights in×out, nanoGPT's nn.Linear out×in as manas does), prefixes
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import starcoder2
 from .errors import CheckpointError, InputError, TokenizerError
 from .files import check_output_file
 from .model import GPT, GPTConfig, parameter_shapes
@@ -46,8 +47,8 @@ HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none
 CHARACTER_PAT_STR = r"(?s:.)"
 
 NANOGPT = "nanoGPT checkpoint"
-HF_FOLDER = "Hugging Face GPT-2 folder"
-HF_WEIGHTS = "Hugging Face GPT-2 weights"
+HF_FOLDER = "Hugging Face {} folder"  # formatted with the architecture read
+HF_WEIGHTS = "Hugging Face {} weights"
 
 
 @dataclass
@@ -246,12 +247,14 @@ def config_from_nanogpt(model_args: object, source: Path) -> GPTConfig:
 
 
 def config_from_hf(values: object, source: Path) -> GPTConfig:
-    """A Hugging Face GPT-2 config.json, refusing the options manas does not compute."""
+    """A Hugging Face GPT-2 (or Starcoder2) config.json, refusing the options manas does not compute."""
     if not isinstance(values, dict):
         raise CheckpointError(f"{source}: not a JSON object")
+    if values.get("model_type") == starcoder2.MODEL_TYPE:
+        return starcoder2.config_from_hf(values, source)
     if values.get("model_type") != "gpt2":
         raise CheckpointError(
-            f"{source}: model_type is {values.get('model_type')!r}; convert reads GPT-2 models (model_type 'gpt2') only"
+            f"{source}: model_type is {values.get('model_type')!r}; convert reads GPT-2 models (model_type 'gpt2') and Starcoder2 models (model_type 'starcoder2') only"
         )
     activation = values.get("activation_function", "gelu_new")
     if activation not in HF_ACTIVATIONS:
@@ -316,17 +319,17 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
     if src.is_dir():
         if config_path is not None:
             raise InputError(f"{src} is a folder with its own config.json; --config is for a bare model.safetensors")
-        return HF_FOLDER, _load_hf_folder(src)
+        return _hf_kind(HF_FOLDER, _load_hf_folder(src))
     if src.suffix == ".safetensors":
         config = _require_config(src, config_path)
-        return HF_WEIGHTS, _load_hf(load_safetensors(src), src, config)
+        return _hf_kind(HF_WEIGHTS, _load_hf(load_safetensors(src), src, config))
     loaded = load_pickled_weights(src)
     if isinstance(loaded, dict) and "model_args" in loaded and "model" in loaded:
         if config_path is not None:
             raise InputError(f"{src} is a nanoGPT checkpoint with its own model_args; --config is for a bare model.safetensors")
         return NANOGPT, _load_nanogpt(loaded, src)
     if isinstance(loaded, dict) and loaded and all(isinstance(t, torch.Tensor) for t in loaded.values()):
-        return HF_WEIGHTS, _load_hf(loaded, src, _require_config(src, config_path))
+        return _hf_kind(HF_WEIGHTS, _load_hf(loaded, src, _require_config(src, config_path)))
     raise CheckpointError(
         f"{src}: neither a nanoGPT checkpoint (a dict with 'model_args' and 'model') nor a state dict of tensors"
     )
@@ -347,7 +350,14 @@ def _load_hf_folder(folder: Path) -> GPT:
     raise InputError(f"{folder} holds neither model.safetensors nor pytorch_model.bin (sharded weights are not supported)")
 
 
+def _hf_kind(template: str, model: GPT) -> tuple[str, GPT]:
+    """(the source's kind, the model): a rope model can only have come from a Starcoder2 folder."""
+    return template.format("Starcoder2" if model.config.position_encoding == "rope" else "GPT-2"), model
+
+
 def _load_hf(state: dict[str, torch.Tensor], source: Path, config: GPTConfig) -> GPT:
+    if config.position_encoding == "rope":
+        return build_model(config, starcoder2.state_to_manas(state, config, source), source)
     return build_model(config, gpt2_state_to_manas(state, conv1d=True, source=source), source)
 
 

@@ -1,6 +1,6 @@
-"""A manas checkpoint as a Hugging Face GPT-2 folder, which transformers, vLLM and TGI load and serve.
+"""A manas checkpoint as a Hugging Face folder, which transformers, vLLM and TGI load and serve.
 
-Only GPT-2's architecture has an exact Hugging Face twin here: learned positions and plain multi-head attention.
+Learned-position models are GPT-2 (plain multi-head attention only); rotary models are Starcoder2 (starcoder2.py).
 The tokenizer goes along as vocab.json + merges.txt, derived from the tiktoken ranks, so that Hugging Face's
 byte-level BPE encodes every text to the same ids.
 """
@@ -22,6 +22,7 @@ from .checkpoint import TIED, load_checkpoint
 from .convert import gpt2_name, is_gpt2_linear_weight
 from .errors import CheckpointError, InputError
 from .files import claim_folder
+from . import starcoder2
 from .model import GPT, GPTConfig
 from .quantize import dequantize_model
 from .tokenizer import END_OF_TEXT, GPT2_PAT_STR
@@ -45,19 +46,16 @@ class Exported:
     out: Path
     files: list[str]
     config: GPTConfig
+    architecture: str  # "GPT-2" or "Starcoder2"
 
 
 def check_exportable(config: GPTConfig, source: Path) -> None:
-    """Refuse what Hugging Face's GPT-2 cannot compute exactly."""
-    if config.position_encoding != "learned":
-        raise CheckpointError(
-            f"{source}: rotary (rope) position encoding has no exact Hugging Face GPT-2 equivalent, which learns "
-            "a position table; only learned-position models export"
-        )
+    """Refuse what Hugging Face's GPT-2, the twin of learned-position models, cannot compute exactly."""
     if config.n_kv_head != config.n_head:
         raise CheckpointError(
-            f"{source}: grouped-query attention (n_kv_head={config.n_kv_head} < n_head={config.n_head}) has no exact "
-            "Hugging Face GPT-2 equivalent, whose every head has its own keys and values"
+            f"{source}: grouped-query attention (n_kv_head={config.n_kv_head} < n_head={config.n_head}) with learned "
+            "positions has no exact equivalent: GPT-2 gives every head its own keys and values (rope models with "
+            "grouped-query attention export, as Starcoder2)"
         )
 
 
@@ -70,6 +68,7 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
         "model_type": "gpt2",
         "vocab_size": config.vocab_size,
         "n_positions": config.block_size,
+        "n_ctx": config.block_size,  # OpenAI's name for it, which llama.cpp's GPT-2 converter reads
         "n_embd": config.n_embd,
         "n_layer": config.n_layer,
         "n_head": config.n_head,
@@ -108,6 +107,16 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         tensor = tensor.t() if is_gpt2_linear_weight(target) else tensor
         tensors[f"transformer.{target}"] = tensor.detach().to("cpu").contiguous()
     return tensors
+
+
+def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """(architecture, config.json, tensors) of the Hugging Face twin: Starcoder2 for rope, else GPT-2."""
+    config, dtype = model.config, model.token_embedding.weight.dtype
+    if config.position_encoding == "rope":
+        starcoder2.check_exportable(config, source)
+        return "Starcoder2", starcoder2.hf_config(config, dtype, end_of_text), starcoder2.hf_state_dict(model)
+    check_exportable(config, source)
+    return "GPT-2", hf_config(config, dtype, end_of_text), hf_state_dict(model)
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------------------
@@ -160,19 +169,32 @@ def hf_merges(ranks: dict[bytes, int], pat_str: str, source: Path) -> list[tuple
     return merges
 
 
-def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) -> dict[str, str]:
-    """vocab.json, merges.txt and tokenizer_config.json for Hugging Face's GPT2Tokenizer."""
+@dataclass
+class ByteLevelBPE:
+    """A tiktoken encoding as byte-level BPE files spell it, each byte by its printable alias (bytes_to_unicode)."""
+
+    tokens: dict[str, int]  # ordinary tokens → id
+    special: dict[str, int]  # special tokens (<|endoftext|>) → id
+    merges: list[str]  # "left right", in the order they apply
+
+
+def byte_level_bpe(encoding: tiktoken.Encoding, source: Path) -> ByteLevelBPE:
     # tiktoken keeps the ranks, pattern and special tokens of an Encoding only in these attributes.
     ranks: dict[bytes, int] = encoding._mergeable_ranks
-    special: dict[str, int] = encoding._special_tokens
-    merges = hf_merges(ranks, encoding._pat_str, source)
     alias = bytes_to_unicode()
 
     def show(token: bytes) -> str:
         return "".join(alias[byte] for byte in token)
 
-    vocab = {show(token): rank for token, rank in ranks.items()} | special
-    end_of_text = END_OF_TEXT if END_OF_TEXT in special else None
+    merges = [f"{show(left)} {show(right)}" for left, right in hf_merges(ranks, encoding._pat_str, source)]
+    return ByteLevelBPE({show(token): rank for token, rank in ranks.items()}, dict(encoding._special_tokens), merges)
+
+
+def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) -> dict[str, str]:
+    """vocab.json, merges.txt and tokenizer_config.json for Hugging Face's GPT2Tokenizer."""
+    bpe = byte_level_bpe(encoding, source)
+    vocab = bpe.tokens | bpe.special
+    end_of_text = END_OF_TEXT if END_OF_TEXT in bpe.special else None
     config = {
         "tokenizer_class": "GPT2Tokenizer",
         "model_max_length": block_size,
@@ -188,7 +210,7 @@ def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) 
     return {
         # json.dumps' defaults, as OpenAI wrote GPT-2's encoder.json: GPT-2's export is then that file, byte for byte
         "vocab.json": json.dumps(dict(sorted(vocab.items(), key=lambda kv: kv[1]))),
-        "merges.txt": "#version: 0.2\n" + "".join(f"{show(left)} {show(right)}\n" for left, right in merges),
+        "merges.txt": "#version: 0.2\n" + "".join(f"{merge}\n" for merge in bpe.merges),
         "tokenizer_config.json": json_text(config),
     }
 
@@ -230,26 +252,23 @@ def write_folder(out: Path, writers: dict[str, Callable[[Path], None]], *, overw
 
 
 def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Exported:
-    """Write checkpoint_path as a Hugging Face GPT-2 folder; refuse before writing anything it cannot export."""
+    """Write checkpoint_path as a Hugging Face GPT-2 or Starcoder2 folder; refuse before writing anything it cannot
+    export."""
     from safetensors.torch import save_file
 
     check_out_dir(out, force)
     checkpoint = load_checkpoint(checkpoint_path)
     dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
     config = checkpoint.model.config
-    check_exportable(config, checkpoint_path)
     texts = tokenizer_files(checkpoint.encoding, config.block_size, checkpoint_path)
     special = checkpoint.encoding._special_tokens
     end_of_text = special.get(END_OF_TEXT)
-    tensors = hf_state_dict(checkpoint.model)
+    architecture, model_config, tensors = hf_model(checkpoint.model, end_of_text, checkpoint_path)
     generation = {"bos_token_id": end_of_text, "eos_token_id": end_of_text}
-    texts |= {
-        "config.json": json_text(hf_config(config, checkpoint.model.token_embedding.weight.dtype, end_of_text)),
-        "generation_config.json": json_text(generation),
-    }
+    texts |= {"config.json": json_text(model_config), "generation_config.json": json_text(generation)}
     writers: dict[str, Callable[[Path], None]] = {
         name: (lambda path, text=text: path.write_text(text, encoding="utf-8")) for name, text in texts.items()
     }
     writers["model.safetensors"] = lambda path: save_file(tensors, str(path), metadata={"format": "pt"})
     write_folder(out, writers, overwrite=force)
-    return Exported(out, sorted(writers), config)
+    return Exported(out, sorted(writers), config, architecture)

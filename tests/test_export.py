@@ -88,6 +88,12 @@ def test_export_loads_in_transformers_with_identical_logits_and_greedy_text(tmp_
     assert hf_tokenizer.decode(hf_ids) == encoding.decode(manas_ids)
 
 
+def test_gpt2_config_names_the_context_length_n_ctx_too_as_llama_cpps_converter_reads_it(gpt2_export):
+    config = json.loads((gpt2_export[1] / "config.json").read_text())
+    assert config["model_type"] == "gpt2"
+    assert config["n_ctx"] == config["n_positions"] == 96
+
+
 def test_exported_gpt2_tokenizer_is_openais_original_and_encodes_like_tiktoken(gpt2_export, gpt2_spec, shakespeare):
     from transformers import AutoTokenizer
 
@@ -179,13 +185,13 @@ def byte_ranks() -> dict[bytes, int]:
 
 
 REFUSALS = {
-    "rope": (
-        lambda: (make_model("rope"), bpe_spec(byte_ranks())),
-        "rotary (rope) position encoding has no exact Hugging Face GPT-2 equivalent",
+    "rope-with-exact-gelu": (
+        lambda: (make_model("rope", gelu_approximate="none"), bpe_spec(byte_ranks())),
+        "Starcoder2's MLP computes GELU's tanh approximation",
     ),
-    "grouped-query": (
+    "grouped-query-with-learned-positions": (
         lambda: (make_model("learned", "gqa"), bpe_spec(byte_ranks())),
-        "grouped-query attention (n_kv_head=2 < n_head=4) has no exact Hugging Face GPT-2 equivalent",
+        "grouped-query attention (n_kv_head=2 < n_head=4) with learned positions has no exact equivalent",
     ),
     "token-that-no-merge-builds": (
         lambda: (make_model(), bpe_spec(byte_ranks() | {b"abc": 256})),

@@ -1,0 +1,205 @@
+"""Rotary manas models as Hugging Face's Starcoder2, and back: the same computation under other names and layouts.
+
+Starcoder2ForCausalLM is, layer for layer, manas' rope GPT: pre-LayerNorm with biases, q/k/v/o projections with
+biases, grouped-query heads, a c_fc → GELU(tanh) → c_proj MLP, rotary positions, tied embeddings. Two layouts differ:
+manas fuses q|k|v into one projection, and it rotates each head's interleaved pairs (2i, 2i+1) where Hugging Face
+(and llama.cpp's starcoder2, a NEOX rope) rotates the halves (i, i + head_size/2). Permuting the rows of each query
+and key head maps one onto the other; attention scores are sums over a head's dimensions, so they are unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+from .model import GPT, GPTConfig
+
+ARCHITECTURE = "Starcoder2ForCausalLM"
+MODEL_TYPE = "starcoder2"
+# Inside model.layers.N: manas' module names inside blocks.N and Starcoder2's (attention.qkv is split, see below).
+BLOCK_MODULES = {
+    "ln_attention": "input_layernorm",
+    "attention.output": "self_attn.o_proj",
+    "ln_ffn": "post_attention_layernorm",
+    "ffn.up": "mlp.c_fc",
+    "ffn.down": "mlp.c_proj",
+}
+TOP_MODULES = {"token_embedding": "model.embed_tokens", "final_norm": "model.norm"}
+QKV = ("q_proj", "k_proj", "v_proj")
+TIED_HEAD = "lm_head.weight"
+# Hugging Face's hidden_act values that manas computes exactly, as F.gelu's `approximate`.
+ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
+
+
+# --- the rotary layout ---------------------------------------------------------------------------------------------
+
+
+def to_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder each head's rows (or bias entries) from pairs (2i, 2i+1) to halves (i, i + head_size/2): row i of a
+    head becomes its old row 2i, row head_size/2 + i its old row 2i+1 (LLaMA's Meta → Hugging Face permutation)."""
+    head_size = rows.size(0) // n_heads
+    return rows.reshape(n_heads, head_size // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def from_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of to_rotate_half."""
+    head_size = rows.size(0) // n_heads
+    return rows.reshape(n_heads, 2, head_size // 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+# --- export ----------------------------------------------------------------------------------------------------------
+
+
+def check_exportable(config: GPTConfig, source: Path) -> None:
+    if config.gelu_approximate != "tanh":
+        raise CheckpointError(
+            f"{source}: the model uses the exact GELU (gelu_approximate={config.gelu_approximate!r}), but Starcoder2's "
+            "MLP computes GELU's tanh approximation in vLLM, TGI and llama.cpp, so a rope model exports only with "
+            "gelu_approximate='tanh'"
+        )
+
+
+def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) -> dict:
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.block_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": 4 * config.n_embd,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "hidden_act": "gelu_pytorch_tanh",
+        "norm_epsilon": config.norm_eps,
+        # rope_theta is what transformers 4.x, vLLM, TGI and llama.cpp's converter read; rope_parameters is
+        # transformers 5's spelling of the same.
+        "rope_theta": config.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+        "sliding_window": None,
+        "use_bias": True,
+        "tie_word_embeddings": True,
+        "attention_dropout": config.dropout,
+        "residual_dropout": config.dropout,
+        "embedding_dropout": config.dropout,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": end_of_text,
+        "eos_token_id": end_of_text,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Starcoder2ForCausalLM's tensors, lm_head left out as it is tied; a bias=False model gets zero biases (adding
+    zero changes nothing, and llama.cpp's starcoder2 requires every bias)."""
+    config = model.config
+    state = model.state_dict()
+    dtype = model.token_embedding.weight.dtype
+
+    def tensor(name: str, rows: int) -> torch.Tensor:
+        return state[name] if name in state else torch.zeros(rows, dtype=dtype)
+
+    tensors = {f"{TOP_MODULES['token_embedding']}.weight": state["token_embedding.weight"]}
+    for kind in ("weight", "bias"):
+        tensors[f"{TOP_MODULES['final_norm']}.{kind}"] = tensor(f"final_norm.{kind}", config.n_embd)
+    kv_width = config.n_kv_head * config.head_size
+    for i in range(config.n_layer):
+        block, layer = f"blocks.{i}", f"model.layers.{i}"
+        for module, target in BLOCK_MODULES.items():
+            rows = 4 * config.n_embd if module == "ffn.up" else config.n_embd
+            tensors[f"{layer}.{target}.weight"] = state[f"{block}.{module}.weight"]
+            tensors[f"{layer}.{target}.bias"] = tensor(f"{block}.{module}.bias", rows)
+        for kind in ("weight", "bias"):
+            fused = tensor(f"{block}.attention.qkv.{kind}", config.n_embd + 2 * kv_width)
+            q, k, v = fused.split((config.n_embd, kv_width, kv_width))
+            parts = (to_rotate_half(q, config.n_head), to_rotate_half(k, config.n_kv_head), v)
+            for name, part in zip(QKV, parts):
+                tensors[f"{layer}.self_attn.{name}.{kind}"] = part
+    return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+
+
+# --- convert -----------------------------------------------------------------------------------------------------
+
+
+def config_from_hf(values: dict, source: Path) -> GPTConfig:
+    """A Starcoder2 config.json, refusing every option whose computation differs from manas'."""
+    activation = values.get("hidden_act", "gelu_pytorch_tanh")
+    if activation not in ACTIVATIONS:
+        raise CheckpointError(f"{source}: hidden_act {activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
+    rope = values.get("rope_parameters") or {}
+    try:
+        config = GPTConfig(
+            vocab_size=values.get("vocab_size", 49152), block_size=values.get("max_position_embeddings", 4096),
+            n_layer=values.get("num_hidden_layers", 30), n_head=values.get("num_attention_heads", 24),
+            n_kv_head=values.get("num_key_value_heads", 2), n_embd=values.get("hidden_size", 3072),
+            position_encoding="rope", rope_base=float(rope.get("rope_theta", values.get("rope_theta", 10000.0))),
+            norm_eps=float(values.get("norm_epsilon", 1e-5)), dropout=float(values.get("residual_dropout", 0.0)),
+            gelu_approximate=ACTIVATIONS[activation], bias=True,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: invalid model shape: {exc}") from None
+    window = values.get("sliding_window")
+    unsupported = {
+        "intermediate_size": values.get("intermediate_size", 12288) != 4 * config.n_embd,
+        "use_bias": values.get("use_bias", True) is not True,
+        "tie_word_embeddings": values.get("tie_word_embeddings", True) is not True,
+        # a window as long as the context masks nothing
+        "sliding_window": window is not None and not (isinstance(window, int) and window >= config.block_size),
+        "head_dim": values.get("head_dim") not in (None, config.head_size),
+        "rope_scaling": values.get("rope_scaling") is not None,
+        "rope_parameters": rope.get("rope_type", "default") != "default" or not set(rope) <= {"rope_type", "rope_theta"},
+    }
+    if changed := [name for name, differs in unsupported.items() if differs]:
+        name = changed[0]
+        shown = f"{name}={values[name]!r}" if name in values else f"{name} (Starcoder2's default)"
+        raise CheckpointError(f"{source}: {shown} has no manas equivalent")
+    return config
+
+
+def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:
+    """Rename Starcoder2's tensors to manas', fuse q|k|v back in manas' rotary layout; a tied lm_head must equal
+    the embedding. Tensors that are missing, extra or misshapen are left for build_model to name."""
+    inverse = {target: module for module, target in BLOCK_MODULES.items()}
+    renamed: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    head = None
+    for name, tensor in state.items():
+        if name == TIED_HEAD:
+            head = tensor
+            continue
+        module, _, kind = name.rpartition(".")
+        if module in TOP_MODULES.values():
+            renamed[f"{_key_of(TOP_MODULES, module)}.{kind}"] = tensor
+            continue
+        parts = module.split(".", 3)  # model, layers, N, rest
+        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in inverse:
+            renamed[f"blocks.{parts[2]}.{inverse[parts[3]]}.{kind}"] = tensor
+        elif len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3].removeprefix("self_attn.") in QKV:
+            qkv.setdefault((parts[2], kind), {})[parts[3].removeprefix("self_attn.")] = tensor
+        else:
+            raise CheckpointError(f"{source}: unexpected tensor {name}: not part of a Starcoder2 model")
+    for (index, kind), parts in qkv.items():
+        if missing := [name for name in QKV if name not in parts]:
+            raise CheckpointError(f"{source}: missing tensor model.layers.{index}.self_attn.{missing[0]}.{kind}")
+        q, k = parts["q_proj"], parts["k_proj"]
+        if q.size(0) % config.n_head or k.size(0) % config.n_kv_head:
+            raise CheckpointError(f"{source}: tensor model.layers.{index}.self_attn.q_proj.{kind} does not fit the config")
+        fused = [from_rotate_half(q, config.n_head), from_rotate_half(k, config.n_kv_head), parts["v_proj"]]
+        try:
+            renamed[f"blocks.{index}.attention.qkv.{kind}"] = torch.cat(fused)
+        except RuntimeError:
+            raise CheckpointError(f"{source}: q_proj, k_proj and v_proj of layer {index} have mismatched shapes") from None
+    embedding = renamed.get("token_embedding.weight")
+    if head is not None and embedding is not None and not torch.equal(head, embedding):
+        raise CheckpointError(
+            f"{source}: lm_head.weight differs from the token embedding; manas ties the two, so a model with an "
+            "untied output layer cannot be converted exactly"
+        )
+    return renamed
+
+
+def _key_of(mapping: dict[str, str], value: str) -> str:
+    return next(key for key, item in mapping.items() if item == value)

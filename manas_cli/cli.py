@@ -42,7 +42,8 @@ TrainTokenizer = choices("TrainTokenizer", "bpe", "gpt2")
 PositionEncoding = choices("PositionEncoding", "learned", "rope")
 Allocation = choices("Allocation", "dynamic", "static")
 Overflow = choices("Overflow", "recompute", "shift")
-ExportFormat = choices("ExportFormat", "hf")
+ExportFormat = choices("ExportFormat", "hf", "gguf")
+OutType = choices("OutType", "f32", "f16", "q8_0")
 Quantization = choices("Quantization", "int8")
 
 
@@ -278,23 +279,27 @@ def convert(
 
 @app.command(no_args_is_help=True)
 def export(
-    checkpoint: Annotated[Path, typer.Argument(help="manas checkpoint (.safetensors) with learned positions and multi-head attention.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write (created, or with --force overwritten file by file).")],
-    output_format: Annotated[ExportFormat, typer.Option("--format", help="hf: Hugging Face GPT-2 (transformers, vLLM, TGI).")] = ExportFormat.hf,
-    force: Annotated[bool, typer.Option("--force", help="Write into a folder that is not empty.")] = False,
+    checkpoint: Annotated[Path, typer.Argument(help="manas checkpoint (.safetensors).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="hf: the folder to write (created, or with --force overwritten file by file); gguf: the .gguf file.")],
+    output_format: Annotated[ExportFormat, typer.Option("--format", help="hf: Hugging Face GPT-2 or Starcoder2 (transformers, vLLM, TGI); gguf: one file for llama.cpp and ollama.")] = ExportFormat.hf,
+    outtype: Annotated[Optional[OutType], typer.Option("--outtype", help="gguf: the matrices' precision (default f16; vectors stay f32).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Write into a folder that is not empty, or over an existing file.")] = False,
 ) -> None:
-    """Export a checkpoint for the serving ecosystem: a Hugging Face GPT-2 folder with its tokenizer.
+    """Export a checkpoint for the serving ecosystem: a Hugging Face folder with its tokenizer, or a GGUF file.
 
-    Writes config.json, generation_config.json, model.safetensors, vocab.json, merges.txt and tokenizer_config.json.
-    Rotary (rope) and grouped-query models have no exact GPT-2 equivalent and are refused.
+    --format hf writes config.json, generation_config.json, model.safetensors, vocab.json, merges.txt and
+    tokenizer_config.json: GPT-2 for learned-position models, Starcoder2 for rotary (rope) ones. --format gguf writes
+    one file with the tokenizer inside (llama.cpp's gpt2 or starcoder2; needs pip install "manas[gguf]").
 
     Examples:
 
-      manas export gpt2.safetensors --format hf --out gpt2-hf
+      manas export model.safetensors --format hf --out model-hf
 
-      python -c "from transformers import pipeline; print(pipeline('text-generation', 'gpt2-hf')('Hello')[0])"
+      vllm serve ./model-hf
 
-      vllm serve ./gpt2-hf
+      manas export model.safetensors --format gguf --out model.gguf
+
+      llama-cli -m model.gguf -p "ROMEO:" -n 100
     """
     from . import commands
 

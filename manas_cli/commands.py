@@ -531,8 +531,23 @@ def quantize(**options) -> None:
 
 
 def export(**options) -> None:
-    from .export import export_hf
     from .render import stderr_console
+
+    if options["output_format"].value == "gguf":
+        from .export_gguf import export_gguf
+
+        outtype = options["outtype"].value if options["outtype"] else "f16"
+        done = export_gguf(options["checkpoint"], options["out"], outtype=outtype, force=options["force"])
+        stderr_console().print(
+            f"wrote a GGUF model (llama.cpp architecture {done.architecture}, {done.outtype}) to {done.out}: "
+            f"{done.tensors} tensors, {done.size_bytes:,} bytes"
+        )
+        return
+    if options["outtype"] is not None:
+        import typer
+
+        raise typer.BadParameter("--outtype applies to --format gguf only", param_hint="'--outtype'")
+    from .export import export_hf
 
     result = export_hf(options["checkpoint"], options["out"], force=options["force"])
     stderr_console().print(f"wrote a Hugging Face {result.architecture} model to {result.out}: {', '.join(result.files)}")

@@ -29,6 +29,10 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that every clean-up (`finally`: temporary files) runs."""
 
 
+class MissingDependencyError(ManasError):
+    """An optional package the command needs is not installed; the message says how to install it."""
+
+
 def interrupt_exit_code(interrupt: BaseException) -> int:
     """What a shell reports for a process stopped by the signal: 128 + SIGTERM (15), or 128 + SIGINT (2)."""
     return 143 if isinstance(interrupt, Terminated) else 130

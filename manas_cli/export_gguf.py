@@ -1,0 +1,168 @@
+"""A manas checkpoint as one GGUF file, the format llama.cpp, ollama and LM Studio load.
+
+GGUF names llama.cpp's own architectures. The Hugging Face twin of the model (export.hf_model) maps onto them as
+llama.cpp's converter (convert_hf_to_gguf.py) maps it, with the names of the gguf package's TensorNameMap: GPT-2 is
+`gpt2` (its Conv1D weights transposed back to out×in), Starcoder2 is `starcoder2` (queries and keys already in the
+rotate-half layout of llama.cpp's NEOX rope). The tokenizer goes along as GGUF's byte-level BPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import load_checkpoint
+from .convert import is_gpt2_linear_weight
+from .errors import CheckpointError, InputError, MissingDependencyError
+from .export import byte_level_bpe, hf_model
+from .files import atomic_write, refuse_existing
+from .model import GPTConfig
+from .tokenizer import END_OF_TEXT
+
+OUTTYPES = ("f32", "f16", "q8_0")
+ARCHITECTURES = {"GPT-2": "gpt2", "Starcoder2": "starcoder2"}  # Hugging Face twin → llama.cpp architecture
+# llama.cpp's name for GPT-2's split pattern, the only one byte_level_bpe lets through for tokenizers with merges.
+PRE_TOKENIZER = "gpt-2"
+
+
+@dataclass
+class ExportedGGUF:
+    out: Path
+    architecture: str  # llama.cpp's name
+    outtype: str
+    tensors: int
+    size_bytes: int
+
+
+def import_gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise MissingDependencyError('writing GGUF needs the gguf package: pip install "manas[gguf]"') from None
+    return gguf
+
+
+def check_out_file(out: Path, force: bool) -> None:
+    if out.is_dir():
+        raise InputError(f"--out {out} is a folder: name the .gguf file to write (e.g. {out / 'model.gguf'})")
+    if not out.parent.is_dir():
+        raise InputError(f"the folder of --out {out} does not exist")
+    refuse_existing(out, force)
+
+
+def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
+    """Refuse what llama.cpp's gpt2 and starcoder2 would compute or stop differently."""
+    if config.gelu_approximate != "tanh":
+        raise CheckpointError(
+            f"{source}: the model uses the exact GELU (gelu_approximate={config.gelu_approximate!r}), but llama.cpp's "
+            "gpt2 and starcoder2 compute GELU's tanh approximation; only gelu_approximate='tanh' models export to GGUF"
+        )
+    if end_of_text is None:
+        raise CheckpointError(
+            f"{source}: the tokenizer has no {END_OF_TEXT}, and llama.cpp's byte-level BPE then takes token 11 as the "
+            "end of text, so its generations would stop where manas' do not"
+        )
+
+
+# --- tensors -----------------------------------------------------------------------------------------------------
+
+
+def gguf_tensors(gguf: Any, architecture: str, hf_tensors: dict, n_layer: int) -> dict[str, np.ndarray]:
+    """The Hugging Face twin's tensors under llama.cpp's names, float32, in PyTorch's (out, in) layout: GGUF lists
+    dimensions innermost first, so the gguf writer records this as llama.cpp's {in, out}."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCHITECTURES[architecture].upper()], n_layer)
+    tensors = {}
+    for name, tensor in hf_tensors.items():
+        if architecture == "GPT-2" and is_gpt2_linear_weight(name.removeprefix("transformer.")):
+            tensor = tensor.t()  # Conv1D's in×out back to out×in, as llama.cpp's converter does
+        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous().numpy()
+    return tensors
+
+
+def tensor_type(gguf: Any, name: str, tensor: np.ndarray, outtype: str) -> Any:
+    """llama.cpp's converter's choice: vectors (norms, biases) and the position table stay float32; matrices are
+    f16 or q8_0, falling back to f16 where a row does not split into whole q8_0 blocks."""
+    types = gguf.GGMLQuantizationType
+    if outtype == "f32" or tensor.ndim == 1 or name == "position_embd.weight":
+        return types.F32
+    block_size = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
+    if outtype == "q8_0" and tensor.shape[-1] % block_size == 0:
+        return types.Q8_0
+    return types.F16
+
+
+# --- the file ------------------------------------------------------------------------------------------------------
+
+
+def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, outtype: str) -> None:
+    """Every hyperparameter llama.cpp's loader reads for gpt2 and starcoder2."""
+    file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    writer.add_name(name)
+    writer.add_file_type(file_types[outtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.block_size)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_feed_forward_length(4 * config.n_embd)
+    writer.add_block_count(config.n_layer)
+    writer.add_head_count(config.n_head)
+    writer.add_head_count_kv(config.n_kv_head)
+    writer.add_layer_norm_eps(config.norm_eps)
+    if config.position_encoding == "rope":
+        writer.add_rope_dimension_count(config.head_size)
+        writer.add_rope_freq_base(config.rope_base)
+
+
+def add_tokenizer(writer: Any, gguf: Any, encoding: Any, vocab_size: int, end_of_text: int, source: Path) -> None:
+    """GGUF's byte-level BPE ("gpt2"): every id's token, its type, the merges in the order they apply. Ids without a
+    token (a vocabulary padded past the tokenizer) get placeholders that no text encodes to, as llama.cpp's
+    converter writes them."""
+    bpe = byte_level_bpe(encoding, source)
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for table, kind in ((bpe.tokens, gguf.TokenType.NORMAL), (bpe.special, gguf.TokenType.CONTROL)):
+        for token, i in table.items():
+            tokens[i], types[i] = token, kind
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(PRE_TOKENIZER)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(bpe.merges)
+    writer.add_bos_token_id(end_of_text)
+    writer.add_eos_token_id(end_of_text)
+    writer.add_add_bos_token(False)  # manas starts a prompt with its own tokens, never a prepended end-of-text
+    writer.add_add_eos_token(False)
+
+
+def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force: bool = False) -> ExportedGGUF:
+    """Write checkpoint_path as one GGUF file, atomically; refuse before writing anything it cannot export."""
+    gguf = import_gguf()
+    check_out_file(out, force)
+    checkpoint = load_checkpoint(checkpoint_path)
+    model, config = checkpoint.model, checkpoint.model.config
+    end_of_text = checkpoint.encoding._special_tokens.get(END_OF_TEXT)
+    check_exportable(config, end_of_text, checkpoint_path)
+    architecture, _, hf_tensors = hf_model(model, end_of_text, checkpoint_path)
+    tensors = gguf_tensors(gguf, architecture, hf_tensors, config.n_layer)
+    # Quantized before the file is opened: whatever fails, fails before anything is written.
+    typed = {name: (tensor, tensor_type(gguf, name, tensor, outtype)) for name, tensor in tensors.items()}
+    stored = {name: (gguf.quants.quantize(tensor, kind), kind) for name, (tensor, kind) in typed.items()}
+
+    def write(tmp: str) -> None:
+        writer = gguf.GGUFWriter(tmp, ARCHITECTURES[architecture])
+        try:
+            add_hyperparameters(writer, gguf, config, checkpoint_path.stem, outtype)
+            add_tokenizer(writer, gguf, checkpoint.encoding, config.vocab_size, end_of_text, checkpoint_path)
+            for name, (data, kind) in stored.items():
+                writer.add_tensor(name, data, raw_dtype=kind)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+
+    atomic_write(out, write, overwrite=force)
+    return ExportedGGUF(out, ARCHITECTURES[architecture], outtype, len(stored), out.stat().st_size)

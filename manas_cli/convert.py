@@ -111,13 +111,16 @@ def gpt2_state_to_manas(state: dict[str, torch.Tensor], *, conv1d: bool, source:
         if target is None:
             continue
         renamed[target] = tensor.t() if conv1d and is_gpt2_linear_weight(bare) else tensor
-    embedding = renamed.get("token_embedding.weight")
+    check_tied_head(head, renamed.get("token_embedding.weight"), source)
+    return renamed
+
+
+def check_tied_head(head: torch.Tensor | None, embedding: torch.Tensor | None, source: Path) -> None:
     if head is not None and embedding is not None and not torch.equal(head, embedding):
         raise CheckpointError(
-            f"{source}: lm_head.weight differs from the token embedding; manas ties the two (as GPT-2 does), "
-            "so a model with an untied output layer cannot be converted exactly"
+            f"{source}: lm_head.weight differs from the token embedding; manas ties the two (as GPT-2 and "
+            "Starcoder2 do), so a model with an untied output layer cannot be converted exactly"
         )
-    return renamed
 
 
 def build_model(config: GPTConfig, state: dict[str, torch.Tensor], source: Path) -> GPT:
@@ -357,7 +360,10 @@ def _hf_kind(template: str, model: GPT) -> tuple[str, GPT]:
 
 def _load_hf(state: dict[str, torch.Tensor], source: Path, config: GPTConfig) -> GPT:
     if config.position_encoding == "rope":
-        return build_model(config, starcoder2.state_to_manas(state, config, source), source)
+        weights = {name: tensor for name, tensor in state.items() if name != TIED_HEAD}
+        renamed = starcoder2.state_to_manas(weights, config, source)
+        check_tied_head(state.get(TIED_HEAD), renamed.get("token_embedding.weight"), source)
+        return build_model(config, renamed, source)
     return build_model(config, gpt2_state_to_manas(state, conv1d=True, source=source), source)
 
 

@@ -9,6 +9,7 @@ and key head maps one onto the other; attention scores are sums over a head's di
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ BLOCK_MODULES = {
 }
 TOP_MODULES = {"token_embedding": "model.embed_tokens", "final_norm": "model.norm"}
 QKV = ("q_proj", "k_proj", "v_proj")
-TIED_HEAD = "lm_head.weight"
+QKV_MODULES = {f"self_attn.{name}": name for name in QKV}
 # Hugging Face's hidden_act values that manas computes exactly, as F.gelu's `approximate`.
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
@@ -160,44 +161,35 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
 
 
 def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:
-    """Rename Starcoder2's tensors to manas', fuse q|k|v back in manas' rotary layout; a tied lm_head must equal
-    the embedding. Tensors that are missing, extra or misshapen are left for build_model to name."""
+    """Starcoder2's tensors (without lm_head) under manas' names, q|k|v fused back in manas' rotary layout. Tensors
+    that are missing, extra or misshapen otherwise are left for convert.build_model to name."""
     inverse = {target: module for module, target in BLOCK_MODULES.items()}
+    kv_width = config.n_kv_head * config.head_size
+    rows = {"q_proj": config.n_embd, "k_proj": kv_width, "v_proj": kv_width}
     renamed: dict[str, torch.Tensor] = {}
     qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    head = None
     for name, tensor in state.items():
-        if name == TIED_HEAD:
-            head = tensor
-            continue
         module, _, kind = name.rpartition(".")
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
         if module in TOP_MODULES.values():
             renamed[f"{_key_of(TOP_MODULES, module)}.{kind}"] = tensor
-            continue
-        parts = module.split(".", 3)  # model, layers, N, rest
-        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in inverse:
-            renamed[f"blocks.{parts[2]}.{inverse[parts[3]]}.{kind}"] = tensor
-        elif len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3].removeprefix("self_attn.") in QKV:
-            qkv.setdefault((parts[2], kind), {})[parts[3].removeprefix("self_attn.")] = tensor
+        elif layer and layer[2] in QKV_MODULES:
+            part = QKV_MODULES[layer[2]]
+            if tensor.dim() == 0 or tensor.size(0) != rows[part]:
+                raise CheckpointError(f"{source}: tensor {name} has shape {list(tensor.shape)}, the config needs {rows[part]} rows")
+            qkv.setdefault((layer[1], kind), {})[part] = tensor
+        elif layer and layer[2] in inverse:
+            renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = tensor
         else:
             raise CheckpointError(f"{source}: unexpected tensor {name}: not part of a Starcoder2 model")
     for (index, kind), parts in qkv.items():
         if missing := [name for name in QKV if name not in parts]:
             raise CheckpointError(f"{source}: missing tensor model.layers.{index}.self_attn.{missing[0]}.{kind}")
-        q, k = parts["q_proj"], parts["k_proj"]
-        if q.size(0) % config.n_head or k.size(0) % config.n_kv_head:
-            raise CheckpointError(f"{source}: tensor model.layers.{index}.self_attn.q_proj.{kind} does not fit the config")
-        fused = [from_rotate_half(q, config.n_head), from_rotate_half(k, config.n_kv_head), parts["v_proj"]]
+        q, k = from_rotate_half(parts["q_proj"], config.n_head), from_rotate_half(parts["k_proj"], config.n_kv_head)
         try:
-            renamed[f"blocks.{index}.attention.qkv.{kind}"] = torch.cat(fused)
+            renamed[f"blocks.{index}.attention.qkv.{kind}"] = torch.cat((q, k, parts["v_proj"]))
         except RuntimeError:
-            raise CheckpointError(f"{source}: q_proj, k_proj and v_proj of layer {index} have mismatched shapes") from None
-    embedding = renamed.get("token_embedding.weight")
-    if head is not None and embedding is not None and not torch.equal(head, embedding):
-        raise CheckpointError(
-            f"{source}: lm_head.weight differs from the token embedding; manas ties the two, so a model with an "
-            "untied output layer cannot be converted exactly"
-        )
+            raise CheckpointError(f"{source}: q_proj, k_proj and v_proj.{kind} of layer {index} differ in shape") from None
     return renamed
 
 

@@ -261,10 +261,18 @@ def test_llama_cpp_generates_manas_greedy_tokens(checkpoints, tiny_bpe_spec, pos
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
 
-def test_export_gguf_refuses_the_exact_gelu_which_llama_cpp_does_not_compute(tmp_path, tiny_bpe_spec):
-    save_checkpoint(tmp_path / "m.safetensors", make_model("learned", gelu_approximate="none", vocab_size=300), tiny_bpe_spec)
+MODEL_REFUSALS = {
+    "exact-gelu": (dict(gelu_approximate="none"), "llama.cpp's gpt2 and starcoder2 compute GELU's tanh approximation"),
+    "learned-positions-with-grouped-query-attention": (dict(n_kv_head=2), "grouped-query attention (n_kv_head=2 < n_head=4)"),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_REFUSALS))
+def test_export_gguf_refuses_what_llama_cpps_gpt2_does_not_compute(tmp_path, tiny_bpe_spec, case):
+    overrides, message = MODEL_REFUSALS[case]
+    save_checkpoint(tmp_path / "m.safetensors", make_model("learned", vocab_size=300, **overrides), tiny_bpe_spec)
     result = run_manas("export", tmp_path / "m.safetensors", "--format", "gguf", "--out", tmp_path / "m.gguf")
-    assert_refused(result, "llama.cpp's gpt2 and starcoder2 compute GELU's tanh approximation")
+    assert_refused(result, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # nothing written, no temporary file
 
 

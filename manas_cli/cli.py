@@ -250,15 +250,15 @@ def train(
 
 @app.command(no_args_is_help=True)
 def convert(
-    src: Annotated[Path, typer.Argument(help="nanoGPT ckpt.pt, a Hugging Face GPT-2 folder, or a bare model.safetensors (with --config).")],
+    src: Annotated[Path, typer.Argument(help="nanoGPT ckpt.pt, a Hugging Face GPT-2 or Starcoder2 folder, or a bare model.safetensors (with --config).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="manas checkpoint to write (.safetensors).")],
-    config: Annotated[Optional[Path], typer.Option(help="Hugging Face GPT-2 config.json for a bare weights file.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="Hugging Face GPT-2 or Starcoder2 config.json for a bare weights file.")] = None,
     tokenizer: Annotated[str, typer.Option(help="'gpt2': GPT-2's BPE, from --tokenizer-file or tiktoken's cache.")] = "gpt2",
     tokenizer_file: Annotated[Optional[Path], typer.Option(help="GPT-2's ranks as a .tiktoken file, embedded in the checkpoint.")] = None,
     tokenizer_meta: Annotated[Optional[Path], typer.Option(help="nanoGPT's character-level meta.pkl (read without running code).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:
-    """Import nanoGPT or Hugging Face GPT-2 weights as a manas checkpoint.
+    """Import nanoGPT or Hugging Face GPT-2 or Starcoder2 weights as a manas checkpoint.
 
     Pickles are read with weights only: a file that would run code is refused.
 

@@ -257,7 +257,8 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
         return starcoder2.config_from_hf(values, source)
     if values.get("model_type") != "gpt2":
         raise CheckpointError(
-            f"{source}: model_type is {values.get('model_type')!r}; convert reads GPT-2 models (model_type 'gpt2') and Starcoder2 models (model_type 'starcoder2') only"
+            f"{source}: model_type is {values.get('model_type')!r}; convert reads GPT-2 models (model_type 'gpt2') "
+            "and Starcoder2 models (model_type 'starcoder2') only"
         )
     activation = values.get("activation_function", "gelu_new")
     if activation not in HF_ACTIVATIONS:

@@ -18,11 +18,11 @@ from pathlib import Path
 import tiktoken
 import torch
 
+from . import starcoder2
 from .checkpoint import TIED, load_checkpoint
 from .convert import gpt2_name, is_gpt2_linear_weight
 from .errors import CheckpointError, InputError
 from .files import claim_folder
-from . import starcoder2
 from .model import GPT, GPTConfig
 from .quantize import dequantize_model
 from .tokenizer import END_OF_TEXT, GPT2_PAT_STR

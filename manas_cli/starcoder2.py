@@ -100,21 +100,21 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     dtype = model.token_embedding.weight.dtype
 
-    def tensor(name: str, rows: int) -> torch.Tensor:
+    def own_or_zeros(name: str, rows: int) -> torch.Tensor:
         return state[name] if name in state else torch.zeros(rows, dtype=dtype)
 
     tensors = {f"{TOP_MODULES['token_embedding']}.weight": state["token_embedding.weight"]}
     for kind in ("weight", "bias"):
-        tensors[f"{TOP_MODULES['final_norm']}.{kind}"] = tensor(f"final_norm.{kind}", config.n_embd)
+        tensors[f"{TOP_MODULES['final_norm']}.{kind}"] = own_or_zeros(f"final_norm.{kind}", config.n_embd)
     kv_width = config.n_kv_head * config.head_size
     for i in range(config.n_layer):
         block, layer = f"blocks.{i}", f"model.layers.{i}"
         for module, target in BLOCK_MODULES.items():
             rows = 4 * config.n_embd if module == "ffn.up" else config.n_embd
             tensors[f"{layer}.{target}.weight"] = state[f"{block}.{module}.weight"]
-            tensors[f"{layer}.{target}.bias"] = tensor(f"{block}.{module}.bias", rows)
+            tensors[f"{layer}.{target}.bias"] = own_or_zeros(f"{block}.{module}.bias", rows)
         for kind in ("weight", "bias"):
-            fused = tensor(f"{block}.attention.qkv.{kind}", config.n_embd + 2 * kv_width)
+            fused = own_or_zeros(f"{block}.attention.qkv.{kind}", config.n_embd + 2 * kv_width)
             q, k, v = fused.split((config.n_embd, kv_width, kv_width))
             parts = (to_rotate_half(q, config.n_head), to_rotate_half(k, config.n_kv_head), v)
             for name, part in zip(QKV, parts):
@@ -131,6 +131,8 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
     if activation not in ACTIVATIONS:
         raise CheckpointError(f"{source}: hidden_act {activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
     rope = values.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_parameters={rope!r} is not an object of rope_type and rope_theta")
     try:
         config = GPTConfig(
             vocab_size=values.get("vocab_size", 49152), block_size=values.get("max_position_embeddings", 4096),

@@ -308,3 +308,18 @@ def test_outtype_is_a_usage_error_for_the_hugging_face_format(tmp_path, checkpoi
     result = run_manas("export", checkpoints["rope"], "--format", "hf", "--out", tmp_path / "hf", "--outtype", "q8_0")
     assert result.returncode == 2 and "--outtype applies to --format gguf only" in result.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_q8_0_keeps_float16_for_matrices_whose_rows_do_not_fill_whole_blocks(tmp_path, tiny_bpe_spec):
+    """q8_0 packs 32 values of a row per block: a 48-wide model falls back to f16 there, as llama.cpp's converter."""
+    model = make_model("rope", vocab_size=build_encoding(tiny_bpe_spec).n_vocab, n_embd=48)
+    save_checkpoint(tmp_path / "m.safetensors", model, tiny_bpe_spec)
+    result = run_manas("export", tmp_path / "m.safetensors", "--format", "gguf", "--out", tmp_path / "m.gguf", "--outtype", "q8_0")
+    assert result.returncode == 0, result.stderr
+
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert field(reader, "general.file_type") == 7  # MOSTLY_Q8_0
+    kinds = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    assert kinds["token_embd.weight"] == kinds["blk.0.attn_q.weight"] == "F16"  # rows of 48
+    assert kinds["blk.0.ffn_down.weight"] == "Q8_0"  # rows of 4 × 48 = 192 = 6 blocks
+    assert kinds["blk.0.attn_q.bias"] == "F32"

@@ -1,9 +1,11 @@
 """A manas checkpoint as one GGUF file, the format llama.cpp, ollama and LM Studio load.
 
-GGUF names llama.cpp's own architectures. The Hugging Face twin of the model (export.hf_model) maps onto them as
-llama.cpp's converter (convert_hf_to_gguf.py) maps it, with the names of the gguf package's TensorNameMap: GPT-2 is
-`gpt2` (its Conv1D weights transposed back to out×in), Starcoder2 is `starcoder2` (queries and keys already in the
-rotate-half layout of llama.cpp's NEOX rope). The tokenizer goes along as GGUF's byte-level BPE.
+GGUF names llama.cpp's own architectures. The model's Hugging Face tensors map onto them as llama.cpp's converter
+(convert_hf_to_gguf.py) maps them, with the names of the gguf package's TensorNameMap: GPT-2's are `gpt2` (Conv1D
+weights transposed back to out×in), Starcoder2's are `starcoder2` (queries and keys already in the rotate-half
+layout of llama.cpp's NEOX rope). llama.cpp's gpt2 reads head_count_kv, so learned-position models with
+grouped-query attention export too, though Hugging Face's GPT-2 has no such thing. The tokenizer goes along as
+GGUF's byte-level BPE.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import numpy as np
 from .checkpoint import load_checkpoint
 from .convert import is_gpt2_linear_weight
 from .errors import CheckpointError, InputError, MissingDependencyError
-from .export import byte_level_bpe, hf_model
+from . import starcoder2
+from .export import byte_level_bpe, hf_state_dict
 from .files import atomic_write, refuse_existing
-from .model import GPTConfig
+from .model import GPT, GPTConfig
 from .tokenizer import END_OF_TEXT
 
 OUTTYPES = ("f32", "f16", "q8_0")
-ARCHITECTURES = {"GPT-2": "gpt2", "Starcoder2": "starcoder2"}  # Hugging Face twin → llama.cpp architecture
+ARCHITECTURES = {"learned": "gpt2", "rope": "starcoder2"}  # position encoding → llama.cpp architecture
 # llama.cpp's name for GPT-2's split pattern, the only one byte_level_bpe lets through for tokenizers with merges.
 PRE_TOKENIZER = "gpt-2"
 
@@ -70,13 +73,16 @@ def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -
 # --- tensors -----------------------------------------------------------------------------------------------------
 
 
-def gguf_tensors(gguf: Any, architecture: str, hf_tensors: dict, n_layer: int) -> dict[str, np.ndarray]:
-    """The Hugging Face twin's tensors under llama.cpp's names, float32, in PyTorch's (out, in) layout: GGUF lists
+def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
+    """The model's Hugging Face tensors under llama.cpp's names, float32, in PyTorch's (out, in) layout: GGUF lists
     dimensions innermost first, so the gguf writer records this as llama.cpp's {in, out}."""
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCHITECTURES[architecture].upper()], n_layer)
+    config = model.config
+    architecture = ARCHITECTURES[config.position_encoding]
+    hf_tensors = starcoder2.hf_state_dict(model) if architecture == "starcoder2" else hf_state_dict(model)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.n_layer)
     tensors = {}
     for name, tensor in hf_tensors.items():
-        if architecture == "GPT-2" and is_gpt2_linear_weight(name.removeprefix("transformer.")):
+        if architecture == "gpt2" and is_gpt2_linear_weight(name.removeprefix("transformer.")):
             tensor = tensor.t()  # Conv1D's in×out back to out×in, as llama.cpp's converter does
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous().numpy()
     return tensors
@@ -145,14 +151,14 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
     model, config = checkpoint.model, checkpoint.model.config
     end_of_text = checkpoint.encoding._special_tokens.get(END_OF_TEXT)
     check_exportable(config, end_of_text, checkpoint_path)
-    architecture, _, hf_tensors = hf_model(model, end_of_text, checkpoint_path)
-    tensors = gguf_tensors(gguf, architecture, hf_tensors, config.n_layer)
+    architecture = ARCHITECTURES[config.position_encoding]
+    tensors = gguf_tensors(gguf, model)
     # Quantized before the file is opened: whatever fails, fails before anything is written.
     typed = {name: (tensor, tensor_type(gguf, name, tensor, outtype)) for name, tensor in tensors.items()}
     stored = {name: (gguf.quants.quantize(tensor, kind), kind) for name, (tensor, kind) in typed.items()}
 
     def write(tmp: str) -> None:
-        writer = gguf.GGUFWriter(tmp, ARCHITECTURES[architecture])
+        writer = gguf.GGUFWriter(tmp, architecture)
         try:
             add_hyperparameters(writer, gguf, config, checkpoint_path.stem, outtype)
             add_tokenizer(writer, gguf, checkpoint.encoding, config.vocab_size, end_of_text, checkpoint_path)
@@ -165,4 +171,4 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
             writer.close()
 
     atomic_write(out, write, overwrite=force)
-    return ExportedGGUF(out, ARCHITECTURES[architecture], outtype, len(stored), out.stat().st_size)
+    return ExportedGGUF(out, architecture, outtype, len(stored), out.stat().st_size)

@@ -20,7 +20,7 @@ from .checkpoint import load_checkpoint
 from .convert import is_gpt2_linear_weight
 from .errors import CheckpointError, InputError, MissingDependencyError
 from . import starcoder2
-from .export import byte_level_bpe, hf_state_dict
+from .export import ByteLevelBPE, byte_level_bpe, hf_state_dict
 from .files import atomic_write, refuse_existing
 from .model import GPT, GPTConfig
 from .tokenizer import END_OF_TEXT
@@ -122,11 +122,10 @@ def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, ou
         writer.add_rope_freq_base(config.rope_base)
 
 
-def add_tokenizer(writer: Any, gguf: Any, encoding: Any, vocab_size: int, end_of_text: int, source: Path) -> None:
+def add_tokenizer(writer: Any, gguf: Any, bpe: ByteLevelBPE, vocab_size: int, end_of_text: int) -> None:
     """GGUF's byte-level BPE ("gpt2"): every id's token, its type, the merges in the order they apply. Ids without a
     token (a vocabulary padded past the tokenizer) get placeholders that no text encodes to, as llama.cpp's
     converter writes them."""
-    bpe = byte_level_bpe(encoding, source)
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.UNUSED] * vocab_size
     for table, kind in ((bpe.tokens, gguf.TokenType.NORMAL), (bpe.special, gguf.TokenType.CONTROL)):
@@ -151,6 +150,7 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
     model, config = checkpoint.model, checkpoint.model.config
     end_of_text = checkpoint.encoding._special_tokens.get(END_OF_TEXT)
     check_exportable(config, end_of_text, checkpoint_path)
+    bpe = byte_level_bpe(checkpoint.encoding, checkpoint_path)  # refuses split patterns llama.cpp does not have
     architecture = ARCHITECTURES[config.position_encoding]
     tensors = gguf_tensors(gguf, model)
     # Quantized before the file is opened: whatever fails, fails before anything is written.
@@ -161,7 +161,7 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
         writer = gguf.GGUFWriter(tmp, architecture)
         try:
             add_hyperparameters(writer, gguf, config, checkpoint_path.stem, outtype)
-            add_tokenizer(writer, gguf, checkpoint.encoding, config.vocab_size, end_of_text, checkpoint_path)
+            add_tokenizer(writer, gguf, bpe, config.vocab_size, end_of_text)
             for name, (data, kind) in stored.items():
                 writer.add_tensor(name, data, raw_dtype=kind)
             writer.write_header_to_file()

@@ -264,10 +264,19 @@ def test_llama_cpp_generates_manas_greedy_tokens(checkpoints, tiny_bpe_spec, pos
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
 
-def test_export_gguf_refuses_the_exact_gelu_which_llama_cpp_does_not_compute(tmp_path, tiny_bpe_spec):
-    save_checkpoint(tmp_path / "m.safetensors", make_model("learned", gelu_approximate="none", vocab_size=300), tiny_bpe_spec)
+REFUSALS = {  # (position encoding, model overrides, tokenizer spec changes, message)
+    "exact-gelu": ("learned", {"gelu_approximate": "none"}, {}, "llama.cpp's gpt2 and starcoder2 compute GELU's tanh approximation"),
+    "bpe-with-another-split-pattern": ("rope", {}, {"pat_str": r"\S+|\s+"}, "only GPT-2-pattern BPE tokenizers export"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_export_gguf_refuses_what_llama_cpp_would_compute_or_encode_differently(tmp_path, tiny_bpe_spec, case):
+    position_encoding, overrides, spec_changes, message = REFUSALS[case]
+    model = make_model(position_encoding, vocab_size=300, **overrides)
+    save_checkpoint(tmp_path / "m.safetensors", model, tiny_bpe_spec | spec_changes)
     result = run_manas("export", tmp_path / "m.safetensors", "--format", "gguf", "--out", tmp_path / "m.gguf")
-    assert_refused(result, "llama.cpp's gpt2 and starcoder2 compute GELU's tanh approximation")
+    assert_refused(result, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # nothing written, no temporary file
 
 

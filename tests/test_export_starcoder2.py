@@ -114,6 +114,34 @@ def test_starcoder2_config_carries_rope_base_eps_window_and_tied_embeddings(gqa_
     assert "lm_head.weight" not in names and "model.layers.1.self_attn.k_proj.bias" in names
 
 
+def test_a_starcoder2_saved_by_transformers_converts_to_the_same_logits(tmp_path, tiny_bpe_spec):
+    """Not only manas' own export: a Starcoder2ForCausalLM of manas' shape, as transformers saves it."""
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Starcoder2Config(
+        vocab_size=build_encoding(tiny_bpe_spec).n_vocab, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, initializer_range=0.2, bos_token_id=None,
+        eos_token_id=None,
+    )
+    hf_model = Starcoder2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.1)  # transformers starts biases at zero, which would test nothing
+    hf_model.save_pretrained(tmp_path / "hf")
+
+    ranks = ranks_file(tmp_path, tiny_bpe_spec)
+    result = run_manas("convert", tmp_path / "hf", "--tokenizer-file", ranks, "--out", tmp_path / "m.safetensors")
+    assert_converted(result, tmp_path / "m.safetensors")
+    model = load_checkpoint(tmp_path / "m.safetensors").model
+    assert (model.config.position_encoding, model.config.n_kv_head, model.config.rope_base) == ("rope", 2, 500.0)
+    ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf_model(ids).logits, atol=1e-4, rtol=0)
+
+
 # ---- convert refusals ---------------------------------------------------------------------------------------------
 
 

@@ -254,7 +254,7 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
     if not isinstance(values, dict):
         raise CheckpointError(f"{source}: not a JSON object")
     if values.get("model_type") == starcoder2.MODEL_TYPE:
-        return starcoder2.config_from_hf(values, source)
+        return config_from_starcoder2(values, source)
     if values.get("model_type") != "gpt2":
         raise CheckpointError(
             f"{source}: model_type is {values.get('model_type')!r}; convert reads GPT-2 models (model_type 'gpt2') "
@@ -282,6 +282,44 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
     )
 
 
+def config_from_starcoder2(values: dict, source: Path) -> GPTConfig:
+    """A Hugging Face Starcoder2 config.json (starcoder2.py maps its tensors), refusing every option whose
+    computation differs from manas'."""
+    activation = values.get("hidden_act", "gelu_pytorch_tanh")
+    if activation not in starcoder2.ACTIVATIONS:
+        raise CheckpointError(f"{source}: hidden_act {activation!r} is not supported (only {', '.join(starcoder2.ACTIVATIONS)})")
+    rope = values.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_parameters must be an object of rope_type and rope_theta, got {rope!r}")
+    field, rope_field = _typed_field(values, source), _typed_field(rope, source, "rope_parameters.")
+    config = _make_config(
+        source, position_encoding="rope",
+        vocab_size=field("vocab_size", int, 49152), block_size=field("max_position_embeddings", int, 4096),
+        n_layer=field("num_hidden_layers", int, 30), n_head=field("num_attention_heads", int, 24),
+        n_kv_head=field("num_key_value_heads", int, 2), n_embd=field("hidden_size", int, 3072),
+        # transformers 5 spells it rope_parameters.rope_theta, 4.x (and vLLM, TGI) rope_theta
+        rope_base=rope_field("rope_theta", float, field("rope_theta", float, 10000.0)),
+        norm_eps=field("norm_epsilon", float, 1e-5), dropout=field("residual_dropout", float, 0.0),
+        gelu_approximate=starcoder2.ACTIVATIONS[activation],
+    )
+    window = values.get("sliding_window")
+    unsupported = {
+        "intermediate_size": values.get("intermediate_size", 12288) != 4 * config.n_embd,
+        "use_bias": values.get("use_bias", True) is not True,
+        "tie_word_embeddings": values.get("tie_word_embeddings", True) is not True,
+        # a window as long as the context masks nothing
+        "sliding_window": window is not None and not (type(window) is int and window >= config.block_size),
+        "head_dim": values.get("head_dim") not in (None, config.head_size),
+        "rope_scaling": values.get("rope_scaling") is not None,
+        "rope_parameters": rope.get("rope_type", "default") != "default" or not set(rope) <= {"rope_type", "rope_theta"},
+    }
+    if changed := [name for name, differs in unsupported.items() if differs]:
+        name = changed[0]
+        shown = f"{name}={values[name]!r}" if name in values else f"{name} (Starcoder2's default)"
+        raise CheckpointError(f"{source}: {shown} has no manas equivalent")
+    return config
+
+
 def _typed_field(values: dict, source: Path, prefix: str = ""):
     """A reader of values[key] (or a default) that is exactly of its type (a bool is not an int, a string not a
     bool; an int is a float), naming the field otherwise."""
@@ -296,9 +334,9 @@ def _typed_field(values: dict, source: Path, prefix: str = ""):
     return field
 
 
-def _make_config(source: Path, **values) -> GPTConfig:
+def _make_config(source: Path, position_encoding: str = "learned", **values) -> GPTConfig:
     try:
-        return GPTConfig(position_encoding="learned", **values)
+        return GPTConfig(position_encoding=position_encoding, **values)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{source}: invalid model shape: {exc}") from None
 

@@ -122,44 +122,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
 
 
-# --- convert -----------------------------------------------------------------------------------------------------
-
-
-def config_from_hf(values: dict, source: Path) -> GPTConfig:
-    """A Starcoder2 config.json, refusing every option whose computation differs from manas'."""
-    activation = values.get("hidden_act", "gelu_pytorch_tanh")
-    if activation not in ACTIVATIONS:
-        raise CheckpointError(f"{source}: hidden_act {activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
-    rope = values.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise CheckpointError(f"{source}: rope_parameters={rope!r} is not an object of rope_type and rope_theta")
-    try:
-        config = GPTConfig(
-            vocab_size=values.get("vocab_size", 49152), block_size=values.get("max_position_embeddings", 4096),
-            n_layer=values.get("num_hidden_layers", 30), n_head=values.get("num_attention_heads", 24),
-            n_kv_head=values.get("num_key_value_heads", 2), n_embd=values.get("hidden_size", 3072),
-            position_encoding="rope", rope_base=float(rope.get("rope_theta", values.get("rope_theta", 10000.0))),
-            norm_eps=float(values.get("norm_epsilon", 1e-5)), dropout=float(values.get("residual_dropout", 0.0)),
-            gelu_approximate=ACTIVATIONS[activation], bias=True,
-        )
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{source}: invalid model shape: {exc}") from None
-    window = values.get("sliding_window")
-    unsupported = {
-        "intermediate_size": values.get("intermediate_size", 12288) != 4 * config.n_embd,
-        "use_bias": values.get("use_bias", True) is not True,
-        "tie_word_embeddings": values.get("tie_word_embeddings", True) is not True,
-        # a window as long as the context masks nothing
-        "sliding_window": window is not None and not (isinstance(window, int) and window >= config.block_size),
-        "head_dim": values.get("head_dim") not in (None, config.head_size),
-        "rope_scaling": values.get("rope_scaling") is not None,
-        "rope_parameters": rope.get("rope_type", "default") != "default" or not set(rope) <= {"rope_type", "rope_theta"},
-    }
-    if changed := [name for name, differs in unsupported.items() if differs]:
-        name = changed[0]
-        shown = f"{name}={values[name]!r}" if name in values else f"{name} (Starcoder2's default)"
-        raise CheckpointError(f"{source}: {shown} has no manas equivalent")
-    return config
+# --- convert (convert.config_from_starcoder2 reads the config) -----------------------------------------------------------------------------------------------------
 
 
 def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:

@@ -153,6 +153,7 @@ CONFIG_REFUSALS = {
     ),
     "no_bias": ({"use_bias": False}, "use_bias=False has no manas equivalent"),
     "untied": ({"tie_word_embeddings": False}, "tie_word_embeddings=False has no manas equivalent"),
+    "field-of-the-wrong-type": ({"num_key_value_heads": "2"}, "num_key_value_heads must be an int, got '2'"),
 }
 
 

@@ -18,10 +18,10 @@ import numpy as np
 
 from .checkpoint import load_checkpoint
 from .convert import is_gpt2_linear_weight
-from .errors import CheckpointError, InputError, MissingDependencyError
+from .errors import CheckpointError, MissingDependencyError
 from . import starcoder2
 from .export import ByteLevelBPE, byte_level_bpe, hf_state_dict
-from .files import atomic_write, refuse_existing
+from .files import atomic_write, check_output_file
 from .model import GPT, GPTConfig
 from .tokenizer import END_OF_TEXT
 
@@ -46,14 +46,6 @@ def import_gguf() -> Any:
     except ImportError:
         raise MissingDependencyError('writing GGUF needs the gguf package: pip install "manas[gguf]"') from None
     return gguf
-
-
-def check_out_file(out: Path, force: bool) -> None:
-    if out.is_dir():
-        raise InputError(f"--out {out} is a folder: name the .gguf file to write (e.g. {out / 'model.gguf'})")
-    if not out.parent.is_dir():
-        raise InputError(f"the folder of --out {out} does not exist")
-    refuse_existing(out, force)
 
 
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
@@ -145,7 +137,7 @@ def add_tokenizer(writer: Any, gguf: Any, bpe: ByteLevelBPE, vocab_size: int, en
 def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force: bool = False) -> ExportedGGUF:
     """Write checkpoint_path as one GGUF file, atomically; refuse before writing anything it cannot export."""
     gguf = import_gguf()
-    check_out_file(out, force)
+    check_output_file(out, force, inputs=(checkpoint_path,))
     checkpoint = load_checkpoint(checkpoint_path)
     model, config = checkpoint.model, checkpoint.model.config
     end_of_text = checkpoint.encoding._special_tokens.get(END_OF_TEXT)

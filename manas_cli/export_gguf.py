@@ -23,6 +23,7 @@ from . import starcoder2
 from .export import ByteLevelBPE, byte_level_bpe, hf_state_dict
 from .files import atomic_write, check_output_file
 from .model import GPT, GPTConfig
+from .quantize import dequantize_model
 from .tokenizer import END_OF_TEXT
 
 OUTTYPES = ("f32", "f16", "q8_0")
@@ -139,7 +140,8 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
     gguf = import_gguf()
     check_output_file(out, force, inputs=(checkpoint_path,))
     checkpoint = load_checkpoint(checkpoint_path)
-    model, config = checkpoint.model, checkpoint.model.config
+    model = dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
+    config = model.config
     end_of_text = checkpoint.encoding._special_tokens.get(END_OF_TEXT)
     check_exportable(config, end_of_text, checkpoint_path)
     bpe = byte_level_bpe(checkpoint.encoding, checkpoint_path)  # refuses split patterns llama.cpp does not have

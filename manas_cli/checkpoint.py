@@ -34,6 +34,7 @@ class Checkpoint:
     encoding: tiktoken.Encoding
     tokenizer_spec: dict
     path: Path | None = None
+    metadata: dict[str, str] | None = None  # the file's string metadata, read with its tensors
 
 
 def save_checkpoint(
@@ -145,7 +146,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     model = model.to(device=device, dtype=dtype).eval()
     if int8:  # after the cast: it would cast the scales too
         load_int8(model, int8)
-    return Checkpoint(model, header.encoding, header.tokenizer_spec, path)
+    return Checkpoint(model, header.encoding, header.tokenizer_spec, path, header.metadata)
 
 
 def _split_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

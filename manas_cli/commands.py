@@ -108,13 +108,13 @@ def new_model(spec: dict, options: dict):
 
 def resumed_model(out: Path, device):
     """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
-    from .checkpoint import load_checkpoint, read_metadata
+    from .checkpoint import load_checkpoint
     from .quantize import is_quantized
 
     checkpoint = load_checkpoint(out, device=device)
     if is_quantized(checkpoint.model):
         raise InputError(f"{out} is an int8 checkpoint: training needs float weights (resume from the float one)")
-    step, val_loss = training_progress(read_metadata(out).get("training", "{}"), out)
+    step, val_loss = training_progress(checkpoint.metadata.get("training", "{}"), out)
     return checkpoint.model, checkpoint.tokenizer_spec, step, val_loss
 
 
@@ -517,11 +517,11 @@ def convert(**options) -> None:
 
 def quantize(**options) -> None:
     from .checkpoint import load_checkpoint, save_checkpoint
-    from .files import refuse_existing
+    from .files import check_output_file
     from .render import stderr_console
 
     src, out = options["checkpoint"], options["out"]
-    refuse_existing(out, options["force"])
+    check_output_file(out, options["force"])
     checkpoint = load_checkpoint(src)
     quantize_checkpoint(checkpoint, "there is nothing to quantize")
     save_checkpoint(out, checkpoint.model, checkpoint.tokenizer_spec, overwrite=options["force"])

@@ -5,17 +5,21 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+import os
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import tiktoken
 
-from .errors import TokenizerError
+from .errors import TokenizerError, first_line
 
 END_OF_TEXT = "<|endoftext|>"
 MAX_ID = 1 << 32  # tiktoken's ranks are u32
+# A special token is a marker such as <|endoftext|>; tiktoken's regex for them fails to build near 10^6 characters.
+MAX_SPECIAL_TOKEN_CHARS = 1000
 # GPT-2's pre-tokenizer split (tiktoken's r50k_base pattern).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -105,7 +109,7 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
                     name="manas-bpe", pat_str=spec["pat_str"], mergeable_ranks=ranks, special_tokens=spec["special_tokens"]
                 )
         except ValueError as exc:  # the pattern does not compile
-            raise TokenizerError(f"the embedded BPE tokenizer's pat_str is invalid: {_first_line(exc)}") from None
+            raise TokenizerError(f"the embedded BPE tokenizer's pat_str is invalid: {first_line(exc)}") from None
     raise TokenizerError(f"unknown tokenizer kind {kind!r}: expected 'tiktoken' or 'bpe'")
 
 
@@ -116,13 +120,18 @@ def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) 
         raise TokenizerError(f"the embedded BPE tokenizer's pat_str must be a non-empty regular expression, got {pat_str!r}")
     if not pattern_is_safe(pat_str):
         raise TokenizerError(
-            f"the embedded BPE tokenizer's pat_str {pat_str[:60]!r} uses lookaround, backreferences, atomic groups or "
-            "possessive quantifiers, which can backtrack without bound; only GPT-2's pattern may (see FORMAT.md)"
+            f"the embedded BPE tokenizer's pat_str {pat_str[:60]!r} uses a backreference or a conditional, whose "
+            "matching time grows with the square of the text or worse; manas refuses them (see FORMAT.md)"
         )
     if not isinstance(special_tokens, dict):
         raise TokenizerError(f"the embedded BPE tokenizer's special_tokens must be an object, got {special_tokens!r}")
     owners = {rank: token for token, rank in ranks.items()}
     for text, token_id in special_tokens.items():
+        if len(text) > MAX_SPECIAL_TOKEN_CHARS:  # tiktoken matches them with one regex, which has a size limit
+            raise TokenizerError(
+                f"special token {text[:40]!r}… is {len(text):,} characters long; at most {MAX_SPECIAL_TOKEN_CHARS:,} "
+                "are allowed"
+            )
         if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < MAX_ID:
             raise TokenizerError(f"special token {text!r} has id {token_id!r}, not an integer in [0, 2^32)")
         if token_id in owners:
@@ -136,20 +145,25 @@ def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) 
 
 
 def pattern_is_safe(pat_str: str) -> bool:
-    """GPT-2's pattern, whose one lookahead (after a whitespace run) manas bounds by the text it encodes, or a
-    pattern without the constructs that make tiktoken's regex engine (fancy-regex) backtrack: such a pattern runs
-    on the linear-time regex crate."""
-    return pat_str == GPT2_PAT_STR or not _FANCY.search(_CLASSES.sub("", _ESCAPES.sub(_plain_escape, pat_str)))
+    """A pattern without backreferences (\\1, \\k<name>, (?P=name)) or conditionals ((?(1)...)).
+
+    Atomic groups and possessive quantifiers (which tiktoken's own r50k, p50k, cl100k and o200k patterns use) only
+    cut backtracking short, and fancy-regex hands the plain parts of a lookaround to the linear-time regex crate, so
+    the bounded prompt text (encode_prompt) keeps them fast. A backreference is matched by backtracking over every
+    earlier split of the text: `(a+)\\1b|.` took 6 s on 20,000 a's where `(?=a+b)a|.` took 0.3 s, and the
+    300,000 characters a prompt may have would take hours."""
+    return not _BACKTRACKING.search(_CLASSES.sub("", _ESCAPES.sub(_plain_escape, pat_str)))
 
 
-# Escapes: a backreference (\1, \k<name>, \g) or \G is fancy; any other escaped character is a plain literal.
+# Escapes: a backreference (\1, \k<name>, \g) becomes _MARK; any other escaped character is a plain literal.
 _ESCAPES = re.compile(r"\\([pP]\{[^}]*\}|.)", re.DOTALL)
-_CLASSES = re.compile(r"\[\^?\]?[^\]]*\]")  # inside a character class nothing is fancy
-_FANCY = re.compile(r"FANCY|\(\?(?:[=!>(]|<[=!])|[*+?}]\+")  # lookaround, atomic, conditional, possessive
+_CLASSES = re.compile(r"\[\^?\]?[^\]]*\]")  # inside a character class every character is literal
+_MARK = "\ue000"  # a private-use character: no pattern needs it
+_BACKTRACKING = re.compile(_MARK + r"|\(\?\(|\(\?P=")  # a backreference, a conditional, a named backreference
 
 
 def _plain_escape(match: re.Match) -> str:
-    return "FANCY" if match.group(1) in tuple("123456789kgG") else "e"
+    return _MARK if match.group(1) in tuple("123456789kg") else "e"
 
 
 @contextmanager
@@ -158,22 +172,41 @@ def tiktoken_errors() -> Iterator[None]:
     panicking, and pyo3's PanicException is a BaseException that no `except Exception` catches. pyo3 does not
     export the type, so it is recognised by name."""
     try:
-        yield
+        with _panic_text_silenced():
+            yield
     except BaseException as exc:
         if type(exc).__name__ != "PanicException":
             raise
-        raise TokenizerError(f"the tokenizer failed on this text ({_first_line(exc)})") from None
+        raise TokenizerError(f"the tokenizer failed on this text ({first_line(exc)})") from None
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+@contextmanager
+def _panic_text_silenced() -> Iterator[None]:
+    """Rust's panic hook writes its message (and with RUST_BACKTRACE, a backtrace) straight to descriptor 2, before
+    the exception reaches us: point that descriptor at /dev/null for the call."""
+    if sys.stderr is not None:
+        sys.stderr.flush()  # what Python has buffered for stderr is not the panic's
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
 
 
 def parse_spec(text: str) -> dict:
     try:
         spec = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TokenizerError(f"the tokenizer metadata is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
+        raise TokenizerError(f"the tokenizer metadata is not valid JSON: {first_line(exc)}") from None
     if not isinstance(spec, dict):
         raise TokenizerError("the tokenizer metadata must be a JSON object")
     return spec
@@ -202,6 +235,40 @@ def encode_text(encoding: tiktoken.Encoding, text: str) -> list[int]:
             raise TokenizerError(f"the model's vocabulary has no token for {shown}: remove them from the prompt")
     with tiktoken_errors():
         return encoding.encode_ordinary(text)
+
+
+# The most characters one encode call of a training text gets: far below the whitespace run (about 10^6 characters)
+# that overflows tiktoken's regex stack.
+ENCODE_CHUNK_CHARS = 100_000
+
+
+def encode_long_text(encoding: tiktoken.Encoding, text: str) -> list[int]:
+    """encode_text over a text of any length, in pieces (text_pieces) that give the ids of the whole text."""
+    return [token for piece in text_pieces(text, ENCODE_CHUNK_CHARS) for token in encode_text(encoding, piece)]
+
+
+def text_pieces(text: str, size: int) -> Iterator[str]:
+    """text in pieces of at most `size` characters, each cut after a newline that a non-space character follows: no
+    piece of GPT-2's split (nor cl100k's, o200k's, or a character-level one) crosses such a place, so the pieces
+    encode to the ids of the whole. A stretch with no such place (a whitespace run of `size` characters) is cut
+    where the piece is full; only there could the ids differ from the whole's, which tiktoken cannot encode."""
+    start = 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            end = _last_boundary(text, start, end) or end
+        yield text[start:end]
+        start = end
+
+
+def _last_boundary(text: str, start: int, end: int) -> int | None:
+    """The last index in (start, end] that follows a newline and holds a non-space character, if any."""
+    newline = text.rfind("\n", start, end - 1)
+    while newline >= start:
+        if not text[newline + 1].isspace():
+            return newline + 1
+        newline = text.rfind("\n", start, newline)
+    return None
 
 
 def longest_token_bytes(encoding: tiktoken.Encoding) -> int:

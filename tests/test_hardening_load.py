@@ -110,7 +110,7 @@ BAD_TOKENIZERS = {
     "duplicate-rank-id": (spec_with(encode_ranks(BYTE_RANKS) + "YWI= 5\n"), "rank 5 is already given on line 6"),
     "duplicate-bytes": (spec_with(encode_ranks(BYTE_RANKS) + "QQ== 300\n"), "token b'A' already has rank 65"),
     "empty-pattern": (spec_with(pat_str=""), "pat_str must be a non-empty regular expression"),
-    "backtracking-pattern": (spec_with(pat_str=r"(a|aa)+(?=b)"), "can backtrack without bound"),
+    "backreference-pattern": (spec_with(pat_str=r"(a+)\1b|."), "uses a backreference or a conditional"),
     "negative-rank": (spec_with(encode_ranks(BYTE_RANKS) + "YWI= -1\n"), "rank -1 is outside [0, 2^32)"),
     "rank-past-u32": (spec_with(encode_ranks(BYTE_RANKS) + f"YWI= {1 << 32}\n"), f"rank {1 << 32} is outside"),
     "null-ranks": (spec_with(ranks=None) | {"ranks": None}, "the BPE ranks must be the text of a .tiktoken file"),

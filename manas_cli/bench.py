@@ -71,10 +71,10 @@ def run_bench(
     on_run: Callable[[str], None] = lambda name: None,
 ) -> BenchResult:
     """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each."""
+    prompt_tokens = min(prompt_tokens, model.config.block_size)  # the prefill crops a longer prompt to the window
     prompt = bench_prompt(model, prompt_tokens, batch)
-    prompt_tokens = min(prompt_tokens, model.config.block_size)  # what the prefill really runs
     greedy = Sampler(temperature=0.0)
-    session = CacheSession(model, allocation)
+    session = CacheSession(model, allocation, capacity=min(model.config.block_size, prompt_tokens + new_tokens))
     runs = {"cached": lambda: generate(model, prompt, greedy, new_tokens, overflow=overflow, session=session)}
     if baseline:
         runs["baseline"] = lambda: generate_reference(model, prompt, greedy, new_tokens)
@@ -101,8 +101,10 @@ def run_bench(
     )
 
 
-def sweep(model: GPT, prompt_tokens: int, new_tokens: int, buckets: int) -> list[dict]:
-    """Decode speed against context position, in `buckets` spans: shows what re-prefills cost."""
+def sweep(model: GPT, prompt_tokens: int, new_tokens: int, buckets: int,
+          on_token: Callable[[], None] = lambda: None) -> list[dict]:
+    """Decode speed against context position, in `buckets` spans: shows what re-prefills cost. on_token is called
+    after each token (a progress bar)."""
     prompt = bench_prompt(model, prompt_tokens, 1)
     greedy = Sampler(temperature=0.0)
     run_once(generate(model, prompt, greedy, min(new_tokens, 16)), prompt_tokens, 1)  # warm-up
@@ -110,6 +112,7 @@ def sweep(model: GPT, prompt_tokens: int, new_tokens: int, buckets: int) -> list
     rows: dict[int, dict] = {}
     position = prompt.size(1)
     for step in generate(model, prompt, greedy, new_tokens):
+        on_token()
         position += 1
         if step.kind == "prefill":
             continue  # time to first token, not decode speed

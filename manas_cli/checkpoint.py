@@ -15,10 +15,10 @@ import tiktoken
 import torch
 from safetensors.torch import save
 
-from .errors import CheckpointError, TokenizerError
+from .errors import CheckpointError, TokenizerError, first_line
 from .files import atomic_write
 from .model import GPT, GPTConfig, parameter_shapes
-from .quantize import dequantize_rows, is_quantized, load_int8
+from .quantize import INT8_MAX, Int8Linear, dequantize_rows, is_quantized, load_int8, quantizable
 from .tokenizer import build_encoding, parse_spec, vocabulary_size
 
 FORMAT = "manas-gpt"
@@ -46,6 +46,9 @@ def save_checkpoint(
     _check_vocabulary(encoding, model.config, path)
     quantized = is_quantized(model)
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in stored_state(model, quantized).items()}
+    check_finite_tensors(tensors, path)
+    if quantized:
+        check_finite(model, path)
     metadata = {
         **(extra_metadata or {}),
         "format": FORMAT,
@@ -146,6 +149,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     model = model.to(device=device, dtype=dtype).eval()
     if int8:  # after the cast: it would cast the scales too
         load_int8(model, int8)
+    check_finite(model, path)
     return Checkpoint(model, header.encoding, header.tokenizer_spec, path, header.metadata)
 
 
@@ -167,8 +171,8 @@ def read_header(f: BinaryIO, path: Path) -> Header:
     metadata = _checked_metadata(metadata, path)
     try:
         config = GPTConfig.from_dict(json.loads(metadata["config"]))
-    except (json.JSONDecodeError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: invalid config: {exc}") from exc
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
+        raise CheckpointError(f"{path}: invalid config: {first_line(exc)}") from None
     try:
         spec = parse_spec(metadata.get("tokenizer", "null"))
         encoding = build_encoding(spec)
@@ -190,11 +194,14 @@ def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], di
         raise _unreadable(path, f"the header length {length} exceeds the file's {size} bytes")
     try:
         header = json.loads(f.read(length))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _unreadable(path, f"the header is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8 or JSON, too deep, or an integer of 5,000 digits
+        raise _unreadable(path, f"the header is not JSON that can be read: {first_line(exc)}") from None
     metadata = header.pop("__metadata__", None) if isinstance(header, dict) else None
     if not isinstance(header, dict) or not isinstance(metadata or {}, dict):
         raise _unreadable(path, "the header is not a JSON object of tensors")
+    for key, value in (metadata or {}).items():
+        if not isinstance(value, str):
+            raise _unreadable(path, f"the metadata entry {key!r} is a {type(value).__name__}, not a string")
     data_start, tensors = 8 + length, {}
     for name, info in header.items():
         try:
@@ -205,7 +212,16 @@ def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], di
         if not valid:
             raise _unreadable(path, f"the header entry of tensor {name} is malformed or lies outside the file")
         tensors[name] = TensorEntry(dtype, shape, data_start + begin, data_start + end)
+    _refuse_overlaps(tensors, path)
     return metadata or {}, tensors
+
+
+def _refuse_overlaps(tensors: dict[str, TensorEntry], path: Path) -> None:
+    """Each byte of data belongs to one tensor at most: two ranges that overlap would read one's bytes as the other."""
+    filled = sorted((entry.start, entry.end, name) for name, entry in tensors.items() if entry.end > entry.start)
+    for (_, end, name), (start, _, next_name) in zip(filled, filled[1:]):
+        if start < end:
+            raise _unreadable(path, f"the data of tensors {name} and {next_name} overlap")
 
 
 def check_tensors(tensors: dict[str, TensorEntry], expected: Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]],
@@ -236,10 +252,38 @@ def _read_tensor(f: BinaryIO, name: str, entry: TensorEntry, path: Path) -> torc
     f.seek(entry.start)
     if f.readinto(data) != nbytes:
         raise _unreadable(path, f"tensor {name}'s data ends early")
-    tensor = torch.frombuffer(data, dtype=dtype).reshape(entry.shape) if nbytes else torch.empty(entry.shape, dtype=dtype)
-    if not torch.isfinite(tensor).all():
-        raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values: the weights are corrupt")
-    return tensor
+    return torch.frombuffer(data, dtype=dtype).reshape(entry.shape) if nbytes else torch.empty(entry.shape, dtype=dtype)
+
+
+def check_finite(model: GPT, path: Path | str) -> None:
+    """Every weight finite as the model will compute with it, checked after the cast to the run's dtype (1e300 is
+    finite in a float64 file and infinite as float32) and with each int8 row's largest value times its scale."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise _not_finite(path, name.replace("lm_head.", "token_embedding.", 1), tensor.dtype)
+    for name in quantizable(model):
+        layer = model.get_submodule(name)
+        if isinstance(layer, Int8Linear) and not torch.isfinite(layer.scales.float().abs().amax() * INT8_MAX):
+            stored = "token_embedding" if name == "lm_head" else name  # format 2 stores the output layer there
+            raise _not_finite(path, f"{stored}.scales", torch.float32)
+
+
+def check_finite_tensors(tensors: dict[str, torch.Tensor], path: Path | str) -> None:
+    """What a writer checks before writing, so that what the loader refuses is never written: every floating-point
+    tensor finite as stored, and as the float32 that readers compute in (1e300 in float64 is not)."""
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            continue
+        for dtype in (tensor.dtype, torch.float32):
+            if not torch.isfinite(tensor.to(dtype)).all():
+                raise _not_finite(path, name, dtype)
+
+
+def _not_finite(path: Path | str, name: str, dtype: torch.dtype) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: tensor {name} holds NaN or infinite values as {str(dtype).removeprefix('torch.')} (a value beyond "
+        "that type's range becomes infinite): the weights are corrupt"
+    )
 
 
 def _is_count(value: object) -> bool:
@@ -280,6 +324,7 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
             f"this manas reads {INT8!r} only"
         )
     return metadata
+
 
 
 def _dtype_rule(allowed: tuple[str, ...]) -> str:

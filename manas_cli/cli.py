@@ -53,6 +53,15 @@ def _top_p_in_range(value: Optional[float]) -> Optional[float]:
     return value
 
 
+MAX_THREADS = 256  # OpenMP allocates each thread's stack up front: a million fails with libgomp's own message
+
+
+def _threads_in_range(value: Optional[int]) -> Optional[int]:
+    if value is not None and not 1 <= value <= MAX_THREADS:
+        raise typer.BadParameter(f"{value} is not in the range 1 <= threads <= {MAX_THREADS}")
+    return value
+
+
 def _seed_in_range(value: Optional[int]) -> Optional[int]:
     # torch's generators take 64 bits; a negative seed would alias a large one (-1 and 2^64 - 1 gave the same text)
     if value is not None and not 0 <= value < 2**64:
@@ -66,7 +75,7 @@ CheckpointOption = Annotated[
 ]
 DeviceOption = Annotated[Device, typer.Option(help="auto: CUDA when available, else the CPU.")]
 DTypeOption = Annotated[DType, typer.Option(help="auto: float32 on the CPU, bfloat16 on CUDA.")]
-ThreadsOption = Annotated[Optional[int], typer.Option(min=1, help="CPU threads for torch (default: torch's choice).")]
+ThreadsOption = Annotated[Optional[int], typer.Option(callback=_threads_in_range, help=f"CPU threads for torch, 1 to {MAX_THREADS} (default: torch's choice).")]
 PromptOption = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; '-' reads standard input.")]
 PromptFileOption = Annotated[Optional[Path], typer.Option(help="Read the prompt from a UTF-8 file.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of text.")]
@@ -334,7 +343,9 @@ def main() -> None:
     from typer.exceptions import Abort, Exit
 
     debug = "--debug" in sys.argv[1:]
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    _keep_stderr_descriptor()
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
     command = typer.main.get_command(app)
     try:
         # Not command.main(standalone_mode=False): typer's main returns an Exit's code instead of raising it (so
@@ -354,17 +365,49 @@ def main() -> None:
         _quiet_broken_pipe()
     except ManasError as exc:
         _fail(str(exc), 1, debug)
+    except (MemoryError, RuntimeError) as exc:
+        if _out_of_memory(exc):
+            _fail("out of memory: lower --num-samples, --batch, --max-tokens or --prompt-tokens, or use a smaller "
+                  "model or --quantize int8", 1, debug)
+        _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
     except Exception as exc:
         _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the command is over: let nothing cut this clean-up short
+        _cleaning_up.append(0)  # the command is over: let no signal cut this clean-up short
         remove_unfinished()
 
 
-def _raise_terminated(signum: int, frame) -> None:
-    """SIGTERM unwinds like Ctrl-C, so temporary files are removed; a second one must not cut that clean-up short."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated()
+def _keep_stderr_descriptor() -> None:
+    """With stderr closed (`2>&-`), run as usual and say nothing: /dev/null takes descriptor 2. Python's None for
+    sys.stderr would send print(file=sys.stderr) to stdout, into the text or JSON, and the next file opened would
+    become descriptor 2 and receive whatever a library writes there (a Rust panic, libgomp)."""
+    try:
+        os.fstat(2)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != 2:  # descriptor 1 was closed too, and took it
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Python's MemoryError, or torch's allocators failing (its CPU allocator's RuntimeError, CUDA's OutOfMemoryError)."""
+    return isinstance(exc, MemoryError) or "DefaultCPUAllocator" in str(exc) or "out of memory" in str(exc)
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    """Ctrl-C, and SIGTERM like it, unwinds so that the clean-up runs: temporary files removed, the text so far and
+    the stats printed, the cursor shown. A second signal (a second Ctrl-C, one that `timeout` forwards) must not
+    cut that short: from the first on, the handler does nothing. (Not SIG_IGN: a signal already pending when the
+    handler changes makes Python print a traceback.)"""
+    if _cleaning_up:
+        return
+    _cleaning_up.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+_cleaning_up: list[int] = []  # the signal that started the clean-up, once one has
 
 
 def _fail(message: str, code: int, debug: bool) -> None:

@@ -37,7 +37,7 @@ def train(**options) -> None:
 
     from .render import stderr_console, train_progress
     from .runtime import resolve_device, set_threads
-    from .tokenizer import build_encoding, encode_text
+    from .tokenizer import build_encoding, encode_long_text
     from .training import TrainSettings, make_dataset, train
 
     console = stderr_console()
@@ -51,7 +51,7 @@ def train(**options) -> None:
             return
         model, start_step, best = new_model(spec, options).to(resolve_device(options["device"].value)), 0, math.inf
     encoding = build_encoding(spec)
-    data = make_dataset(text, lambda part: encode_text(encoding, part), options["val_fraction"], model.config.block_size)
+    data = make_dataset(text, lambda part: encode_long_text(encoding, part), options["val_fraction"], model.config.block_size)
     settings = TrainSettings(
         steps=options["steps"], batch_size=options["batch_size"], lr=options["lr"],
         warmup_steps=options["warmup_steps"], eval_every=options["eval_every"], seed=options["seed"],
@@ -122,7 +122,7 @@ def training_progress(text: str, path: Path) -> tuple[int, float]:
     """The step and validation loss in a checkpoint's `training` metadata (step 0 and no loss when it has none)."""
     try:
         progress = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         progress = None
     if isinstance(progress, dict):
         step, val_loss = progress.get("step", 0), progress.get("val_loss", math.inf)
@@ -200,6 +200,14 @@ def load_model(options: dict):
     if not is_quantized(checkpoint.model):  # int8 layers keep their own layout; the embeddings gain nothing
         use_decode_layout(checkpoint.model)
     return checkpoint
+
+
+def check_memory(model, rows: int, positions: int, lower: str) -> None:
+    """Refuse a run the device cannot hold before allocating it (see memory.check_fits)."""
+    from .memory import check_fits
+
+    embedding = model.token_embedding.weight
+    check_fits(model.config, embedding.device, embedding.element_size(), rows, positions, lower)
 
 
 def quantize_checkpoint(checkpoint, hint: str) -> None:
@@ -306,14 +314,17 @@ def generate(**options) -> None:
     model, encoding = checkpoint.model, checkpoint.encoding
     ids = encode_prompt(checkpoint, text, console)
     batch, max_tokens, block_size = options["num_samples"], options["max_tokens"], model.config.block_size
+    positions = min(block_size, len(ids) + max_tokens)
+    check_memory(model, batch, positions, "--num-samples")
     generator, seed = seeded_generator(options["seed"], model)
     sampler = Sampler(options["temperature"], options["top_k"], options["top_p"], generator, torch.tensor(decodable(encoding)))
     eot = end_of_text_id(encoding)
-    streams = [TextStream(encoding, eot, options["stop"] or ()) for _ in range(batch)]
+    record = options["json_output"] or batch > 1  # a single streamed sample keeps none of its text
+    streams = [TextStream(encoding, eot, options["stop"] or (), record) for _ in range(batch)]
     shared = shares_terminal(sys.stdout, sys.stderr)
     out = Output(sys.stdout, json_lines=options["json_output"], samples=batch, hold_lines=live and shared)
     stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
-    session = CacheSession(model, options["cache"].value)
+    session = CacheSession(model, options["cache"].value, capacity=positions)
     overflow = options["overflow"].value
     steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session)
     display = LiveDisplay(console, out, streams, stats, max_tokens, block_size, session.storage)
@@ -391,12 +402,15 @@ def bench(**options) -> None:
 
     from .bench import run_bench, sweep
     from .quantize import weights_bytes, weights_name
-    from .render import bench_progress, bench_table, json_line, stderr_console, sweep_chart
+    from .render import bench_progress, bench_table, json_line, stderr_console, sweep_chart, token_progress
 
     require_stdout()
     console = stderr_console()
     checkpoint = load_model(options)
     model = checkpoint.model
+    block_size = model.config.block_size
+    check_memory(model, options["batch"], min(block_size, options["prompt_tokens"] + options["tokens"]),
+                 "--batch (or --prompt-tokens, --tokens)")
     device = next(model.parameters()).device
     info = {
         "path": str(checkpoint.path),
@@ -417,9 +431,9 @@ def bench(**options) -> None:
         )
     sweep_rows = None
     if options["sweep"]:
-        block_size = model.config.block_size
-        with console.status("sweeping decode speed across the window"):
-            sweep_rows = sweep(model, min(options["prompt_tokens"], block_size // 8), block_size + block_size // 2, 12)
+        sweep_tokens = block_size + block_size // 2
+        with token_progress(console, sweep_tokens, "sweeping decode speed across the window") as advance:
+            sweep_rows = sweep(model, min(options["prompt_tokens"], block_size // 8), sweep_tokens, 12, on_token=advance)
     report = {
         "model": info,
         "tests": [
@@ -455,7 +469,7 @@ def inspect_cache(**options) -> None:
     from .generation import generate, prompt_batch, GenerationStats
     from .kv_cache import CacheSession, cache_report
     from .quantize import weights_bytes, weights_name
-    from .render import cache_view, json_line, stderr_console
+    from .render import cache_view, json_line, stderr_console, token_progress
     from .sampling import Sampler
 
     require_stdout()
@@ -464,15 +478,20 @@ def inspect_cache(**options) -> None:
     checkpoint = load_model(options)
     model = checkpoint.model
     ids = encode_prompt(checkpoint, text, console)
-    session = CacheSession(model, options["cache"].value)
-    stats = GenerationStats(prompt_tokens=len(ids))
+    positions = min(model.config.block_size, len(ids) + options["tokens"])
+    check_memory(model, 1, positions, "--tokens")
+    session = CacheSession(model, options["cache"].value, capacity=positions)
+    stats = GenerationStats(prompt_tokens=len(ids), re_prefill_positions=[])
     if options["tokens"] == 0:
         session.prefill(prompt_batch(ids, 1, model))
     else:
         # The prompt's prefill yields the first new token; the remaining tokens decode from the cache.
-        for step in generate(model, prompt_batch(ids, 1, model), Sampler(temperature=0.0), options["tokens"] + 1,
-                             session=session):
-            stats.update(step)
+        steps = generate(model, prompt_batch(ids, 1, model), Sampler(temperature=0.0), options["tokens"] + 1,
+                         session=session)
+        with token_progress(console, options["tokens"] + 1, "decoding") as advance:
+            for step in steps:
+                stats.update(step)
+                advance()
     report = cache_report(session)
     report["re_prefill_positions"] = stats.re_prefill_positions
     config = model.config
@@ -521,7 +540,7 @@ def quantize(**options) -> None:
     from .render import stderr_console
 
     src, out = options["checkpoint"], options["out"]
-    check_output_file(out, options["force"])
+    check_output_file(out, options["force"], inputs=(src,))
     checkpoint = load_checkpoint(src)
     quantize_checkpoint(checkpoint, "there is nothing to quantize")
     save_checkpoint(out, checkpoint.model, checkpoint.tokenizer_spec, overwrite=options["force"])

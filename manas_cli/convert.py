@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import starcoder2
-from .errors import CheckpointError, InputError, TokenizerError
+from .errors import CheckpointError, InputError, TokenizerError, first_line
 from .files import check_output_file
 from .model import GPT, GPTConfig, parameter_shapes
 from .tokenizer import bpe_spec, build_encoding, checked_spec, spec_from_tiktoken_file, vocabulary_size
@@ -158,13 +158,13 @@ def load_pickled_weights(path: Path) -> object:
         # torch's message is long and holds ANSI codes; the global it refused is what the user needs to know.
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         if not found:  # not a pickle at all (random bytes)
-            raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(exc)[:120]})") from None
+            raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({first_line(exc)})") from None
         raise CheckpointError(
             f"{path}: refused: its pickle would run code ({found.group(1)}); manas loads weights only and never runs "
             "code from a file. nanoGPT's and Hugging Face's checkpoints hold only tensors and plain values"
         ) from None
     except Exception as exc:  # torch reports garbage as any of RuntimeError, EOFError, IndexError, KeyError...
-        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(exc)[:120]})") from None
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({first_line(exc)})") from None
 
 
 def _refuse_compressed_entries(path: Path) -> None:
@@ -174,7 +174,7 @@ def _refuse_compressed_entries(path: Path) -> None:
         with zipfile.ZipFile(path) as archive:
             compressed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({_first_line(exc)})") from None
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({first_line(exc)})") from None
     if compressed:
         raise CheckpointError(
             f"{path}: {compressed[0]} is compressed inside the archive; torch.save never compresses, and manas does "
@@ -198,11 +198,8 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         with quiet_warnings():
             return load_file(path)
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
+        raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(exc)})") from None
 
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 class _CodeInPickle(pickle.UnpicklingError):
@@ -229,7 +226,7 @@ def read_plain_pickle(path: Path) -> object:
             "strings and numbers"
         ) from None
     except (pickle.UnpicklingError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError, AttributeError) as exc:
-        raise TokenizerError(f"{path}: not a readable pickle ({_first_line(exc)})") from None
+        raise TokenizerError(f"{path}: not a readable pickle ({first_line(exc)})") from None
 
 
 # --- configs ---------------------------------------------------------------------------------------------------------
@@ -282,12 +279,18 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
     )
 
 
+STARCODER2_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
 def config_from_starcoder2(values: dict, source: Path) -> GPTConfig:
     """A Hugging Face Starcoder2 config.json (starcoder2.py maps its tensors), refusing every option whose
     computation differs from manas'."""
     activation = values.get("hidden_act", "gelu_pytorch_tanh")
     if activation not in starcoder2.ACTIVATIONS:
         raise CheckpointError(f"{source}: hidden_act {activation!r} is not supported (only {', '.join(starcoder2.ACTIVATIONS)})")
+    # The shape has no sensible default: one missing would be blamed on a field checked against it.
+    if missing := [key for key in STARCODER2_SHAPE_FIELDS if key not in values]:
+        raise CheckpointError(f"{source}: the Starcoder2 config lacks {', '.join(missing)}")
     rope = values.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise CheckpointError(f"{source}: rope_parameters must be an object of rope_type and rope_theta, got {rope!r}")
@@ -347,8 +350,8 @@ def read_hf_config(path: Path) -> GPTConfig:
         values = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not a readable JSON config ({_first_line(exc)})") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not a readable JSON config ({first_line(exc)})") from None
     return config_from_hf(values, path)
 
 
@@ -377,17 +380,26 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
     )
 
 
+# What convert reads from a Hugging Face folder.
+HF_CONFIG, HF_SAFETENSORS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
+
+
+def source_files(src: Path) -> tuple[Path, ...]:
+    """Every file convert may read from src: src itself, or the files it reads inside a folder."""
+    return tuple(src / name for name in (HF_CONFIG, HF_SAFETENSORS, HF_PICKLE)) if src.is_dir() else (src,)
+
+
 def _load_hf_folder(folder: Path) -> GPT:
-    config_path = folder / "config.json"
+    config_path = folder / HF_CONFIG
     if not config_path.is_file():
-        raise InputError(f"{folder} has no config.json: not a Hugging Face model folder")
+        raise InputError(f"{folder} has no {HF_CONFIG}: not a Hugging Face model folder")
     config = read_hf_config(config_path)
-    if (folder / "model.safetensors").is_file():
-        return _load_hf(load_safetensors(folder / "model.safetensors"), folder, config)
-    if (folder / "pytorch_model.bin").is_file():
-        state = load_pickled_weights(folder / "pytorch_model.bin")
+    if (folder / HF_SAFETENSORS).is_file():
+        return _load_hf(load_safetensors(folder / HF_SAFETENSORS), folder, config)
+    if (folder / HF_PICKLE).is_file():
+        state = load_pickled_weights(folder / HF_PICKLE)
         if not isinstance(state, dict):
-            raise CheckpointError(f"{folder / 'pytorch_model.bin'}: not a state dict")
+            raise CheckpointError(f"{folder / HF_PICKLE}: not a state dict")
         return _load_hf(state, folder, config)
     raise InputError(f"{folder} holds neither model.safetensors nor pytorch_model.bin (sharded weights are not supported)")
 
@@ -521,7 +533,7 @@ def convert_checkpoint(
     """Read src (nanoGPT or Hugging Face GPT-2), write the equivalent manas checkpoint to dst atomically."""
     from .checkpoint import save_checkpoint
 
-    check_output_file(dst, force, inputs=(src, config_path, tokenizer_file, tokenizer_meta))
+    check_output_file(dst, force, inputs=(*source_files(src), config_path, tokenizer_file, tokenizer_meta))
     check_source(src)
     description, spec = tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
     kind, model = load_source(src, config_path)

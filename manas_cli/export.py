@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,10 +18,10 @@ import tiktoken
 import torch
 
 from . import starcoder2
-from .checkpoint import TIED, load_checkpoint
+from .checkpoint import TIED, check_finite_tensors, load_checkpoint
 from .convert import gpt2_name, is_gpt2_linear_weight
 from .errors import CheckpointError, InputError
-from .files import claim_folder
+from .files import claim_folder, refuse_inputs, refuse_special, temporary_name
 from .model import GPT, GPTConfig
 from .quantize import dequantize_model
 from .tokenizer import END_OF_TEXT, GPT2_PAT_STR
@@ -33,6 +32,9 @@ GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}
 GPT2_SPLIT_PATTERNS = (
     GPT2_PAT_STR,
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
+)
+WRITTEN_FILES = (
+    "config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
 )
 # Files an earlier export into the same folder may have left that Hugging Face would read instead of ours.
 SHADOWING_FILES = (
@@ -187,7 +189,14 @@ def byte_level_bpe(encoding: tiktoken.Encoding, source: Path) -> ByteLevelBPE:
         return "".join(alias[byte] for byte in token)
 
     merges = [f"{show(left)} {show(right)}" for left, right in hf_merges(ranks, encoding._pat_str, source)]
-    return ByteLevelBPE({show(token): rank for token, rank in ranks.items()}, dict(encoding._special_tokens), merges)
+    tokens = {show(token): rank for token, rank in ranks.items()}
+    for text, token_id in encoding._special_tokens.items():
+        if text in tokens:  # one string for two ids: vocab.json would keep one, GGUF would list it twice
+            raise CheckpointError(
+                f"{source}: the special token {text!r} (id {token_id}) is spelled like ordinary token {tokens[text]} "
+                "in byte-level BPE's alphabet, so the exported tokenizer could not tell them apart: rename it"
+            )
+    return ByteLevelBPE(tokens, dict(encoding._special_tokens), merges)
 
 
 def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) -> dict[str, str]:
@@ -222,21 +231,26 @@ def json_text(values: dict) -> str:
 # --- writing -----------------------------------------------------------------------------------------------------------
 
 
-def check_out_dir(out: Path, force: bool) -> None:
+def check_out_dir(out: Path, force: bool, source: Path) -> None:
+    """out is a new or empty folder, or with force one whose files we replace (or remove: SHADOWING_FILES), none of
+    them the checkpoint we read or anything but a regular file."""
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file: name a folder to write the Hugging Face model into")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise InputError(f"{out} is not empty: pass --force to overwrite its Hugging Face files")
     if not out.parent.is_dir():
         raise InputError(f"the folder of --out {out} does not exist")
+    for name in (*WRITTEN_FILES, *SHADOWING_FILES):
+        refuse_inputs(out / name, (source,))
+        refuse_special(out / name)
 
 
 def write_folder(out: Path, writers: dict[str, Callable[[Path], None]], *, overwrite: bool) -> None:
     """Write every file into a staging folder beside out, then move them in: a new (or empty) folder appears whole
     (one rename, which fails if another writer filled it meanwhile); with overwrite, an existing one has each file
     replaced atomically and no stale file left to shadow ours."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    os.chmod(staging, 0o755)  # mkdtemp's 0700 would stay on the renamed folder and hide it from a serving user
+    staging = out.parent / temporary_name(out.name)
+    os.mkdir(staging)  # the umask's mode, as a folder the user made (mkdtemp's 0700 would hide it from a server)
     try:
         for name, write in writers.items():
             write(staging / name)
@@ -254,9 +268,11 @@ def write_folder(out: Path, writers: dict[str, Callable[[Path], None]], *, overw
 def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Exported:
     """Write checkpoint_path as a Hugging Face GPT-2 or Starcoder2 folder; refuse before writing anything it cannot
     export."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    check_out_dir(out, force)
+    if out.is_symlink() and out.is_dir():
+        out = out.resolve()  # write into the folder the link names, as the user would (a rename would hit the link)
+    check_out_dir(out, force, checkpoint_path)
     checkpoint = load_checkpoint(checkpoint_path)
     dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
     config = checkpoint.model.config
@@ -264,11 +280,13 @@ def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Expor
     special = checkpoint.encoding._special_tokens
     end_of_text = special.get(END_OF_TEXT)
     architecture, model_config, tensors = hf_model(checkpoint.model, end_of_text, checkpoint_path)
+    check_finite_tensors(tensors, checkpoint_path)
     generation = {"bos_token_id": end_of_text, "eos_token_id": end_of_text}
     texts |= {"config.json": json_text(model_config), "generation_config.json": json_text(generation)}
     writers: dict[str, Callable[[Path], None]] = {
         name: (lambda path, text=text: path.write_text(text, encoding="utf-8")) for name, text in texts.items()
     }
-    writers["model.safetensors"] = lambda path: save_file(tensors, str(path), metadata={"format": "pt"})
+    # save() to bytes, not save_file(), whose own temporary file is private (0600) and would stay so
+    writers["model.safetensors"] = lambda path: path.write_bytes(save(tensors, metadata={"format": "pt"}))
     write_folder(out, writers, overwrite=force)
     return Exported(out, sorted(writers), config, architecture)

@@ -10,6 +10,8 @@ GGUF's byte-level BPE.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import numpy as np
 
 from .checkpoint import load_checkpoint
 from .convert import is_gpt2_linear_weight
-from .errors import CheckpointError, MissingDependencyError
+from .errors import CheckpointError, MissingDependencyError, first_line
 from . import starcoder2
 from .export import ByteLevelBPE, byte_level_bpe, hf_state_dict
 from .files import atomic_write, check_output_file
@@ -46,7 +48,20 @@ def import_gguf() -> Any:
         import gguf
     except ImportError:
         raise MissingDependencyError('writing GGUF needs the gguf package: pip install "manas[gguf]"') from None
+    except Exception as exc:  # installed but broken (a half-finished upgrade, a numpy it does not support)
+        raise MissingDependencyError(
+            f"the gguf package fails to import ({type(exc).__name__}: {first_line(exc)}): reinstall it with "
+            'pip install --force-reinstall "manas[gguf]"'
+        ) from None
     return gguf
+
+
+def as_float32(value: float) -> float:
+    """value as GGUF stores it, in float32: infinite beyond its range, 0 below its smallest."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.inf
 
 
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
@@ -56,6 +71,14 @@ def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -
             f"{source}: the model uses the exact GELU (gelu_approximate={config.gelu_approximate!r}), but llama.cpp's "
             "gpt2 and starcoder2 compute GELU's tanh approximation; only gelu_approximate='tanh' models export to GGUF"
         )
+    floats = {"norm_eps": config.norm_eps, **({"rope_base": config.rope_base} if config.position_encoding == "rope" else {})}
+    for name, value in floats.items():
+        stored = as_float32(value)
+        if not math.isfinite(stored) or (value != 0 and stored == 0):
+            raise CheckpointError(
+                f"{source}: {name}={value!r} cannot be written in GGUF, which stores it as float32 (it would be "
+                f"{stored!r})"
+            )
     if end_of_text is None:
         raise CheckpointError(
             f"{source}: the tokenizer has no {END_OF_TEXT}, and llama.cpp's byte-level BPE then takes token 11 as the "
@@ -150,6 +173,9 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
     # Quantized before the file is opened: whatever fails, fails before anything is written.
     typed = {name: (tensor, tensor_type(gguf, name, tensor, outtype)) for name, tensor in tensors.items()}
     stored = {name: (gguf.quants.quantize(tensor, kind), kind) for name, (tensor, kind) in typed.items()}
+    for name, (data, kind) in stored.items():  # as llama.cpp will read it: a float16 of 1e5 is infinite
+        if not np.isfinite(gguf.quants.dequantize(data, kind)).all():
+            raise CheckpointError(f"{checkpoint_path}: tensor {name} holds NaN or infinite values as {kind.name}")
 
     def write(tmp: str) -> None:
         writer = gguf.GGUFWriter(tmp, architecture)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None], *, overwrite: b
         write(tmp)
         os.chmod(tmp, _new_file_mode())  # created private (0600) while being written; the result is an ordinary file
         if overwrite:
+            refuse_special(path)  # checked before the work too; a device may have appeared meanwhile
             os.replace(tmp, path)
         else:
             _claim(tmp, path)
@@ -45,16 +47,34 @@ def remove_unfinished() -> None:
 
 
 def check_output_file(path: Path, overwrite: bool, *, inputs: tuple[Path | None, ...] = ()) -> None:
-    """Before any work: --out names a file (not a folder) in a folder that exists, is none of the command's inputs,
-    and is new unless overwrite."""
+    """Before any work: --out names a file (not a folder) in a folder that exists, is none of the files the command
+    reads (even with overwrite), and is new unless overwrite, which replaces a regular file only."""
     if path.is_dir():
         raise InputError(f"--out {path} is a folder: name the file to write inside it")
     if not path.parent.is_dir():
         raise InputError(f"the folder of --out {path} does not exist")
+    refuse_inputs(path, inputs)
+    refuse_existing(path, overwrite)
+    refuse_special(path)
+
+
+def refuse_inputs(path: Path, inputs: tuple[Path | None, ...]) -> None:
+    """path is none of the files a command reads: compared by identity (os.path.samefile), so another spelling of
+    the name or a link to the file is caught too."""
     for source in inputs:
         if source is not None and _same_file(path, source):
-            raise InputError(f"--out {path} is the input file {source}: name another file to write")
-    refuse_existing(path, overwrite)
+            raise InputError(f"--out {path} is the input file {source}, which the command reads: name another file to write")
+
+
+def refuse_special(path: str | Path) -> None:
+    """--force replaces regular files only: never a device, a pipe or a socket (as root, /dev/null itself)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there (or a dangling link, which the new file replaces)
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        kind = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a pipe" if stat.S_ISFIFO(mode) else "a socket"
+        raise InputError(f"--out {path} is {kind}, not a regular file: --force replaces regular files only; name a file")
 
 
 def claim_folder(staging: Path, path: Path) -> None:
@@ -82,9 +102,19 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def temporary_name(name: str) -> str:
+    """`.NAME.RANDOM.tmp`, NAME cut so that the whole stays within the 255 bytes a file name may have."""
+    suffix = f".{secrets.token_hex(8)}.tmp"
+    room = NAME_MAX - 1 - len(suffix)
+    return "." + os.fsencode(name)[:room].decode(errors="ignore") + suffix
+
+
+NAME_MAX = 255  # bytes in one file name, on every file system manas writes to
+
+
 def _create_temporary(path: Path) -> str:
-    """An empty private file `.NAME.RANDOM.tmp` beside path, recorded in _unfinished before it exists."""
-    tmp = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
+    """An empty private file (temporary_name) beside path, recorded in _unfinished before it exists."""
+    tmp = str(path.parent / temporary_name(path.name))
     _unfinished.add(tmp)
     try:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))

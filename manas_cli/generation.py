@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from .errors import NumericalError
 from .kv_cache import CacheSession
 from .model import GPT
 from .sampling import Sampler
@@ -73,13 +74,14 @@ def generate(
     for step in range(max_new_tokens):
         started = time.perf_counter()
         if step == 0:
-            kind, logits = "prefill", session.prefill(crop_window(sequence, block_size))
+            kind, logits = "prefill", check_logits(session.prefill(crop_window(sequence, block_size)))
         elif session.positions >= block_size:
             kind, logits = "re_prefill", session.prefill(crop_window(sequence, keep))
         else:
             kind, logits = "decode", session.decode(sequence[:, -1:])
         next_ids, tokens, seconds = _timed_sample(sampler, logits, started)
-        sequence = torch.cat((sequence, next_ids), dim=1)
+        # Only the window can ever be seen again: a sequence of every token would make each step O(length).
+        sequence = crop_window(torch.cat((sequence, next_ids), dim=1), block_size)
         yield Step(tokens, kind, session.positions, seconds)
         if _all_finished(finished, tokens, eot_id):
             return
@@ -97,10 +99,21 @@ def generate_reference(
         started = time.perf_counter()
         window = crop_window(sequence, model.config.block_size)
         next_ids, tokens, seconds = _timed_sample(sampler, model(window)[:, -1:], started)
-        sequence = torch.cat((sequence, next_ids), dim=1)
+        sequence = crop_window(torch.cat((sequence, next_ids), dim=1), model.config.block_size)
         yield Step(tokens, "full", window.size(1), seconds)
         if _all_finished(finished, tokens, eot_id):
             return
+
+
+def check_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The prompt's logits, which must be finite: weights that load finite may still overflow in the computation
+    (float16's range), and sampling from NaN would print token 0 over and over."""
+    if not torch.isfinite(logits[:, -1]).all():
+        raise NumericalError(
+            f"the model computed NaN or infinite logits for the prompt in {str(logits.dtype).removeprefix('torch.')}: "
+            "its weights overflow that type; run it with --dtype float32, or check the checkpoint"
+        )
+    return logits
 
 
 def _all_finished(finished: list[bool], tokens: list[int], eot_id: int | None) -> bool:
@@ -124,7 +137,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     re_prefills: int = 0
-    re_prefill_positions: list[int] = field(default_factory=list)
+    # Kept only when asked for (inspect-cache shows them): past the window, recompute re-prefills at every step.
+    re_prefill_positions: list[int] | None = None
 
     def update(self, step: Step) -> None:
         if self.steps == 0:
@@ -134,7 +148,8 @@ class GenerationStats:
             self.decode_steps += 1
             if step.kind == "re_prefill":
                 self.re_prefills += 1
-                self.re_prefill_positions.append(self.prompt_tokens + self.steps)
+                if self.re_prefill_positions is not None:
+                    self.re_prefill_positions.append(self.prompt_tokens + self.steps)
         self.steps += 1
 
     @property

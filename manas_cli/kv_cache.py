@@ -45,6 +45,8 @@ class StaticLayerCache:
             self._k_buffer = k.new_empty(batch, heads, self.capacity, head_size)
             self._v_buffer = v.new_empty(batch, heads, self.capacity, head_size)
         end = self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"the static cache holds {self.capacity} positions; {end} were asked for")
         self._k_buffer[:, :, self.length : end] = k
         self._v_buffer[:, :, self.length : end] = v
         self.length = end
@@ -54,24 +56,26 @@ class StaticLayerCache:
 
 ALLOCATIONS = {
     "dynamic": "dynamic: grown by concatenation, no unused capacity",
-    "static": "static: preallocated for block_size positions, written in place",
+    "static": "static: preallocated for the positions the run needs, written in place",
 }
 
 
 class CacheSession:
     """The KV cache of one request against a model in eval mode.
 
-    allocation "dynamic" (the default) holds exactly the cached positions; "static" preallocates the window.
+    allocation "dynamic" (the default) holds exactly the cached positions; "static" preallocates `capacity`
+    positions (default, and at most, the window): what the run will use, not what the file claims it could.
     """
 
-    def __init__(self, model: GPT, allocation: str = "dynamic") -> None:
+    def __init__(self, model: GPT, allocation: str = "dynamic", capacity: int | None = None) -> None:
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
         check_cacheable(model)
         self.model = model
         self.block_size = model.config.block_size
         self.allocation = ALLOCATIONS[allocation]
-        self._new_layer = LayerCache if allocation == "dynamic" else lambda: StaticLayerCache(self.block_size)
+        capacity = self.block_size if capacity is None else min(capacity, self.block_size)
+        self._new_layer = LayerCache if allocation == "dynamic" else lambda: StaticLayerCache(capacity)
         self.layers: list[LayerCache | StaticLayerCache] = []
         self.batch_size = 0
 

@@ -125,7 +125,7 @@ def sample_rows(streams: list, width: int, room: int) -> list[Text]:
     rows = []
     for index, stream in enumerate(streams[:shown]):
         state = f" · {stream.finish_reason}" if stream.finished else ""
-        rows.append(Text(f"── sample {index + 1} · {len(stream.tokens)} tokens{state} ", style="dim"))
+        rows.append(Text(f"── sample {index + 1} · {stream.count} tokens{state} ", style="dim"))
         rows.extend(Text(row) for row in fold(stream.text, width)[-per_sample:])
     if shown < len(streams):
         rows.append(Text(f"── and {len(streams) - shown} more samples", style="dim"))

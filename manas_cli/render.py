@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 def stderr_console(quiet: bool = False) -> Console:
@@ -171,6 +171,18 @@ def bench_progress(console: Console, runs: int) -> Iterator:
 
     with progress:
         yield advance
+
+
+@contextmanager
+def token_progress(console: Console, total: int, description: str) -> Iterator:
+    """On a terminal, a bar over `total` tokens with the elapsed time and an estimate of what is left; yields the
+    callback to call after each token."""
+    progress = Progress(TextColumn(description), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tokens"),
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                        disable=not console.is_terminal, transient=True)
+    task = progress.add_task(description, total=total)
+    with progress:
+        yield lambda: progress.advance(task)
 
 
 def bench_table(report: dict):

@@ -142,6 +142,8 @@ def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Pa
             part = QKV_MODULES[layer[2]]
             if tensor.dim() == 0 or tensor.size(0) != rows[part]:
                 raise CheckpointError(f"{source}: tensor {name} has shape {list(tensor.shape)}, the config needs {rows[part]} rows")
+            if not tensor.is_floating_point():  # fusing would promote bool or int to float without a word
+                raise CheckpointError(f"{source}: tensor {name} is {tensor.dtype}, not a real floating-point tensor")
             qkv.setdefault((layer[1], kind), {})[part] = tensor
         elif layer and layer[2] in inverse:
             renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = tensor

@@ -16,14 +16,25 @@ class TextStream:
     string never reaches the output even when it arrives split across tokens.
     """
 
-    def __init__(self, encoding: tiktoken.Encoding, eot_id: int | None, stops: Sequence[str] = ()) -> None:
+    def __init__(self, encoding: tiktoken.Encoding, eot_id: int | None, stops: Sequence[str] = (),
+                 record: bool = True) -> None:
         self._decoder = IncrementalDecoder(encoding)
         self._eot_id = eot_id
         self._stops = [stop for stop in stops if stop]
         self._pending = ""
-        self.text = ""  # everything released so far
-        self.tokens: list[int] = []  # the tokens consumed (end-of-text excluded)
+        # Without record, the text and tokens are only streamed: a billion-token run keeps nothing of them.
+        self._record = record
+        self._released: list[str] = []  # the text released so far, in pieces: appending to one string is O(length)
+        self.tokens: list[int] = []  # the tokens consumed (end-of-text excluded), when recorded
+        self.count = 0  # the tokens consumed
         self.finish_reason: str | None = None  # "stop", "end_of_text" or "length" once finished
+
+    @property
+    def text(self) -> str:
+        """Everything released so far (empty when not recorded)."""
+        if len(self._released) > 1:
+            self._released = ["".join(self._released)]
+        return self._released[0] if self._released else ""
 
     @property
     def finished(self) -> bool:
@@ -34,7 +45,9 @@ class TextStream:
             return ""
         if token == self._eot_id:
             return self.finish("end_of_text")
-        self.tokens.append(token)
+        self.count += 1
+        if self._record:
+            self.tokens.append(token)
         self._pending += self._decoder.feed(token)
         return self._release(final=False)
 
@@ -56,7 +69,8 @@ class TextStream:
             keep = 0 if final else self._stop_prefix_length()
             cut = len(self._pending) - keep
             released, self._pending = self._pending[:cut], self._pending[cut:]
-        self.text += released
+        if self._record and released:
+            self._released.append(released)
         return released
 
     def _stop_prefix_length(self) -> int:

@@ -180,7 +180,7 @@ def test_each_greedy_token_is_the_full_models_choice_over_the_positions_it_repor
 def test_generation_stats_count_steps_and_re_prefills(overflow):
     model = make_model("learned", "gqa")
     prompt_length = 5
-    stats = GenerationStats(prompt_tokens=prompt_length, batch_size=2)
+    stats = GenerationStats(prompt_tokens=prompt_length, batch_size=2, re_prefill_positions=[])
     steps = []
     for step in generate(model, prompt(2, prompt_length), make_sampler("top-k"), NEW_TOKENS, overflow=overflow):
         stats.update(step)

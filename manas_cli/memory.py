@@ -1,0 +1,59 @@
+"""What a run needs in memory, checked against what the machine has before the run allocates it."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from .errors import InputError
+from .model import GPTConfig
+
+
+def run_bytes(config: GPTConfig, rows: int, positions: int, itemsize: int) -> int:
+    """About what `rows` sequences of `positions` cost beside the weights: their KV cache, and the activations of
+    a prefill over all of them (q|k|v, the feed-forward's 4× width, the residual stream, and attention scores in
+    case the kernel materializes them), plus float32 logits."""
+    kv_width = config.n_kv_head * config.head_size
+    cache = 2 * config.n_layer * kv_width * positions
+    activations = (config.n_embd + 2 * kv_width + 6 * config.n_embd + config.n_head * positions) * positions
+    return rows * ((cache + activations) * itemsize + 2 * config.vocab_size * 4)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on the device: CUDA's free bytes; on the CPU the smaller of MemAvailable and what the process's
+    address-space limit (ulimit -v) leaves. None when neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    limits = [_meminfo_bytes("/proc/meminfo", "MemAvailable")]
+    address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if address_space != resource.RLIM_INFINITY:
+        used = _meminfo_bytes("/proc/self/status", "VmSize")
+        limits.append(address_space - used if used is not None else None)
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
+def check_fits(config: GPTConfig, device: torch.device, itemsize: int, rows: int, positions: int, lower: str) -> None:
+    """Refuse, before allocating, a run that needs more memory than the device has; `lower` names what to lower."""
+    needed, available = run_bytes(config, rows, positions, itemsize), available_bytes(device)
+    if available is not None and needed > available:
+        raise InputError(
+            f"this run needs about {_gib(needed)} ({rows:,} × {positions:,} positions of KV cache and activations) "
+            f"but {_gib(available)} is free: lower {lower}"
+        )
+
+
+def _meminfo_bytes(path: str, key: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:,.1f} GiB" if count >= 2**30 else f"{count / 2**20:,.1f} MiB"

@@ -41,7 +41,7 @@ import torch
 
 from manas_cli.bench import bench_prompt, run_once
 from manas_cli.checkpoint import load_checkpoint
-from manas_cli.commands import resolve_checkpoint
+from manas_cli.commands.common import resolve_checkpoint
 from manas_cli.generation import generate, generate_reference
 from manas_cli.kv_cache import CacheSession
 from manas_cli.model import GPT, use_decode_layout

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from manas_cli.checkpoint import load_checkpoint
-from manas_cli.commands import resolve_checkpoint
+from manas_cli.commands.common import resolve_checkpoint
 from manas_cli.kv_cache import CacheSession
 from manas_cli.model import GPT, GPTConfig, use_decode_layout
 

@@ -92,6 +92,15 @@ CacheOption = Annotated[
 ]
 
 
+def model_options(checkpoint: Optional[Path], device: Enum, dtype: Enum, threads: Optional[int],
+                  quantize: Optional[Enum], cache: Enum):
+    """The flags generate, bench and inspect-cache share, as the commands take them."""
+    from .commands.common import ModelOptions
+
+    return ModelOptions(checkpoint=checkpoint, device=device.value, dtype=dtype.value, threads=threads,
+                        quantize=quantize.value if quantize else None, cache=cache.value)
+
+
 def _show_version(value: bool) -> None:
     """--version: the installed package's metadata, read without importing the engine (or torch)."""
     if value:
@@ -145,9 +154,14 @@ def generate(
 
       manas generate -p 'KING:' --num-samples 3 --seed 7 --json | jq .text
     """
-    from . import commands
+    from .commands import generate as command
 
-    commands.generate(**locals())
+    command.run(
+        prompt=prompt, prompt_file=prompt_file, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, stop=stop or [], num_samples=num_samples, echo=echo, overflow=overflow.value,
+        stats=stats, quiet=quiet, json_output=json_output,
+        model_options=model_options(checkpoint, device, dtype, threads, quantize, cache),
+    )
 
 
 @app.command()
@@ -179,9 +193,13 @@ def bench(
 
       manas bench --json | jq '.tests[] | {name, tokens_per_s_mean}'
     """
-    from . import commands
+    from .commands import bench as command
 
-    commands.bench(**locals())
+    command.run(
+        tokens=tokens, prompt_tokens=prompt_tokens, repeat=repeat, batch=batch, baseline=baseline,
+        overflow=overflow.value, sweep=sweep, json_output=json_output,
+        model_options=model_options(checkpoint, device, dtype, threads, quantize, cache),
+    )
 
 
 @app.command("inspect-cache")
@@ -210,9 +228,10 @@ def inspect_cache(
 
       manas inspect-cache --json | jq .layers
     """
-    from . import commands
+    from .commands import inspect_cache as command
 
-    commands.inspect_cache(**locals())
+    command.run(prompt=prompt, prompt_file=prompt_file, tokens=tokens, json_output=json_output,
+                model_options=model_options(checkpoint, device, dtype, threads, quantize, cache))
 
 
 @app.command(no_args_is_help=True)
@@ -252,9 +271,16 @@ def train(
 
       manas train input.txt -o bpe.tiktoken --tokenizer-only --vocab-size 4096
     """
-    from . import commands
+    from .commands import train as command
 
-    commands.train(**locals())
+    shape = command.ModelShape(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                               block_size=block_size, position_encoding=position_encoding.value, dropout=dropout)
+    command.run(
+        text_file=text_file, out=out, shape=shape, vocab_size=vocab_size, tokenizer=tokenizer.value,
+        tokenizer_file=tokenizer_file, tokenizer_only=tokenizer_only, steps=steps, batch_size=batch_size, lr=lr,
+        warmup_steps=warmup_steps, eval_every=eval_every, seed=seed, val_fraction=val_fraction, resume=resume,
+        force=force, device=device.value, threads=threads,
+    )
 
 
 @app.command(no_args_is_help=True)
@@ -281,9 +307,10 @@ def convert(
 
       manas convert model.safetensors --config config.json --out gpt2.safetensors
     """
-    from . import commands
+    from .commands import convert as command
 
-    commands.convert(**locals())
+    command.run(src=src, out=out, config=config, tokenizer=tokenizer, tokenizer_file=tokenizer_file,
+                tokenizer_meta=tokenizer_meta, force=force)
 
 
 @app.command(no_args_is_help=True)
@@ -310,9 +337,10 @@ def export(
 
       llama-cli -m model.gguf -p "ROMEO:" -n 100
     """
-    from . import commands
+    from .commands import export as command
 
-    commands.export(**locals())
+    command.run(checkpoint=checkpoint, out=out, output_format=output_format.value,
+                outtype=outtype.value if outtype else None, force=force)
 
 
 @app.command("quantize", no_args_is_help=True)
@@ -332,9 +360,9 @@ def quantize_command(
 
       manas generate -c gpt2-int8.safetensors -p 'Hello'
     """
-    from . import commands
+    from .commands import quantize as command
 
-    commands.quantize(**locals())
+    command.run(checkpoint=checkpoint, out=out, force=force)
 
 
 def main() -> None:

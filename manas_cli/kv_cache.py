@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import GPT, CausalSelfAttention
-from .rotary import RotaryAttention
+from .model import GPT, CausalSelfAttention, RotaryAttention
 
 
 class LayerCache:

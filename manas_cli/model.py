@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .rotary import rope_tables, rotate_pairs
+
 POSITION_ENCODINGS = ("learned", "rope")
 GELU_APPROXIMATIONS = ("tanh", "none")  # F.gelu's `approximate` values
 # The longest context any released model uses (2^20 positions). No tensor backs block_size with rope, so a bound
@@ -170,6 +172,29 @@ class CausalSelfAttention(nn.Module):
         return self.attend(q, k, v)
 
 
+class RotaryAttention(CausalSelfAttention):
+    """Causal self-attention whose queries and keys are rotated by their absolute position."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.rope_base, self.block_size = config.rope_base, config.block_size
+        # Derived from the config, so never saved: a checkpoint holds only learned weights. Built for the positions
+        # used so far (doubling, up to block_size), so a block_size that no tensor backs allocates nothing.
+        self.register_buffer("cos", torch.empty(0, config.head_size // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(0, config.head_size // 2), persistent=False)
+
+    def encode_positions(self, qk: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Rotate queries and keys (B, heads, T, hs) together: they share positions, and one call is half the ops."""
+        end = start_pos + qk.size(2)
+        if end > self.cos.size(0):
+            positions = min(max(end, 2 * self.cos.size(0)), self.block_size)
+            with torch.inference_mode(False):  # plain tensors: a later training step may save them for backward
+                cos, sin = rope_tables(self.head_size, positions, self.rope_base)
+            self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        positions = slice(start_pos, end)
+        return rotate_pairs(qk, self.cos[positions].to(qk.dtype), self.sin[positions].to(qk.dtype))
+
+
 class FeedForward(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -186,12 +211,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_attention = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-        if config.position_encoding == "rope":
-            from .rotary import RotaryAttention
-
-            self.attention = RotaryAttention(config)
-        else:
-            self.attention = CausalSelfAttention(config)
+        self.attention = RotaryAttention(config) if config.position_encoding == "rope" else CausalSelfAttention(config)
         self.ln_ffn = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
         self.ffn = FeedForward(config)
 

@@ -1,0 +1,78 @@
+"""`manas bench`: prefill and decode speed, and the KV cache's speed-up over crop-and-recompute."""
+
+from __future__ import annotations
+
+from .common import ModelOptions, check_memory, load_model, require_stdout
+
+
+def run(
+    *,
+    tokens: int,
+    prompt_tokens: int,
+    repeat: int,
+    batch: int,
+    baseline: bool,
+    overflow: str,
+    sweep: bool,
+    json_output: bool,
+    model_options: ModelOptions,
+) -> None:
+    import torch
+
+    from ..bench import run_bench, sweep as sweep_positions
+    from ..quantize import weights_bytes, weights_name
+    from ..render import bench_progress, bench_table, json_line, stderr_console, sweep_chart, token_progress
+
+    require_stdout()
+    console = stderr_console()
+    checkpoint = load_model(model_options)
+    model = checkpoint.model
+    block_size = model.config.block_size
+    check_memory(model, batch, min(block_size, prompt_tokens + tokens), "--batch (or --prompt-tokens, --tokens)")
+    device = next(model.parameters()).device
+    info = {
+        "path": str(checkpoint.path),
+        "parameters": model.num_parameters(),
+        "size_bytes": weights_bytes(model),
+        "block_size": block_size,
+        "device": str(device),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "weights": weights_name(model),
+        "weights_bytes": weights_bytes(model),
+    }
+    runs = repeat * (2 if baseline else 1)
+    with bench_progress(console, runs) as advance:
+        result = run_bench(model, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow,
+                           on_run=advance)
+    sweep_rows = None
+    if sweep:
+        sweep_tokens = block_size + block_size // 2
+        with token_progress(console, sweep_tokens, "sweeping decode speed across the window") as advance:
+            sweep_rows = sweep_positions(model, min(prompt_tokens, block_size // 8), sweep_tokens, 12, on_token=advance)
+    report = {
+        "model": info,
+        "tests": [
+            {"name": m.name, "tokens_per_s_mean": m.mean, "tokens_per_s_std": m.std, "runs": m.tokens_per_s}
+            for m in result.measurements
+        ],
+        "ttft_s": result.ttft_s,
+        "speedup": result.speedup,
+        "re_prefills": result.re_prefills,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "cache_bytes": result.cache_bytes,
+        "batch": batch,
+        "repeat": repeat,
+        "overflow": overflow,
+    }
+    if sweep_rows is not None:
+        report["sweep"] = sweep_rows
+    if json_output:
+        print(json_line(report))
+        return
+    from rich.console import Console
+
+    stdout = Console(highlight=False, no_color=console.no_color, soft_wrap=True)  # a pipe gets whole lines
+    stdout.print(bench_table(report))
+    if sweep_rows is not None:
+        stdout.print(sweep_chart(sweep_rows))

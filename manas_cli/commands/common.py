@@ -1,0 +1,180 @@
+"""What generate, bench, inspect-cache and train share: finding and loading the model, reading the prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InputError
+
+
+def read_text_file(path: Path, what: str) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise InputError(f"{what} {path} is a directory, not a file") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} {path} is not valid UTF-8 (byte {exc.start}): convert it to UTF-8") from None
+    except OSError as exc:
+        raise InputError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if not text.strip():
+        raise InputError(f"{what} {path} is empty")
+    return text
+
+
+CHECKPOINT_ENV = "MANAS_CHECKPOINT"
+DEFAULT_CHECKPOINT = "shakespeare.safetensors"
+
+
+def default_checkpoint_candidates() -> list[Path]:
+    """The shipped model: beside the package in a source checkout (editable install), or in the wheel's data."""
+    import sys
+
+    return [
+        Path(__file__).resolve().parents[2] / "checkpoints" / DEFAULT_CHECKPOINT,
+        Path(sys.prefix) / "share" / "manas" / "checkpoints" / DEFAULT_CHECKPOINT,
+    ]
+
+
+def resolve_checkpoint(option: Path | None) -> Path:
+    import os
+
+    if option is not None:
+        return option
+    if os.environ.get(CHECKPOINT_ENV):
+        return Path(os.environ[CHECKPOINT_ENV])
+    candidates = default_checkpoint_candidates()
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates)
+    raise InputError(f"no checkpoint given and none found (looked at ${CHECKPOINT_ENV}, {looked}): pass --checkpoint PATH")
+
+
+def checkpoint_file(path: Path) -> Path:
+    """path, unless it is a folder or a pipe: say so (opening a FIFO would block, and a checkpoint is read by seeking)."""
+    if path.is_dir():
+        raise InputError(f"checkpoint {path} is a folder, not a file: pass the .safetensors file inside it")
+    if path.exists() and not path.is_file():
+        raise InputError(f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that")
+    return path
+
+
+def require_stdout() -> None:
+    """Commands whose product is stdout refuse a closed one (`>&-`) before any work, not after loading a model."""
+    import sys
+
+    if sys.stdout is None:
+        raise InputError("standard output is closed (>&-): redirect it to a file, or to /dev/null to discard it")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The flags generate, bench and inspect-cache share: which model, where, and how."""
+
+    checkpoint: Path | None = None  # None: $MANAS_CHECKPOINT, else the shipped model
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    quantize: str | None = None  # "int8"
+    cache: str = "dynamic"  # the KV cache's allocation
+
+
+def load_model(options: ModelOptions):
+    """The checkpoint on the chosen device, dtype and thread count, quantized if asked, its float weights laid out
+    for decoding."""
+    from ..checkpoint import load_checkpoint
+    from ..model import use_decode_layout
+    from ..quantize import is_quantized
+    from ..runtime import resolve_device, resolve_dtype, set_threads
+
+    set_threads(options.threads)
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    checkpoint = load_checkpoint(checkpoint_file(resolve_checkpoint(options.checkpoint)), device=device, dtype=dtype)
+    if options.quantize is not None:
+        quantize_checkpoint(checkpoint, "run it without --quantize")
+    if not is_quantized(checkpoint.model):  # int8 layers keep their own layout; the embeddings gain nothing
+        use_decode_layout(checkpoint.model)
+    return checkpoint
+
+
+def check_memory(model, rows: int, positions: int, lower: str) -> None:
+    """Refuse a run the device cannot hold before allocating it (see memory.check_fits)."""
+    from ..memory import check_fits
+
+    embedding = model.token_embedding.weight
+    check_fits(model.config, embedding.device, embedding.element_size(), rows, positions, lower)
+
+
+def quantize_checkpoint(checkpoint, hint: str) -> None:
+    """Quantize a loaded float checkpoint's model to int8, refusing one that is int8 already."""
+    from ..quantize import int8_tensor_names, quantize_model
+
+    if int8 := int8_tensor_names(checkpoint.model):
+        raise InputError(f"{checkpoint.path} is already quantized: its tensor {int8[0]} is int8 ({hint})")
+    quantize_model(checkpoint.model)
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
+    """--prompt TEXT, --prompt-file PATH, '-' or nothing for standard input (or `default`, where one is given)."""
+    import sys
+
+    if prompt is not None and prompt_file is not None:
+        import typer
+
+        # A usage error (exit 2), like any other misuse of the flags.
+        raise typer.BadParameter("give either --prompt or --prompt-file, not both", param_hint="'--prompt-file'")
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"prompt file {prompt_file} is not valid UTF-8 (byte {exc.start})") from None
+        except OSError as exc:
+            raise InputError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and default is not None:
+        return default
+    if sys.stdin is not None and sys.stdin.isatty():
+        print("reading the prompt from standard input (end it with Ctrl-D)", file=sys.stderr)
+    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"standard input is not valid UTF-8 (byte {exc.start}): pass UTF-8 text") from None
+
+
+# The most prompt characters ever encoded: a window's worth for GPT-2 (1024 tokens of up to 128 bytes, twice over),
+# and well under the whitespace run (~10^6 characters) that overflows tiktoken's regex stack.
+PROMPT_TAIL_CHARS = 300_000
+
+
+def encode_prompt(checkpoint, text: str, console) -> list[int]:
+    """Token ids of the prompt, cropped to the window with a notice; the empty prompt is end-of-text.
+
+    Only the text that can reach the window is encoded: block_size tokens never span more than block_size times
+    the longest token's bytes in characters, so twice that (the tokens at the cut may differ, and are cropped) is
+    exact, up to PROMPT_TAIL_CHARS. That bound also keeps any whitespace run far below the length (~10^6
+    characters) at which tiktoken's regex engine overflows its stack and panics."""
+    from ..tokenizer import encode_text, end_of_text_id, longest_token_bytes
+
+    block_size = checkpoint.model.config.block_size
+    tail = min(2 * block_size * longest_token_bytes(checkpoint.encoding), PROMPT_TAIL_CHARS)
+    cut = len(text) > tail
+    ids = encode_text(checkpoint.encoding, text[-tail:] if cut else text)
+    if not ids:
+        eot = end_of_text_id(checkpoint.encoding)
+        if eot is None:
+            raise InputError("the prompt is empty and this model's vocabulary has no <|endoftext|> to start from")
+        ids = [eot]
+    if cut:
+        console.print(
+            f"notice: the prompt has {len(text)} characters; encoding its last {tail} and keeping its last "
+            f"{min(len(ids), block_size)} tokens (the model's block_size is {block_size})"
+        )
+    elif len(ids) > block_size:
+        console.print(f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)")
+    return ids[-block_size:]

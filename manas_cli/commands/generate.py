@@ -1,0 +1,132 @@
+"""`manas generate`: stream a continuation of the prompt to stdout, stats and notices to stderr."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+from ..errors import interrupt_exit_code
+from .common import ModelOptions, check_memory, encode_prompt, load_model, read_prompt, require_stdout
+
+# Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
+LATE_TOKENS = 32
+
+
+def run(
+    *,
+    prompt: str | None,
+    prompt_file: Path | None,
+    max_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: list[str],
+    num_samples: int,
+    echo: bool,
+    overflow: str,
+    stats: bool | None,
+    quiet: bool,
+    json_output: bool,
+    model_options: ModelOptions,
+) -> None:
+    import torch
+    import typer
+
+    from ..generation import GenerationStats, generate, prompt_batch
+    from ..kv_cache import CacheSession
+    from ..live import LiveDisplay, piped, shares_terminal
+    from ..quantize import weights_name
+    from ..render import Output, generation_stats_line, recompute_notice, stderr_console
+    from ..sampling import Sampler, seeded_generator
+    from ..streaming import TextStream
+    from ..tokenizer import decodable, end_of_text_id
+
+    require_stdout()
+    console = stderr_console(quiet=quiet)
+    talk = sys.stderr.isatty() and not quiet  # notices meant for a person at a terminal
+    show_stats = not quiet and (stats if stats is not None else sys.stderr.isatty())
+    live = show_stats and talk and not console.is_dumb_terminal and not piped(sys.stdout)
+    text = read_prompt(prompt, prompt_file)
+    checkpoint = load_model(model_options)
+    model, encoding = checkpoint.model, checkpoint.encoding
+    ids = encode_prompt(checkpoint, text, console)
+    batch, block_size = num_samples, model.config.block_size
+    positions = min(block_size, len(ids) + max_tokens)
+    check_memory(model, batch, positions, "--num-samples")
+    generator, seed = seeded_generator(seed, model)
+    sampler = Sampler(temperature, top_k, top_p, generator, torch.tensor(decodable(encoding)))
+    eot = end_of_text_id(encoding)
+    record = json_output or batch > 1  # a single streamed sample keeps none of its text
+    streams = [TextStream(encoding, eot, stop, record) for _ in range(batch)]
+    shared = shares_terminal(sys.stdout, sys.stderr)
+    out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
+    run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
+    session = CacheSession(model, model_options.cache, capacity=positions)
+    steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session)
+    display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
+    warn_late = talk and overflow == "recompute"
+
+    def on_step(step) -> None:
+        window_filled = step.kind == "re_prefill" and run_stats.re_prefills == 1
+        if warn_late and window_filled and max_tokens - run_stats.steps >= LATE_TOKENS:
+            # On the text's own terminal a notice would cut through a line: the live region shows it, or it waits.
+            (display.notice if live or shared else console.print)(recompute_notice(block_size))
+        if live:
+            display.update()
+
+    if echo:
+        out.text(0, text)
+    with display if live else nullcontext():
+        interruption = stream_text(steps, streams, run_stats, out, on_step)
+    storage = session.storage()
+    if json_output:
+        for stream in streams:
+            out.json_line(sample_record(stream, run_stats, storage, seed, weights_name(model)))
+    else:
+        out.close_text([stream.text for stream in streams], echo=text if echo else None)
+    display.keep_notices()
+    if show_stats:
+        console.print(generation_stats_line(run_stats, storage))
+    if interruption is not None:
+        raise typer.Exit(interrupt_exit_code(interruption))
+
+
+def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None:
+    """Print each row's text as its tokens arrive, until every row has finished; the Ctrl-C (or SIGTERM) that
+    stopped it, if one did."""
+    interruption = None
+    try:
+        for step in steps:
+            stats.update(step)
+            for row, (stream, token) in enumerate(zip(streams, step.tokens)):
+                out.text(row, stream.feed(token))
+            on_step(step)
+            if all(stream.finished for stream in streams):
+                break
+    except KeyboardInterrupt as exc:
+        interruption = exc  # keep the text so far, and still report
+    finally:
+        steps.close()
+    for row, stream in enumerate(streams):
+        out.text(row, stream.finish("interrupted" if interruption is not None else "length"))
+    return interruption
+
+
+def sample_record(stream, stats, storage: dict, seed: int, weights: str) -> dict:
+    """One --json line: the contract fields first, extras after."""
+    return {
+        "text": stream.text,
+        "tokens": stream.tokens,
+        "finish_reason": stream.finish_reason,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": len(stream.tokens),
+        "ttft_s": stats.ttft_s,
+        "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "re_prefills": stats.re_prefills,
+        "cache": storage,
+        "seed": seed,
+        "weights": weights,
+    }

@@ -1,0 +1,59 @@
+"""`manas inspect-cache`: prefill a prompt (and decode more), then show what the KV cache holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import ModelOptions, check_memory, encode_prompt, load_model, read_prompt, require_stdout
+
+DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
+
+
+def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool,
+        model_options: ModelOptions) -> None:
+    from ..generation import GenerationStats, generate, prompt_batch
+    from ..kv_cache import CacheSession, cache_report
+    from ..quantize import weights_bytes, weights_name
+    from ..render import cache_view, json_line, stderr_console, token_progress
+    from ..sampling import Sampler
+
+    require_stdout()
+    console = stderr_console()
+    text = read_prompt(prompt, prompt_file, default=DEFAULT_PROMPT)
+    checkpoint = load_model(model_options)
+    model = checkpoint.model
+    ids = encode_prompt(checkpoint, text, console)
+    positions = min(model.config.block_size, len(ids) + tokens)
+    check_memory(model, 1, positions, "--tokens")
+    session = CacheSession(model, model_options.cache, capacity=positions)
+    stats = GenerationStats(prompt_tokens=len(ids), re_prefill_positions=[])
+    if tokens == 0:
+        session.prefill(prompt_batch(ids, 1, model))
+    else:
+        # The prompt's prefill yields the first new token; the remaining tokens decode from the cache.
+        steps = generate(model, prompt_batch(ids, 1, model), Sampler(temperature=0.0), tokens + 1, session=session)
+        with token_progress(console, tokens + 1, "decoding") as advance:
+            for step in steps:
+                stats.update(step)
+                advance()
+    report = cache_report(session)
+    report["re_prefill_positions"] = stats.re_prefill_positions
+    config = model.config
+    header = {
+        "checkpoint": str(checkpoint.path),
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_kv_head": config.n_kv_head,
+        "head_size": config.head_size,
+        "device": str(next(model.parameters()).device),
+        "weights": weights_name(model),
+        "weights_bytes": weights_bytes(model),
+        "prompt_tokens": len(ids),
+        "decoded_tokens": tokens,
+    }
+    if json_output:
+        print(json_line({**report, **header}))
+        return
+    from rich.console import Console
+
+    Console(highlight=False, no_color=console.no_color, soft_wrap=True).print(cache_view(report, header))

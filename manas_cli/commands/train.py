@@ -1,0 +1,152 @@
+"""`manas train`: a GPT and its byte-level BPE trained on a text file, the best-validation checkpoint saved."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointError, InputError
+from ..files import check_output_file
+from .common import read_text_file
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a model trained afresh."""
+
+    n_layer: int
+    n_head: int
+    n_kv_head: int | None
+    n_embd: int
+    block_size: int
+    position_encoding: str
+    dropout: float
+
+
+def run(
+    *,
+    text_file: Path,
+    out: Path,
+    shape: ModelShape,
+    vocab_size: int,
+    tokenizer: str,
+    tokenizer_file: Path | None,
+    tokenizer_only: bool,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup_steps: int,
+    eval_every: int,
+    seed: int,
+    val_fraction: float,
+    resume: bool,
+    force: bool,
+    device: str,
+    threads: int | None,
+) -> None:
+    # Before any work, even importing torch: a run may replace --out only when told to (--resume continues it,
+    # --force replaces it), and never with its own input.
+    replace = resume or force
+    check_output_file(out, replace, inputs=(text_file, tokenizer_file))
+
+    import torch
+
+    from ..render import stderr_console, train_progress
+    from ..runtime import resolve_device, set_threads
+    from ..tokenizer import build_encoding, encode_long_text
+    from ..training import TrainSettings, make_dataset, train
+
+    console = stderr_console()
+    set_threads(threads)
+    text = read_text_file(text_file, "training text")
+    if resume:
+        model, spec, start_step, best = resumed_model(out, resolve_device(device))
+    else:
+        spec = training_tokenizer(text, tokenizer, tokenizer_file, vocab_size, console)
+        if tokenizer_only:
+            write_ranks(spec, out, force, console)
+            return
+        model, start_step, best = new_model(spec, shape, seed).to(resolve_device(device)), 0, math.inf
+    encoding = build_encoding(spec)
+    data = make_dataset(text, lambda part: encode_long_text(encoding, part), val_fraction, model.config.block_size)
+    settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+                             eval_every=eval_every, seed=seed)
+    console.print(
+        f"training {model.num_parameters():,} parameters on {len(data.train_ids):,} tokens "
+        f"({len(data.val_ids):,} held out) on {next(model.parameters()).device}, {torch.get_num_threads()} threads"
+    )
+    with train_progress(console, settings.steps, start_step) as show:
+        for event in train(model, data, settings, out, spec, start_step, best, overwrite=replace):
+            show(event)
+    console.print(f"best checkpoint: {out}")
+
+
+def training_tokenizer(text: str, tokenizer: str, tokenizer_file: Path | None, vocab_size: int, console) -> dict:
+    """GPT-2's ranks from --tokenizer-file, or a BPE trained on the text."""
+    from ..bpe import train_bpe
+    from ..tokenizer import bpe_spec, spec_from_tiktoken_file
+
+    if tokenizer == "gpt2":
+        if tokenizer_file is None:
+            raise InputError("--tokenizer gpt2 needs --tokenizer-file PATH (a .tiktoken ranks file such as gpt2.tiktoken)")
+        return spec_from_tiktoken_file(tokenizer_file)
+    with console.status(f"training a {vocab_size}-token byte-level BPE"):
+        return bpe_spec(train_bpe(text, vocab_size))
+
+
+def write_ranks(spec: dict, out: Path, force: bool, console) -> None:
+    """--tokenizer-only: the BPE's ranks as a .tiktoken file, and no model."""
+    from ..files import atomic_write
+    from ..tokenizer import decode_ranks, encode_ranks
+
+    ranks = decode_ranks(spec["ranks"])
+    atomic_write(out, lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii"), overwrite=force)
+    console.print(f"wrote {len(ranks)} BPE ranks to {out}")
+
+
+def new_model(spec: dict, shape: ModelShape, seed: int):
+    import torch
+
+    from ..model import GPT, GPTConfig
+    from ..tokenizer import build_encoding, vocabulary_size
+
+    try:
+        config = GPTConfig(
+            vocab_size=vocabulary_size(build_encoding(spec)), block_size=shape.block_size, n_layer=shape.n_layer,
+            n_head=shape.n_head, n_kv_head=shape.n_kv_head, n_embd=shape.n_embd,
+            position_encoding=shape.position_encoding, dropout=shape.dropout,
+        )
+    except ValueError as exc:
+        raise InputError(f"invalid model shape: {exc}") from None
+    torch.manual_seed(seed)
+    return GPT(config)
+
+
+def resumed_model(out: Path, device):
+    """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
+    from ..checkpoint import load_checkpoint
+    from ..quantize import is_quantized
+
+    checkpoint = load_checkpoint(out, device=device)
+    if is_quantized(checkpoint.model):
+        raise InputError(f"{out} is an int8 checkpoint: training needs float weights (resume from the float one)")
+    step, val_loss = training_progress(checkpoint.metadata.get("training", "{}"), out)
+    return checkpoint.model, checkpoint.tokenizer_spec, step, val_loss
+
+
+def training_progress(text: str, path: Path) -> tuple[int, float]:
+    """The step and validation loss in a checkpoint's `training` metadata (step 0 and no loss when it has none)."""
+    try:
+        progress = json.loads(text)
+    except (ValueError, RecursionError):
+        progress = None
+    if isinstance(progress, dict):
+        step, val_loss = progress.get("step", 0), progress.get("val_loss", math.inf)
+        if type(step) is int and step >= 0 and type(val_loss) in (int, float) and not math.isnan(val_loss):
+            return step, float(val_loss)
+    raise CheckpointError(
+        f"{path}: its training metadata is not {{\"step\": N, \"val_loss\": X}} ({text[:60]!r}): "
+        "resume only a checkpoint that manas train wrote, or train afresh without --resume"
+    )

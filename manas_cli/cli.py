@@ -106,7 +106,7 @@ def _show_version(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
-        print(f"manas {version('manas')}")
+        print(f"manas {version('manas-cli')}")
         raise typer.Exit()
 
 
@@ -288,8 +288,8 @@ def convert(
     src: Annotated[Path, typer.Argument(help="nanoGPT ckpt.pt, a Hugging Face GPT-2 or Starcoder2 folder, or a bare model.safetensors (with --config).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="manas checkpoint to write (.safetensors).")],
     config: Annotated[Optional[Path], typer.Option(help="Hugging Face GPT-2 or Starcoder2 config.json for a bare weights file.")] = None,
-    tokenizer: Annotated[str, typer.Option(help="'gpt2': GPT-2's BPE, from --tokenizer-file or tiktoken's cache.")] = "gpt2",
-    tokenizer_file: Annotated[Optional[Path], typer.Option(help="GPT-2's ranks as a .tiktoken file, embedded in the checkpoint.")] = None,
+    tokenizer: Annotated[str, typer.Option(help="'gpt2': GPT-2's BPE, from a folder's own vocab.json + merges.txt, --tokenizer-file, or tiktoken's cache.")] = "gpt2",
+    tokenizer_file: Annotated[Optional[Path], typer.Option(help="GPT-2's ranks as a .tiktoken file, embedded in the checkpoint (`manas tokenizer` writes one from vocab.json + merges.txt).")] = None,
     tokenizer_meta: Annotated[Optional[Path], typer.Option(help="nanoGPT's character-level meta.pkl (read without running code).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:
@@ -303,7 +303,7 @@ def convert(
 
       manas convert out/ckpt.pt --out mine.safetensors --tokenizer-file gpt2.tiktoken
 
-      manas convert gpt2/ --out gpt2.safetensors --tokenizer-file gpt2.tiktoken
+      manas convert gpt2/ --out gpt2.safetensors
 
       manas convert model.safetensors --config config.json --out gpt2.safetensors
     """
@@ -325,7 +325,7 @@ def export(
 
     --format hf writes config.json, generation_config.json, model.safetensors, vocab.json, merges.txt and
     tokenizer_config.json: GPT-2 for learned-position models, Starcoder2 for rotary (rope) ones. --format gguf writes
-    one file with the tokenizer inside (llama.cpp's gpt2 or starcoder2; needs pip install "manas[gguf]").
+    one file with the tokenizer inside (llama.cpp's gpt2 or starcoder2; needs pip install "manas-cli[gguf]", or pip install -e ".[gguf]" in a clone).
 
     Examples:
 
@@ -363,6 +363,30 @@ def quantize_command(
     from .commands import quantize as command
 
     command.run(checkpoint=checkpoint, out=out, force=force)
+
+
+@app.command("tokenizer", no_args_is_help=True)
+def tokenizer_command(
+    src: Annotated[Path, typer.Argument(help="A Hugging Face GPT-2 folder holding vocab.json and merges.txt.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The .tiktoken ranks file to write.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+) -> None:
+    """Write a GPT-2 folder's tokenizer (vocab.json + merges.txt) as a .tiktoken file for --tokenizer-file.
+
+    convert reads a GPT-2 folder's own tokenizer files by itself; this is for a nanoGPT checkpoint trained with
+    GPT-2's tokenizer, whose ckpt.pt carries none.
+
+    Examples:
+
+      hf download openai-community/gpt2 vocab.json merges.txt --local-dir gpt2
+
+      manas tokenizer gpt2 --out gpt2.tiktoken
+
+      manas convert out/ckpt.pt --out mine.safetensors --tokenizer-file gpt2.tiktoken
+    """
+    from .commands import tokenizer as command
+
+    command.run(src=src, out=out, force=force)
 
 
 def main() -> None:

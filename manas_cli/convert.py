@@ -23,7 +23,9 @@ from . import starcoder2
 from .errors import CheckpointError, InputError, TokenizerError, first_line
 from .files import check_output_file
 from .model import GPT, GPTConfig, parameter_shapes
-from .tokenizer import bpe_spec, build_encoding, checked_spec, spec_from_tiktoken_file, vocabulary_size
+from .tokenizer import (
+    bpe_spec, build_encoding, checked_spec, spec_from_hf_files, spec_from_tiktoken_file, vocabulary_size,
+)
 
 # Inside transformer.h.N: GPT-2's module names (nanoGPT's too) and manas' inside blocks.N.
 GPT2_BLOCK_MODULES = {
@@ -382,11 +384,13 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
 
 # What convert reads from a Hugging Face folder.
 HF_CONFIG, HF_SAFETENSORS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
+HF_VOCAB, HF_MERGES = "vocab.json", "merges.txt"
 
 
 def source_files(src: Path) -> tuple[Path, ...]:
     """Every file convert may read from src: src itself, or the files it reads inside a folder."""
-    return tuple(src / name for name in (HF_CONFIG, HF_SAFETENSORS, HF_PICKLE)) if src.is_dir() else (src,)
+    names = (HF_CONFIG, HF_SAFETENSORS, HF_PICKLE, HF_VOCAB, HF_MERGES)
+    return tuple(src / name for name in names) if src.is_dir() else (src,)
 
 
 def _load_hf_folder(folder: Path) -> GPT:
@@ -455,6 +459,30 @@ def _refuse_manas_checkpoint(src: Path) -> None:
 
 
 # --- tokenizers ----------------------------------------------------------------------------------------------------
+
+
+def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
+    """A Hugging Face folder's own GPT-2 tokenizer files (vocab.json, merges.txt), when they split text as GPT-2
+    does: a GPT-2 model's, or any without a tokenizer.json (whose own pre-tokenizer could split otherwise, as
+    Starcoder2's does); None to fall back to --tokenizer-file or tiktoken's cache."""
+    vocab, merges = src / HF_VOCAB, src / HF_MERGES
+    if not (src.is_dir() and vocab.is_file() and merges.is_file()):
+        return None
+    if (src / "tokenizer.json").is_file() and _model_type(src / HF_CONFIG) != "gpt2":
+        return None
+    try:
+        texts = vocab.read_text(encoding="utf-8"), merges.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"cannot read the tokenizer files of {src}: {first_line(exc)}") from None
+    return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec_from_hf_files(*texts, src)
+
+
+def _model_type(config: Path) -> object:
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None  # read_hf_config names what is wrong with it
+    return values.get("model_type") if isinstance(values, dict) else None
 
 
 def tokenizer_spec(tokenizer: str, tokenizer_file: Path | None, tokenizer_meta: Path | None) -> tuple[str, dict]:
@@ -535,7 +563,8 @@ def convert_checkpoint(
 
     check_output_file(dst, force, inputs=(*source_files(src), config_path, tokenizer_file, tokenizer_meta))
     check_source(src)
-    description, spec = tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
+    own = folder_tokenizer(src) if tokenizer_file is None and tokenizer_meta is None else None
+    description, spec = own or tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
     kind, model = load_source(src, config_path)
     check_tokenizer_fits(spec, model.config, description)
     save_checkpoint(dst, model, spec, extra_metadata={"converted_from": kind}, overwrite=force)

@@ -24,7 +24,7 @@ from .errors import CheckpointError, InputError
 from .files import claim_folder, refuse_inputs, refuse_special, temporary_name
 from .model import GPT, GPTConfig
 from .quantize import dequantize_model
-from .tokenizer import END_OF_TEXT, GPT2_PAT_STR
+from .tokenizer import END_OF_TEXT, GPT2_PAT_STR, bytes_to_unicode
 
 GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}
 # Patterns that split text as Hugging Face's GPT-2 pre-tokenizer does: manas' own, and the equivalent possessive
@@ -122,17 +122,6 @@ def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, di
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------------------
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable alias of every byte, the alphabet of vocab.json and merges.txt: printable Latin-1
-    characters stand for themselves, the rest (controls, space) are shifted past 255 so no token shows a space."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    aliases = {byte: chr(byte) for byte in printable}
-    shifted = (byte for byte in range(256) if byte not in aliases)
-    for offset, byte in enumerate(shifted):
-        aliases[byte] = chr(256 + offset)
-    return dict(sorted(aliases.items()))
 
 
 def merge_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:

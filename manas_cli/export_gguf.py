@@ -47,11 +47,13 @@ def import_gguf() -> Any:
     try:
         import gguf
     except ImportError:
-        raise MissingDependencyError('writing GGUF needs the gguf package: pip install "manas[gguf]"') from None
+        raise MissingDependencyError(
+            'writing GGUF needs the gguf package: pip install "manas-cli[gguf]" (from a clone: pip install -e ".[gguf]")'
+        ) from None
     except Exception as exc:  # installed but broken (a half-finished upgrade, a numpy it does not support)
         raise MissingDependencyError(
             f"the gguf package fails to import ({type(exc).__name__}: {first_line(exc)}): reinstall it with "
-            'pip install --force-reinstall "manas[gguf]"'
+            'pip install --force-reinstall "manas-cli[gguf]"'
         ) from None
     return gguf
 

@@ -55,6 +55,55 @@ def decode_ranks(text: str) -> dict[bytes, int]:
     return ranks
 
 
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable alias of every byte, the alphabet of vocab.json and merges.txt: printable Latin-1
+    characters stand for themselves, the rest (controls, space) are shifted past 255 so no token shows a space."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    aliases = {byte: chr(byte) for byte in printable}
+    shifted = (byte for byte in range(256) if byte not in aliases)
+    for offset, byte in enumerate(shifted):
+        aliases[byte] = chr(256 + offset)
+    return dict(sorted(aliases.items()))
+
+
+def spec_from_hf_files(vocab_json: str, merges_txt: str, source: str | Path) -> dict:
+    """GPT-2's tokenizer files (vocab.json: token in GPT-2's byte alphabet → id; merges.txt: the merges in the
+    order they apply) as an embedded BPE with GPT-2's split. tiktoken merges by rank, Hugging Face by the order of
+    merges.txt, so the two agree when each merge builds a token whose id is larger than the last merge's; every
+    token longer than a byte must be built by a merge, except the added (special) tokens, which no merge builds."""
+    try:
+        vocab = json.loads(vocab_json)
+    except (ValueError, RecursionError) as exc:
+        raise TokenizerError(f"{source}: vocab.json is not valid JSON: {first_line(exc)}") from None
+    if not isinstance(vocab, dict) or not all(type(i) is int for i in vocab.values()):
+        raise TokenizerError(f"{source}: vocab.json must map each token to an integer id")
+    byte_of = {alias: byte for byte, alias in bytes_to_unicode().items()}
+    built, last = set(), -1
+    for number, line in enumerate(merges_txt.splitlines(), start=1):
+        if not line.strip() or line.startswith("#version"):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2 or "".join(parts) not in vocab:
+            raise TokenizerError(f"{source}: line {number} of merges.txt is not a merge of two tokens into one of vocab.json: {line[:60]!r}")
+        merged = "".join(parts)
+        if vocab[merged] <= last:
+            raise TokenizerError(f"{source}: line {number} of merges.txt builds {merged!r} (id {vocab[merged]}), not above the "
+                                 "previous merge's id, so tiktoken would merge in another order than Hugging Face")
+        built.add(merged)
+        last = vocab[merged]
+    ranks, special = {}, {}
+    for token, token_id in vocab.items():
+        if len(token) > 1 and token not in built:
+            special[token] = token_id  # an added token (<|endoftext|>): no merge builds it
+        elif all(ch in byte_of for ch in token):
+            ranks[bytes(byte_of[ch] for ch in token)] = token_id
+        else:
+            raise TokenizerError(f"{source}: vocab.json token {token!r} is not spelled in GPT-2's byte alphabet")
+    if missing := [byte for byte in range(256) if bytes([byte]) not in ranks]:
+        raise TokenizerError(f"{source}: vocab.json has no token for byte {missing[0]}: not a byte-level BPE")
+    return checked_spec(bpe_spec(ranks, special_tokens=special), source)
+
+
 def bpe_spec(ranks: dict[bytes, int], pat_str: str = GPT2_PAT_STR, special_tokens: dict[str, int] | None = None) -> dict:
     """An embedded tokenizer description; by default <|endoftext|> takes the id after the last rank."""
     if special_tokens is None:

@@ -331,7 +331,7 @@ def test_version_prints_the_package_metadata_without_importing_torch(flag):
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "manas_cli", flag], capture_output=True,
                           env=cli_env(), timeout=60)
     assert done.returncode == 0
-    assert done.stdout.decode() == f"manas {version('manas')}\n"
+    assert done.stdout.decode() == f"manas {version('manas-cli')}\n"
     imported = [line.split("|")[-1].strip() for line in done.stderr.decode().splitlines()]
     assert "manas_cli.cli" in imported  # -X importtime really listed the imports
     assert not [name for name in imported if name.split(".")[0] == "torch"]

@@ -115,13 +115,18 @@ def test_exported_gpt2_tokenizer_is_openais_original_and_encodes_like_tiktoken(g
 
 def test_convert_records_tiktokens_named_gpt2_encoding_when_it_is_cached(tmp_path, gpt2_export, monkeypatch):
     """tiktoken caches its downloads by the sha1 of their URL; with GPT-2's files there (here: the export's, which
-    are OpenAI's originals), convert needs no --tokenizer-file and records the named encoding. The round trip
-    export → convert gives back the same weights, and the named encoding exports as the embedded one did."""
-    checkpoint, folder = gpt2_export
+    are OpenAI's originals), convert of a folder without its own tokenizer files needs no --tokenizer-file and
+    records the named encoding. The round trip export → convert gives back the same weights, and the named encoding
+    exports as the embedded one did."""
+    checkpoint, exported = gpt2_export
+    folder = tmp_path / "weights-only"  # config and weights, no vocab.json or merges.txt
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((exported / name).read_bytes())
     cache = tmp_path / "tiktoken-cache"
     cache.mkdir()
     for name, url in GPT2_FILE_URLS.items():
-        (cache / hashlib.sha1(url.encode()).hexdigest()).write_bytes((folder / name).read_bytes())
+        (cache / hashlib.sha1(url.encode()).hexdigest()).write_bytes((exported / name).read_bytes())
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))  # here and in the CLI's subprocesses
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # a port that refuses: no download can stand in
     monkeypatch.setenv("NO_PROXY", "")
@@ -136,7 +141,7 @@ def test_convert_records_tiktokens_named_gpt2_encoding_when_it_is_cached(tmp_pat
     result = run_manas("export", tmp_path / "back.safetensors", "--out", tmp_path / "hf")
     assert result.returncode == 0, result.stderr
     for name in ("vocab.json", "merges.txt", "model.safetensors"):
-        assert (tmp_path / "hf" / name).read_bytes() == (folder / name).read_bytes()
+        assert (tmp_path / "hf" / name).read_bytes() == (exported / name).read_bytes()
 
 
 def shakespeare_character_spec(text: str) -> dict:

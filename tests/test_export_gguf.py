@@ -307,7 +307,7 @@ def test_export_gguf_without_the_gguf_package_says_how_to_install_it(tmp_path, c
     (shadow / "gguf.py").write_text("raise ImportError(\"No module named 'gguf'\")\n")  # as if it were not installed
     result = run_manas("export", checkpoints["rope"], "--format", "gguf", "--out", tmp_path / "m.gguf",
                        env={"PYTHONPATH": str(shadow)})
-    assert_refused(result, 'pip install "manas[gguf]"')
+    assert_refused(result, 'pip install "manas-cli[gguf]"')
 
 
 def test_outtype_is_a_usage_error_for_the_hugging_face_format(tmp_path, checkpoints):

@@ -1,0 +1,71 @@
+"""A Hugging Face GPT-2 folder's own tokenizer files (vocab.json, merges.txt) stand for GPT-2's .tiktoken ranks:
+convert reads them by itself, and `manas tokenizer` writes them as a .tiktoken file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli_fixtures import SHARED_DATA, checkpoints, learned, manas, rope  # noqa: F401 (fixtures)
+from manas_cli.errors import TokenizerError
+from manas_cli.export import tokenizer_files
+from manas_cli.tokenizer import build_encoding, spec_from_hf_files, spec_from_tiktoken_file
+
+
+@pytest.fixture(scope="module")
+def gpt2_files() -> dict[str, str]:
+    """GPT-2's vocab.json and merges.txt, as manas' export writes them from GPT-2's ranks (byte for byte OpenAI's)."""
+    encoding = build_encoding(spec_from_tiktoken_file(SHARED_DATA / "gpt2.tiktoken"))
+    return tokenizer_files(encoding, 1024, SHARED_DATA / "gpt2.tiktoken")
+
+
+def test_gpt2s_vocab_and_merges_give_tiktokens_gpt2_ranks_and_ids(gpt2_files):
+    ranks = spec_from_tiktoken_file(SHARED_DATA / "gpt2.tiktoken")
+    spec = spec_from_hf_files(gpt2_files["vocab.json"], gpt2_files["merges.txt"], "gpt2")
+    assert spec["ranks"] == ranks["ranks"] and spec["special_tokens"] == {"<|endoftext|>": 50256}
+    corpus = (SHARED_DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")[:50_000] + " café 日本 🎉 \n\n  x"
+    assert build_encoding(spec).encode_ordinary(corpus) == build_encoding(ranks).encode_ordinary(corpus)
+
+
+def test_merges_out_of_id_order_are_refused_naming_the_line(gpt2_files):
+    merges = gpt2_files["merges.txt"].splitlines()
+    merges[1], merges[2] = merges[2], merges[1]
+    with pytest.raises(TokenizerError, match="line 3 of merges.txt builds"):
+        spec_from_hf_files(gpt2_files["vocab.json"], "\n".join(merges), "gpt2")
+
+
+def test_a_token_no_merge_builds_is_a_special_token(tmp_path):
+    vocab = {chr(c): i for i, c in enumerate(range(ord("!"), ord("~") + 1))}
+    assert len(vocab) == 94  # not all 256 bytes: refused as not byte-level
+    with pytest.raises(TokenizerError, match="no token for byte"):
+        spec_from_hf_files(json.dumps(vocab | {"<|x|>": 94}), "#version: 0.2\n", "tiny")
+
+
+def test_convert_reads_a_gpt2_folders_own_tokenizer(tmp_path, learned):
+    folder = tmp_path / "hf"
+    manas("export", learned.path, "--out", folder).ok()
+    back = tmp_path / "back.safetensors"
+    run = manas("convert", folder, "--out", back).ok()
+    assert "vocab.json and merges.txt" in run.err
+    original = manas("generate", "-c", learned.path, "--threads", "1", "-p", "ROMEO:", "-n", "12", "-t", "0", "--json").ok()
+    converted = manas("generate", "-c", back, "--threads", "1", "-p", "ROMEO:", "-n", "12", "-t", "0", "--json").ok()
+    assert converted.json()["tokens"] == original.json()["tokens"]
+
+
+def test_manas_tokenizer_writes_the_folders_ranks_as_a_tiktoken_file(tmp_path, learned):
+    folder = tmp_path / "hf"
+    manas("export", learned.path, "--out", folder).ok()
+    out = tmp_path / "tiny.tiktoken"
+    manas("tokenizer", folder, "--out", out).ok()
+    assert out.read_text() == embedded_tokenizer(learned.path)["ranks"]
+    refused = manas("tokenizer", folder, "--out", out, fresh=True)
+    assert refused.returncode == 1 and "exists: pass --force" in refused.err
+
+
+def embedded_tokenizer(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return json.loads(f.metadata()["tokenizer"])

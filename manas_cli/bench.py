@@ -52,6 +52,13 @@ def bench_prompt(model: GPT, prompt_tokens: int, batch: int, seed: int = 0) -> t
     return ids.to(next(model.parameters()).device)
 
 
+def reporting(steps: Iterator[Step], on_step: Callable[[str], None], label: str) -> Iterator[Step]:
+    """The steps, calling on_step(label) after each."""
+    for step in steps:
+        yield step
+        on_step(label)
+
+
 def run_once(steps: Iterator[Step], prompt_tokens: int, batch: int) -> GenerationStats:
     stats = GenerationStats(prompt_tokens=prompt_tokens, batch_size=batch)
     for step in steps:
@@ -68,9 +75,10 @@ def run_bench(
     baseline: bool = True,
     allocation: str = "dynamic",
     overflow: str = "recompute",
-    on_run: Callable[[str], None] = lambda name: None,
+    on_step: Callable[[str], None] = lambda label: None,
 ) -> BenchResult:
-    """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each."""
+    """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each. on_step is
+    called after every generated token with what is running (a progress bar)."""
     prompt_tokens = min(prompt_tokens, model.config.block_size)  # the prefill crops a longer prompt to the window
     prompt = bench_prompt(model, prompt_tokens, batch)
     greedy = Sampler(temperature=0.0)
@@ -80,11 +88,10 @@ def run_bench(
         runs["baseline"] = lambda: generate_reference(model, prompt, greedy, new_tokens)
     results: dict[str, list[GenerationStats]] = {}
     for name, make_steps in runs.items():
-        run_once(make_steps(), prompt_tokens, batch)  # warm-up: first calls are several times slower
-        results[name] = []
-        for _ in range(repeat):
-            on_run(name)
-            results[name].append(run_once(make_steps(), prompt_tokens, batch))
+        run_once(reporting(make_steps(), on_step, f"warming up {name}"), prompt_tokens, batch)  # first calls are slower
+        results[name] = [run_once(reporting(make_steps(), on_step, f"timing {name} (run {run + 1} of {repeat})"),
+                                  prompt_tokens, batch)
+                         for run in range(repeat)]
     cached = results["cached"]
     measurements = [
         Measurement(f"pp{prompt_tokens}", [s.prefill_tokens_per_s for s in cached]),
@@ -116,8 +123,8 @@ def sweep(model: GPT, prompt_tokens: int, new_tokens: int, buckets: int,
         position += 1
         if step.kind == "prefill":
             continue  # time to first token, not decode speed
-        start = position // span * span
-        row = rows.setdefault(start, {"start": start, "end": start + span, "seconds": 0.0, "tokens": 0, "re_prefills": 0})
+        row = rows.setdefault(position // span, {"start": position, "seconds": 0.0, "tokens": 0, "re_prefills": 0})
+        row["end"] = position + 1  # one past the last position the bucket holds
         row["seconds"] += step.seconds
         row["tokens"] += 1
         row["re_prefills"] += step.kind == "re_prefill"

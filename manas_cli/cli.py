@@ -14,6 +14,7 @@ import typer
 
 from .errors import ManasError, Terminated, interrupt_exit_code
 from .files import remove_unfinished
+from .threads import MAX_THREADS, THREADS_ENV
 
 app = typer.Typer(
     name="manas",
@@ -53,13 +54,16 @@ def _top_p_in_range(value: Optional[float]) -> Optional[float]:
     return value
 
 
-MAX_THREADS = 256  # OpenMP allocates each thread's stack up front: a million fails with libgomp's own message
-
-
 def _threads_in_range(value: Optional[int]) -> Optional[int]:
     if value is not None and not 1 <= value <= MAX_THREADS:
         raise typer.BadParameter(f"{value} is not in the range 1 <= threads <= {MAX_THREADS}")
     return value
+
+
+def _stops_not_empty(values: Optional[list[str]]) -> Optional[list[str]]:
+    if values and "" in values:
+        raise typer.BadParameter("an empty stop text would end every generation before it starts: give some text")
+    return values
 
 
 def _seed_in_range(value: Optional[int]) -> Optional[int]:
@@ -75,7 +79,7 @@ CheckpointOption = Annotated[
 ]
 DeviceOption = Annotated[Device, typer.Option(help="auto: CUDA when available, else the CPU.")]
 DTypeOption = Annotated[DType, typer.Option(help="auto: float32 on the CPU, bfloat16 on CUDA.")]
-ThreadsOption = Annotated[Optional[int], typer.Option(callback=_threads_in_range, help=f"CPU threads for torch, 1 to {MAX_THREADS} (default: torch's choice).")]
+ThreadsOption = Annotated[Optional[int], typer.Option(callback=_threads_in_range, help=f"CPU threads for torch, exactly, 1 to {MAX_THREADS}. Default: ${THREADS_ENV}, else the cores no other process is using (re-checked during a generation).")]
 PromptOption = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; '-' reads standard input.")]
 PromptFileOption = Annotated[Optional[Path], typer.Option(help="Read the prompt from a UTF-8 file.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of text.")]
@@ -127,7 +131,7 @@ def generate(
     top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample only from the k most likely tokens.")] = None,
     top_p: Annotated[Optional[float], typer.Option(callback=_top_p_in_range, help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.")] = None,
     seed: Annotated[Optional[int], typer.Option(callback=_seed_in_range, help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", help="End before the first occurrence of TEXT, which is not printed. Repeatable.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", callback=_stops_not_empty, help="End before the first occurrence of TEXT, which is not printed. Repeatable.")] = None,
     num_samples: Annotated[int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")] = 1,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = False,
     overflow: Annotated[Overflow, typer.Option(help="When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes from the cache again: much faster past the window, but the text is no longer identical to the reference.")] = Overflow.recompute,
@@ -156,6 +160,9 @@ def generate(
     """
     from .commands import generate as command
 
+    if quiet and stats:
+        raise typer.BadParameter("--quiet prints nothing but the text, and --stats asks for stats: choose one",
+                                 param_hint="'--stats'")
     command.run(
         prompt=prompt, prompt_file=prompt_file, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, stop=stop or [], num_samples=num_samples, echo=echo, overflow=overflow.value,
@@ -389,12 +396,22 @@ def tokenizer_command(
     command.run(src=src, out=out, force=force)
 
 
+def summarize_commands() -> None:
+    """The top-level help lists each command with its docstring's first sentence whole (click would cut it at 45
+    characters with '...')."""
+    for info in app.registered_commands:
+        info.short_help = info.callback.__doc__.split("\n\n")[0].split(". ")[0].rstrip(".").replace("\n", " ")
+
+
+summarize_commands()
+
+
 def main() -> None:
     """Entry point: run the app, turning every expected failure into one `error:` line and an exit code."""
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
     from typer.exceptions import Abort, Exit
 
-    debug = "--debug" in sys.argv[1:]
+    args, debug = without_debug(sys.argv[1:])
     _keep_stderr_descriptor()
     signal.signal(signal.SIGINT, _raise_interrupted)
     signal.signal(signal.SIGTERM, _raise_interrupted)
@@ -402,7 +419,7 @@ def main() -> None:
     try:
         # Not command.main(standalone_mode=False): typer's main returns an Exit's code instead of raising it (so
         # `typer.Exit(130)` after Ctrl-C ended with 0) and turns a closed pipe into sys.exit(1).
-        with command.make_context("manas", sys.argv[1:]) as ctx:
+        with command.make_context("manas", args) as ctx:
             command.invoke(ctx)
     except Exit as exc:
         sys.exit(exc.exit_code)
@@ -427,6 +444,19 @@ def main() -> None:
     finally:
         _cleaning_up.append(0)  # the command is over: let no signal cut this clean-up short
         remove_unfinished()
+
+
+# Options whose next argument is a value that may itself read "--debug" (a prompt, a stop text).
+TEXT_OPTIONS = ("-p", "--prompt", "--stop")
+
+
+def without_debug(args: list[str]) -> tuple[list[str], bool]:
+    """The arguments without --debug, wherever it stands (before or after the command's name), and whether it was
+    there. The root option is given back in front, where click expects it."""
+    kept = [arg for index, arg in enumerate(args)
+            if arg != "--debug" or (index > 0 and args[index - 1] in TEXT_OPTIONS)]
+    debug = len(kept) < len(args)
+    return (["--debug", *kept] if debug else kept), debug
 
 
 def _keep_stderr_descriptor() -> None:

@@ -13,13 +13,14 @@ import os
 import stat
 import time
 import unicodedata
+from collections import deque
 from collections.abc import Callable
 
 from rich.cells import chop_cells
 from rich.console import Console
 from rich.text import Text
 
-from .render import Output, bar, format_bytes
+from .render import Output, bar, format_bytes, plural, say
 
 REFRESH_S = 0.1  # at most ten frames a second
 BAR_CELLS = 10
@@ -28,6 +29,7 @@ BAR_CELLS = 10
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 BEGIN_FRAME, END_FRAME = "\x1b[?2026h", "\x1b[?2026l"
 ERASE_LINE, CURSOR_UP = "\x1b[2K", "\x1b[1A"
+ERASE_TO_END, ERASE_BELOW = "\x1b[K", "\x1b[J"  # the rest of the row; everything after the cursor
 
 
 class LiveDisplay:
@@ -44,6 +46,8 @@ class LiveDisplay:
         self.block_size = block_size
         self.storage = storage
         self.notices: list[str] = []
+        self.rate = RecentRate()
+        self._recent: float | None = None
         self._rows = 0  # rows the last frame drew; the cursor is at the end of its last one
         self._drawn_at: float | None = None
 
@@ -62,6 +66,7 @@ class LiveDisplay:
             self.out.release(whole=True)
 
     def update(self) -> None:
+        self._recent = self.rate.update(self.stats.decode_steps)
         if self._drawn_at is None or time.monotonic() - self._drawn_at >= REFRESH_S:
             self.frame()
 
@@ -70,22 +75,45 @@ class LiveDisplay:
 
     def keep_notices(self) -> None:
         for message in self.notices:
-            self.console.print(message)
+            say(self.console, message)
 
     def frame(self) -> None:
-        width, height = self.console.size
-        self._write(BEGIN_FRAME + self._erase())
-        self.out.release()  # the text's complete lines go out above the region
+        """Draw the region over the last one, row by row, each row's rest erased after it is written: no row is
+        ever blank between two frames. Only when complete lines of text go out above it is the region cleared
+        first, for them. After a resize the terminal may have moved the old rows: everything below the cursor's
+        row of the region's top is cleared."""
+        width, height = self._size()
+        if self.out.has_lines():
+            self._write(BEGIN_FRAME + self._erase())
+            self._rows = 0
+            self.out.release()  # the text's complete lines go out above the region
         rows = self._region(width, height)
-        with self.console.capture() as capture:
-            self.console.print(*rows, sep="\n", end="")
-        self._write(capture.get() + END_FRAME)
+        drawn = (ERASE_TO_END + "\n").join(map(self._render, rows)) + ERASE_TO_END + ERASE_BELOW
+        self._write(BEGIN_FRAME + self._to_top() + drawn + END_FRAME)
         self._rows = len(rows)
         self._drawn_at = time.monotonic()
 
+    def _size(self) -> tuple[int, int]:
+        """The size of the terminal the region is drawn on: stderr's (Rich asks stdin's or stdout's first, which
+        may be another terminal, or none)."""
+        try:
+            size = os.get_terminal_size(self.console.file.fileno())
+        except (OSError, ValueError):
+            return self.console.size
+        return size.columns, size.lines
+
+    def _render(self, row: Text) -> str:
+        with self.console.capture() as capture:
+            self.console.print(row, end="")
+        return capture.get()
+
+    def _to_top(self) -> str:
+        """From the end of the last frame's bottom row to the start of its top row."""
+        return "\r" + CURSOR_UP * (self._rows - 1) if self._rows else "\r"
+
     def _region(self, width: int, height: int) -> list[Text]:
         wrap = width - 1  # rows end short of the last column, where a terminal would hold the cursor pending a wrap
-        status = status_line(self.stats, self.max_tokens, self.storage(), self.block_size).wrap(self.console, wrap)
+        status = [status_line(self.stats, self.max_tokens, self.storage(), self.block_size, self._recent, wrap)]
         notices = [row for message in self.notices for row in Text(message, style="yellow").wrap(self.console, wrap)]
         room = max(0, height - 1 - len(status) - len(notices))  # one row spare: a full screen would scroll
         if len(self.streams) > 1:
@@ -106,16 +134,44 @@ class LiveDisplay:
         self.console.file.flush()
 
 
-def status_line(stats, max_tokens: int, storage: dict, block_size: int) -> Text:
-    samples = f" × {stats.batch_size}" if stats.batch_size > 1 else ""
-    rate = f"{stats.decode_tokens_per_s:,.1f} tok/s" if stats.decode_steps else "- tok/s"
-    fill = storage["positions"] / block_size
-    return Text.assemble(
-        (f"{stats.generated_tokens}/{max_tokens}", "bold"), f" tokens{samples} · {rate} · ",
-        f"re-prefills {stats.re_prefills} · cache ", ("▕" + f"{bar(fill, BAR_CELLS):<{BAR_CELLS}}" + "▏", "cyan"),
-        f" {storage['positions']}/{block_size} · {format_bytes(storage['logical_bytes'])} logical, "
-        f"{format_bytes(storage['storage_bytes'])} allocated",
-    )
+def status_line(stats, max_tokens: int, storage: dict, block_size: int, rate: float | None, width: int) -> Text:
+    """The run in one row that fits `width` cells: the fields that matter least go first when it is too narrow
+    (the bytes, then the re-prefills, then the cache bar), and what is left is cut, never wrapped. `rate` is the
+    recent decode rate, per sample when several decode together (the final stats line gives the totals)."""
+    per_sample = " per sample" if stats.batch_size > 1 else ""
+    fields = [  # (priority: lower is dropped first, parts)
+        (9, [(f"{stats.generated_tokens}/{max_tokens}", "bold"),
+             f" {'token' if max_tokens == 1 else 'tokens'}" + (f" × {stats.batch_size}" if stats.batch_size > 1 else "")]),
+        (8, [f"{rate:,.1f} tok/s{per_sample}" if rate is not None else f"- tok/s{per_sample}"]),
+        (3, [f"re-prefills {stats.re_prefills}"]),
+        (5, ["cache ", ("▕" + f"{bar(storage['positions'] / block_size, BAR_CELLS):<{BAR_CELLS}}" + "▏", "cyan"),
+             f" {storage['positions']}/{block_size}"]),
+        (1, [f"{format_bytes(storage['logical_bytes'])} logical, {format_bytes(storage['storage_bytes'])} allocated"]),
+    ]
+    while True:
+        line = Text(" · ").join(Text.assemble(*parts) for _, parts in fields)
+        if line.cell_len <= width or len(fields) == 1:
+            line.truncate(width)
+            return line
+        fields.remove(min(fields, key=lambda field: field[0]))
+
+
+class RecentRate:
+    """Decode tokens per second over about the last second: the running average hides the slow-down at a full
+    window for minutes."""
+
+    WINDOW_S = 1.0
+
+    def __init__(self) -> None:
+        self._marks: deque[tuple[float, int]] = deque()  # (time, decode steps so far)
+
+    def update(self, decode_steps: int, now: float | None = None) -> float | None:
+        now = time.monotonic() if now is None else now
+        self._marks.append((now, decode_steps))
+        while len(self._marks) > 2 and now - self._marks[1][0] >= self.WINDOW_S:
+            self._marks.popleft()
+        (then, before), (_, steps) = self._marks[0], self._marks[-1]
+        return (steps - before) / (now - then) if steps > before and now > then else None
 
 
 def sample_rows(streams: list, width: int, room: int) -> list[Text]:
@@ -125,7 +181,7 @@ def sample_rows(streams: list, width: int, room: int) -> list[Text]:
     rows = []
     for index, stream in enumerate(streams[:shown]):
         state = f" · {stream.finish_reason}" if stream.finished else ""
-        rows.append(Text(f"── sample {index + 1} · {stream.count} tokens{state} ", style="dim"))
+        rows.append(Text(f"── sample {index + 1} · {plural(stream.count, 'token')}{state} ", style="dim"))
         rows.extend(Text(row) for row in fold(stream.text, width)[-per_sample:])
     if shown < len(streams):
         rows.append(Text(f"── and {len(streams) - shown} more samples", style="dim"))

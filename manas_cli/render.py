@@ -96,6 +96,10 @@ class Output:
             self.stream.write(ready)
             self.stream.flush()
 
+    def has_lines(self) -> bool:
+        """Whether complete lines of text are held back."""
+        return "\n" in self.held
+
     def close_text(self, texts: list[str], echo: str | None) -> None:
         """End the text: one newline after a streamed sample; several samples apart by a blank line (and a rule
         on a terminal)."""
@@ -147,42 +151,62 @@ def recompute_notice(block_size: int) -> str:
     return f"notice: the context window is full: {recompute_explanation(block_size)}"
 
 
-def generation_stats_line(stats, storage: dict) -> str:
+def generation_stats_line(stats, storage: dict, seed: int | None = None) -> str:
+    """The final stats: with several samples, the rates are totals over all of them, and say so."""
     samples = f" × {stats.batch_size} samples" if stats.batch_size > 1 else ""
+    total = " total" if stats.batch_size > 1 else ""
     return (
-        f"prompt {stats.prompt_tokens} tokens · generated {stats.generated_tokens}{samples} · "
-        f"ttft {stats.ttft_s * 1000:.0f} ms · prefill {stats.prefill_tokens_per_s:,.0f} tok/s · "
-        f"decode {stats.decode_tokens_per_s:,.1f} tok/s · re-prefills {stats.re_prefills} · "
-        f"cache {storage['positions']} positions, {format_bytes(storage['storage_bytes'])}"
+        f"prompt {plural(stats.prompt_tokens, 'token')} · generated {stats.generated_tokens}{samples} · "
+        f"ttft {stats.ttft_s * 1000:.0f} ms · prefill {stats.prefill_tokens_per_s:,.0f} tok/s{total} · "
+        f"decode {stats.decode_tokens_per_s:,.1f} tok/s{total} · re-prefills {stats.re_prefills} · "
+        f"cache {plural(storage['positions'], 'position')}, {format_bytes(storage['storage_bytes'])}"
+        + (f" · seed {seed}" if seed is not None else "")
     )
 
 
 @contextmanager
-def bench_progress(console: Console, runs: int) -> Iterator:
-    """A bar over the timed runs; yields the callback the benchmark calls before each."""
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                        console=console, disable=not console.is_terminal, transient=True)
-    task = progress.add_task("warming up", total=runs)
-    started: list[bool] = []
+def token_progress(console: Console, total: int, description: str) -> Iterator:
+    """On a terminal, a bar over `total` tokens with the elapsed time and an estimate of what is left, redrawn ten
+    times a second; yields the callback to call after each token, which may give a new description."""
+    progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                        TextColumn("{task.completed:,}/{task.total:,} tokens"), TimeElapsedColumn(), TextColumn("ETA"),
+                        TimeRemainingColumn(), console=console, disable=not console.is_terminal, transient=True)
+    task = progress.add_task(description, total=total)
 
-    def advance(name: str) -> None:
-        progress.update(task, description=f"timing {name}", advance=1 if started else 0)
-        started.append(True)
+    def advance(label: str | None = None) -> None:
+        progress.update(task, advance=1, **({"description": label} if label else {}))
 
     with progress:
         yield advance
 
 
-@contextmanager
-def token_progress(console: Console, total: int, description: str) -> Iterator:
-    """On a terminal, a bar over `total` tokens with the elapsed time and an estimate of what is left; yields the
-    callback to call after each token."""
-    progress = Progress(TextColumn(description), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tokens"),
-                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-                        disable=not console.is_terminal, transient=True)
-    task = progress.add_task(description, total=total)
-    with progress:
-        yield lambda: progress.advance(task)
+# A figure whose runs spread more than this (standard deviation over mean) is marked: it measures the machine's
+# load more than manas.
+NOISY_SPREAD = 0.10
+
+
+def is_noisy(test: dict) -> bool:
+    return test["tokens_per_s_mean"] > 0 and test["tokens_per_s_std"] > NOISY_SPREAD * test["tokens_per_s_mean"]
+
+
+def noise_warning(report: dict) -> str | None:
+    """What to do about noisy figures, for stderr; None when every figure held still."""
+    noisy = [test for test in report["tests"] if is_noisy(test)]
+    if not noisy:
+        return None
+    spreads = ", ".join(f"{t['name']} ±{t['tokens_per_s_std'] / t['tokens_per_s_mean']:.0%}" for t in noisy)
+    return (f"warning: runs varied by more than {NOISY_SPREAD:.0%} ({spreads}): these figures are noise more than "
+            "speed; run on a quieter machine, with --threads 1 on a busy one, or with more --repeat")
+
+
+def say(console: Console, message: str) -> None:
+    """A line of talk on stderr: wrapped at words on a terminal (the terminal itself would cut mid-word), one line
+    for a pipe or a file."""
+    console.print(message, soft_wrap=not console.is_terminal)
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
 
 
 def bench_table(report: dict):
@@ -194,15 +218,19 @@ def bench_table(report: dict):
     header = Text(
         f"{model['path']}\n{model['parameters']:,} parameters · {model['weights']} weights "
         f"{format_bytes(model['weights_bytes'])} · "
-        f"block_size {model['block_size']} · {model['device']} · {model['dtype']} · {model['threads']} threads · "
+        f"block_size {model['block_size']} · {model['device']} · {model['dtype']} · {plural(model['threads'], 'thread')} ({model['threads_rule']}) · "
         f"batch {report['batch']} · {report['repeat']} runs · overflow {report['overflow']}"
     )
     table = Table(box=None, pad_edge=False)
     table.add_column("test")
     table.add_column("tokens/s", justify="right")
+    table.add_column("")
     for test in report["tests"]:
-        table.add_row(test["name"], f"{test['tokens_per_s_mean']:,.1f} ± {test['tokens_per_s_std']:,.1f}")
+        table.add_row(test["name"], f"{test['tokens_per_s_mean']:,.1f} ± {test['tokens_per_s_std']:,.1f}",
+                      "noisy" if is_noisy(test) else "")
     speedup = f"{report['speedup']:.1f}×" if report["speedup"] is not None else "-"
+    if report["speedup"] is not None and any(is_noisy(test) for test in report["tests"][1:]):
+        speedup += " (noisy)"
     footer = Text(
         f"time to first token {report['ttft_s'] * 1000:.1f} ms · cache speed-up {speedup} · "
         f"re-prefills {report['re_prefills']} · peak memory {format_bytes(report['peak_memory_bytes'])} · "

@@ -1,4 +1,4 @@
-"""Choosing where and in what precision to run: device, dtype and CPU threads."""
+"""Choosing where and in what precision to run: device and dtype (threads.py chooses the CPU threads)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,3 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
 
-
-def set_threads(threads: int | None) -> int:
-    if threads is not None:
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()

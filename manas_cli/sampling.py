@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -9,11 +10,15 @@ import torch
 
 def seeded_generator(seed: int | None, model: torch.nn.Module) -> tuple[torch.Generator, int]:
     """A generator on the model's device, seeded with `seed`, or with a fresh random seed that is returned so the
-    run can be reproduced."""
+    run can be reproduced. A chosen seed is below 2^53: every JSON reader holds it exactly (jq rounds a 64-bit
+    integer to a double)."""
     generator = torch.Generator(device=next(model.parameters()).device)
     if seed is None:
-        return generator, generator.seed()
+        seed = secrets.randbelow(JSON_SAFE_SEED_LIMIT)
     return generator.manual_seed(seed), seed
+
+
+JSON_SAFE_SEED_LIMIT = 2**53  # integers up to here are exact in a double
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,11 @@ from manas_cli.tokenizer import bpe_spec
 
 COLUMNS, ROWS = 160, 50  # wide enough for the stats line on one row
 END_FRAME = "\x1b[?2026l"  # the live display draws each frame as one synchronized update, ended by this
-STATUS_ROW = re.compile(r"(\d+)/(\d+) tokens( × \d+)? · (- |[\d,.]+ )tok/s · re-prefills \d+ · "
+STATUS_ROW = re.compile(r"(\d+)/(\d+) tokens( × \d+)? · (- |[\d,.]+ )tok/s(?: per sample)? · re-prefills \d+ · "
                         r"cache ▕.*▏ (\d+)/(\d+) · [\d,.]+ (B|KiB|MiB) logical, [\d,.]+ (B|KiB|MiB) allocated")
 STATS_LINE = re.compile(r"prompt \d+ tokens · generated \d+( × \d+ samples)? · ttft .* · re-prefills (\d+) · cache .*")
 NOTICE = "notice: the context window is full: each further token re-prefills all 32 positions"
+NOTICE_WHOLE = NOTICE + ", exactly as crop-and-recompute; --overflow shift is faster but no longer identical to it"
 PROMPT = "ROMEO:"
 SINGLE = (*RUN_OPTIONS, "-p", PROMPT, "-t", "0")
 N = "50"  # past the window (re-prefills), with too few tokens left then for the notice
@@ -48,10 +49,10 @@ class TerminalRun:
     stderr: bytes  # what stderr's terminal received (and stdout's, when they share it)
 
 
-def open_terminal() -> tuple[int, int]:
-    """A pseudo-terminal of COLUMNS × ROWS: (master, slave)."""
+def open_terminal(columns: int = COLUMNS) -> tuple[int, int]:
+    """A pseudo-terminal of columns × ROWS: (master, slave)."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, columns, 0, 0))
     return master, slave
 
 
@@ -69,13 +70,14 @@ def read_all(master: int, into: bytearray) -> None:
 _terminal_runs: dict[tuple, TerminalRun] = {}
 
 
-def on_terminal(*args: str | Path, stdout: str | Path = "terminal", **env: str) -> TerminalRun:
-    """Run `manas generate -c <args>` with stderr on a pseudo-terminal and stdout on another one ("terminal"), on
-    the same one ("shared"), on a pipe ("pipe") or in a file (a Path). Identical runs are shared between tests."""
-    key = (args, stdout, tuple(sorted(env.items())))
+def on_terminal(*args: str | Path, stdout: str | Path = "terminal", columns: int = COLUMNS, **env: str) -> TerminalRun:
+    """Run `manas generate -c <args>` with stderr on a pseudo-terminal of `columns` and stdout on another one
+    ("terminal"), on the same one ("shared"), on a pipe ("pipe") or in a file (a Path). Identical runs are shared
+    between tests."""
+    key = (args, stdout, columns, tuple(sorted(env.items())))
     if key in _terminal_runs:
         return _terminal_runs[key]
-    err_master, err_slave = open_terminal()
+    err_master, err_slave = open_terminal(columns)
     masters, slaves, received = [err_master], [err_slave], [bytearray()]
     if stdout == "terminal":
         out_master, out_slave = open_terminal()
@@ -108,9 +110,9 @@ def on_terminal(*args: str | Path, stdout: str | Path = "terminal", **env: str) 
     return run
 
 
-def screen(data: bytes) -> list[str]:
+def screen(data: bytes, columns: int = COLUMNS) -> list[str]:
     """The rows a terminal shows after receiving data, trailing blanks dropped."""
-    emulator = pyte.Screen(COLUMNS, ROWS)
+    emulator = pyte.Screen(columns, ROWS)
     pyte.ByteStream(emulator).feed(data)
     rows = [row.rstrip() for row in emulator.display]
     while rows and not rows[-1]:
@@ -118,10 +120,10 @@ def screen(data: bytes) -> list[str]:
     return rows
 
 
-def frames(data: bytes) -> list[list[str]]:
+def frames(data: bytes, columns: int = COLUMNS) -> list[list[str]]:
     """The screen after each frame the live display drew (the last update it sends erases it)."""
     ends = [match.end() for match in re.finditer(re.escape(END_FRAME.encode()), data)]
-    return [screen(data[:end]) for end in ends[:-1]]
+    return [screen(data[:end], columns) for end in ends[:-1]]
 
 
 def status_rows(rows: list[str]) -> list[re.Match]:
@@ -204,9 +206,17 @@ def test_no_live_line_when_stdout_is_a_pipe_whose_reader_may_write_to_the_termin
 def test_no_live_line_on_a_dumb_terminal_without_stats_or_when_quiet(rope, flags, env, expected):
     run = on_terminal(rope.path, *SINGLE, "-n", "80", *flags, **env)
     assert b"\x1b" not in run.stderr  # no frame, no colour, no cursor movement
-    lines = run.stderr.decode().replace("\r\n", "\n").splitlines()
-    kinds = ["stats" if STATS_LINE.fullmatch(line) else line.split(":")[0] for line in lines]
+    rows = [row.rstrip() for row in run.stderr.decode().replace("\r\n", "\n").splitlines()]
+    assert all(len(row) < COLUMNS for row in rows)  # wrapped at words by manas, not cut by the terminal
+    messages: list[str] = []
+    for row in rows:  # a message starts with its kind; its wrapped rows continue it
+        if row.startswith(("notice:", "prompt ")):
+            messages.append(row)
+        else:
+            messages[-1] += " " + row
+    kinds = ["stats" if STATS_LINE.fullmatch(message) else message.split(":")[0] for message in messages]
     assert kinds == expected
+    assert all(message == NOTICE_WHOLE for message in messages if message.startswith("notice"))
     assert run.stdout == on_terminal(rope.path, *SINGLE, "-n", "80").stdout
 
 
@@ -235,7 +245,7 @@ def test_on_the_text_s_own_terminal_without_the_live_line_the_notice_waits_for_t
     *text, notice_head, notice_tail = screen(on_terminal(rope.path, *SINGLE, "-n", "80", "--no-stats",
                                                           stdout="shared").stderr)
     assert text == decoded_rows(piped.out.removesuffix("\n"))
-    notice = notice_head + notice_tail  # the terminal wraps it
+    notice = notice_head + " " + notice_tail  # wrapped at a word
     assert notice.startswith(NOTICE) and notice.endswith("no longer identical to it")
 
 
@@ -269,7 +279,7 @@ def test_several_samples_grow_together_in_their_own_regions_then_print_as_today(
         assert shown and shown == decoded_rows(text)[-len(shown):]
     plain = on_terminal(rope.path, *SAMPLES, "--no-stats")
     assert run.stdout == plain.stdout  # stdout as today: each sample at the end, apart by a rule
-    assert len(screen(run.stderr)) == 1 and STATS_LINE.fullmatch(screen(run.stderr)[0])
+    assert STATS_LINE.fullmatch(" ".join(screen(run.stderr)))  # the stats line alone, wrapped at words
 
 
 # ---- JSON lines ---------------------------------------------------------------------------------------------------
@@ -335,3 +345,48 @@ def test_version_prints_the_package_metadata_without_importing_torch(flag):
     imported = [line.split("|")[-1].strip() for line in done.stderr.decode().splitlines()]
     assert "manas_cli.cli" in imported  # -X importtime really listed the imports
     assert not [name for name in imported if name.split(".")[0] == "torch"]
+
+
+# ---- a live line that fits, and tells the recent rate ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("columns", [40, 80, 200])
+@pytest.mark.parametrize("samples", [1, 3])
+def test_the_status_row_never_wraps_whatever_the_width(rope, columns, samples):
+    run = on_terminal(rope.path, *SINGLE, "-n", "60", "--num-samples", str(samples), "--seed", "3", columns=columns)
+    drawn = frames(run.stderr, columns)
+    assert drawn
+    for rows in drawn:
+        assert re.match(r"\d+/60 tokens", rows[-1]), rows  # the status row starts the bottom row: it did not wrap
+        assert len(rows[-1]) < columns
+        assert not any(row.startswith(("· ", "tok/s", "cache", "re-prefills")) for row in rows)  # no wrapped tail
+    if columns == 200:  # room for every field
+        assert all(STATUS_ROW.fullmatch(rows[-1]) for rows in drawn)
+
+
+def test_several_samples_say_per_sample_live_and_total_at_the_end(rope):
+    run = on_terminal(rope.path, *SAMPLES)
+    assert all("tok/s per sample" in rows[-1] for rows in frames(run.stderr))
+    final = " ".join(screen(run.stderr))
+    assert "× 3 samples" in final and "decode" in final and "tok/s total" in final
+
+
+def test_the_live_rate_is_the_last_seconds_not_the_running_average():
+    from manas_cli.live import RecentRate
+
+    rate, steps, now = RecentRate(), 0, 0.0
+    for _ in range(500):  # 5 s at 100 tokens/s, then the window fills: 10 tokens/s
+        steps, now = steps + 1, now + 0.01
+        rate.update(steps, now)
+    for _ in range(12):  # 1.2 s later
+        steps, now = steps + 1, now + 0.1
+        shown = rate.update(steps, now)
+    assert shown == pytest.approx(10, rel=0.15)  # the running average would still say (500 + 12) / 6.2 = 83
+    assert RecentRate().update(0, 1.0) is None  # no decode step yet: no rate
+
+
+def test_a_one_token_prompt_is_one_token_not_one_tokens(rope):
+    final = screen(on_terminal(rope.path, *RUN_OPTIONS, "-p", "", "-n", "3", "--no-stats").stderr)
+    run = on_terminal(rope.path, *RUN_OPTIONS, "-p", "", "-t", "0", "-n", "3")
+    assert " ".join(screen(run.stderr)).startswith("prompt 1 token · generated 3")
+    assert final == []

@@ -21,11 +21,11 @@ def run(
 
     from ..bench import run_bench, sweep as sweep_positions
     from ..quantize import weights_bytes, weights_name
-    from ..render import bench_progress, bench_table, json_line, stderr_console, sweep_chart, token_progress
+    from ..render import bench_table, is_noisy, json_line, noise_warning, stderr_console, sweep_chart, token_progress
 
     require_stdout()
     console = stderr_console()
-    checkpoint = load_model(model_options)
+    checkpoint, threads = load_model(model_options)
     model = checkpoint.model
     block_size = model.config.block_size
     check_memory(model, batch, min(block_size, prompt_tokens + tokens), "--batch (or --prompt-tokens, --tokens)")
@@ -38,13 +38,14 @@ def run(
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "threads_rule": threads.rule,
         "weights": weights_name(model),
         "weights_bytes": weights_bytes(model),
     }
-    runs = repeat * (2 if baseline else 1)
-    with bench_progress(console, runs) as advance:
+    steps = (repeat + 1) * tokens * (2 if baseline else 1)  # each test's warm-up run and its timed runs
+    with token_progress(console, steps, "warming up") as advance:
         result = run_bench(model, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow,
-                           on_run=advance)
+                           on_step=advance)
     sweep_rows = None
     if sweep:
         sweep_tokens = block_size + block_size // 2
@@ -67,6 +68,10 @@ def run(
     }
     if sweep_rows is not None:
         report["sweep"] = sweep_rows
+    for test in report["tests"]:
+        test["noisy"] = is_noisy(test)
+    if warning := noise_warning(report):
+        console.print(warning)
     if json_output:
         print(json_line(report))
         return

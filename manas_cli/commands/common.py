@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, ManasError
 
 
 def read_text_file(path: Path, what: str) -> str:
@@ -39,8 +40,6 @@ def default_checkpoint_candidates() -> list[Path]:
 
 
 def resolve_checkpoint(option: Path | None) -> Path:
-    import os
-
     if option is not None:
         return option
     if os.environ.get(CHECKPOINT_ENV):
@@ -83,22 +82,32 @@ class ModelOptions:
 
 
 def load_model(options: ModelOptions):
-    """The checkpoint on the chosen device, dtype and thread count, quantized if asked, its float weights laid out
-    for decoding."""
+    """The checkpoint on the chosen device, dtype and thread count (and how that count was chosen), quantized if
+    asked, its float weights laid out for decoding."""
+    import torch
+
     from ..checkpoint import load_checkpoint
     from ..model import use_decode_layout
     from ..quantize import is_quantized
-    from ..runtime import resolve_device, resolve_dtype, set_threads
+    from ..runtime import resolve_device, resolve_dtype
+    from ..threads import choose_threads
 
-    set_threads(options.threads)
+    threads = choose_threads(options.threads)
+    torch.set_num_threads(threads.threads)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    checkpoint = load_checkpoint(checkpoint_file(resolve_checkpoint(options.checkpoint)), device=device, dtype=dtype)
+    path = resolve_checkpoint(options.checkpoint)
+    try:
+        checkpoint = load_checkpoint(checkpoint_file(path), device=device, dtype=dtype)
+    except ManasError as exc:
+        if options.checkpoint is None and os.environ.get(CHECKPOINT_ENV):  # the user may not remember setting it
+            raise type(exc)(f"{exc} (the path comes from ${CHECKPOINT_ENV}: fix it, unset it, or pass --checkpoint)") from None
+        raise
     if options.quantize is not None:
         quantize_checkpoint(checkpoint, "run it without --quantize")
     if not is_quantized(checkpoint.model):  # int8 layers keep their own layout; the embeddings gain nothing
         use_decode_layout(checkpoint.model)
-    return checkpoint
+    return checkpoint, threads
 
 
 def check_memory(model, rows: int, positions: int, lower: str) -> None:

@@ -38,9 +38,10 @@ def run(
     from ..kv_cache import CacheSession
     from ..live import LiveDisplay, piped, shares_terminal
     from ..quantize import weights_name
-    from ..render import Output, generation_stats_line, recompute_notice, stderr_console
+    from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
     from ..sampling import Sampler, seeded_generator
     from ..streaming import TextStream
+    from ..threads import ThreadGovernor
     from ..tokenizer import decodable, end_of_text_id
 
     require_stdout()
@@ -49,7 +50,7 @@ def run(
     show_stats = not quiet and (stats if stats is not None else sys.stderr.isatty())
     live = show_stats and talk and not console.is_dumb_terminal and not piped(sys.stdout)
     text = read_prompt(prompt, prompt_file)
-    checkpoint = load_model(model_options)
+    checkpoint, threads = load_model(model_options)
     model, encoding = checkpoint.model, checkpoint.encoding
     ids = encode_prompt(checkpoint, text, console)
     batch, block_size = num_samples, model.config.block_size
@@ -67,12 +68,22 @@ def run(
     steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session)
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = talk and overflow == "recompute"
+    governor = ThreadGovernor(threads)
+
+    storage = session.storage()  # what the cache holds after each step: a Ctrl-C during a re-prefill empties it
 
     def on_step(step) -> None:
+        nonlocal storage
+        storage = session.storage()
+        governor.check()
         window_filled = step.kind == "re_prefill" and run_stats.re_prefills == 1
         if warn_late and window_filled and max_tokens - run_stats.steps >= LATE_TOKENS:
+            notice = recompute_notice(block_size)
             # On the text's own terminal a notice would cut through a line: the live region shows it, or it waits.
-            (display.notice if live or shared else console.print)(recompute_notice(block_size))
+            if live or shared:
+                display.notice(notice)
+            else:
+                say(console, notice)
         if live:
             display.update()
 
@@ -80,7 +91,8 @@ def run(
         out.text(0, text)
     with display if live else nullcontext():
         interruption = stream_text(steps, streams, run_stats, out, on_step)
-    storage = session.storage()
+    if interruption is None:
+        storage = session.storage()
     if json_output:
         for stream in streams:
             out.json_line(sample_record(stream, run_stats, storage, seed, weights_name(model)))
@@ -88,7 +100,7 @@ def run(
         out.close_text([stream.text for stream in streams], echo=text if echo else None)
     display.keep_notices()
     if show_stats:
-        console.print(generation_stats_line(run_stats, storage))
+        say(console, generation_stats_line(run_stats, storage, seed if temperature > 0 else None))
     if interruption is not None:
         raise typer.Exit(interrupt_exit_code(interruption))
 

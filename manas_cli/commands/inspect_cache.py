@@ -20,7 +20,7 @@ def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_outpu
     require_stdout()
     console = stderr_console()
     text = read_prompt(prompt, prompt_file, default=DEFAULT_PROMPT)
-    checkpoint = load_model(model_options)
+    checkpoint, _ = load_model(model_options)
     model = checkpoint.model
     ids = encode_prompt(checkpoint, text, console)
     positions = min(model.config.block_size, len(ids) + tokens)

@@ -54,12 +54,13 @@ def run(
     import torch
 
     from ..render import stderr_console, train_progress
-    from ..runtime import resolve_device, set_threads
+    from ..runtime import resolve_device
+    from ..threads import choose_threads
     from ..tokenizer import build_encoding, encode_long_text
     from ..training import TrainSettings, make_dataset, train
 
     console = stderr_console()
-    set_threads(threads)
+    torch.set_num_threads(choose_threads(threads).threads)
     text = read_text_file(text_file, "training text")
     if resume:
         model, spec, start_step, best = resumed_model(out, resolve_device(device))

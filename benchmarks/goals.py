@@ -19,6 +19,9 @@ int8-prefill  GPT-2-124M shape, pp64 and pp512 prefill: int8 against float32, on
 dtype         bfloat16 and float16 against float32 (`--dtype`): the shipped model and the GPT-2-124M shape,
               prefill and decode.
 
+Issue 19 (a busy machine never stalls manas, `--goal busy`): the default thread choice against `--threads 1` and
+`--threads 2`, each a whole `manas bench` process, on a quiet machine and beside one process spinning on a core.
+
 Decode speed depends on the machine and its load: compare the ratios of one run, not numbers across runs; the
 report gives the load average before and after. Two threads on a busy machine are slower than one (OpenMP's
 threads spin-wait for a core someone else holds), so measure these on a quiet one.
@@ -349,6 +352,63 @@ def goal_dtypes(runs: int) -> dict:
     }
 
 
+def gpt2_checkpoint(folder: Path) -> Path:
+    """A GPT-2-124M-shaped manas checkpoint with random weights and GPT-2's tokenizer, written once into folder."""
+    from manas_cli.checkpoint import save_checkpoint
+    from manas_cli.model import GPTConfig
+    from manas_cli.tokenizer import spec_from_tiktoken_file
+
+    path = folder / "gpt2-random.safetensors"
+    if not path.exists():
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
+        ranks = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2.tiktoken"
+        save_checkpoint(path, GPT(config).eval(), spec_from_tiktoken_file(ranks))
+    return path
+
+
+def bench_decode_rate(checkpoint: Path, tokens: int, threads: list[str]) -> tuple[float, int]:
+    """A whole `manas bench` process's decode tokens/s and thread count: the default thread rule runs at start."""
+    env = {name: value for name, value in os.environ.items() if name not in ("OMP_NUM_THREADS", "MANAS_THREADS")}
+    done = subprocess.run([sys.executable, "-m", "manas_cli", "bench", "-c", str(checkpoint), "--tokens", str(tokens),
+                           "--prompt-tokens", "64", "--no-baseline", "--repeat", "2", "--json", *threads],
+                          capture_output=True, env=env, timeout=900, check=True)
+    report = json.loads(done.stdout)
+    return report["tests"][1]["tokens_per_s_mean"], report["model"]["threads"]
+
+
+def goal_busy_machine(runs: int) -> dict:
+    """Issue 19's goal: the default thread choice against --threads 1 and 2, on a quiet machine and with one other
+    process spinning on a core (started before each manas process, as a browser or a build would be)."""
+    import tempfile
+
+    variants = {"default": [], "threads-1": ["--threads", "1"], "threads-2": ["--threads", "2"]}
+    result = {}
+    with tempfile.TemporaryDirectory() as folder:
+        models = {"shipped": (resolve_checkpoint(None), 128), "gpt2-124M": (gpt2_checkpoint(Path(folder)), 48)}
+        for condition in ("quiet", "busy"):
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if condition == "busy" else None
+            try:
+                time.sleep(0.5 if spinner else 0)
+                for model, (path, tokens) in models.items():
+                    rates = {name: [] for name in variants}
+                    for _ in range(runs):  # the variants take turns
+                        for name, flags in variants.items():
+                            rates[name].append(bench_decode_rate(path, tokens, flags))
+                    median = {name: statistics.median(rate for rate, _ in runs_) for name, runs_ in rates.items()}
+                    row = {f"{name}_tok_s": round(value, 1) for name, value in median.items()}
+                    row["default_threads"] = sorted({threads for _, threads in rates["default"]})
+                    row["default_vs_threads_1"] = round(median["default"] / median["threads-1"], 2)
+                    row["default_vs_best"] = round(median["default"] / max(median["threads-1"], median["threads-2"]), 2)
+                    result[f"{condition}_{model}"] = row
+            finally:
+                if spinner:
+                    spinner.kill()
+                    spinner.wait()
+    result["goal"] = "busy: default ≥ 0.8× --threads 1; quiet: default ≥ 0.9× the best of --threads 1 and 2"
+    return result
+
+
 def cpu_name() -> str:
     """The CPU model and the vector extensions that decide which kernels torch runs."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -371,6 +431,7 @@ def main() -> None:
         "int8-shipped": lambda: goal_int8_shipped(args.runs),
         "int8-prefill": lambda: goal_int8_prefill(args.runs),
         "dtype": lambda: goal_dtypes(args.runs),
+        "busy": lambda: goal_busy_machine(args.runs),
     }
     parser.add_argument("--goal", choices=goals, action="append", help="run only these goals")
     parser.add_argument("--threads", type=int, default=2, help="threads of goals 1, 2 and 4 (the others set their own)")

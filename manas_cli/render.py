@@ -224,10 +224,12 @@ def bench_table(report: dict):
     table = Table(box=None, pad_edge=False)
     table.add_column("test")
     table.add_column("tokens/s", justify="right")
-    table.add_column("")
-    for test in report["tests"]:
-        table.add_row(test["name"], f"{test['tokens_per_s_mean']:,.1f} ± {test['tokens_per_s_std']:,.1f}",
-                      "noisy" if is_noisy(test) else "")
+    noisy = [is_noisy(test) for test in report["tests"]]
+    if any(noisy):
+        table.add_column("")
+    for test, marked in zip(report["tests"], noisy):
+        figure = f"{test['tokens_per_s_mean']:,.1f} ± {test['tokens_per_s_std']:,.1f}"
+        table.add_row(test["name"], figure, *(["noisy" if marked else ""] if any(noisy) else []))
     speedup = f"{report['speedup']:.1f}×" if report["speedup"] is not None else "-"
     if report["speedup"] is not None and any(is_noisy(test) for test in report["tests"][1:]):
         speedup += " (noisy)"

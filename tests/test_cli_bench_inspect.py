@@ -36,7 +36,7 @@ def test_bench_json_reports_the_model_and_each_test(checkpoints, name, batch):
     parameters = checkpoint.loaded.model.num_parameters()
     assert report["model"] == {"path": str(checkpoint.path), "parameters": parameters,
                                "size_bytes": parameters * FLOAT32_BYTES, "block_size": BLOCK_SIZE, "device": "cpu",
-                               "dtype": "float32", "threads": 1, "weights": "float32",
+                               "dtype": "float32", "threads": 1, "threads_rule": "--threads", "weights": "float32",
                                "weights_bytes": parameters * FLOAT32_BYTES}
     tests = {test["name"]: test for test in report["tests"]}
     assert list(tests) == ["pp16", "tg20", "tg20 no-cache"]
@@ -82,7 +82,7 @@ def test_bench_prints_a_table_with_the_model_above_and_the_totals_below(rope, tm
     header, model, *table, totals = run.out.splitlines()
     assert header == str(long_path)
     assert model.startswith(f"{rope.loaded.model.num_parameters():,} parameters · ")
-    assert all(item in model for item in ("block_size 32", "cpu", "float32", "1 threads", "batch 1", "1 runs"))
+    assert all(item in model for item in ("block_size 32", "cpu", "float32", "1 thread (--threads)", "batch 1", "1 run "))
     rows = {line.split("  ")[0]: line for line in table if line.startswith(("pp16 ", "tg20 "))}
     assert set(rows) == {"pp16", "tg20", "tg20 no-cache"}
     assert all(re.search(r"[\d,.]+ ± [\d,.]+$", row) for row in rows.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -413,6 +414,8 @@ def main() -> None:
 
     args, debug = without_debug(sys.argv[1:])
     _keep_stderr_descriptor()
+    # torch's CPU wheel runs without NumPy (manas needs none) but warns about it at every start: noise on stderr
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     signal.signal(signal.SIGINT, _raise_interrupted)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     command = typer.main.get_command(app)

@@ -10,7 +10,9 @@ bytes of stdout are those written without the display; only the moment they are 
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import threading
 import time
 import unicodedata
 from collections import deque
@@ -30,6 +32,7 @@ HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 BEGIN_FRAME, END_FRAME = "\x1b[?2026h", "\x1b[?2026l"
 ERASE_LINE, CURSOR_UP = "\x1b[2K", "\x1b[1A"
 ERASE_TO_END, ERASE_BELOW = "\x1b[K", "\x1b[J"  # the rest of the row; everything after the cursor
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # the cursor home, the screen blank
 
 
 class LiveDisplay:
@@ -49,15 +52,26 @@ class LiveDisplay:
         self.rate = RecentRate()
         self._recent: float | None = None
         self._rows = 0  # rows the last frame drew; the cursor is at the end of its last one
+        self._resized = False
+        self._previous_winch = None
         self._drawn_at: float | None = None
 
     def __enter__(self) -> LiveDisplay:
         self._write(HIDE_CURSOR)
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+            self._previous_winch = signal.signal(signal.SIGWINCH, self._on_resize)
         return self
+
+    def _on_resize(self, signum: int, frame) -> None:
+        """A terminal resized (reflowing its rows, or cutting them) no longer has the region where the last frame
+        left it: the next frame clears the screen and draws the region whole from its top."""
+        self._resized = True
 
     def __exit__(self, error_type, *_) -> None:
         """Draw the final state (as Rich's Live does when it stops), then erase the region for good; after a
         failure, the text held back goes out as it would have without the display."""
+        if self._previous_winch is not None:
+            signal.signal(signal.SIGWINCH, self._previous_winch)
         if error_type is None:
             self.frame()
         self._write(BEGIN_FRAME + self._erase() + SHOW_CURSOR + END_FRAME)
@@ -83,6 +97,10 @@ class LiveDisplay:
         first, for them. After a resize the terminal may have moved the old rows: everything below the cursor's
         row of the region's top is cleared."""
         width, height = self._size()
+        if self._resized:
+            self._resized = False
+            self._write(BEGIN_FRAME + CLEAR_SCREEN)
+            self._rows = 0
         if self.out.has_lines():
             self._write(BEGIN_FRAME + self._erase())
             self._rows = 0

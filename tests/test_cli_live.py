@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -390,3 +391,40 @@ def test_a_one_token_prompt_is_one_token_not_one_tokens(rope):
     run = on_terminal(rope.path, *RUN_OPTIONS, "-p", "", "-t", "0", "-n", "3")
     assert " ".join(screen(run.stderr)).startswith("prompt 1 token · generated 3")
     assert final == []
+
+
+def test_a_resize_mid_run_redraws_the_region_whole_and_leaves_no_stale_row(rope, tmp_path):
+    """The terminal narrows from 160 to 60 columns while the region is up: manas gets SIGWINCH, clears the screen,
+    and every frame after fits the new width; at the end no status row is left anywhere."""
+    master, slave = open_terminal()
+    process = subprocess.Popen([*MANAS, "generate", "-c", rope.path, *SINGLE, "-n", "8000", "--overflow", "shift"],
+                               stdin=subprocess.DEVNULL, stdout=(tmp_path / "out.txt").open("wb"), stderr=slave,
+                               env=cli_env())
+    os.close(slave)
+    received = bytearray()
+    reader = threading.Thread(target=read_all, args=(master, received))
+    reader.start()
+    while END_FRAME.encode() not in received:  # the region is up
+        assert process.poll() is None, bytes(received).decode(errors="replace")
+        threading.Event().wait(0.05)
+    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, 60, 0, 0))
+    process.send_signal(signal.SIGWINCH)
+    assert process.wait(timeout=300) == 0
+    reader.join(timeout=60)
+    os.close(master)
+    data = bytes(received)
+    cleared = data.index(b"\x1b[2J")
+    emulator = pyte.Screen(COLUMNS, ROWS)
+    stream = pyte.ByteStream(emulator)
+    stream.feed(data[:cleared])
+    emulator.resize(ROWS, 60)
+    start = cleared
+    for end in [m.end() for m in re.finditer(re.escape(END_FRAME.encode()), data) if m.end() > cleared][:-1]:
+        stream.feed(data[start:end])
+        start = end
+        rows = [row.rstrip() for row in emulator.display if row.strip()]
+        assert re.match(r"\d+/8000 tokens", rows[-1]) and len(rows[-1]) < 60
+        assert sum(bool(re.match(r"\d+/8000 tokens", row)) for row in rows) == 1  # no stale status row
+    stream.feed(data[start:])
+    final = [row.rstrip() for row in emulator.display if row.strip()]
+    assert not any(re.match(r"\d+/8000 tokens", row) for row in final) and STATS_LINE.fullmatch(" ".join(final))

@@ -15,6 +15,7 @@ import typer
 
 from .errors import ManasError, Terminated, interrupt_exit_code
 from .files import remove_unfinished
+from .settings import GenerationSettings
 from .threads import MAX_THREADS, THREADS_ENV
 
 app = typer.Typer(
@@ -59,6 +60,20 @@ def _threads_in_range(value: Optional[int]) -> Optional[int]:
     if value is not None and not 1 <= value <= MAX_THREADS:
         raise typer.BadParameter(f"{value} is not in the range 1 <= threads <= {MAX_THREADS}")
     return value
+
+
+def _checked(name: str):
+    """A flag callback that applies the setting's rule (settings.RULES), the same one --jsonl's lines obey."""
+
+    def callback(value):
+        from .settings import check
+
+        try:
+            return check(name, value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+    return callback
 
 
 def _stops_not_empty(values: Optional[list[str]]) -> Optional[list[str]]:
@@ -133,6 +148,14 @@ def generate(
     top_p: Annotated[Optional[float], typer.Option(callback=_top_p_in_range, help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.")] = None,
     seed: Annotated[Optional[int], typer.Option(callback=_seed_in_range, help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", callback=_stops_not_empty, help="End before the first occurrence of TEXT, which is not printed. Repeatable.")] = None,
+    min_p: Annotated[Optional[float], typer.Option(callback=_checked("min_p"), help="Drop tokens less likely than MIN_P times the most likely one (0 ≤ p ≤ 1), after temperature, top-k and top-p.")] = None,
+    repetition_penalty: Annotated[float, typer.Option(callback=_checked("repetition_penalty"), help="Divide the logits of tokens among the last --repeat-last-n (multiply negative ones), as llama.cpp and Hugging Face do; 1 is none, 1.1 a usual choice.")] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option(callback=_checked("repeat_last_n"), help="Tokens of the context (prompt included) the repetition penalty looks back over; -1: the whole window, 0: none.")] = 64,
+    frequency_penalty: Annotated[float, typer.Option(callback=_checked("frequency_penalty"), help="Subtract this times each token's count in the generated text from its logit, as OpenAI does (-2 to 2).")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option(callback=_checked("presence_penalty"), help="Subtract this from the logit of every token already generated, as OpenAI does (-2 to 2).")] = 0.0,
+    jsonl: Annotated[bool, typer.Option("--jsonl", help="Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any setting above by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs); write one --json record per line, in input order.")] = False,
+    batch_size: Annotated[int, typer.Option(min=1, max=256, help="With --jsonl: requests decoded together, each at its own position; a finished one's row goes to the next request.")] = 8,
+    logprobs: Annotated[int, typer.Option(callback=_checked("logprobs"), help="With --json: each token's log-probability and the N most likely alternatives with theirs (0 to 20), from the distribution after the penalties, before temperature and filters.")] = 0,
     num_samples: Annotated[int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")] = 1,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = False,
     overflow: Annotated[Overflow, typer.Option(help="When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes from the cache again: much faster past the window, but the text is no longer identical to the reference.")] = Overflow.recompute,
@@ -164,10 +187,26 @@ def generate(
     if quiet and stats:
         raise typer.BadParameter("--quiet prints nothing but the text, and --stats asks for stats: choose one",
                                  param_hint="'--stats'")
+    settings = GenerationSettings(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty, seed=seed, stop=tuple(stop or ()), logprobs=logprobs,
+    )
+    if jsonl:
+        from .commands import jsonl as pipeline
+
+        if prompt is not None or echo or num_samples != 1:
+            raise typer.BadParameter("--jsonl reads its prompts as JSON lines (stdin or --prompt-file): it takes no "
+                                     "--prompt, --echo or --num-samples", param_hint="'--jsonl'")
+        pipeline.run(prompt_file=prompt_file, defaults=settings, batch_size=batch_size, overflow=overflow.value,
+                     stats=stats, quiet=quiet, model_options=model_options(checkpoint, device, dtype, threads, quantize, cache))
+        return
+    if logprobs and not json_output:
+        raise typer.BadParameter("log-probabilities are written in the --json record: add --json",
+                                 param_hint="'--logprobs'")
     command.run(
-        prompt=prompt, prompt_file=prompt_file, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, stop=stop or [], num_samples=num_samples, echo=echo, overflow=overflow.value,
-        stats=stats, quiet=quiet, json_output=json_output,
+        prompt=prompt, prompt_file=prompt_file, settings=settings, num_samples=num_samples, echo=echo,
+        overflow=overflow.value, stats=stats, quiet=quiet, json_output=json_output,
         model_options=model_options(checkpoint, device, dtype, threads, quantize, cache),
     )
 
@@ -240,6 +279,36 @@ def inspect_cache(
 
     command.run(prompt=prompt, prompt_file=prompt_file, tokens=tokens, json_output=json_output,
                 model_options=model_options(checkpoint, device, dtype, threads, quantize, cache))
+
+
+@app.command()
+def score(
+    text_file: Annotated[Optional[Path], typer.Argument(help="UTF-8 text to score; '-' or none reads standard input.")] = None,
+    stride: Annotated[Optional[int], typer.Option(help="Tokens each window advances by (default: half the window); every token is scored once, after up to block_size - stride tokens of context.")] = None,
+    json_output: JsonOption = False,
+    quantize: QuantizeOption = None,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
+) -> None:
+    """Score a text with a model: its loss in nats per token and per character, and its perplexity.
+
+    A window of block_size tokens slides over the text by --stride, as Hugging Face's perplexity guide and
+    llama.cpp's llama-perplexity do. Compare a converted, quantized or retrained checkpoint on the same text.
+
+    Examples:
+
+      manas score held-out.txt
+
+      manas score held-out.txt --quantize int8 --json | jq .nats_per_char
+
+      cat notes.txt | manas score -c gpt2.safetensors --stride 512
+    """
+    from .commands import score as command
+
+    command.run(text_file=text_file, stride=stride, json_output=json_output,
+                model_options=model_options(checkpoint, device, dtype, threads, quantize, Allocation.dynamic))
 
 
 @app.command(no_args_is_help=True)

@@ -11,7 +11,7 @@ import torch
 from .errors import NumericalError
 from .kv_cache import CacheSession
 from .model import GPT
-from .sampling import Sampler
+from .sampling import Sampler, top_logprobs
 
 OVERFLOW_POLICIES = ("recompute", "shift")
 
@@ -24,6 +24,8 @@ class Step:
     kind: str  # "prefill" (the prompt), "re_prefill" (the window was full), "decode" (from the cache), "full" (uncached)
     positions: int  # positions the model attended over for this token
     seconds: float  # forward pass and sampling, synchronized
+    # With logprobs: per row, the token's log-probability and the most likely ids with theirs (sampling.top_logprobs)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 def crop_window(ids: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -41,10 +43,25 @@ def validate_prompt(prompt: torch.Tensor) -> None:
         raise ValueError(f"the prompt must be a non-empty (B, T) tensor of token ids, got shape {tuple(prompt.shape)}")
 
 
-def _timed_sample(sampler: Sampler, logits: torch.Tensor, started: float) -> tuple[torch.Tensor, list[int], float]:
-    next_ids = sampler(logits[:, -1])
-    tokens = next_ids.squeeze(1).tolist()  # the host needs the ids anyway; this also syncs a GPU for honest timing
-    return next_ids, tokens, time.perf_counter() - started
+class SamplingState:
+    """What the sampler needs beyond the logits, kept alike by the cached generator and the reference: the token
+    window the logits follow, and how often each token has been generated (for the frequency and presence
+    penalties; a (B, vocab) tensor, so a run of any length holds no more)."""
+
+    def __init__(self, sampler: Sampler, prompt: torch.Tensor, vocab_size: int, logprobs: int) -> None:
+        self.sampler = sampler
+        self.logprobs = logprobs
+        needed = sampler.penalties.counts_needed
+        self.counts = torch.zeros(prompt.size(0), vocab_size, device=prompt.device) if needed else None
+
+    def sample(self, logits: torch.Tensor, window: torch.Tensor, started: float) -> tuple[torch.Tensor, list[int], float, list | None]:
+        adjusted = self.sampler.adjust(logits[:, -1], window, self.counts)
+        next_ids = self.sampler.draw(adjusted)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, next_ids, torch.ones_like(next_ids, dtype=self.counts.dtype))
+        logprobs = top_logprobs(adjusted, next_ids, self.logprobs) if self.logprobs else None
+        tokens = next_ids.squeeze(1).tolist()  # the host needs the ids anyway; this also syncs a GPU for honest timing
+        return next_ids, tokens, time.perf_counter() - started, logprobs
 
 
 @torch.inference_mode()
@@ -56,12 +73,14 @@ def generate(
     eot_id: int | None = None,
     overflow: str = "recompute",
     session: CacheSession | None = None,
+    logprobs: int = 0,
 ) -> Iterator[Step]:
     """Yield max_new_tokens steps (fewer if every row has produced eot_id) from a KV cache.
 
     overflow="recompute": when the cache is full, prefill the last block_size tokens, so every token equals
     crop-and-recompute's. overflow="shift": prefill only the last block_size // 2, buying that many cached decode
     steps at the price of exactness (the model then sees a shorter context than the reference does).
+    logprobs=N adds each token's log-probability and the N most likely alternatives to every step.
     """
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
@@ -69,7 +88,8 @@ def generate(
     session = session or CacheSession(model)
     block_size = model.config.block_size
     keep = block_size if overflow == "recompute" else max(1, block_size // 2)
-    sequence = prompt
+    sequence = crop_window(prompt, block_size)
+    state = SamplingState(sampler, prompt, model.config.vocab_size, logprobs)
     finished = [False] * prompt.size(0)
     for step in range(max_new_tokens):
         started = time.perf_counter()
@@ -79,28 +99,31 @@ def generate(
             kind, logits = "re_prefill", session.prefill(crop_window(sequence, keep))
         else:
             kind, logits = "decode", session.decode(sequence[:, -1:])
-        next_ids, tokens, seconds = _timed_sample(sampler, logits, started)
+        next_ids, tokens, seconds, top = state.sample(logits, sequence, started)
         # Only the window can ever be seen again: a sequence of every token would make each step O(length).
         sequence = crop_window(torch.cat((sequence, next_ids), dim=1), block_size)
-        yield Step(tokens, kind, session.positions, seconds)
+        yield Step(tokens, kind, session.positions, seconds, top)
         if _all_finished(finished, tokens, eot_id):
             return
 
 
 @torch.inference_mode()
 def generate_reference(
-    model: GPT, prompt: torch.Tensor, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None
+    model: GPT, prompt: torch.Tensor, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None,
+    logprobs: int = 0,
 ) -> Iterator[Step]:
     """nanoGPT's crop-and-recompute sampling: the full model over the last block_size tokens at every step."""
     validate_prompt(prompt)
-    sequence = prompt
+    block_size = model.config.block_size
+    sequence = crop_window(prompt, block_size)
+    state = SamplingState(sampler, prompt, model.config.vocab_size, logprobs)
     finished = [False] * prompt.size(0)
     for _ in range(max_new_tokens):
         started = time.perf_counter()
-        window = crop_window(sequence, model.config.block_size)
-        next_ids, tokens, seconds = _timed_sample(sampler, model(window)[:, -1:], started)
-        sequence = crop_window(torch.cat((sequence, next_ids), dim=1), model.config.block_size)
-        yield Step(tokens, "full", window.size(1), seconds)
+        next_ids, tokens, seconds, top = state.sample(model(sequence)[:, -1:], sequence, started)
+        positions = sequence.size(1)
+        sequence = crop_window(torch.cat((sequence, next_ids), dim=1), block_size)
+        yield Step(tokens, "full", positions, seconds, top)
         if _all_finished(finished, tokens, eot_id):
             return
 

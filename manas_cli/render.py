@@ -167,14 +167,14 @@ def generation_stats_line(stats, storage: dict, seed: int | None = None) -> str:
 @contextmanager
 def token_progress(console: Console, total: int, description: str) -> Iterator:
     """On a terminal, a bar over `total` tokens with the elapsed time and an estimate of what is left, redrawn ten
-    times a second; yields the callback to call after each token, which may give a new description."""
+    times a second; yields the callback to call after each token (or several), which may give a new description."""
     progress = Progress(TextColumn("{task.description}"), BarColumn(),
                         TextColumn("{task.completed:,}/{task.total:,} tokens"), TimeElapsedColumn(), TextColumn("ETA"),
                         TimeRemainingColumn(), console=console, disable=not console.is_terminal, transient=True)
     task = progress.add_task(description, total=total)
 
-    def advance(label: str | None = None) -> None:
-        progress.update(task, advance=1, **({"description": label} if label else {}))
+    def advance(label: str | None = None, tokens: int = 1) -> None:
+        progress.update(task, advance=tokens, **({"description": label} if label else {}))
 
     with progress:
         yield advance

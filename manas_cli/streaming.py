@@ -26,6 +26,7 @@ class TextStream:
         self._record = record
         self._released: list[str] = []  # the text released so far, in pieces: appending to one string is O(length)
         self.tokens: list[int] = []  # the tokens consumed (end-of-text excluded), when recorded
+        self.logprobs: list[dict] = []  # with each recorded token's log-probabilities, when given
         self.count = 0  # the tokens consumed
         self.finish_reason: str | None = None  # "stop", "end_of_text" or "length" once finished
 
@@ -36,11 +37,18 @@ class TextStream:
             self._released = ["".join(self._released)]
         return self._released[0] if self._released else ""
 
+    def _token(self, token: int) -> dict:
+        """A token as a log-probability entry shows it: its id, its bytes, and their text (U+FFFD for a part of a
+        character)."""
+        piece = self._decoder.encoding.decode_single_token_bytes(token)
+        return {"id": token, "text": piece.decode("utf-8", errors="replace"), "bytes": list(piece)}
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def feed(self, token: int) -> str:
+    def feed(self, token: int, logprobs: tuple[float, list[int], list[float]] | None = None) -> str:
+        """logprobs: the token's log-probability and the most likely ids with theirs (sampling.top_logprobs)."""
         if self.finished:
             return ""
         if token == self._eot_id:
@@ -48,6 +56,10 @@ class TextStream:
         self.count += 1
         if self._record:
             self.tokens.append(token)
+            if logprobs is not None:
+                chosen, ids, values = logprobs
+                self.logprobs.append({**self._token(token), "logprob": chosen,
+                                      "top_logprobs": [{**self._token(i), "logprob": v} for i, v in zip(ids, values)]})
         self._pending += self._decoder.feed(token)
         return self._release(final=False)
 

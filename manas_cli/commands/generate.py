@@ -7,6 +7,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..errors import interrupt_exit_code
+from ..settings import GenerationSettings
 from .common import ModelOptions, check_memory, encode_prompt, load_model, read_prompt, require_stdout
 
 # Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
@@ -17,12 +18,7 @@ def run(
     *,
     prompt: str | None,
     prompt_file: Path | None,
-    max_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    seed: int | None,
-    stop: list[str],
+    settings: GenerationSettings,
     num_samples: int,
     echo: bool,
     overflow: str,
@@ -39,7 +35,7 @@ def run(
     from ..live import LiveDisplay, piped, shares_terminal
     from ..quantize import weights_name
     from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
-    from ..sampling import Sampler, seeded_generator
+    from ..sampling import seeded_generator
     from ..streaming import TextStream
     from ..threads import ThreadGovernor
     from ..tokenizer import decodable, end_of_text_id
@@ -53,19 +49,20 @@ def run(
     checkpoint, threads = load_model(model_options)
     model, encoding = checkpoint.model, checkpoint.encoding
     ids = encode_prompt(checkpoint, text, console)
-    batch, block_size = num_samples, model.config.block_size
+    batch, block_size, max_tokens = num_samples, model.config.block_size, settings.max_tokens
     positions = min(block_size, len(ids) + max_tokens)
     check_memory(model, batch, positions, "--num-samples")
-    generator, seed = seeded_generator(seed, model)
-    sampler = Sampler(temperature, top_k, top_p, generator, torch.tensor(decodable(encoding)))
+    generator, seed = seeded_generator(settings.seed, model)
+    sampler = make_sampler(settings, generator, torch.tensor(decodable(encoding)))
     eot = end_of_text_id(encoding)
     record = json_output or batch > 1  # a single streamed sample keeps none of its text
-    streams = [TextStream(encoding, eot, stop, record) for _ in range(batch)]
+    streams = [TextStream(encoding, eot, settings.stop, record) for _ in range(batch)]
     shared = shares_terminal(sys.stdout, sys.stderr)
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = CacheSession(model, model_options.cache, capacity=positions)
-    steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session)
+    steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session,
+                     settings.logprobs)
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = talk and overflow == "recompute"
     governor = ThreadGovernor(threads)
@@ -95,12 +92,12 @@ def run(
         storage = session.storage()
     if json_output:
         for stream in streams:
-            out.json_line(sample_record(stream, run_stats, storage, seed, weights_name(model)))
+            out.json_line(sample_record(stream, run_stats, storage, seed, weights_name(model), settings))
     else:
         out.close_text([stream.text for stream in streams], echo=text if echo else None)
     display.keep_notices()
     if show_stats:
-        say(console, generation_stats_line(run_stats, storage, seed if temperature > 0 else None))
+        say(console, generation_stats_line(run_stats, storage, seed if settings.temperature > 0 else None))
     if interruption is not None:
         raise typer.Exit(interrupt_exit_code(interruption))
 
@@ -113,7 +110,7 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
         for step in steps:
             stats.update(step)
             for row, (stream, token) in enumerate(zip(streams, step.tokens)):
-                out.text(row, stream.feed(token))
+                out.text(row, stream.feed(token, step.logprobs[row] if step.logprobs else None))
             on_step(step)
             if all(stream.finished for stream in streams):
                 break
@@ -126,9 +123,17 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
     return interruption
 
 
-def sample_record(stream, stats, storage: dict, seed: int, weights: str) -> dict:
+def make_sampler(settings: GenerationSettings, generator, decodable):
+    from ..sampling import Penalties, Sampler
+
+    penalties = Penalties(settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty,
+                          settings.presence_penalty)
+    return Sampler(settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p, penalties)
+
+
+def sample_record(stream, stats, storage: dict, seed: int, weights: str, settings: GenerationSettings) -> dict:
     """One --json line: the contract fields first, extras after."""
-    return {
+    record = {
         "text": stream.text,
         "tokens": stream.tokens,
         "finish_reason": stream.finish_reason,
@@ -141,4 +146,8 @@ def sample_record(stream, stats, storage: dict, seed: int, weights: str) -> dict
         "cache": storage,
         "seed": seed,
         "weights": weights,
+        **settings.record(),
     }
+    if settings.logprobs:
+        record["logprobs"] = stream.logprobs
+    return record

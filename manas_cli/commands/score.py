@@ -1,0 +1,67 @@
+"""`manas score`: a model's loss on a text, per token and per character, and its perplexity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ..errors import InputError
+from .common import ModelOptions, load_model, read_text_file, require_stdout
+
+
+def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_options: ModelOptions) -> None:
+    import sys
+
+    from ..quantize import weights_name
+    from ..render import json_line, stderr_console, token_progress
+    from ..scoring import score
+    from ..tokenizer import encode_long_text
+
+    require_stdout()
+    console = stderr_console()
+    text = read_text(text_file)
+    checkpoint, _ = load_model(model_options)
+    model, block_size = checkpoint.model, checkpoint.model.config.block_size
+    stride = block_size // 2 if stride is None else stride
+    if not 1 <= stride <= block_size:
+        raise typer.BadParameter(f"{stride} is not in the range 1 <= stride <= {block_size} (the model's block_size)",
+                                 param_hint="'--stride'")
+    ids = encode_long_text(checkpoint.encoding, text)
+    if len(ids) < 2:
+        raise InputError(f"the text is {len(ids)} token long: scoring needs at least 2")
+    with token_progress(console, len(ids) - 1, "scoring") as advance:
+        result = score(model, ids, len(text), stride, on_window=lambda tokens: advance(tokens=tokens))
+    report = {
+        "nats_per_token": result.nats_per_token,
+        "nats_per_char": result.nats_per_char,
+        "perplexity": result.perplexity,
+        "tokens": result.tokens,
+        "characters": result.characters,
+        "stride": stride,
+        "block_size": block_size,
+        "checkpoint": str(checkpoint.path),
+        "weights": weights_name(model),
+    }
+    if json_output:
+        print(json_line(report))
+        return
+    print(f"{result.nats_per_token:.4f} nats/token · {result.nats_per_char:.4f} nats/char · perplexity "
+          f"{result.perplexity:,.2f} · {result.tokens:,} tokens scored ({result.characters:,} characters), window "
+          f"{block_size}, stride {stride} · {weights_name(model)} weights", file=sys.stdout)
+
+
+def read_text(text_file: Path | None) -> str:
+    """The text file, or standard input for '-' or none."""
+    import sys
+
+    if text_file is not None and str(text_file) != "-":
+        return read_text_file(text_file, "text file")
+    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"standard input is not valid UTF-8 (byte {exc.start}): pass UTF-8 text") from None
+    if not text.strip():
+        raise InputError("standard input is empty: pass the text to score")
+    return text

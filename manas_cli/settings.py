@@ -1,0 +1,77 @@
+"""What one generation request may set, with the ranges that both generate's flags and --jsonl's lines obey.
+Kept free of heavy imports: the CLI checks flags before torch loads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0
+
+    def record(self) -> dict:
+        """The sampling settings a --json record reports (its seed and logprobs are fields of their own)."""
+        reported = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "repeat_last_n",
+                    "frequency_penalty", "presence_penalty")
+        return {name: getattr(self, name) for name in reported}
+
+
+# name -> (the rule, as an error states it; whether a value keeps it). None is allowed where the default is None.
+RULES = {
+    "max_tokens": ("an integer ≥ 1", lambda v: _integer(v) and v >= 1),
+    "temperature": ("a number ≥ 0", lambda v: _number(v) and v >= 0),
+    "top_k": ("an integer ≥ 1", lambda v: _integer(v) and v >= 1),
+    "top_p": ("a number with 0 < top_p ≤ 1", lambda v: _number(v) and 0 < v <= 1),
+    "min_p": ("a number with 0 ≤ min_p ≤ 1", lambda v: _number(v) and 0 <= v <= 1),
+    "repetition_penalty": ("a number > 0 (1 is none)", lambda v: _number(v) and v > 0),
+    "repeat_last_n": ("an integer ≥ -1 (-1: the whole window, 0: none)", lambda v: _integer(v) and v >= -1),
+    "frequency_penalty": ("a number from -2 to 2", lambda v: _number(v) and -2 <= v <= 2),
+    "presence_penalty": ("a number from -2 to 2", lambda v: _number(v) and -2 <= v <= 2),
+    "seed": ("an integer with 0 ≤ seed < 2^64", lambda v: _integer(v) and 0 <= v < 2**64),
+    "stop": ("a list of non-empty strings", lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)),
+    "logprobs": (f"an integer from 0 to {MAX_LOGPROBS}", lambda v: _integer(v) and 0 <= v <= MAX_LOGPROBS),
+}
+
+
+def check(name: str, value: object) -> object:
+    """value, when it keeps the setting's rule (None where the setting may be unset); else ValueError naming both."""
+    default = GenerationSettings.__dataclass_fields__[name].default
+    if value is None and default is None:
+        return value
+    rule, keeps = RULES[name]
+    if not keeps(value):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return tuple(value) if name == "stop" else value
+
+
+def with_overrides(settings: GenerationSettings, overrides: dict) -> GenerationSettings:
+    """settings with a request's own values, each checked; ValueError names an unknown or invalid one."""
+    checked = {}
+    for name, value in overrides.items():
+        if name not in RULES:
+            raise ValueError(f"unknown key {name!r} (known: prompt, id, {', '.join(RULES)})")
+        checked[name] = check(name, value)
+    return GenerationSettings(**{**settings.__dict__, **checked})
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -19,7 +19,11 @@ int8-prefill  GPT-2-124M shape, pp64 and pp512 prefill: int8 against float32, on
 dtype         bfloat16 and float16 against float32 (`--dtype`): the shipped model and the GPT-2-124M shape,
               prefill and decode.
 
-Issue 19 (a busy machine never stalls manas, `--goal busy`): the default thread choice against `--threads 1` and
+Pipelines (`--goal pipelines`): 100 prompts of 5-60 tokens, 64 new tokens each, shipped model: `--jsonl` against a
+shell loop of `manas generate` processes and against `--batch-size 1`. `--goal batch`: continuous batching's total
+decode tokens/s at batch 1 to 16, GPT-2-124M shape and shipped model.
+
+A busy machine (`--goal busy`): the default thread choice against `--threads 1` and
 `--threads 2`, each a whole `manas bench` process, on a quiet machine and beside one process spinning on a core.
 
 Decode speed depends on the machine and its load: compare the ratios of one run, not numbers across runs; the
@@ -409,6 +413,71 @@ def goal_busy_machine(runs: int) -> dict:
     return result
 
 
+def pipeline_prompts(count: int, seed: int = 0) -> list[str]:
+    """count prompts of 5 to 60 tokens of the shipped model, cut from Tiny Shakespeare."""
+    import random
+
+    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt").read_text()
+    encoding = load_checkpoint(resolve_checkpoint(None)).encoding
+    rng, prompts = random.Random(seed), []
+    for _ in range(count):
+        start, length = rng.randrange(len(text) - 1000), rng.randint(5, 60)
+        prompts.append(encoding.decode(encoding.encode_ordinary(text[start : start + 1000])[:length]))
+    return prompts
+
+
+def goal_pipelines(count: int = 100, new_tokens: int = 64) -> dict:
+    """Pipelines, goal 1: `count` prompts, `new_tokens` each, on the shipped model: one `--jsonl` process (its
+    default batch size, and --batch-size 1) against a shell loop of one `manas generate` process per prompt."""
+    prompts = pipeline_prompts(count)
+    lines = "".join(json.dumps({"prompt": p, "max_tokens": new_tokens, "temperature": 0}) + "\n" for p in prompts)
+    manas = [sys.executable, "-m", "manas_cli", "generate"]
+
+    def timed(*command: str, stdin: str = "") -> float:
+        started = time.perf_counter()
+        subprocess.run(command, input=stdin.encode(), capture_output=True, check=True)
+        return time.perf_counter() - started
+
+    batched = timed(*manas, "--jsonl", stdin=lines)
+    one_row = timed(*manas, "--jsonl", "--batch-size", "1", stdin=lines)
+    loop = sum(timed(*manas, "-p", prompt, "-n", str(new_tokens), "-t", "0") for prompt in prompts)
+    return {"prompts": count, "new_tokens": new_tokens, "shell_loop_s": round(loop, 1), "jsonl_s": round(batched, 2),
+            "jsonl_batch_1_s": round(one_row, 2), "vs_shell_loop": round(loop / batched, 1),
+            "vs_batch_1": round(one_row / batched, 2), "goal": "≥ 20× the shell loop, ≥ 3× --batch-size 1"}
+
+
+def batched_decode_rate(model: GPT, batch: int, new_tokens: int) -> float:
+    """Total decode tokens/s of `batch` greedy requests of a 64-token prompt decoding together."""
+    from manas_cli.batching import Request, generate_batched
+
+    prompt = bench_prompt(model, 64, 1)[0].tolist()
+    requests = [Request(i, prompt, GREEDY, new_tokens) for i in range(batch)]
+    decoded, seconds = 0, 0.0
+    for tokens in generate_batched(model, iter(requests), batch):
+        if tokens[0].kind == "decode":
+            decoded, seconds = decoded + len(tokens), seconds + tokens[0].seconds
+    return decoded / seconds
+
+
+def goal_batch_sizes(runs: int) -> dict:
+    """Pipelines, goal 2 and the default batch size: total decode tokens/s of continuous batching at batch 1 to 16,
+    on the GPT-2-124M shape (weight-bound: more rows read the weights once) and the shipped model."""
+    import tempfile
+
+    result = {}
+    with tempfile.TemporaryDirectory() as folder:
+        models = {"gpt2-124M": (gpt2_checkpoint(Path(folder)), 32), "shipped": (resolve_checkpoint(None), 128)}
+        for name, (path, new_tokens) in models.items():
+            model = use_decode_layout(load_checkpoint(path).model)
+            rates = {batch: median_rate(runs, lambda: batched_decode_rate(model, batch, new_tokens))
+                     for batch in (1, 2, 4, 8, 16)}
+            result[name] = {f"batch_{batch}_tok_s": round(rate, 1) for batch, rate in rates.items()}
+            result[name]["batch_8_vs_1"] = round(rates[8] / rates[1], 2)
+    result["threads"] = torch.get_num_threads()
+    result["goal"] = "GPT-2-124M shape: batch 8 ≥ 4× batch 1"
+    return result
+
+
 def cpu_name() -> str:
     """The CPU model and the vector extensions that decide which kernels torch runs."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -432,6 +501,8 @@ def main() -> None:
         "int8-prefill": lambda: goal_int8_prefill(args.runs),
         "dtype": lambda: goal_dtypes(args.runs),
         "busy": lambda: goal_busy_machine(args.runs),
+        "pipelines": lambda: goal_pipelines(),
+        "batch": lambda: goal_batch_sizes(args.runs),
     }
     parser.add_argument("--goal", choices=goals, action="append", help="run only these goals")
     parser.add_argument("--threads", type=int, default=2, help="threads of goals 1, 2 and 4 (the others set their own)")

@@ -64,6 +64,22 @@ class SamplingState:
         return next_ids, tokens, time.perf_counter() - started, logprobs
 
 
+def prefill_due(session: CacheSession, window: torch.Tensor, first: bool, keep: int) -> tuple[str, torch.Tensor] | None:
+    """The window rule, in one place: the prompt's window is prefilled; a full cache re-prefills the last `keep`
+    tokens of the window (all of it in recompute mode, half in shift mode); otherwise None: decode from the cache."""
+    if first:
+        return "prefill", check_logits(session.prefill(window))
+    if session.positions >= session.block_size:
+        return "re_prefill", session.prefill(crop_window(window, keep))
+    return None
+
+
+def kept_on_overflow(overflow: str, block_size: int) -> int:
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+    return block_size if overflow == "recompute" else max(1, block_size // 2)
+
+
 @torch.inference_mode()
 def generate(
     model: GPT,
@@ -82,23 +98,16 @@ def generate(
     steps at the price of exactness (the model then sees a shorter context than the reference does).
     logprobs=N adds each token's log-probability and the N most likely alternatives to every step.
     """
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+    keep = kept_on_overflow(overflow, model.config.block_size)
     validate_prompt(prompt)
     session = session or CacheSession(model)
     block_size = model.config.block_size
-    keep = block_size if overflow == "recompute" else max(1, block_size // 2)
     sequence = crop_window(prompt, block_size)
     state = SamplingState(sampler, prompt, model.config.vocab_size, logprobs)
     finished = [False] * prompt.size(0)
     for step in range(max_new_tokens):
         started = time.perf_counter()
-        if step == 0:
-            kind, logits = "prefill", check_logits(session.prefill(crop_window(sequence, block_size)))
-        elif session.positions >= block_size:
-            kind, logits = "re_prefill", session.prefill(crop_window(sequence, keep))
-        else:
-            kind, logits = "decode", session.decode(sequence[:, -1:])
+        kind, logits = prefill_due(session, sequence, step == 0, keep) or ("decode", session.decode(sequence[:, -1:]))
         next_ids, tokens, seconds, top = state.sample(logits, sequence, started)
         # Only the window can ever be seen again: a sequence of every token would make each step O(length).
         sequence = crop_window(torch.cat((sequence, next_ids), dim=1), block_size)

@@ -139,11 +139,14 @@ class CausalSelfAttention(nn.Module):
         self.output_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
 
-    def project(self, x: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries (B, n_head, T, hs), keys and values (B, n_kv_head, T, hs) for positions start_pos.."""
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Every head of q|k|v, (B, n_head + 2 n_kv_head, T, hs): they lie side by side, queries first, then keys,
+        then values, so one view gives them all."""
         B, T, _ = x.shape
-        # q|k|v are whole heads side by side: one view gives every head, queries first, then keys, then values.
-        heads = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_size).transpose(1, 2)
+        return self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_size).transpose(1, 2)
+
+    def project(self, heads: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, n_head, T, hs), keys and values (B, n_kv_head, T, hs) for positions start_pos.."""
         qk = self.encode_positions(heads[:, : self.n_head + self.n_kv_head], start_pos)
         q, k = qk.split((self.n_head, self.n_kv_head), dim=1)
         return q, k, heads[:, self.n_head + self.n_kv_head :]
@@ -153,23 +156,38 @@ class CausalSelfAttention(nn.Module):
         return qk
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Each query head's mix of values, (B, n_head, T, hs)."""
         # Several queries are always the newest positions of the keys (a prompt), so the causal mask applies;
         # a single query is the newest position and sees every key: masking it upper-left would hide its past.
-        y = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v,
             is_causal=q.size(2) > 1,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_head != self.n_head,
         )
-        B, _, T, _ = q.shape
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """The heads (B, n_head, T, hs) side by side again, through the output projection: (B, T, C)."""
+        B, _, T, _ = y.shape
         return self.output_dropout(self.output(y.transpose(1, 2).reshape(B, T, -1)))
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, cache=None) -> torch.Tensor:
         """With a layer cache (anything with append(k, v) -> (all_k, all_v)), attend over the cached past too."""
-        q, k, v = self.project(x, start_pos)
+        q, k, v = self.project(self.heads(x), start_pos)
         if cache is not None:
             k, v = cache.append(k, v)
-        return self.attend(q, k, v)
+        return self.merge(self.attend(q, k, v))
+
+    def forward_rows(self, x: torch.Tensor, positions: list[int], caches: list) -> torch.Tensor:
+        """One new position for each of several independent sequences, x (R, 1, C): row r sits at positions[r]
+        and attends over its own cache, caches[r]. The projections run on all rows at once (they read each weight
+        once for all), attention row by row, each over exactly its own past, as it would alone."""
+        heads = self.heads(x)
+        ys = []
+        for row, (position, cache) in enumerate(zip(positions, caches)):
+            q, k, v = self.project(heads[row : row + 1], position)
+            ys.append(self.attend(q, *cache.append(k, v)))
+        return self.merge(torch.cat(ys))
 
 
 class RotaryAttention(CausalSelfAttention):
@@ -219,6 +237,10 @@ class Block(nn.Module):
         x = x + self.attention(self.ln_attention(x), start_pos, cache)
         return x + self.ffn(self.ln_ffn(x))
 
+    def forward_rows(self, x: torch.Tensor, positions: list[int], caches: list) -> torch.Tensor:
+        x = x + self.attention.forward_rows(self.ln_attention(x), positions, caches)
+        return x + self.ffn(self.ln_ffn(x))
+
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
@@ -260,6 +282,16 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, start_pos, None if caches is None else caches[i])
         return self.final_norm(x)
+
+    def decode_rows(self, idx: torch.Tensor, positions: list[int], caches: list[list]) -> torch.Tensor:
+        """One new token for each of several independent sequences, idx (R, 1): row r at positions[r], with its
+        own layer caches caches[r]; the logits (R, 1, vocab)."""
+        x = self.token_embedding(idx)
+        if self.config.position_encoding == "learned":
+            x = x + self.position_embedding.weight[torch.tensor(positions, device=idx.device)][:, None]
+        for i, block in enumerate(self.blocks):
+            x = block.forward_rows(x, positions, [layers[i] for layers in caches])
+        return self.lm_head(self.final_norm(x))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Full causal forward over idx (B, T ≤ block_size): logits (B, T, vocab), and the loss if targets given."""

@@ -12,7 +12,7 @@ from manas_cli.generation import GenerationStats, crop_window, generate, generat
 from manas_cli.kv_cache import CacheSession
 from manas_cli.model import use_decode_layout
 from manas_cli.quantize import Int8Linear, quantize_model
-from manas_cli.sampling import Sampler
+from manas_cli.sampling import Penalties, Sampler
 
 NEW_TOKENS = 5 * BLOCK_SIZE // 2  # 2.5 × block_size: the window overflows many times
 SAMPLERS = {
@@ -20,6 +20,9 @@ SAMPLERS = {
     "top-k": dict(temperature=1.0, top_k=20),
     "top-p": dict(temperature=0.9, top_p=0.8),
     "top-k-top-p": dict(temperature=1.2, top_k=50, top_p=0.9),
+    # the controls against loops: the context window (prompt included) and the counts of generated tokens
+    "penalties-min-p": dict(temperature=0.9, min_p=0.05, penalties=Penalties(1.3, 16, 0.5, 0.4)),
+    "greedy-penalties": dict(temperature=0.0, penalties=Penalties(1.2, -1, 0.3, 0.2)),
 }
 
 

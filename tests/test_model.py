@@ -166,7 +166,7 @@ def test_gqa_query_head_h_reads_kv_head_h_floor_group(n_kv_head):
 
 
 def _tiled_grouping_attention(attention: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
-    q, k, v = attention.project(x, 0)
+    q, k, v = attention.project(attention.heads(x), 0)
     group = attention.n_head // attention.n_kv_head
     k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -213,5 +213,5 @@ def test_gqa_shrinks_only_the_key_value_part_of_qkv(layout):
     attention = make_model("rope", layout).blocks[0].attention
     n_kv_head = HEAD_LAYOUTS[layout]
     assert attention.qkv.out_features == 32 + 2 * n_kv_head * 8
-    _, k, v = attention.project(torch.zeros(1, 3, 32), 0)
+    _, k, v = attention.project(attention.heads(torch.zeros(1, 3, 32)), 0)
     assert k.shape == v.shape == (1, n_kv_head, 3, 8)

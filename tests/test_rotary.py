@@ -81,7 +81,7 @@ def test_rotary_attention_rotates_by_absolute_position_from_start_pos():
     attention = make_model("rope", "gqa").blocks[1].attention
     x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        full = attention.project(x, 0)
-        last = attention.project(x[:, -1:], 9)
+        full = attention.project(attention.heads(x), 0)
+        last = attention.project(attention.heads(x[:, -1:]), 9)
     for whole, single in zip(full, last):
         torch.testing.assert_close(single, whole[:, :, -1:], atol=1e-6, rtol=1e-5)

@@ -1,0 +1,101 @@
+"""Continuous batching: many independent requests decoded together, each row at its own position, with its own
+cache, sampler and stopping point; when a row finishes, the next request takes its place (as vLLM and llama.cpp's
+server do).
+
+A request's prompt is prefilled alone, and so is each re-prefill of its window, exactly as `generate` does them
+for one request. The decode steps of the rows in between run as one forward pass: the projections read each weight
+once for every row, and attention runs row by row over that row's own cache. Each row's numbers are those of the
+request alone, except that a matrix product over several rows may sum in another order than over one (the last
+bit of a float32), which can flip a near tie.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .generation import SamplingState, crop_window, kept_on_overflow, prefill_due
+from .kv_cache import CacheSession
+from .model import GPT
+from .sampling import Sampler
+
+
+@dataclass(frozen=True)
+class Request:
+    key: int  # the caller's name for it
+    prompt: list[int]  # token ids, at most block_size of them
+    sampler: Sampler
+    max_tokens: int
+    logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class Token:
+    """One request's new token, and how it was computed."""
+
+    key: int
+    token: int
+    kind: str  # "prefill", "re_prefill" or "decode"
+    seconds: float  # the step that made it (a decode step makes every decoding row's token at once)
+    logprobs: tuple[float, list[int], list[float]] | None
+    last: bool  # its budget is spent, or it is end-of-text
+
+
+class Row:
+    """A request in the batch: its cache, its token window and its sampling state, as generate keeps them."""
+
+    def __init__(self, model: GPT, request: Request, eot_id: int | None) -> None:
+        self.request, self.eot_id = request, eot_id
+        device = next(model.parameters()).device
+        self.session = CacheSession(model)
+        self.window = crop_window(torch.tensor([request.prompt], dtype=torch.long, device=device), model.config.block_size)
+        self.state = SamplingState(request.sampler, self.window, model.config.vocab_size, request.logprobs)
+        self.steps = 0
+
+    def take(self, logits: torch.Tensor, kind: str, started: float) -> Token:
+        """Sample this row's next token from its logits (1, 1, vocab)."""
+        next_ids, (token,), seconds, top = self.state.sample(logits, self.window, started)
+        self.window = crop_window(torch.cat((self.window, next_ids), dim=1), self.session.block_size)
+        self.steps += 1
+        last = self.steps == self.request.max_tokens or token == self.eot_id
+        return Token(self.request.key, token, kind, seconds, top[0] if top else None, last)
+
+
+@torch.inference_mode()
+def generate_batched(
+    model: GPT,
+    requests: Iterator[Request],
+    batch_size: int,
+    eot_id: int | None = None,
+    overflow: str = "recompute",
+    finished: Callable[[int], bool] = lambda key: False,
+) -> Iterator[list[Token]]:
+    """Yield, step after step, the new tokens of up to batch_size requests decoding together; requests are taken
+    from the iterator only as rows free up. finished(key) lets the caller end a request early (a stop string),
+    checked after each step."""
+    keep = kept_on_overflow(overflow, model.config.block_size)
+    pending, rows = iter(requests), []
+    while True:
+        while len(rows) < batch_size and (request := next(pending, None)) is not None:
+            rows.append(Row(model, request, eot_id))
+        if not rows:
+            return
+        started = time.perf_counter()
+        made, decoding = {}, []
+        for row in rows:
+            due = prefill_due(row.session, row.window, row.steps == 0, keep)
+            if due is None:
+                decoding.append(row)
+            else:
+                made[row] = row.take(due[1], due[0], started)
+        if decoding:
+            logits = model.decode_rows(torch.cat([row.window[:, -1:] for row in decoding]),
+                                       [row.session.positions for row in decoding],
+                                       [row.session.layers for row in decoding])
+            for index, row in enumerate(decoding):
+                made[row] = row.take(logits[index : index + 1], "decode", started)
+        yield [made[row] for row in rows]
+        rows = [row for row in rows if not (made[row].last or finished(row.request.key))]

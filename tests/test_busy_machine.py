@@ -117,7 +117,11 @@ def test_stats_after_a_ctrl_c_past_the_window_show_the_cache_as_it_was(rope):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    time.sleep(5)  # far past the 32-position window: every step re-prefills
+    streamed = 0
+    while streamed < 2000:  # a few hundred tokens: far past the 32-position window, where every step re-prefills
+        chunk = process.stdout.read1(65536)
+        assert chunk, process.stderr.read().decode()  # it must still be generating
+        streamed += len(chunk)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -152,9 +153,8 @@ def test_quantize_never_writes_over_its_input_even_with_force(tmp_path, rope, sp
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json", "pytorch_model.bin"])
-def test_convert_never_writes_over_a_file_of_its_source_folder(tmp_path, learned, name):
-    folder = tmp_path / "hf"
-    assert run("export", learned.path, "--out", folder).returncode == 0
+def test_convert_never_writes_over_a_file_of_its_source_folder(tmp_path, exported, name):
+    folder = exported("learned", tmp_path / "hf")
     if name == "pytorch_model.bin":
         torch.save({}, folder / name)
     before = (folder / name).read_bytes()
@@ -289,6 +289,23 @@ def test_overlapping_tensor_data_is_refused_naming_both(tmp_path, rope):
                      "overlap")
 
 
+@pytest.fixture(scope="module")
+def exported(checkpoints, tmp_path_factory):
+    """A copy of a tiny checkpoint's Hugging Face export (GPT-2 for 'learned', Starcoder2 for 'rope'), exported
+    once per module: the tests change their copies."""
+    folders = {}
+
+    def copy(name: str, to: Path) -> Path:
+        if name not in folders:
+            folders[name] = tmp_path_factory.mktemp("exported") / name
+            checkpoint = checkpoints["learned-mha" if name == "learned" else "rope-gqa"]
+            assert run("export", checkpoint.path, "--out", folders[name]).returncode == 0
+        shutil.copytree(folders[name], to)
+        return to
+
+    return copy
+
+
 def convert_back(folder: Path, checkpoint, tmp_path: Path) -> subprocess.CompletedProcess:
     """`manas convert` of an exported folder, with the checkpoint's own BPE ranks as the tokenizer file."""
     ranks = tmp_path / "ranks.tiktoken"
@@ -297,9 +314,8 @@ def convert_back(folder: Path, checkpoint, tmp_path: Path) -> subprocess.Complet
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int32])
-def test_starcoder2_convert_refuses_non_float_q_k_v(tmp_path, rope, dtype):
-    folder = tmp_path / "sc2"
-    assert run("export", rope.path, "--out", folder).returncode == 0
+def test_starcoder2_convert_refuses_non_float_q_k_v(tmp_path, rope, exported, dtype):
+    folder = exported("rope", tmp_path / "sc2")
     state, metadata = read_parts(folder / "model.safetensors")
     name = "model.layers.0.self_attn.k_proj.weight"
     state[name] = state[name].to(dtype)
@@ -438,9 +454,8 @@ def test_a_random_ckpt_message_ends_on_a_whole_word(tmp_path):
     assert detail.endswith(")") and (len(detail) < 150 or detail.endswith(" …)"))
 
 
-def test_a_starcoder2_config_without_hidden_size_names_it(tmp_path, rope):
-    folder = tmp_path / "sc2"
-    assert run("export", rope.path, "--out", folder).returncode == 0
+def test_a_starcoder2_config_without_hidden_size_names_it(tmp_path, rope, exported):
+    folder = exported("rope", tmp_path / "sc2")
     config = json.loads((folder / "config.json").read_text())
     del config["hidden_size"]
     (folder / "config.json").write_text(json.dumps(config))

@@ -43,9 +43,16 @@ def test_a_token_no_merge_builds_is_a_special_token(tmp_path):
         spec_from_hf_files(json.dumps(vocab | {"<|x|>": 94}), "#version: 0.2\n", "tiny")
 
 
-def test_convert_reads_a_gpt2_folders_own_tokenizer(tmp_path, learned):
-    folder = tmp_path / "hf"
+@pytest.fixture(scope="module")
+def gpt2_folder(learned, tmp_path_factory) -> Path:
+    """The learned tiny model exported as a Hugging Face GPT-2 folder, with its vocab.json and merges.txt."""
+    folder = tmp_path_factory.mktemp("hf") / "gpt2"
     manas("export", learned.path, "--out", folder).ok()
+    return folder
+
+
+def test_convert_reads_a_gpt2_folders_own_tokenizer(tmp_path, learned, gpt2_folder):
+    folder = gpt2_folder
     back = tmp_path / "back.safetensors"
     run = manas("convert", folder, "--out", back).ok()
     assert "vocab.json and merges.txt" in run.err
@@ -54,9 +61,8 @@ def test_convert_reads_a_gpt2_folders_own_tokenizer(tmp_path, learned):
     assert converted.json()["tokens"] == original.json()["tokens"]
 
 
-def test_manas_tokenizer_writes_the_folders_ranks_as_a_tiktoken_file(tmp_path, learned):
-    folder = tmp_path / "hf"
-    manas("export", learned.path, "--out", folder).ok()
+def test_manas_tokenizer_writes_the_folders_ranks_as_a_tiktoken_file(tmp_path, learned, gpt2_folder):
+    folder = gpt2_folder
     out = tmp_path / "tiny.tiktoken"
     manas("tokenizer", folder, "--out", out).ok()
     assert out.read_text() == embedded_tokenizer(learned.path)["ranks"]

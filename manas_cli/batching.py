@@ -51,7 +51,8 @@ class Row:
         self.request, self.eot_id = request, eot_id
         device = next(model.parameters()).device
         self.session = CacheSession(model)
-        self.window = crop_window(torch.tensor([request.prompt], dtype=torch.long, device=device), model.config.block_size)
+        prompt = torch.tensor([request.prompt], dtype=torch.long, device=device)
+        self.window = crop_window(prompt, model.config.block_size)
         self.state = SamplingState(request.sampler, self.window, model.config.vocab_size, request.logprobs)
         self.steps = 0
 

@@ -54,7 +54,9 @@ class SamplingState:
         needed = sampler.penalties.counts_needed
         self.counts = torch.zeros(prompt.size(0), vocab_size, device=prompt.device) if needed else None
 
-    def sample(self, logits: torch.Tensor, window: torch.Tensor, started: float) -> tuple[torch.Tensor, list[int], float, list | None]:
+    def sample(self, logits: torch.Tensor, window: torch.Tensor,
+               started: float) -> tuple[torch.Tensor, list[int], float, list | None]:
+        """The next ids (B, 1) and as a list, the seconds since `started`, and the log-probabilities if asked."""
         adjusted = self.sampler.adjust(logits[:, -1], window, self.counts)
         next_ids = self.sampler.draw(adjusted)
         if self.counts is not None:

@@ -274,7 +274,7 @@ def check_finite_tensors(tensors: dict[str, torch.Tensor], path: Path | str) -> 
     for name, tensor in tensors.items():
         if not tensor.is_floating_point():
             continue
-        for dtype in (tensor.dtype, torch.float32):
+        for dtype in dict.fromkeys((tensor.dtype, torch.float32)):  # once for a float32 tensor
             if not torch.isfinite(tensor.to(dtype)).all():
                 raise _not_finite(path, name, dtype)
 

@@ -50,12 +50,6 @@ OutType = choices("OutType", "f32", "f16", "q8_0")
 Quantization = choices("Quantization", "int8")
 
 
-def _top_p_in_range(value: Optional[float]) -> Optional[float]:
-    if value is not None and not 0.0 < value <= 1.0:
-        raise typer.BadParameter(f"{value} is not in the range 0 < top-p <= 1")
-    return value
-
-
 def _threads_in_range(value: Optional[int]) -> Optional[int]:
     if value is not None and not 1 <= value <= MAX_THREADS:
         raise typer.BadParameter(f"{value} is not in the range 1 <= threads <= {MAX_THREADS}")
@@ -80,13 +74,6 @@ def _stops_not_empty(values: Optional[list[str]]) -> Optional[list[str]]:
     if values and "" in values:
         raise typer.BadParameter("an empty stop text would end every generation before it starts: give some text")
     return values
-
-
-def _seed_in_range(value: Optional[int]) -> Optional[int]:
-    # torch's generators take 64 bits; a negative seed would alias a large one (-1 and 2^64 - 1 gave the same text)
-    if value is not None and not 0 <= value < 2**64:
-        raise typer.BadParameter(f"{value} is not in the range 0 <= seed < 2^64 (2^64 = 18446744073709551616)")
-    return value
 
 
 CheckpointOption = Annotated[
@@ -145,8 +132,8 @@ def generate(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")] = 200,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).")] = 0.8,
     top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample only from the k most likely tokens.")] = None,
-    top_p: Annotated[Optional[float], typer.Option(callback=_top_p_in_range, help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.")] = None,
-    seed: Annotated[Optional[int], typer.Option(callback=_seed_in_range, help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(callback=_checked("top_p"), help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.")] = None,
+    seed: Annotated[Optional[int], typer.Option(callback=_checked("seed"), help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", callback=_stops_not_empty, help="End before the first occurrence of TEXT, which is not printed. Repeatable.")] = None,
     min_p: Annotated[Optional[float], typer.Option(callback=_checked("min_p"), help="Drop tokens less likely than MIN_P times the most likely one (0 ≤ p ≤ 1), after temperature, top-k and top-p.")] = None,
     repetition_penalty: Annotated[float, typer.Option(callback=_checked("repetition_penalty"), help="Divide the logits of tokens among the last --repeat-last-n (multiply negative ones), as llama.cpp and Hugging Face do; 1 is none, 1.1 a usual choice.")] = 1.0,
@@ -331,7 +318,7 @@ def train(
     warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warm-up.")] = 100,
     dropout: Annotated[float, typer.Option(min=0.0, max=0.99, help="Dropout probability while training.")] = 0.2,
     eval_every: Annotated[int, typer.Option(min=1, help="Steps between validation (and best-checkpoint saves).")] = 100,
-    seed: Annotated[int, typer.Option(callback=_seed_in_range, help="Seed for initialization and batch sampling (0 <= seed < 2^64).")] = 1337,
+    seed: Annotated[int, typer.Option(callback=_checked("seed"), help="Seed for initialization and batch sampling (0 <= seed < 2^64).")] = 1337,
     val_fraction: Annotated[float, typer.Option(min=0.001, max=0.5, help="Held-out tail of the text for validation.")] = 0.1,
     resume: Annotated[bool, typer.Option(help="Continue from the checkpoint at --out (its weights and step; fresh optimizer moments).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists (without --resume: start afresh).")] = False,

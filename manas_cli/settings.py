@@ -33,16 +33,16 @@ class GenerationSettings:
 
 # name -> (the rule, as an error states it; whether a value keeps it). None is allowed where the default is None.
 RULES = {
-    "max_tokens": ("an integer ≥ 1", lambda v: _integer(v) and v >= 1),
-    "temperature": ("a number ≥ 0", lambda v: _number(v) and v >= 0),
-    "top_k": ("an integer ≥ 1", lambda v: _integer(v) and v >= 1),
-    "top_p": ("a number with 0 < top_p ≤ 1", lambda v: _number(v) and 0 < v <= 1),
-    "min_p": ("a number with 0 ≤ min_p ≤ 1", lambda v: _number(v) and 0 <= v <= 1),
+    "max_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "temperature": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "top_k": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "top_p": ("a number with 0 < top_p <= 1", lambda v: _number(v) and 0 < v <= 1),
+    "min_p": ("a number with 0 <= min_p <= 1", lambda v: _number(v) and 0 <= v <= 1),
     "repetition_penalty": ("a number > 0 (1 is none)", lambda v: _number(v) and v > 0),
-    "repeat_last_n": ("an integer ≥ -1 (-1: the whole window, 0: none)", lambda v: _integer(v) and v >= -1),
+    "repeat_last_n": ("an integer >= -1 (-1: the whole window, 0: none)", lambda v: _integer(v) and v >= -1),
     "frequency_penalty": ("a number from -2 to 2", lambda v: _number(v) and -2 <= v <= 2),
     "presence_penalty": ("a number from -2 to 2", lambda v: _number(v) and -2 <= v <= 2),
-    "seed": ("an integer with 0 ≤ seed < 2^64", lambda v: _integer(v) and 0 <= v < 2**64),
+    "seed": ("an integer with 0 <= seed < 2^64 (2^64 = 18446744073709551616)", lambda v: _integer(v) and 0 <= v < 2**64),
     "stop": ("a list of non-empty strings", lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)),
     "logprobs": (f"an integer from 0 to {MAX_LOGPROBS}", lambda v: _integer(v) and 0 <= v <= MAX_LOGPROBS),
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, ManasError, interrupt_exit_code
@@ -24,7 +24,6 @@ class Line:
     prompt: str | None = None
     error: str | None = None
     record: dict | None = None  # once done
-    extras: dict = field(default_factory=dict)
 
 
 def parse_line(number: int, text: str, defaults: GenerationSettings) -> Line:
@@ -120,9 +119,10 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
             written += 1
         sys.stdout.flush()
 
-    def complete(number: int, reason: str) -> None:
+    def complete(number: int) -> None:
+        """The request's record: ended by its budget, unless end-of-text or a stop string ended it first."""
         stream, line = streams.pop(number), lines[number]
-        stream.finish(reason)
+        stream.finish("length")
         record = sample_record(stream, progress.pop(number), {}, seeds.pop(number), weights_name(model), line.settings)
         del record["cache"]  # the rows' caches are gone with them; their sizes say nothing per request
         line.record = {"id": line.id, **record}
@@ -136,7 +136,7 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
                 progress[made.key].update(made)
                 stream.feed(made.token, made.logprobs)
                 if made.last or stream.finished:
-                    complete(made.key, "length")
+                    complete(made.key)
             flush()
     except KeyboardInterrupt as exc:
         interruption = exc

@@ -369,7 +369,9 @@ def test_a_second_signal_during_the_clean_up_loses_nothing(rope):
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr.decode()
     records = [json.loads(line) for line in stdout.decode().splitlines()]
-    assert len(records) == 3 and all(r["finish_reason"] == "interrupted" and r["generated_tokens"] > 0 for r in records)
+    assert len(records) == 3 and all(r["generated_tokens"] > 0 for r in records)
+    reasons = [r["finish_reason"] for r in records]  # a random tiny model may draw <|endoftext|> before the signal
+    assert "interrupted" in reasons and set(reasons) <= {"interrupted", "end_of_text"}, reasons
     (stats,) = stderr.decode().splitlines()  # no traceback of a signal arriving during the clean-up
     assert stats.startswith("prompt 6 tokens · generated")
 

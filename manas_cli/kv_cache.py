@@ -8,53 +8,47 @@ from .model import GPT, CausalSelfAttention, RotaryAttention
 
 
 class LayerCache:
-    """One layer's keys and values, (B, n_kv_head, positions, head_size), grown by concatenation.
+    """One layer's keys and values, (B, n_kv_head, positions, head_size), written in place into buffers.
 
-    Concatenation allocates exactly the logical size and copies nothing else alive: the cached tensors never
-    share storage with the fused qkv projection they were split from.
+    A decode step writes its one position; it never copies the positions already cached (a concatenation would,
+    at every step, in time that grows with the context). The buffers start at the positions first written and,
+    when full, grow to twice that, up to `capacity`: growing copies the cache once per doubling, and at most half
+    of what is allocated is unused. `reserve` allocates `capacity` at once (the static cache). `k` and `v` are
+    views of the filled positions; the cached tensors never share storage with the qkv projection they came from.
     """
 
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is None:
-            self.k, self.v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
-        else:
-            self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
-        return self.k, self.v
-
-
-class StaticLayerCache:
-    """One layer's keys and values in buffers preallocated for block_size positions: a decode step writes its
-    position in place instead of copying the whole cache, at the price of allocating the full window up front."""
-
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, reserve: bool = False) -> None:
         self.capacity = capacity
+        self.reserve = reserve
         self.length = 0
-        self.k: torch.Tensor | None = None  # views of the filled part of the buffers
+        self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self._k_buffer: torch.Tensor | None = None
         self._v_buffer: torch.Tensor | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._k_buffer is None:
-            batch, heads, _, head_size = k.shape
-            self._k_buffer = k.new_empty(batch, heads, self.capacity, head_size)
-            self._v_buffer = v.new_empty(batch, heads, self.capacity, head_size)
         end = self.length + k.size(2)
         if end > self.capacity:
-            raise ValueError(f"the static cache holds {self.capacity} positions; {end} were asked for")
+            raise ValueError(f"the cache holds {self.capacity} positions; {end} were asked for")
+        if self._k_buffer is None or end > self._k_buffer.size(2):
+            self._grow(k, v, end)
         self._k_buffer[:, :, self.length : end] = k
         self._v_buffer[:, :, self.length : end] = v
         self.length = end
         self.k, self.v = self._k_buffer[:, :, :end], self._v_buffer[:, :, :end]
         return self.k, self.v
 
+    def _grow(self, k: torch.Tensor, v: torch.Tensor, needed: int) -> None:
+        size = self.capacity if self.reserve else min(self.capacity, max(needed, 2 * self.length))
+        batch, heads, _, head_size = k.shape
+        k_buffer, v_buffer = k.new_empty(batch, heads, size, head_size), v.new_empty(batch, heads, size, head_size)
+        if self.length:
+            k_buffer[:, :, : self.length], v_buffer[:, :, : self.length] = self.k, self.v
+        self._k_buffer, self._v_buffer = k_buffer, v_buffer
+
 
 ALLOCATIONS = {
-    "dynamic": "dynamic: grown by concatenation, no unused capacity",
+    "dynamic": "dynamic: written in place, doubled when full (at most half unused)",
     "static": "static: preallocated for the positions the run needs, written in place",
 }
 
@@ -74,8 +68,8 @@ class CacheSession:
         self.block_size = model.config.block_size
         self.allocation = ALLOCATIONS[allocation]
         capacity = self.block_size if capacity is None else min(capacity, self.block_size)
-        self._new_layer = LayerCache if allocation == "dynamic" else lambda: StaticLayerCache(capacity)
-        self.layers: list[LayerCache | StaticLayerCache] = []
+        self._new_layer = lambda: LayerCache(capacity, reserve=allocation == "static")
+        self.layers: list[LayerCache] = []
         self.batch_size = 0
 
     @property

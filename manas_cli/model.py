@@ -124,6 +124,12 @@ def parameter_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]
     yield from norm("final_norm")
 
 
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout while training; otherwise x itself, without dispatching an op (decoding runs this ~20 times a
+    token, and a no-op module call costs as much as a small product)."""
+    return F.dropout(x, p, training=True) if training and p else x
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention with one fused q|k|v projection; n_kv_head < n_head shares each K/V head among
     n_head / n_kv_head consecutive query heads (query head h reads kv head h // group, as repeat_interleave does)."""
@@ -136,7 +142,6 @@ class CausalSelfAttention(nn.Module):
         kv_width = config.n_kv_head * config.head_size
         self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_width, bias=config.bias)
         self.output = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.output_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +174,7 @@ class CausalSelfAttention(nn.Module):
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """The heads (B, n_head, T, hs) side by side again, through the output projection: (B, T, C)."""
         B, _, T, _ = y.shape
-        return self.output_dropout(self.output(y.transpose(1, 2).reshape(B, T, -1)))
+        return dropout(self.output(y.transpose(1, 2).reshape(B, T, -1)), self.dropout, self.training)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, cache=None) -> torch.Tensor:
         """With a layer cache (anything with append(k, v) -> (all_k, all_v)), attend over the cached past too."""
@@ -198,8 +203,8 @@ class RotaryAttention(CausalSelfAttention):
         self.rope_base, self.block_size = config.rope_base, config.block_size
         # Derived from the config, so never saved: a checkpoint holds only learned weights. Built for the positions
         # used so far (doubling, up to block_size), so a block_size that no tensor backs allocates nothing.
-        self.register_buffer("cos", torch.empty(0, config.head_size // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(0, config.head_size // 2), persistent=False)
+        self.register_buffer("cos", torch.empty(0, config.head_size), persistent=False)
+        self.register_buffer("sin", torch.empty(0, config.head_size), persistent=False)
 
     def encode_positions(self, qk: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Rotate queries and keys (B, heads, T, hs) together: they share positions, and one call is half the ops."""
@@ -218,11 +223,11 @@ class FeedForward(nn.Module):
         super().__init__()
         self.up = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.down = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
         self.gelu_approximate = config.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down(F.gelu(self.up(x), approximate=self.gelu_approximate)))
+        return dropout(self.down(F.gelu(self.up(x), approximate=self.gelu_approximate)), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -249,7 +254,6 @@ class GPT(nn.Module):
         self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
         if config.position_encoding == "learned":
             self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
-        self.embedding_dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -278,7 +282,7 @@ class GPT(nn.Module):
         x = self.token_embedding(idx)
         if self.config.position_encoding == "learned":
             x = x + self.position_embedding.weight[start_pos : start_pos + idx.size(1)]
-        x = self.embedding_dropout(x)
+        x = dropout(x, self.config.dropout, self.training)
         for i, block in enumerate(self.blocks):
             x = block(x, start_pos, None if caches is None else caches[i])
         return self.final_norm(x)

@@ -6,14 +6,16 @@ import torch
 
 
 def rope_tables(head_size: int, positions: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angles pos · base^(-2i/head_size), each (positions, head_size // 2)."""
+    """The angles pos · base^(-2i/head_size) laid out for rotate_pairs, each table (positions, head_size): every
+    pair's cos twice, and its sin as (-sin, sin). Full width, so a rotation is two products and a sum."""
     inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
     angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[..., 2i], x[..., 2i+1]) of x (..., T, hs) by the angle whose cos/sin are (T, hs/2)."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2)
+    """Rotate each pair (x[..., 2i], x[..., 2i+1]) of x (..., T, hs) by its angle, tables (T, hs) from rope_tables:
+    (a, b) → (a cos − b sin, b cos + a sin), i.e. x · cos + (b, a) · (−sin, sin)."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin)

@@ -168,7 +168,7 @@ def test_storage_of_an_empty_session_is_zero_with_no_dtype(session):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_storage_allocates_exactly_the_logical_bytes_of_the_kv_heads(tiny_model, batch, dtype):
+def test_storage_holds_the_logical_bytes_of_the_kv_heads_at_most_doubled(tiny_model, batch, dtype):
     model = tiny_model.to(dtype)
     config = model.config
     session = CacheSession(model)
@@ -185,7 +185,9 @@ def test_storage_allocates_exactly_the_logical_bytes_of_the_kv_heads(tiny_model,
         report = session.storage()
         assert report["positions"] == positions
         assert report["logical_bytes"] == expected_bytes(positions)
-        assert report["storage_bytes"] == report["logical_bytes"]  # no spare capacity, no qkv kept alive
+        # grown by doubling: at most half unused, never the qkv projection kept alive, and exact at the full window
+        assert report["logical_bytes"] <= report["storage_bytes"] <= 2 * report["logical_bytes"]
+        assert positions < BLOCK_SIZE or report["storage_bytes"] == report["logical_bytes"]
         assert report["dtype"] == str(dtype).removeprefix("torch.")
         assert isinstance(report["allocation"], str) and report["allocation"]
 

@@ -63,15 +63,15 @@ def test_rope_tables_grow_with_the_positions_used_up_to_block_size_and_are_not_s
     """A block_size that no tensor backs allocates nothing: the tables cover the positions run so far."""
     model = make_model("rope", "gqa")
     attention = model.blocks[0].attention
-    half = model.config.head_size // 2
-    assert attention.cos.shape == (0, half)
+    width = model.config.head_size  # full-width tables: each pair's angle twice
+    assert attention.cos.shape == (0, width)
     with torch.inference_mode():
         model(torch.zeros(1, 3, dtype=torch.long))
-    assert attention.cos.shape == attention.sin.shape == (3, half)
+    assert attention.cos.shape == attention.sin.shape == (3, width)
     with torch.inference_mode():
         model(torch.zeros(1, model.config.block_size, dtype=torch.long))
-    assert attention.cos.shape == (model.config.block_size, half)
-    torch.testing.assert_close(attention.cos, rope_tables(2 * half, model.config.block_size, model.config.rope_base)[0])
+    assert attention.cos.shape == (model.config.block_size, width)
+    torch.testing.assert_close(attention.cos, rope_tables(width, model.config.block_size, model.config.rope_base)[0])
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()  # tables built in inference mode still train
     assert not any(name.endswith((".cos", ".sin")) for name in model.state_dict())
 

@@ -18,13 +18,12 @@ from safetensors.torch import save
 from .errors import CheckpointError, TokenizerError, first_line
 from .files import atomic_write
 from .model import GPT, GPTConfig, parameter_shapes
-from .quantize import INT8_MAX, Int8Linear, dequantize_rows, is_quantized, load_int8, quantizable
+from .quantize import (BITS, INT4_GROUP_SIZE, QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization, stored_names)
 from .tokenizer import build_encoding, parse_spec, vocabulary_size
 
 FORMAT = "manas-gpt"
 FORMAT_VERSION = "1"
-INT8_FORMAT_VERSION = "2"  # format 1 with int8 matrices and their scales (FORMAT.md, "Version 2: int8 weights")
-INT8 = "int8"  # the `quantization` metadata of a version-2 file
+QUANTIZED_FORMAT_VERSION = "2"  # format 1 with quantized matrices (FORMAT.md, "Version 2: quantized weights")
 TIED = "lm_head.weight"  # tied to token_embedding.weight: never stored, tied again on load
 
 
@@ -44,16 +43,17 @@ def save_checkpoint(
     """Validate that the tokenizer fits the model, then write the checkpoint atomically (see files.atomic_write)."""
     encoding = build_encoding(tokenizer_spec)
     _check_vocabulary(encoding, model.config, path)
-    quantized = is_quantized(model)
-    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in stored_state(model, quantized).items()}
+    kind = quantization(model)
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in stored_state(model, kind).items()}
     check_finite_tensors(tensors, path)
-    if quantized:
+    if kind:
         check_finite(model, path)
     metadata = {
         **(extra_metadata or {}),
         "format": FORMAT,
-        "format_version": INT8_FORMAT_VERSION if quantized else FORMAT_VERSION,
-        **({"quantization": INT8} if quantized else {}),
+        "format_version": QUANTIZED_FORMAT_VERSION if kind else FORMAT_VERSION,
+        **({"quantization": kind} if kind else {}),
+        **({"group_size": str(model.lm_head.group_size)} if kind == "int4" else {}),
         "config": json.dumps(model.config.to_dict()),
         "tokenizer": json.dumps(tokenizer_spec),
     }
@@ -62,40 +62,46 @@ def save_checkpoint(
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(save(tensors, metadata=metadata)), overwrite=overwrite)
 
 
-def stored_state(model: GPT, quantized: bool) -> dict[str, torch.Tensor]:
-    """The model's tensors by their stored names. Format 1 leaves out the tied lm_head; format 2 stores the int8
-    output layer in the token embedding's place (it is that matrix, quantized), and no float copy of it."""
+def stored_state(model: GPT, kind: str | None) -> dict[str, torch.Tensor]:
+    """The model's tensors by their stored names. Format 1 leaves out the tied lm_head; format 2 stores the
+    quantized output layer in the token embedding's place (it is that matrix, quantized), and no float copy of it."""
     state = model.state_dict()
-    if not quantized:
+    if not kind:
         del state[TIED]
         return state
     del state["token_embedding.weight"]
     return {name.replace("lm_head.", "token_embedding.", 1): tensor for name, tensor in state.items()}
 
 
-def scales_name(weight_name: str) -> str:
-    """A stored int8 matrix's scales: `blocks.0.ffn.up.weight` → `blocks.0.ffn.up.scales`."""
-    return weight_name.removesuffix("weight") + "scales"
+def companion_name(weight_name: str, suffix: str) -> str:
+    """A stored quantized matrix's scales or zeros: `blocks.0.ffn.up.weight` → `blocks.0.ffn.up.scales`."""
+    return weight_name.removesuffix("weight") + suffix
 
 
 # The dtypes a tensor may be stored in, by the name the safetensors header gives them: one rule, in one place, for
 # every format version.
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-INT8_DTYPES = ("I8",)
+CODE_DTYPES = {"int8": ("I8",), "int4": ("U8",)}
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-                "I8": torch.int8}
+                "I8": torch.int8, "U8": torch.uint8}
 
 
-def stored_tensors(config: GPTConfig, quantized: bool) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+def stored_tensors(config: GPTConfig, kind: str | None = None,
+                   group_size: int = INT4_GROUP_SIZE) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]]:
     """Name, shape and allowed dtypes of every tensor a checkpoint of this config holds, lazily. Format 2 stores
-    each matrix the model multiplies by (every 2-D tensor but the position table) as int8, followed by its
-    scales, one per row."""
+    each matrix the model multiplies by (every 2-D tensor but the position table) quantized: int8 (rows, cols)
+    and one scale per row, or int4 codes two to a byte (rows, cols/2) and a scale and a zero per group."""
     for name, shape in parameter_shapes(config):
-        if quantized and len(shape) == 2 and name != "position_embedding.weight":
-            yield name, shape, INT8_DTYPES
-            yield scales_name(name), shape[:1], FLOAT_DTYPES
-        else:
+        if kind is None or len(shape) != 2 or name == "position_embedding.weight":
             yield name, shape, FLOAT_DTYPES
+        elif kind == "int8":
+            yield name, shape, CODE_DTYPES[kind]
+            yield companion_name(name, "scales"), shape[:1], FLOAT_DTYPES
+        else:
+            rows, columns = shape
+            yield name, (rows, columns // 2), CODE_DTYPES[kind]
+            for suffix in stored_names(kind)[1:]:
+                yield companion_name(name, suffix), (rows, columns // group_size), FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -119,8 +125,12 @@ class Header:
     tensors: dict[str, TensorEntry]
 
     @property
-    def quantized(self) -> bool:
-        return self.metadata["format_version"] == INT8_FORMAT_VERSION
+    def quantization(self) -> str | None:
+        return self.metadata.get("quantization") if self.metadata["format_version"] == QUANTIZED_FORMAT_VERSION else None
+
+    @property
+    def group_size(self) -> int:
+        return int(self.metadata.get("group_size", INT4_GROUP_SIZE))
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
@@ -143,25 +153,26 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     # A real (random) init, then overwritten: cheaper than building on the meta device, whose init imports
     # torch._dynamo (over a second of every command's start-up). Its size is now backed by the file's tensors.
     model = GPT(header.config)
-    int8 = _split_int8(state) if header.quantized else {}
+    quantized = _split_quantized(state, header.quantization) if header.quantization else {}
     model.load_state_dict(state, strict=False, assign=True)
     model.lm_head.weight = model.token_embedding.weight  # assign=True replaced the tied parameter
     model = model.to(device=device, dtype=dtype).eval()
-    if int8:  # after the cast: it would cast the scales too
-        load_int8(model, int8)
+    if quantized:  # after the cast: it would cast the scales too
+        load_quantized(model, quantized, header.quantization)
     check_finite(model, path)
     return Checkpoint(model, header.encoding, header.tokenizer_spec, path, header.metadata)
 
 
-def _split_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Take a version-2 file's int8 matrices and scales out of `state`, by module name (the stored token embedding
-    is the output layer), and leave the token embedding as its dequantized rows."""
-    int8 = {}
-    for name in [name for name, tensor in state.items() if tensor.dtype == torch.int8]:
+def _split_quantized(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """Take a version-2 file's quantized matrices and their scales (and zeros) out of `state`, by module name (the
+    stored token embedding is the output layer), and leave the token embedding as its dequantized rows."""
+    quantized = {}
+    for name in [name for name, tensor in state.items() if tensor.dtype in (torch.int8, torch.uint8)]:
         module = "lm_head." if name == "token_embedding.weight" else name.removesuffix("weight")
-        int8[module + "weight"], int8[module + "scales"] = state.pop(name), state.pop(scales_name(name))
-    state["token_embedding.weight"] = dequantize_rows(int8["lm_head.weight"], int8["lm_head.scales"])
-    return int8
+        for suffix in stored_names(kind):
+            quantized[module + suffix] = state.pop(companion_name(name, suffix))
+    state["token_embedding.weight"] = dequantize_stored(quantized, "lm_head", kind)
+    return quantized
 
 
 def read_header(f: BinaryIO, path: Path) -> Header:
@@ -180,7 +191,7 @@ def read_header(f: BinaryIO, path: Path) -> Header:
         raise CheckpointError(f"{path}: {exc}") from exc
     _check_vocabulary(encoding, config, path)
     header = Header(metadata, config, spec, encoding, tensors)
-    check_tensors(tensors, stored_tensors(config, header.quantized), path)
+    check_tensors(tensors, stored_tensors(config, header.quantization, header.group_size), path)
     return header
 
 
@@ -257,15 +268,16 @@ def _read_tensor(f: BinaryIO, name: str, entry: TensorEntry, path: Path) -> torc
 
 def check_finite(model: GPT, path: Path | str) -> None:
     """Every weight finite as the model will compute with it, checked after the cast to the run's dtype (1e300 is
-    finite in a float64 file and infinite as float32) and with each int8 row's largest value times its scale."""
-    for name, tensor in model.state_dict().items():
+    finite in a float64 file and infinite as float32) and dequantized (an int8 row's largest code times its scale)."""
+    # A quantized file's embedding is its output layer's rows dequantized: name the stored tensor at fault first.
+    for name, tensor in sorted(model.state_dict().items(), key=lambda item: item[0] == "token_embedding.weight"):
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise _not_finite(path, name.replace("lm_head.", "token_embedding.", 1), tensor.dtype)
     for name in quantizable(model):
         layer = model.get_submodule(name)
-        if isinstance(layer, Int8Linear) and not torch.isfinite(layer.scales.float().abs().amax() * INT8_MAX):
+        if isinstance(layer, QuantizedLinear) and (overflowing := layer.overflowing_tensor()):
             stored = "token_embedding" if name == "lm_head" else name  # format 2 stores the output layer there
-            raise _not_finite(path, f"{stored}.scales", torch.float32)
+            raise _not_finite(path, f"{stored}.{overflowing}", torch.float32)
 
 
 def check_finite_tensors(tensors: dict[str, torch.Tensor], path: Path | str) -> None:
@@ -313,22 +325,41 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
             "`manas convert` imports nanoGPT and Hugging Face GPT-2 weights"
         )
     version = metadata.get("format_version")
-    if version not in (FORMAT_VERSION, INT8_FORMAT_VERSION):
+    if version not in (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION):
         raise CheckpointError(
             f"{path}: unsupported format_version {version!r} "
-            f"(this manas reads {FORMAT_VERSION}, and {INT8_FORMAT_VERSION} with int8 weights)"
+            f"(this manas reads {FORMAT_VERSION}, and {QUANTIZED_FORMAT_VERSION} with int8 or int4 weights)"
         )
-    if version == INT8_FORMAT_VERSION and metadata.get("quantization") != INT8:
+    if version == QUANTIZED_FORMAT_VERSION and metadata.get("quantization") not in BITS:
         raise CheckpointError(
             f"{path}: format_version {version} with quantization {metadata.get('quantization')!r}: "
-            f"this manas reads {INT8!r} only"
+            f"this manas reads {' or '.join(map(repr, BITS))}"
         )
+    if version == QUANTIZED_FORMAT_VERSION and metadata["quantization"] == "int4":
+        _check_group_size(metadata, path)
     return metadata
+
+
+def _check_group_size(metadata: dict[str, str], path: Path) -> None:
+    """An int4 file's group_size: a positive count that divides every row (n_embd and 4 n_embd values long)."""
+    value = metadata.get("group_size")
+    try:
+        n_embd = json.loads(metadata["config"])["n_embd"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return  # the config's own check names what is wrong with it
+    if not (isinstance(value, str) and value.isascii() and value.isdigit() and int(value) > 0
+            and isinstance(n_embd, int) and n_embd % int(value) == 0 and int(value) % 2 == 0):
+        raise CheckpointError(
+            f"{path}: int4 group_size {value!r} must be an even count that divides the rows (n_embd {n_embd!r})"
+        )
 
 
 
 def _dtype_rule(allowed: tuple[str, ...]) -> str:
-    return "int8 (I8) in a quantized checkpoint" if allowed == INT8_DTYPES else f"floating point ({', '.join(allowed)})"
+    for kind, codes in CODE_DTYPES.items():
+        if allowed == codes:
+            return f"{kind} codes ({codes[0]}) in an {kind} checkpoint"
+    return f"floating point ({', '.join(allowed)})"
 
 
 def _unreadable(path: Path, reason: str) -> CheckpointError:

@@ -47,12 +47,18 @@ Allocation = choices("Allocation", "dynamic", "static")
 Overflow = choices("Overflow", "recompute", "shift")
 ExportFormat = choices("ExportFormat", "hf", "gguf")
 OutType = choices("OutType", "f32", "f16", "q8_0")
-Quantization = choices("Quantization", "int8")
+Quantization = choices("Quantization", "int8", "int4")
 
 
 def _threads_in_range(value: Optional[int]) -> Optional[int]:
     if value is not None and not 1 <= value <= MAX_THREADS:
         raise typer.BadParameter(f"{value} is not in the range 1 <= threads <= {MAX_THREADS}")
+    return value
+
+
+def _bits(value: int) -> int:
+    if value not in (8, 4):
+        raise typer.BadParameter(f"{value} is not a supported width: use 8 (int8) or 4 (int4)")
     return value
 
 
@@ -88,14 +94,14 @@ PromptFileOption = Annotated[Optional[Path], typer.Option(help="Read the prompt 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of text.")]
 QuantizeOption = Annotated[
     Optional[Quantization],
-    typer.Option("--quantize", help="int8: quantize the weight matrices when loading (one scale per output row, "
-                 "products in bfloat16): a quarter of the bytes to read per token. Files written by `manas quantize` "
-                 "are int8 already and need no flag."),
+    typer.Option("--quantize", help="Quantize the weight matrices when loading, products in bfloat16. int8: one "
+                 "scale per output row, a quarter of float32's bytes; int4: a scale and a zero per 32 values, faster "
+                 "still on the CPU (n_embd a multiple of 32). Files written by `manas quantize` need no flag."),
 ]
 CacheOption = Annotated[
     Allocation,
-    typer.Option("--cache", help="KV cache allocation: 'dynamic' holds exactly the cached positions (grown by "
-                 "concatenation); 'static' preallocates the whole window and writes each position in place."),
+    typer.Option("--cache", help="KV cache allocation: 'dynamic' grows as positions are cached (doubled when full, "
+                 "at most half unused); 'static' preallocates the run's positions at once. Both write in place."),
 ]
 
 
@@ -410,23 +416,27 @@ def export(
 @app.command("quantize", no_args_is_help=True)
 def quantize_command(
     checkpoint: Annotated[Path, typer.Argument(help="float manas checkpoint (.safetensors) to quantize.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="int8 checkpoint to write (.safetensors).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Quantized checkpoint to write (.safetensors).")],
+    bits: Annotated[int, typer.Option("--bits", callback=_bits, help="8: int8, one scale per row, about 4× "
+                                      "smaller; 4: int4, a scale and a zero per 32 values, about 6× smaller.")] = 8,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:
-    """Write an int8 copy of a checkpoint: its matrices as int8 with one scale per row, about 4× smaller.
+    """Write a quantized copy of a checkpoint: its matrices as int8 (--bits 8) or int4 (--bits 4).
 
-    generate, bench, inspect-cache and export load it without any flag; it computes what --quantize int8 does,
-    except that the token embedding too is read back from its int8 rows.
+    generate, bench, inspect-cache, score and export load it without any flag; it computes what --quantize int8
+    or int4 does, except that the token embedding too is read back from its quantized rows.
 
     Examples:
 
       manas quantize gpt2.safetensors --out gpt2-int8.safetensors
 
-      manas generate -c gpt2-int8.safetensors -p 'Hello'
+      manas quantize gpt2.safetensors --bits 4 --out gpt2-int4.safetensors
+
+      manas generate -c gpt2-int4.safetensors -p 'Hello'
     """
     from .commands import quantize as command
 
-    command.run(checkpoint=checkpoint, out=out, force=force)
+    command.run(checkpoint=checkpoint, out=out, kind=f"int{bits}", force=force)
 
 
 @app.command("tokenizer", no_args_is_help=True)
@@ -496,7 +506,7 @@ def main() -> None:
     except (MemoryError, RuntimeError) as exc:
         if _out_of_memory(exc):
             _fail("out of memory: lower --num-samples, --batch, --max-tokens or --prompt-tokens, or use a smaller "
-                  "model or --quantize int8", 1, debug)
+                  "model or --quantize int8 or int4", 1, debug)
         _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
     except Exception as exc:
         _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)

@@ -142,10 +142,10 @@ def check_cacheable(model: GPT) -> None:
                 f"blocks[{i}].attention has n_head={attention.n_head}, n_kv_head={attention.n_kv_head}; "
                 f"the config says n_head={config.n_head}, n_kv_head={config.n_kv_head}"
             )
-        if tuple(attention.qkv.weight.shape) != (qkv_width, config.n_embd):
+        if (attention.qkv.out_features, attention.qkv.in_features) != (qkv_width, config.n_embd):
             raise ValueError(
-                f"blocks[{i}].attention.qkv.weight has shape {tuple(attention.qkv.weight.shape)}, "
-                f"expected {(qkv_width, config.n_embd)}"
+                f"blocks[{i}].attention.qkv maps {attention.qkv.in_features} to {attention.qkv.out_features} "
+                f"features, expected {config.n_embd} to {qkv_width}"
             )
 
 

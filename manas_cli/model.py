@@ -272,10 +272,9 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_parameters(self) -> int:
-        """The weights' values, counted as in the float model: the output layer (tied, or an int8 copy) is the token
-        embedding, and int8 scales are not parameters of their own."""
-        return sum(t.numel() for name, t in self.state_dict().items()
-                   if not name.startswith("lm_head.") and not name.endswith(".scales"))
+        """The weights' values, counted as in the float model whatever their storage: the output layer (tied, or a
+        quantized copy) is the token embedding, and quantization's scales and zeros are not parameters."""
+        return sum(math.prod(shape) for _, shape in parameter_shapes(self.config))
 
     def hidden_states(self, idx: torch.Tensor, start_pos: int = 0, caches=None) -> torch.Tensor:
         """The final-normed residual stream for tokens at positions start_pos..start_pos+T-1."""

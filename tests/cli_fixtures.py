@@ -44,13 +44,13 @@ LONG_PROMPT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAl
 class TinyCheckpoint:
     name: str
     path: Path
-    quantize: bool = False  # as `--quantize int8` runs it
+    quantize: bool | str = False  # True or "int8": as `--quantize int8` runs it; "int4" as `--quantize int4`
 
     @cached_property
     def loaded(self) -> Checkpoint:
         checkpoint = load_checkpoint(self.path)
         if self.quantize:
-            quantize_model(checkpoint.model)
+            quantize_model(checkpoint.model, "int8" if self.quantize is True else self.quantize)
         return checkpoint
 
     @property

@@ -11,7 +11,7 @@ from conftest import BLOCK_SIZE, make_model
 from manas_cli.generation import GenerationStats, crop_window, generate, generate_reference
 from manas_cli.kv_cache import CacheSession
 from manas_cli.model import use_decode_layout
-from manas_cli.quantize import Int8Linear, quantize_model
+from manas_cli.quantize import Int4Linear, Int8Linear, quantize_model
 from manas_cli.sampling import Penalties, Sampler
 
 NEW_TOKENS = 5 * BLOCK_SIZE // 2  # 2.5 × block_size: the window overflows many times
@@ -77,13 +77,17 @@ def test_every_fast_path_equals_crop_and_recompute_within_and_past_the_window(ti
     assert {step.kind for step in cached} == {"prefill", "decode", "re_prefill"}
 
 
-INT8_PATHS = {"int8-kernel": None, "int8-dequantize": False}  # quantize_model's kernel: torch's int8 kernel, or none
+# quantize_model's (kind, kernel): torch's int8 or int4 CPU kernel, or the dequantized product (other devices)
+QUANTIZED_PATHS = {"int8-kernel": ("int8", None), "int8-dequantize": ("int8", False),
+                   "int4-kernel": ("int4", None), "int4-dequantize": ("int4", False)}
 
 
-def int8_model(model, path: str):
-    quantized = quantize_model(copy.deepcopy(model), kernel=INT8_PATHS[path])
-    assert isinstance(quantized.blocks[0].ffn.up, Int8Linear) and isinstance(quantized.lm_head, Int8Linear)
-    assert quantized.lm_head.kernel == (path == "int8-kernel")  # torch 2.13 has the kernel: it really runs
+def quantized_model(model, path: str):
+    kind, kernel = QUANTIZED_PATHS[path]
+    quantized = quantize_model(copy.deepcopy(model), kind, kernel=kernel)
+    layer_class = Int8Linear if kind == "int8" else Int4Linear
+    assert isinstance(quantized.blocks[0].ffn.up, layer_class) and isinstance(quantized.lm_head, layer_class)
+    assert quantized.lm_head.kernel == path.endswith("kernel")  # torch 2.13 has the kernels: they really run
     return quantized
 
 
@@ -98,30 +102,31 @@ def decode_is_bitwise_the_full_window(model, ids: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("allocation", ["dynamic", "static"])
-@pytest.mark.parametrize("path", INT8_PATHS)
+@pytest.mark.parametrize("path", QUANTIZED_PATHS)
 @pytest.mark.parametrize("sampler", ["greedy", "top-k-top-p"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_int8_cached_generation_equals_its_own_crop_and_recompute_past_the_window(tiny_model, batch, sampler, path,
-                                                                                  allocation):
-    """A quantized model is another model: exactness is against its own uncached reference. Decoding runs the int8
-    kernel on a few rows, the reference's longer windows the dequantized product: the two must agree."""
-    model = int8_model(tiny_model, path)
+def test_quantized_cached_generation_equals_its_own_crop_and_recompute_past_the_window(tiny_model, batch, sampler,
+                                                                                       path, allocation):
+    """A quantized model is another model: exactness is against its own uncached reference. Decoding runs the
+    kernel on a few rows, int8's reference on longer windows the dequantized product: the two must agree."""
+    model = quantized_model(tiny_model, path)
     ids = prompt(batch)
     cached = list(generate(model, ids, make_sampler(sampler), NEW_TOKENS, session=CacheSession(model, allocation)))
     reference = list(generate_reference(model, ids, make_sampler(sampler), NEW_TOKENS))
     if tokens_of(cached) != tokens_of(reference) and sampler != "greedy":
-        assert not decode_is_bitwise_the_full_window(tiny_model, ids)  # otherwise the difference is int8's own
+        assert not decode_is_bitwise_the_full_window(tiny_model, ids)  # otherwise the difference is quantization's
         pytest.xfail("this CPU's float32 attention over the cache differs in its last bits from the full window's; "
-                     "int8's bfloat16 activations made that a different sample at a near-tie")
+                     "the bfloat16 activations of the quantized products made that a different sample at a near-tie")
     assert tokens_of(cached) == tokens_of(reference)
     assert {step.kind for step in cached} == {"prefill", "decode", "re_prefill"}
 
 
 @pytest.mark.parametrize("sampler", ["greedy", "top-k-top-p"])
-def test_int8_kernel_and_dequantized_products_give_the_same_tokens(tiny_model, sampler):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_kernel_and_dequantized_products_give_the_same_tokens(tiny_model, sampler, kind):
     runs = [
-        tokens_of(generate(int8_model(tiny_model, path), prompt(3), make_sampler(sampler), NEW_TOKENS))
-        for path in INT8_PATHS
+        tokens_of(generate(quantized_model(tiny_model, path), prompt(3), make_sampler(sampler), NEW_TOKENS))
+        for path in (f"{kind}-kernel", f"{kind}-dequantize")
     ]
     assert runs[0] == runs[1]
 

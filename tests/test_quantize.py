@@ -284,7 +284,7 @@ BAD_INT8_FILES = {  # (quantized source?, change, what the error line names)
                              ["blocks.1.ffn.down.weight", "I8", "floating point"]),
     "float where int8 is expected": (True, lambda t, m: t.update({"blocks.1.attention.output.weight": torch.ones(32, 32)}),
                                      ["blocks.1.attention.output.weight", "F32", "int8"]),
-    "unknown quantization": (True, lambda t, m: m.update(quantization="int4"), ["'int4'", "int8"]),
+    "unknown quantization": (True, lambda t, m: m.update(quantization="int2"), ["'int2'", "int8", "int4"]),
 }
 
 

@@ -16,6 +16,7 @@ MODEL_CARD = ROOT / "checkpoints" / "README.md"
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 QUALITY_BAR_NATS_PER_CHAR = 1.75
 INT8_MARGIN_NATS_PER_CHAR = 0.02  # issue 10: int8 weights may cost at most this much held-out loss
+INT4_MARGIN_NATS_PER_CHAR = 0.05  # issue 15: and int4 weights this much
 
 
 def model_card_facts() -> dict[str, str]:
@@ -81,3 +82,15 @@ def test_shipped_model_with_int8_weights_loses_at_most_0_02_nats_per_char(held_o
     loss = held_out_loss_per_char(model)
     print(f"{source}: {loss:.4f} nats/char against float32's {float_loss_per_char:.4f}")
     assert loss <= float_loss_per_char + INT8_MARGIN_NATS_PER_CHAR
+
+
+@pytest.mark.parametrize("source", ["--quantize int4", "manas quantize --bits 4"])
+def test_shipped_model_with_int4_weights_loses_at_most_0_05_nats_per_char(held_out_loss_per_char, float_loss_per_char,
+                                                                          source, tmp_path):
+    model = quantize_model(load_checkpoint(CHECKPOINT).model, "int4")
+    if source.startswith("manas quantize"):
+        save_checkpoint(tmp_path / "int4.safetensors", model, load_checkpoint(CHECKPOINT).tokenizer_spec)
+        model = load_checkpoint(tmp_path / "int4.safetensors").model
+    loss = held_out_loss_per_char(model)
+    print(f"{source}: {loss:.4f} nats/char against float32's {float_loss_per_char:.4f}")
+    assert loss <= float_loss_per_char + INT4_MARGIN_NATS_PER_CHAR

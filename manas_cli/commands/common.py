@@ -77,7 +77,7 @@ class ModelOptions:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
-    quantize: str | None = None  # "int8"
+    quantize: str | None = None  # "int8" or "int4"
     cache: str = "dynamic"  # the KV cache's allocation
 
 
@@ -104,8 +104,8 @@ def load_model(options: ModelOptions):
             raise type(exc)(f"{exc} (the path comes from ${CHECKPOINT_ENV}: fix it, unset it, or pass --checkpoint)") from None
         raise
     if options.quantize is not None:
-        quantize_checkpoint(checkpoint, "run it without --quantize")
-    if not is_quantized(checkpoint.model):  # int8 layers keep their own layout; the embeddings gain nothing
+        quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
+    if not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
         use_decode_layout(checkpoint.model)
     return checkpoint, threads
 
@@ -118,13 +118,19 @@ def check_memory(model, rows: int, positions: int, lower: str) -> None:
     check_fits(model.config, embedding.device, embedding.element_size(), rows, positions, lower)
 
 
-def quantize_checkpoint(checkpoint, hint: str) -> None:
-    """Quantize a loaded float checkpoint's model to int8, refusing one that is int8 already."""
-    from ..quantize import int8_tensor_names, quantize_model
+def quantize_checkpoint(checkpoint, kind: str, hint: str) -> None:
+    """Quantize a loaded float checkpoint's model to int8 or int4, refusing one that is quantized already, or whose
+    width int4's groups do not divide."""
+    from ..quantize import check_quantizable, quantization, quantize_model, quantized_tensor_names
 
-    if int8 := int8_tensor_names(checkpoint.model):
-        raise InputError(f"{checkpoint.path} is already quantized: its tensor {int8[0]} is int8 ({hint})")
-    quantize_model(checkpoint.model)
+    if stored := quantized_tensor_names(checkpoint.model):
+        raise InputError(f"{checkpoint.path} is already quantized: its tensor {stored[0]} is "
+                         f"{quantization(checkpoint.model)} ({hint})")
+    try:
+        check_quantizable(checkpoint.model.config, kind)
+    except ValueError as exc:
+        raise InputError(f"{checkpoint.path}: {exc}") from None
+    quantize_model(checkpoint.model, kind)
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:

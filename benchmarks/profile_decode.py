@@ -1,5 +1,5 @@
 """Where a decode step's time goes: torch.profiler over cached decode steps of a GPT-2-124M-shaped model
-(random weights) or of the shipped model, in float32, half precision or int8 weights.
+(random weights) or of the shipped model, in float32, half precision, int8 or int4 weights.
 
     python benchmarks/profile_decode.py [--threads 2] [--steps 32] [--context 64] [--cache static]
     python benchmarks/profile_decode.py --shipped --weights int8
@@ -27,14 +27,14 @@ def main() -> None:
     parser.add_argument("--cache", choices=("dynamic", "static"), default="static")
     parser.add_argument("--plain-layout", action="store_true", help="keep nn.Linear's (out, in) weight layout")
     parser.add_argument("--shipped", action="store_true", help="the shipped model instead of the GPT-2 shape")
-    parser.add_argument("--weights", choices=("float32", "bfloat16", "float16", "int8"), default="float32")
+    parser.add_argument("--weights", choices=("float32", "bfloat16", "float16", "int8", "int4"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_checkpoint(resolve_checkpoint(None)).model if args.shipped else GPT(GPT2_124M).eval()
-    if args.weights == "int8":
-        from manas_cli.quantize import quantize_model  # issue 10's int8 weights
+    if args.weights in ("int8", "int4"):
+        from manas_cli.quantize import quantize_model
 
-        quantize_model(model)  # int8 layers keep their own layout, as in the CLI
+        quantize_model(model, args.weights)  # quantized layers keep their own layout, as in the CLI
     else:
         model.to(getattr(torch, args.weights))
         if not args.plain_layout:

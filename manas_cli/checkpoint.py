@@ -18,7 +18,10 @@ from safetensors.torch import save
 from .errors import CheckpointError, TokenizerError, first_line
 from .files import atomic_write
 from .model import GPT, GPTConfig, parameter_shapes
-from .quantize import (BITS, INT4_GROUP_SIZE, QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization, stored_names)
+from .quantize import (
+    INT4_GROUP_SIZE, QUANTIZATIONS, QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization,
+    stored_names,
+)
 from .tokenizer import build_encoding, parse_spec, vocabulary_size
 
 FORMAT = "manas-gpt"
@@ -126,7 +129,8 @@ class Header:
 
     @property
     def quantization(self) -> str | None:
-        return self.metadata.get("quantization") if self.metadata["format_version"] == QUANTIZED_FORMAT_VERSION else None
+        """"int8" or "int4" for a version-2 file, else None."""
+        return self.metadata["quantization"] if self.metadata["format_version"] == QUANTIZED_FORMAT_VERSION else None
 
     @property
     def group_size(self) -> int:
@@ -330,10 +334,10 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
             f"{path}: unsupported format_version {version!r} "
             f"(this manas reads {FORMAT_VERSION}, and {QUANTIZED_FORMAT_VERSION} with int8 or int4 weights)"
         )
-    if version == QUANTIZED_FORMAT_VERSION and metadata.get("quantization") not in BITS:
+    if version == QUANTIZED_FORMAT_VERSION and metadata.get("quantization") not in QUANTIZATIONS:
         raise CheckpointError(
             f"{path}: format_version {version} with quantization {metadata.get('quantization')!r}: "
-            f"this manas reads {' or '.join(map(repr, BITS))}"
+            f"this manas reads {' or '.join(map(repr, QUANTIZATIONS))}"
         )
     if version == QUANTIZED_FORMAT_VERSION and metadata["quantization"] == "int4":
         _check_group_size(metadata, path)
@@ -341,13 +345,13 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
 
 
 def _check_group_size(metadata: dict[str, str], path: Path) -> None:
-    """An int4 file's group_size: a positive count that divides every row (n_embd and 4 n_embd values long)."""
+    """An int4 file's group_size: an even count (two codes a byte) that divides every row (n_embd or 4 n_embd long)."""
     value = metadata.get("group_size")
     try:
         n_embd = json.loads(metadata["config"])["n_embd"]
     except (ValueError, TypeError, KeyError, RecursionError):
         return  # the config's own check names what is wrong with it
-    if not (isinstance(value, str) and value.isascii() and value.isdigit() and int(value) > 0
+    if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9 and int(value) > 0
             and isinstance(n_embd, int) and n_embd % int(value) == 0 and int(value) % 2 == 0):
         raise CheckpointError(
             f"{path}: int4 group_size {value!r} must be an even count that divides the rows (n_embd {n_embd!r})"

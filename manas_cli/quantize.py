@@ -243,7 +243,7 @@ class Int4Linear(QuantizedLinear):
         return None if torch.isfinite(spread + self.zeros.float().abs()).all() else "zeros"
 
 
-BITS = {"int8": 8, "int4": 4}  # the quantizations manas runs, by the name flags and files give them
+QUANTIZATIONS = ("int8", "int4")  # what manas runs, by the names flags and files give them
 
 
 def quantizable(model: GPT) -> list[str]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
@@ -438,14 +439,18 @@ def llama_cpp_files(checkpoint: Path, folder: Path) -> dict[str, Path]:
     return files
 
 
+@functools.cache
+def realtime_allowed() -> bool:
+    try:
+        return subprocess.run(["chrt", "-f", "1", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
 def realtime(command: list[str]) -> list[str]:
     """The command at real-time priority where the machine allows it: the scheduler then lets no other process cut
     into a measurement on a shared machine (OpenMP's spin-waits are the first to suffer)."""
-    try:
-        allowed = subprocess.run(["chrt", "-f", "1", "true"], capture_output=True).returncode == 0
-    except FileNotFoundError:
-        allowed = False
-    return ["chrt", "-f", "1", *command] if allowed else command
+    return ["chrt", "-f", "1", *command] if realtime_allowed() else command
 
 
 def llama_cpp_rates(gguf: Path, prompt_tokens: int, new_tokens: int, threads: int) -> dict[str, float]:

@@ -188,6 +188,8 @@ def read_header(f: BinaryIO, path: Path) -> Header:
         config = GPTConfig.from_dict(json.loads(metadata["config"]))
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
         raise CheckpointError(f"{path}: invalid config: {first_line(exc)}") from None
+    if metadata["format_version"] == QUANTIZED_FORMAT_VERSION and metadata["quantization"] == "int4":
+        _check_group_size(metadata.get("group_size"), config.n_embd, path)
     try:
         spec = parse_spec(metadata.get("tokenizer", "null"))
         encoding = build_encoding(spec)
@@ -339,22 +341,15 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
             f"{path}: format_version {version} with quantization {metadata.get('quantization')!r}: "
             f"this manas reads {' or '.join(map(repr, QUANTIZATIONS))}"
         )
-    if version == QUANTIZED_FORMAT_VERSION and metadata["quantization"] == "int4":
-        _check_group_size(metadata, path)
     return metadata
 
 
-def _check_group_size(metadata: dict[str, str], path: Path) -> None:
+def _check_group_size(value: str | None, n_embd: int, path: Path) -> None:
     """An int4 file's group_size: an even count (two codes a byte) that divides every row (n_embd or 4 n_embd long)."""
-    value = metadata.get("group_size")
-    try:
-        n_embd = json.loads(metadata["config"])["n_embd"]
-    except (ValueError, TypeError, KeyError, RecursionError):
-        return  # the config's own check names what is wrong with it
     if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9 and int(value) > 0
-            and isinstance(n_embd, int) and n_embd % int(value) == 0 and int(value) % 2 == 0):
+            and n_embd % int(value) == 0 and int(value) % 2 == 0):
         raise CheckpointError(
-            f"{path}: int4 group_size {value!r} must be an even count that divides the rows (n_embd {n_embd!r})"
+            f"{path}: int4 group_size {value!r} must be an even count that divides the rows (n_embd {n_embd})"
         )
 
 

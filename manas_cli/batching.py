@@ -42,6 +42,7 @@ class Token:
     seconds: float  # the step that made it (a decode step makes every decoding row's token at once)
     logprobs: tuple[float, list[int], list[float]] | None
     last: bool  # its budget is spent, or it is end-of-text
+    cache: CacheSession  # the row's cache, for what it holds (its storage) once the request is done
 
 
 class Row:
@@ -58,29 +59,33 @@ class Row:
 
     def take(self, logits: torch.Tensor, kind: str, started: float) -> Token:
         """Sample this row's next token from its logits (1, 1, vocab)."""
-        next_ids, (token,), seconds, top = self.state.sample(logits, self.window, started)
+        position = len(self.request.prompt) - 1 + self.steps
+        next_ids, (token,), seconds, top = self.state.sample(logits, self.window, started, position)
         self.window = crop_window(torch.cat((self.window, next_ids), dim=1), self.session.block_size)
         self.steps += 1
         last = self.steps == self.request.max_tokens or token == self.eot_id
-        return Token(self.request.key, token, kind, seconds, top[0] if top else None, last)
+        return Token(self.request.key, token, kind, seconds, top[0] if top else None, last, self.session)
 
 
 @torch.inference_mode()
 def generate_batched(
     model: GPT,
-    requests: Iterator[Request],
+    take: Callable[[bool], Request | None],
     batch_size: int,
     eot_id: int | None = None,
     overflow: str = "recompute",
     finished: Callable[[int], bool] = lambda key: False,
 ) -> Iterator[list[Token]]:
-    """Yield, step after step, the new tokens of up to batch_size requests decoding together; requests are taken
-    from the iterator only as rows free up. finished(key) lets the caller end a request early (a stop string),
-    checked after each step."""
+    """Yield, step after step, the new tokens of up to batch_size requests decoding together.
+
+    take(wait) gives the next request, or None: with wait, None only once there are no more; without, None also
+    when none has come yet. Requests are taken as rows free up, waiting only when no row is decoding, so a request
+    is never held back for one that has not arrived. finished(key) lets the caller end a request early (a stop
+    string), checked after each step."""
     keep = kept_on_overflow(overflow, model.config.block_size)
-    pending, rows = iter(requests), []
+    rows: list[Row] = []
     while True:
-        while len(rows) < batch_size and (request := next(pending, None)) is not None:
+        while len(rows) < batch_size and (request := take(not rows)) is not None:
             rows.append(Row(model, request, eot_id))
         if not rows:
             return

@@ -207,6 +207,9 @@ def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], di
     size = os.fstat(f.fileno()).st_size
     prefix = f.read(8)
     length = int.from_bytes(prefix, "little")
+    if is_pytorch_file(prefix):
+        raise CheckpointError(f"{path}: this is a PyTorch checkpoint, not a manas one: convert it first with "
+                              f"manas convert {path} --out model.safetensors")
     if len(prefix) < 8 or length > size - 8:
         raise _unreadable(path, f"the header length {length} exceeds the file's {size} bytes")
     try:
@@ -359,6 +362,12 @@ def _dtype_rule(allowed: tuple[str, ...]) -> str:
         if allowed == codes:
             return f"{kind} codes ({codes[0]}) in an {kind} checkpoint"
     return f"floating point ({', '.join(allowed)})"
+
+
+def is_pytorch_file(prefix: bytes) -> bool:
+    """Whether a file's first bytes are torch.save's: a zip archive (since torch 1.6), or a pickle (protocol 2 to 5,
+    the legacy format). A safetensors header length never starts so: it would be petabytes."""
+    return prefix.startswith(b"PK\x03\x04") or (len(prefix) >= 2 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5)
 
 
 def _unreadable(path: Path, reason: str) -> CheckpointError:

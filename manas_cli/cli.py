@@ -3,6 +3,7 @@ so `manas --help` answers without loading torch."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -136,7 +137,7 @@ def generate(
     prompt: PromptOption = None,
     prompt_file: PromptFileOption = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")] = 200,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).")] = 0.8,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", callback=_checked("temperature"), help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).")] = 0.8,
     top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample only from the k most likely tokens.")] = None,
     top_p: Annotated[Optional[float], typer.Option(callback=_checked("top_p"), help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.")] = None,
     seed: Annotated[Optional[int], typer.Option(callback=_checked("seed"), help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.")] = None,
@@ -206,8 +207,8 @@ def generate(
 
 @app.command()
 def bench(
-    tokens: Annotated[int, typer.Option("--tokens", "-n", min=1, help="New tokens to decode per run (tgN).")] = 256,
-    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length for the prefill test (ppP).")] = 128,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=1, help="New tokens to decode per run (tgN). Default: what fits in the window after the prompt, at most 256, so the figure is the cached path's (a longer run re-prefills past the window: see --overflow, --sweep).", show_default=False)] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="Prompt length for the prefill test (ppP), at most block_size. Default: 128, or half the window if that is less.", show_default=False)] = None,
     repeat: Annotated[int, typer.Option("--repeat", "-r", min=1, help="Timed runs of each test, after one warm-up.")] = 3,
     batch: Annotated[int, typer.Option(min=1, help="Rows decoded together.")] = 1,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also time uncached crop-and-recompute decoding.")] = True,
@@ -505,15 +506,46 @@ def main() -> None:
         _fail(str(exc), 1, debug)
     except (MemoryError, RuntimeError) as exc:
         if _out_of_memory(exc):
-            _fail("out of memory: lower --num-samples, --batch, --max-tokens or --prompt-tokens, or use a smaller "
-                  "model or --quantize int8 or int4", 1, debug)
+            _fail(f"out of memory: {out_of_memory_advice(args)}",
+                  1, debug)
         _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
+    except OSError as exc:
+        if exc.errno not in OS_ERRORS:
+            _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
+        what, advice = OS_ERRORS[exc.errno]
+        _fail(f"{exc.filename or 'a file'}: {what} ({exc.strerror}): {advice}", 1, debug)
     except Exception as exc:
         _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
     finally:
         _cleaning_up.append(0)  # the command is over: let no signal cut this clean-up short
         remove_unfinished()
 
+
+# What each command can lower when memory runs out (its own flags only).
+OUT_OF_MEMORY_ADVICE = {
+    "generate": "lower --num-samples, --batch-size or --max-tokens, or use a smaller model or --quantize int8 or int4",
+    "bench": "lower --batch, --tokens or --prompt-tokens, or use a smaller model or --quantize int8 or int4",
+    "inspect-cache": "lower --tokens, or use a smaller model or --quantize int8 or int4",
+    "score": "score a shorter text, or use a smaller model or --quantize int8 or int4",
+    "train": "lower --batch-size, --block-size, --n-embd or --n-layer, or train on a shorter text",
+    None: "use a smaller model, or free some memory",
+}
+
+def out_of_memory_advice(args: list[str]) -> str:
+    """What the command that ran (its name is the first argument that names one) can do about it."""
+    name = next((arg for arg in args if arg in OUT_OF_MEMORY_ADVICE), None)
+    return OUT_OF_MEMORY_ADVICE[name]
+
+
+# Failures of the system that a user can act on: (what happened, what to do).
+OS_ERRORS = {
+    errno.ENOSPC: ("the disk is full", "free some space, or write to another disk"),
+    errno.EDQUOT: ("the disk quota is used up", "free some space, or write to another disk"),
+    errno.ENAMETOOLONG: ("a file name is too long", "choose a shorter name (255 bytes at most)"),
+    errno.EROFS: ("the file system is read-only", "write somewhere else"),
+    errno.EACCES: ("permission denied", "check the file's and its folder's permissions, or write somewhere else"),
+    errno.EIO: ("an input/output error", "check the disk or the device"),
+}
 
 # Options whose next argument is a value that may itself read "--debug" (a prompt, a stop text).
 TEXT_OPTIONS = ("-p", "--prompt", "--stop")

@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 
 from . import starcoder2
+from .checkpoint import is_pytorch_file
 from .errors import CheckpointError, InputError, TokenizerError, first_line
 from .files import check_output_file
 from .model import GPT, GPTConfig, parameter_shapes
 from .tokenizer import (
-    bpe_spec, build_encoding, checked_spec, spec_from_hf_files, spec_from_tiktoken_file, vocabulary_size,
+    bpe_spec, build_encoding, checked_spec, spec_from_hf_files, spec_from_tiktoken_file, spec_from_tokenizer_json,
+    vocabulary_size,
 )
 
 # Inside transformer.h.N: GPT-2's module names (nanoGPT's too) and manas' inside blocks.N.
@@ -153,6 +155,11 @@ def load_pickled_weights(path: Path) -> object:
     checkpoint's tensors are memory-mapped, not read, so their shapes are checked against the config before any
     data is touched; a compressed entry (torch.save never writes one) is refused, as its size is not the file's."""
     _refuse_compressed_entries(path)
+    with path.open("rb") as f:
+        if not is_pytorch_file(f.read(8)):
+            raise CheckpointError(f"{path}: not a readable PyTorch checkpoint: it is neither the zip archive "
+                                  "torch.save writes nor a pickle; pass nanoGPT's ckpt.pt, or a Hugging Face folder "
+                                  "or its model.safetensors")
     try:
         with quiet_warnings():  # torch warns about legacy (non-zip) checkpoints on stderr
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
@@ -384,12 +391,12 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
 
 # What convert reads from a Hugging Face folder.
 HF_CONFIG, HF_SAFETENSORS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
-HF_VOCAB, HF_MERGES = "vocab.json", "merges.txt"
+HF_VOCAB, HF_MERGES, HF_TOKENIZER = "vocab.json", "merges.txt", "tokenizer.json"
 
 
 def source_files(src: Path) -> tuple[Path, ...]:
     """Every file convert may read from src: src itself, or the files it reads inside a folder."""
-    names = (HF_CONFIG, HF_SAFETENSORS, HF_PICKLE, HF_VOCAB, HF_MERGES)
+    names = (HF_CONFIG, HF_SAFETENSORS, HF_PICKLE, HF_VOCAB, HF_MERGES, HF_TOKENIZER)
     return tuple(src / name for name in names) if src.is_dir() else (src,)
 
 
@@ -462,19 +469,37 @@ def _refuse_manas_checkpoint(src: Path) -> None:
 
 
 def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
-    """A Hugging Face folder's own GPT-2 tokenizer files (vocab.json, merges.txt), when they split text as GPT-2
-    does: a GPT-2 model's, or any without a tokenizer.json (whose own pre-tokenizer could split otherwise, as
-    Starcoder2's does); None to fall back to --tokenizer-file or tiktoken's cache."""
-    vocab, merges = src / HF_VOCAB, src / HF_MERGES
-    if not (src.is_dir() and vocab.is_file() and merges.is_file()):
+    """A Hugging Face folder's own GPT-2 tokenizer files, when they split text as GPT-2 does: vocab.json and
+    merges.txt of a GPT-2 model, or of any without a tokenizer.json (whose own pre-tokenizer could split otherwise,
+    as Starcoder2's does); else a tokenizer.json alone (transformers 5 saves no other), which says how it splits.
+    None to fall back to --tokenizer-file or tiktoken's cache."""
+    vocab, merges, combined = src / HF_VOCAB, src / HF_MERGES, src / HF_TOKENIZER
+    if not src.is_dir():
         return None
-    if (src / "tokenizer.json").is_file() and _model_type(src / HF_CONFIG) != "gpt2":
-        return None
+    if vocab.is_file() and merges.is_file():
+        if combined.is_file() and _model_type(src / HF_CONFIG) != "gpt2":
+            return None
+        texts = _tokenizer_text(vocab, src), _tokenizer_text(merges, src)
+        return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec_from_hf_files(*texts, src)
+    if combined.is_file():
+        spec = spec_from_tokenizer_json(_tokenizer_text(combined, src), src)
+        return f"GPT-2's BPE from {src}'s tokenizer.json (embedded)", spec
+    return None
+
+
+# Tokenizer files are a few MB (GPT-2's vocab.json 1 MB, a 150,000-token tokenizer.json 11 MB): a larger one is
+# refused before it is parsed, as its tokens would take memory out of proportion to it.
+MAX_TOKENIZER_FILE_BYTES = 64 * 2**20
+
+
+def _tokenizer_text(path: Path, src: Path) -> str:
     try:
-        texts = vocab.read_text(encoding="utf-8"), merges.read_text(encoding="utf-8")
+        if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
+            raise TokenizerError(f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file "
+                                 "manas reads")
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TokenizerError(f"cannot read the tokenizer files of {src}: {first_line(exc)}") from None
-    return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec_from_hf_files(*texts, src)
 
 
 def _model_type(config: Path) -> object:

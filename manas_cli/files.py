@@ -49,6 +49,9 @@ def remove_unfinished() -> None:
 def check_output_file(path: Path, overwrite: bool, *, inputs: tuple[Path | None, ...] = ()) -> None:
     """Before any work: --out names a file (not a folder) in a folder that exists, is none of the files the command
     reads (even with overwrite), and is new unless overwrite, which replaces a regular file only."""
+    if len(os.fsencode(path.name)) > NAME_MAX:
+        raise InputError(f"--out {path}: the file name is {len(os.fsencode(path.name))} bytes long, and a name may "
+                         f"have at most {NAME_MAX}: choose a shorter one")
     if path.is_dir():
         raise InputError(f"--out {path} is a folder: name the file to write inside it")
     if not path.parent.is_dir():

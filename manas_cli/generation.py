@@ -54,10 +54,12 @@ class SamplingState:
         needed = sampler.penalties.counts_needed
         self.counts = torch.zeros(prompt.size(0), vocab_size, device=prompt.device) if needed else None
 
-    def sample(self, logits: torch.Tensor, window: torch.Tensor,
-               started: float) -> tuple[torch.Tensor, list[int], float, list | None]:
-        """The next ids (B, 1) and as a list, the seconds since `started`, and the log-probabilities if asked."""
-        adjusted = self.sampler.adjust(logits[:, -1], window, self.counts)
+    def sample(self, logits: torch.Tensor, window: torch.Tensor, started: float,
+               position: int) -> tuple[torch.Tensor, list[int], float, list | None]:
+        """The next ids (B, 1) and as a list, the seconds since `started`, and the log-probabilities if asked.
+        position: the text's position the logits follow (0 is the first token), for the error when they are not
+        finite."""
+        adjusted = self.sampler.adjust(check_logits(logits[:, -1:], position)[:, -1], window, self.counts)
         next_ids = self.sampler.draw(adjusted)
         if self.counts is not None:
             self.counts.scatter_add_(1, next_ids, torch.ones_like(next_ids, dtype=self.counts.dtype))
@@ -70,7 +72,7 @@ def prefill_due(session: CacheSession, window: torch.Tensor, first: bool, keep: 
     """The window rule, in one place: the prompt's window is prefilled; a full cache re-prefills the last `keep`
     tokens of the window (all of it in recompute mode, half in shift mode); otherwise None: decode from the cache."""
     if first:
-        return "prefill", check_logits(session.prefill(window))
+        return "prefill", session.prefill(window)
     if session.positions >= session.block_size:
         return "re_prefill", session.prefill(crop_window(window, keep))
     return None
@@ -110,7 +112,7 @@ def generate(
     for step in range(max_new_tokens):
         started = time.perf_counter()
         kind, logits = prefill_due(session, sequence, step == 0, keep) or ("decode", session.decode(sequence[:, -1:]))
-        next_ids, tokens, seconds, top = state.sample(logits, sequence, started)
+        next_ids, tokens, seconds, top = state.sample(logits, sequence, started, prompt.size(1) - 1 + step)
         # Only the window can ever be seen again: a sequence of every token would make each step O(length).
         sequence = crop_window(torch.cat((sequence, next_ids), dim=1), block_size)
         yield Step(tokens, kind, session.positions, seconds, top)
@@ -129,9 +131,10 @@ def generate_reference(
     sequence = crop_window(prompt, block_size)
     state = SamplingState(sampler, prompt, model.config.vocab_size, logprobs)
     finished = [False] * prompt.size(0)
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         started = time.perf_counter()
-        next_ids, tokens, seconds, top = state.sample(model(sequence)[:, -1:], sequence, started)
+        next_ids, tokens, seconds, top = state.sample(model(sequence)[:, -1:], sequence, started,
+                                                      prompt.size(1) - 1 + step)
         positions = sequence.size(1)
         sequence = crop_window(torch.cat((sequence, next_ids), dim=1), block_size)
         yield Step(tokens, "full", positions, seconds, top)
@@ -139,14 +142,19 @@ def generate_reference(
             return
 
 
-def check_logits(logits: torch.Tensor) -> torch.Tensor:
-    """The prompt's logits, which must be finite: weights that load finite may still overflow in the computation
-    (float16's range), and sampling from NaN would print token 0 over and over."""
-    if not torch.isfinite(logits[:, -1]).all():
-        raise NumericalError(
-            f"the model computed NaN or infinite logits for the prompt in {str(logits.dtype).removeprefix('torch.')}: "
-            "its weights overflow that type; run it with --dtype float32, or check the checkpoint"
-        )
+def check_logits(logits: torch.Tensor, first_position: int) -> torch.Tensor:
+    """Logits (..., T, vocab) of the text's positions first_position onwards, which must be finite: weights that
+    load finite may still overflow in the computation (a learned position row of 3e38 at one position, float16's
+    range), and sampling from NaN would print token 0 over and over. One reduction per step: cheap beside the
+    forward pass. The error names the first position whose logits are not finite."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if not finite.all():
+        position = first_position + int((~finite).reshape(-1, finite.size(-1)).any(0).nonzero()[0])
+        dtype = str(logits.dtype).removeprefix("torch.")
+        advice = ("its weights overflow float32 there although each is finite (--dtype float32 cannot help): check "
+                  "the checkpoint" if logits.dtype == torch.float32 else
+                  "its weights overflow that type; run it with --dtype float32, or check the checkpoint")
+        raise NumericalError(f"the model computed NaN or infinite logits at position {position} in {dtype}: {advice}")
     return logits
 
 

@@ -26,6 +26,10 @@ from .render import Output, bar, format_bytes, plural, say
 
 REFRESH_S = 0.1  # at most ten frames a second
 BAR_CELLS = 10
+# Below this size a region would crowd out the text it sits under, and a status row cut to a few cells says
+# nothing: there is no live display (the text and the final stats line are the same without it).
+MIN_COLUMNS, MIN_ROWS = 30, 6
+DEFAULT_SIZE = (80, 24)  # a terminal that reports 0×0 (script, some containers), with no $COLUMNS/$LINES
 # Rich's Live draws with the same codes: the cursor hides while the region is up, each frame erases the last one
 # from its bottom row up. A frame is one synchronized update (mode 2026), so a terminal never shows half of one.
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
@@ -55,6 +59,7 @@ class LiveDisplay:
         self._resized = False
         self._previous_winch = None
         self._drawn_at: float | None = None
+        self.active = True  # until the display ends itself (too small a terminal, a failure to draw)
 
     def __enter__(self) -> LiveDisplay:
         self._write(HIDE_CURSOR)
@@ -72,17 +77,36 @@ class LiveDisplay:
         failure, the text held back goes out as it would have without the display."""
         if self._previous_winch is not None:
             signal.signal(signal.SIGWINCH, self._previous_winch)
+        if not self.active:
+            return
         if error_type is None:
-            self.frame()
-        self._write(BEGIN_FRAME + self._erase() + SHOW_CURSOR + END_FRAME)
+            self._drawing(self.frame)
+        self._drawing(lambda: self._write(BEGIN_FRAME + self._erase() + SHOW_CURSOR + END_FRAME))
         self._rows = 0
         if error_type is not None:
             self.out.release(whole=True)
 
     def update(self) -> None:
         self._recent = self.rate.update(self.stats.decode_steps)
-        if self._drawn_at is None or time.monotonic() - self._drawn_at >= REFRESH_S:
-            self.frame()
+        if self.active and (self._drawn_at is None or time.monotonic() - self._drawn_at >= REFRESH_S):
+            self._drawing(self.frame)
+
+    def _drawing(self, draw: Callable[[], None]) -> None:
+        """Draw, ending the display if that fails: a display problem never stops a generation."""
+        try:
+            draw()
+        except Exception:  # noqa: BLE001 (any failure of the display, whatever its kind, ends only the display)
+            self._end(erase=False)
+
+    def _end(self, erase: bool = True) -> None:
+        """Stop drawing for the rest of the run: the region erased (the whole screen after a resize, which may
+        have moved its rows), the cursor shown, the text held back written; the text goes on without a region."""
+        self.active = False
+        if erase:
+            self._write(BEGIN_FRAME + (CLEAR_SCREEN if self._resized else self._erase()) + SHOW_CURSOR + END_FRAME)
+        self._rows = 0
+        self.out.hold_lines = False
+        self.out.release(whole=True)
 
     def notice(self, message: str) -> None:
         self.notices.append(message)
@@ -97,6 +121,9 @@ class LiveDisplay:
         first, for them. After a resize the terminal may have moved the old rows: everything below the cursor's
         row of the region's top is cleared."""
         width, height = self._size()
+        if width < MIN_COLUMNS or height < MIN_ROWS:
+            self._end()
+            return
         if self._resized:
             self._resized = False
             self._write(BEGIN_FRAME + CLEAR_SCREEN)
@@ -114,11 +141,7 @@ class LiveDisplay:
     def _size(self) -> tuple[int, int]:
         """The size of the terminal the region is drawn on: stderr's (Rich asks stdin's or stdout's first, which
         may be another terminal, or none)."""
-        try:
-            size = os.get_terminal_size(self.console.file.fileno())
-        except (OSError, ValueError):
-            return self.console.size
-        return size.columns, size.lines
+        return terminal_size(self.console.file.fileno())
 
     def _render(self, row: Text) -> str:
         with self.console.capture() as capture:
@@ -138,7 +161,7 @@ class LiveDisplay:
             body = sample_rows(self.streams, width, room)
         else:
             body = [Text(row) for row in fold(self.out.held, width)[-max(1, room // 2):] if row]
-        rows = [*body, *notices, *status]
+        rows = [*body, *notices, *status][-(height - 1):]  # many notices: the newest, and the status, fit
         for row in rows:
             row.truncate(width)  # a row wider than the terminal would wrap, and the erase would miss its rest
         return rows
@@ -150,6 +173,21 @@ class LiveDisplay:
     def _write(self, codes: str) -> None:
         self.console.file.write(codes)
         self.console.file.flush()
+
+
+def terminal_size(fd: int) -> tuple[int, int]:
+    """(columns, rows) of the terminal on fd; a size it reports as 0 (a pty nobody sized) is $COLUMNS or $LINES,
+    else 80×24."""
+    try:
+        columns, rows = os.get_terminal_size(fd)
+    except (OSError, ValueError):
+        columns = rows = 0
+    return columns or _env_size("COLUMNS") or DEFAULT_SIZE[0], rows or _env_size("LINES") or DEFAULT_SIZE[1]
+
+
+def _env_size(name: str) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and 0 < int(value) < 10_000 else 0
 
 
 def status_line(stats, max_tokens: int, storage: dict, block_size: int, rate: float | None, width: int) -> Text:

@@ -228,7 +228,9 @@ def bench_table(report: dict):
     if any(noisy):
         table.add_column("")
     for test, marked in zip(report["tests"], noisy):
-        figure = f"{test['tokens_per_s_mean']:,.1f} ± {test['tokens_per_s_std']:,.1f}"
+        figure = f"{test['tokens_per_s_mean']:,.1f}"
+        if report["repeat"] > 1:  # one run has no spread to show
+            figure += f" ± {test['tokens_per_s_std']:,.1f}"
         table.add_row(test["name"], figure, *(["noisy" if marked else ""] if any(noisy) else []))
     speedup = f"{report['speedup']:.1f}×" if report["speedup"] is not None else "-"
     if report["speedup"] is not None and any(is_noisy(test) for test in report["tests"][1:]):

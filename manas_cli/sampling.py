@@ -48,7 +48,8 @@ class Penalties:
         """logits (B, V) float32; context (B, T) the token window the logits follow; counts (B, V) of each token's
         generations so far."""
         if self.repetition != 1.0 and self.last_n != 0 and context is not None:
-            recent = context if self.last_n == -1 else context[:, -self.last_n :]
+            whole = self.last_n == -1 or self.last_n >= context.size(1)  # more than the window is the window
+            recent = context if whole else context[:, -self.last_n :]
             seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, recent, True)
             penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
             logits = torch.where(seen, penalized, logits)

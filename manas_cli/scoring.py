@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .generation import check_logits
 from .model import GPT
 
 
@@ -39,7 +40,9 @@ def windows(length: int, block_size: int, stride: int) -> list[tuple[int, int, i
     spans, scored_to = [], 1  # the first token has no context to be predicted from: scoring starts at the second
     for begin in range(0, length, stride):
         end = min(begin + block_size, length)
-        spans.append((begin, end, min(end - scored_to, end - begin - 1)))
+        targets = min(end - scored_to, end - begin - 1)
+        if targets > 0:  # a last window of one token (stride = block_size) holds nothing to score
+            spans.append((begin, end, targets))
         scored_to = end
         if end == length:
             break
@@ -57,7 +60,7 @@ def score(model: GPT, ids: list[int], characters: int, stride: int,
     nats, scored = 0.0, 0
     for begin, end, targets in windows(len(ids), model.config.block_size, stride):
         window = torch.tensor([ids[begin:end]], device=device)
-        logits = model(window)[0, -targets - 1 : -1].float()
+        logits = check_logits(model(window)[0, -targets - 1 : -1], end - targets - 1).float()
         nats += F.cross_entropy(logits, window[0, -targets:], reduction="sum").item()
         scored += targets
         on_window(targets)

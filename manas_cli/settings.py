@@ -34,7 +34,7 @@ class GenerationSettings:
 # name -> (the rule, as an error states it; whether a value keeps it). None is allowed where the default is None.
 RULES = {
     "max_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
-    "temperature": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "temperature": ("a finite number >= 0", lambda v: _number(v) and v >= 0),
     "top_k": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
     "top_p": ("a number with 0 < top_p <= 1", lambda v: _number(v) and 0 < v <= 1),
     "min_p": ("a number with 0 <= min_p <= 1", lambda v: _number(v) and 0 <= v <= 1),

@@ -18,8 +18,12 @@ from .errors import TokenizerError, first_line
 
 END_OF_TEXT = "<|endoftext|>"
 MAX_ID = 1 << 32  # tiktoken's ranks are u32
-# A special token is a marker such as <|endoftext|>; tiktoken's regex for them fails to build near 10^6 characters.
+# A special token is a marker such as <|endoftext|>; tiktoken's regex for them fails to build near 10^6 characters,
+# and takes memory out of proportion to the file with many (100,000 took 2.8 GB): their number and their total
+# length are bounded too (FORMAT.md). Real tokenizers have from one (GPT-2) to a few hundred.
 MAX_SPECIAL_TOKEN_CHARS = 1000
+MAX_SPECIAL_TOKENS = 4096
+MAX_SPECIAL_TOKENS_TOTAL_CHARS = 65536
 # GPT-2's pre-tokenizer split (tiktoken's r50k_base pattern).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -68,40 +72,123 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def spec_from_hf_files(vocab_json: str, merges_txt: str, source: str | Path) -> dict:
     """GPT-2's tokenizer files (vocab.json: token in GPT-2's byte alphabet → id; merges.txt: the merges in the
-    order they apply) as an embedded BPE with GPT-2's split. tiktoken merges by rank, Hugging Face by the order of
-    merges.txt, so the two agree when each merge builds a token whose id is larger than the last merge's; every
-    token longer than a byte must be built by a merge, except the added (special) tokens, which no merge builds."""
+    order they apply) as an embedded BPE with GPT-2's split (see spec_from_vocab_and_merges). With these files
+    alone, a special token is one that no merge builds, spelled as a marker: <|endoftext|>, <s>, <pad>."""
     try:
         vocab = json.loads(vocab_json)
     except (ValueError, RecursionError) as exc:
         raise TokenizerError(f"{source}: vocab.json is not valid JSON: {first_line(exc)}") from None
+    merges = [(number, line) for number, line in enumerate(merges_txt.splitlines(), start=1)
+              if line.strip() and not line.startswith("#version")]
+    return spec_from_vocab_and_merges(vocab, merges, None, source, "vocab.json", "line {} of merges.txt")
+
+
+def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
+    """A Hugging Face tokenizer.json (what transformers 5 saves in place of vocab.json and merges.txt) holding a
+    byte-level BPE with GPT-2's pre-tokenizer: its `model.vocab`, `model.merges` (as "a b" strings or [a, b]
+    pairs) and `added_tokens`; any other kind of model or pre-tokenizer is refused by name."""
+    try:
+        value = json.loads(tokenizer_json)
+    except (ValueError, RecursionError) as exc:
+        raise TokenizerError(f"{source}: tokenizer.json is not valid JSON: {first_line(exc)}") from None
+    model = value.get("model") if isinstance(value, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise TokenizerError(f"{source}: tokenizer.json's model is {kind!r}, not a BPE: manas reads byte-level BPEs only")
+    pre = value.get("pre_tokenizer")
+    kind = pre.get("type") if isinstance(pre, dict) else None
+    if kind != "ByteLevel" or pre.get("use_regex", True) is not True:
+        raise TokenizerError(f"{source}: tokenizer.json's pre-tokenizer is {kind!r}, not GPT-2's ByteLevel split: "
+                             "manas reads GPT-2-style byte-level BPEs only")
+    merges = [(number, " ".join(merge) if isinstance(merge, list) else merge)
+              for number, merge in enumerate(model.get("merges") or [], start=1)]
+    if not all(isinstance(merge, str) for _, merge in merges):
+        raise TokenizerError(f"{source}: tokenizer.json's model.merges must be 'a b' strings or [a, b] pairs")
+    added = value.get("added_tokens") or []
+    if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str) for t in added):
+        raise TokenizerError(f"{source}: tokenizer.json's added_tokens must be a list of objects with a 'content'")
+    return spec_from_vocab_and_merges(model.get("vocab"), merges, {t["content"] for t in added}, source,
+                                      "tokenizer.json's model.vocab", "merge {} of tokenizer.json")
+
+
+def spec_from_vocab_and_merges(vocab: object, merges: list[tuple[int, str]], specials: set[str] | None,
+                               source: str | Path, vocab_name: str, merge_name: str) -> dict:
+    """A byte-level BPE's vocabulary (token in GPT-2's byte alphabet → id) and its merges, numbered, in the order
+    they apply. tiktoken merges whichever adjacent pair's concatenation has the lowest rank, Hugging Face only the
+    listed pairs, by their order; the two tokenize alike when each merge's parts are built by earlier merges (or
+    are bytes), each merge builds a token whose id is larger than the last merge's, and tiktoken, splitting a
+    merged token with the ranks below its own, arrives at the listed pair. Every other token longer than a byte is
+    a special token: one of `specials` (None: any spelled as a <marker>)."""
     if not isinstance(vocab, dict) or not all(type(i) is int for i in vocab.values()):
-        raise TokenizerError(f"{source}: vocab.json must map each token to an integer id")
+        raise TokenizerError(f"{source}: {vocab_name} must map each token to an integer id")
     byte_of = {alias: byte for byte, alias in bytes_to_unicode().items()}
-    built, last = set(), -1
-    for number, line in enumerate(merges_txt.splitlines(), start=1):
-        if not line.strip() or line.startswith("#version"):
-            continue
+    built, pairs, last = set(), {}, -1
+    for number, line in merges:
+        where = merge_name.format(number)
         parts = line.split(" ")
         if len(parts) != 2 or "".join(parts) not in vocab:
-            raise TokenizerError(f"{source}: line {number} of merges.txt is not a merge of two tokens into one of vocab.json: {line[:60]!r}")
+            raise TokenizerError(f"{source}: {where} is not a merge of two tokens into one of {vocab_name}: {line[:60]!r}")
+        if unbuilt := [part for part in parts if len(part) > 1 and part not in built]:
+            raise TokenizerError(f"{source}: {where} merges {unbuilt[0]!r}, which no earlier merge builds, so "
+                                 "Hugging Face never forms it: the merges are not a BPE's")
         merged = "".join(parts)
         if vocab[merged] <= last:
-            raise TokenizerError(f"{source}: line {number} of merges.txt builds {merged!r} (id {vocab[merged]}), not above the "
+            raise TokenizerError(f"{source}: {where} builds {merged!r} (id {vocab[merged]}), not above the "
                                  "previous merge's id, so tiktoken would merge in another order than Hugging Face")
         built.add(merged)
+        pairs[merged] = (where, parts)
         last = vocab[merged]
     ranks, special = {}, {}
     for token, token_id in vocab.items():
         if len(token) > 1 and token not in built:
-            special[token] = token_id  # an added token (<|endoftext|>): no merge builds it
+            if not (token in specials if specials is not None else _is_marker(token)):
+                raise TokenizerError(f"{source}: {vocab_name} token {token[:40]!r} (id {token_id}) is longer than a "
+                                     "byte, but no merge builds it and it is not a special token: the vocabulary "
+                                     "and the merges do not belong together")
+            special[token] = token_id
         elif all(ch in byte_of for ch in token):
             ranks[bytes(byte_of[ch] for ch in token)] = token_id
         else:
-            raise TokenizerError(f"{source}: vocab.json token {token!r} is not spelled in GPT-2's byte alphabet")
+            raise TokenizerError(f"{source}: {vocab_name} token {token!r} is not spelled in GPT-2's byte alphabet")
     if missing := [byte for byte in range(256) if bytes([byte]) not in ranks]:
-        raise TokenizerError(f"{source}: vocab.json has no token for byte {missing[0]}: not a byte-level BPE")
+        raise TokenizerError(f"{source}: {vocab_name} has no token for byte {missing[0]}: not a byte-level BPE")
+    _check_merges_as_ranks(ranks, pairs, byte_of, source)
     return checked_spec(bpe_spec(ranks, special_tokens=special), source)
+
+
+def _is_marker(token: str) -> bool:
+    return len(token) > 2 and token.startswith("<") and token.endswith(">")
+
+
+def _check_merges_as_ranks(ranks: dict[bytes, int], pairs: dict[str, tuple[str, list[str]]], byte_of: dict[str, int],
+                           source: str | Path) -> None:
+    """Refuse merges that tiktoken's ranks would apply otherwise: for `b c`, `a b`, `ab c`, tiktoken joins `a` and
+    `bc` into `abc` (both are ranks), where Hugging Face, having merged `b c`, has no merge for `a bc`."""
+    def spelled(token: str) -> bytes:
+        return bytes(byte_of[ch] for ch in token)
+
+    for merged, (where, parts) in pairs.items():
+        found = split_below_rank(spelled(merged), ranks)
+        if found != [spelled(part) for part in parts]:
+            shown = " + ".join(repr(part.decode("utf-8", "replace")) for part in found)
+            raise TokenizerError(f"{source}: {where} builds {merged!r} from {parts[0]!r} + {parts[1]!r}, but by rank "
+                                 f"tiktoken builds it from {shown}, so the two would tokenize differently")
+
+
+def split_below_rank(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
+    """tiktoken's byte-pair merging of a token's bytes with the ranks below the token's own: the parts its last
+    merge joins. Merges the adjacent pair of lowest rank first, the leftmost on a tie, as tiktoken does."""
+    limit, parts = ranks[token], [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 1:
+        best_rank, best = limit, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1], limit)
+            if rank < best_rank:
+                best_rank, best = rank, i
+        if best < 0:
+            break
+        parts[best : best + 2] = [parts[best] + parts[best + 1]]
+    return parts
 
 
 def bpe_spec(ranks: dict[bytes, int], pat_str: str = GPT2_PAT_STR, special_tokens: dict[str, int] | None = None) -> dict:
@@ -174,6 +261,12 @@ def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) 
         )
     if not isinstance(special_tokens, dict):
         raise TokenizerError(f"the embedded BPE tokenizer's special_tokens must be an object, got {special_tokens!r}")
+    if len(special_tokens) > MAX_SPECIAL_TOKENS:
+        raise TokenizerError(f"the tokenizer has {len(special_tokens):,} special tokens; at most "
+                             f"{MAX_SPECIAL_TOKENS:,} are allowed")
+    if (total := sum(map(len, special_tokens))) > MAX_SPECIAL_TOKENS_TOTAL_CHARS:
+        raise TokenizerError(f"the tokenizer's special tokens are {total:,} characters long in all; at most "
+                             f"{MAX_SPECIAL_TOKENS_TOTAL_CHARS:,} are allowed")
     owners = {rank: token for token, rank in ranks.items()}
     for text, token_id in special_tokens.items():
         if len(text) > MAX_SPECIAL_TOKEN_CHARS:  # tiktoken matches them with one regex, which has a size limit
@@ -226,6 +319,8 @@ def tiktoken_errors() -> Iterator[None]:
     except BaseException as exc:
         if type(exc).__name__ != "PanicException":
             raise
+        if "pointer is null" in str(exc) or "alloc" in str(exc):  # pyo3 could not allocate the result
+            raise TokenizerError("out of memory while tokenizing the text: pass a shorter text") from None
         raise TokenizerError(f"the tokenizer failed on this text ({first_line(exc)})") from None
 
 

@@ -25,7 +25,7 @@ from manas_cli.quantize import quantize_model
 from manas_cli.sampling import Sampler, seeded_generator
 from manas_cli.tokenizer import bpe_spec, build_encoding, end_of_text_id
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # public data carried with the tests (data/SOURCES.md)
 BLOCK_SIZE = 32
 BPE_VOCAB_SIZE = 320  # 256 bytes, 63 merges learned from Shakespeare, <|endoftext|>
 TRAINING_CHARS = 20_000
@@ -119,7 +119,7 @@ def checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
 
 @cache  # each module that imports the fixture has its own copy of it: build once per session all the same
 def build_checkpoints(folder: Path) -> dict[str, TinyCheckpoint]:
-    text = (SHARED_DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")[:TRAINING_CHARS]
+    text = (DATA / "tinyshakespeare-head.txt").read_text(encoding="utf-8")[:TRAINING_CHARS]
     spec = bpe_spec(train_bpe(text, BPE_VOCAB_SIZE))
     encoding = build_encoding(spec)
     folder.mkdir()

@@ -13,7 +13,7 @@ from manas_cli.tokenizer import bpe_spec
 # One thread for the whole session: the suite is tiny, CI has 2 cores, and a background job may hold the rest.
 torch.set_num_threads(1)
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # public data carried with the tests (data/SOURCES.md)
 
 VOCAB_SIZE = 300
 BLOCK_SIZE = 16
@@ -76,11 +76,17 @@ def tiny_bpe_spec() -> dict:
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    assert (SHARED_DATA / "tinyshakespeare.txt").is_file(), f"the shared data folder {SHARED_DATA} is missing"
-    return SHARED_DATA
+def test_data() -> Path:
+    return DATA
 
 
 @pytest.fixture(scope="session")
-def shakespeare(shared_data) -> str:
-    return (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
+def shakespeare() -> str:
+    """Tiny Shakespeare's first 60,000 characters."""
+    return (DATA / "tinyshakespeare-head.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def shakespeare_held_out() -> str:
+    """The first 30,000 characters of Tiny Shakespeare's held-out last 10%."""
+    return (DATA / "tinyshakespeare-held-out.txt").read_text(encoding="utf-8")

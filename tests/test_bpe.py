@@ -89,14 +89,14 @@ def test_encode_decode_round_trips_arbitrary_unicode_exactly(encoding, text):
     assert max(ids) < VOCAB_SIZE - 1
 
 
-def test_trained_vocabulary_uses_fewer_tokens_than_raw_bytes(shakespeare, encoding):
-    held_out = shakespeare[-20_000:]  # not part of the training text
+def test_trained_vocabulary_uses_fewer_tokens_than_raw_bytes(shakespeare_held_out, encoding):
+    held_out = shakespeare_held_out[:20_000]  # not part of the training text
     assert len(encoding.encode_ordinary(held_out)) < 0.8 * len(held_out.encode("utf-8"))
 
 
-def test_a_larger_vocabulary_compresses_further(shakespeare, training_text, encoding):
+def test_a_larger_vocabulary_compresses_further(shakespeare_held_out, training_text, encoding):
     larger = build_encoding(bpe_spec(train_bpe(training_text, 400)))
-    held_out = shakespeare[-20_000:]
+    held_out = shakespeare_held_out[:20_000]
     assert len(larger.encode_ordinary(held_out)) < len(encoding.encode_ordinary(held_out))
 
 

@@ -146,7 +146,7 @@ def test_every_issue_command_is_registered():
                                   "run-time error"])
 def test_no_escape_codes_reach_a_pipe(rope, bad_files, what):
     """TERM says the terminal colours (cli_env), yet stdout and stderr are pipes: plain text only."""
-    bench = ("bench", "-c", rope.path, *RUN_OPTIONS, "--tokens", "20", "--prompt-tokens", "16", "--repeat", "1")
+    bench = ("bench", "-c", rope.path, *RUN_OPTIONS, "--tokens", "16", "--prompt-tokens", "16", "--repeat", "1")
     inspect = ("inspect-cache", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "--tokens", "40")
     runs = {  # what -> (the run, whether it writes to stdout, to stderr)
         "generate --stats": (lambda: generate(rope, "-p", LONG_PROMPT, "-n", "8", "-t", "0", "--stats"), True, True),

@@ -26,8 +26,7 @@ torch.set_num_threads(1)
 # The installed console script of this interpreter's environment (python -m manas_cli where there is none).
 _SCRIPT = Path(sys.executable).with_name("manas")
 MANAS = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "manas_cli"]
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-GPT2_RANKS = SHARED_DATA / "gpt2.tiktoken"
+GPT2_RANKS = Path(__file__).resolve().parent / "data" / "gpt2.tiktoken"
 GPT2_VOCAB = 50257
 SMALL_VOCAB = 96  # for models whose conversion is refused before any tokenizer has to fit
 

@@ -38,8 +38,8 @@ def test_ranks_file_format_round_trips():
     assert decode_ranks(text) == ranks
 
 
-def test_gpt2_ranks_file_reproduces_gpt2_token_ids(shared_data):
-    encoding = build_encoding(spec_from_tiktoken_file(shared_data / "gpt2.tiktoken"))
+def test_gpt2_ranks_file_reproduces_gpt2_token_ids(test_data):
+    encoding = build_encoding(spec_from_tiktoken_file(test_data / "gpt2.tiktoken"))
     assert encoding.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's published ids
     assert end_of_text_id(encoding) == 50256
     assert vocabulary_size(encoding) == 50257

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_fixtures import SHARED_DATA, checkpoints, learned, manas, rope  # noqa: F401 (fixtures)
+from cli_fixtures import DATA, checkpoints, learned, manas, rope  # noqa: F401 (fixtures)
 from manas_cli.errors import TokenizerError
 from manas_cli.export import tokenizer_files
 from manas_cli.tokenizer import build_encoding, spec_from_hf_files, spec_from_tiktoken_file
@@ -17,15 +17,15 @@ from manas_cli.tokenizer import build_encoding, spec_from_hf_files, spec_from_ti
 @pytest.fixture(scope="module")
 def gpt2_files() -> dict[str, str]:
     """GPT-2's vocab.json and merges.txt, as manas' export writes them from GPT-2's ranks (byte for byte OpenAI's)."""
-    encoding = build_encoding(spec_from_tiktoken_file(SHARED_DATA / "gpt2.tiktoken"))
-    return tokenizer_files(encoding, 1024, SHARED_DATA / "gpt2.tiktoken")
+    encoding = build_encoding(spec_from_tiktoken_file(DATA / "gpt2.tiktoken"))
+    return tokenizer_files(encoding, 1024, DATA / "gpt2.tiktoken")
 
 
 def test_gpt2s_vocab_and_merges_give_tiktokens_gpt2_ranks_and_ids(gpt2_files):
-    ranks = spec_from_tiktoken_file(SHARED_DATA / "gpt2.tiktoken")
+    ranks = spec_from_tiktoken_file(DATA / "gpt2.tiktoken")
     spec = spec_from_hf_files(gpt2_files["vocab.json"], gpt2_files["merges.txt"], "gpt2")
     assert spec["ranks"] == ranks["ranks"] and spec["special_tokens"] == {"<|endoftext|>": 50256}
-    corpus = (SHARED_DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")[:50_000] + " café 日本 🎉 \n\n  x"
+    corpus = (DATA / "tinyshakespeare-head.txt").read_text(encoding="utf-8")[:50_000] + " café 日本 🎉 \n\n  x"
     assert build_encoding(spec).encode_ordinary(corpus) == build_encoding(ranks).encode_ordinary(corpus)
 
 

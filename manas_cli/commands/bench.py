@@ -4,11 +4,34 @@ from __future__ import annotations
 
 from .common import ModelOptions, check_memory, load_model, require_stdout
 
+DEFAULT_PROMPT_TOKENS = 128
+DEFAULT_MAX_TOKENS = 256
+
+
+def bench_lengths(block_size: int, prompt_tokens: int | None, tokens: int | None, console) -> tuple[int, int]:
+    """The prompt and decode lengths: by default both fit in the window (the figure is then the cached path's, as a
+    user's short generation sees it); a prompt longer than the window is cropped, with a notice, and a run that
+    passes the window is said to re-prefill."""
+    from ..render import say
+
+    if prompt_tokens is None:
+        prompt_tokens = min(DEFAULT_PROMPT_TOKENS, block_size // 2)
+    elif prompt_tokens > block_size:
+        say(console, f"notice: --prompt-tokens {prompt_tokens} is more than the model's block_size: prefilling "
+                     f"{block_size}, the whole window")
+        prompt_tokens = block_size
+    if tokens is None:
+        return prompt_tokens, max(1, min(DEFAULT_MAX_TOKENS, block_size - prompt_tokens))
+    if prompt_tokens + tokens > block_size + 1:
+        say(console, f"notice: {prompt_tokens} prompt tokens and {tokens} new ones pass the {block_size}-token "
+                     "window: the decode figure includes its re-prefills (see --overflow)")
+    return prompt_tokens, tokens
+
 
 def run(
     *,
-    tokens: int,
-    prompt_tokens: int,
+    tokens: int | None,
+    prompt_tokens: int | None,
     repeat: int,
     batch: int,
     baseline: bool,
@@ -28,6 +51,7 @@ def run(
     checkpoint, threads = load_model(model_options)
     model = checkpoint.model
     block_size = model.config.block_size
+    prompt_tokens, tokens = bench_lengths(block_size, prompt_tokens, tokens, console)
     check_memory(model, batch, min(block_size, prompt_tokens + tokens), "--batch (or --prompt-tokens, --tokens)")
     device = next(model.parameters()).device
     info = {

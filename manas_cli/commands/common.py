@@ -5,24 +5,48 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import InputError, ManasError
 
 
-def read_text_file(path: Path, what: str) -> str:
+# The most text manas reads as one input (a prompt, a text to score or train on): endless input (`yes |`, a FIFO,
+# /dev/zero) must not take the machine's memory. A generation encodes at most PROMPT_TAIL_CHARS of its prompt.
+MAX_TEXT_BYTES = 64 * 2**20
+
+
+def read_bounded(source: BinaryIO, what: str, advice: str) -> str:
+    """At most MAX_TEXT_BYTES of UTF-8 text from source; `what` names it and `advice` says what to do when it is
+    longer."""
+    data = source.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise InputError(f"{what} is over {MAX_TEXT_BYTES // 2**20} MiB, the most manas reads as one text: {advice}")
     try:
-        text = path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} is not valid UTF-8 (byte {exc.start}): convert it to UTF-8") from None
+
+
+def read_text_file(path: Path, what: str, advice: str) -> str:
+    try:
+        with path.open("rb") as f:
+            text = read_bounded(f, f"{what} {path}", advice)
     except FileNotFoundError:
         raise InputError(f"{what} {path} does not exist") from None
     except IsADirectoryError:
         raise InputError(f"{what} {path} is a directory, not a file") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{what} {path} is not valid UTF-8 (byte {exc.start}): convert it to UTF-8") from None
     except OSError as exc:
         raise InputError(f"cannot read {what} {path}: {exc.strerror}") from None
     if not text.strip():
         raise InputError(f"{what} {path} is empty")
     return text
+
+
+def read_stdin(advice: str) -> str:
+    """Standard input as text (nothing when it is closed), bounded like a file."""
+    import sys
+
+    return read_bounded(sys.stdin.buffer, "standard input", advice) if sys.stdin is not None else ""
 
 
 CHECKPOINT_ENV = "MANAS_CHECKPOINT"
@@ -142,11 +166,11 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
 
         # A usage error (exit 2), like any other misuse of the flags.
         raise typer.BadParameter("give either --prompt or --prompt-file, not both", param_hint="'--prompt-file'")
+    advice = "only the prompt's end reaches the model: pass that (tail -c 1000000 FILE | manas generate)"
     if prompt_file is not None:
         try:
-            return prompt_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise InputError(f"prompt file {prompt_file} is not valid UTF-8 (byte {exc.start})") from None
+            with prompt_file.open("rb") as f:
+                return read_bounded(f, f"prompt file {prompt_file}", advice)
         except OSError as exc:
             raise InputError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
     if prompt is not None and prompt != "-":
@@ -155,11 +179,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
         return default
     if sys.stdin is not None and sys.stdin.isatty():
         print("reading the prompt from standard input (end it with Ctrl-D)", file=sys.stderr)
-    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"standard input is not valid UTF-8 (byte {exc.start}): pass UTF-8 text") from None
+    return read_stdin(advice)
 
 
 # The most prompt characters ever encoded: a window's worth for GPT-2 (1024 tokens of up to 128 bytes, twice over),

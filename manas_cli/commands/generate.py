@@ -64,7 +64,7 @@ def run(
     steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session,
                      settings.logprobs)
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
-    warn_late = talk and overflow == "recompute"
+    warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
     governor = ThreadGovernor(threads)
 
     storage = session.storage()  # what the cache holds after each step: a Ctrl-C during a re-prefill empties it

@@ -3,11 +3,16 @@ in input order, decoded together by continuous batching."""
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import queue
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import InputError, ManasError, interrupt_exit_code
 from ..settings import GenerationSettings, with_overrides
@@ -29,7 +34,7 @@ class Line:
 def parse_line(number: int, text: str, defaults: GenerationSettings) -> Line:
     """A line's request: `prompt`, optionally `id`, and any setting by its name; the flags give the defaults."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         return Line(number, number, error=f"not JSON: {exc}")
     if not isinstance(value, dict):
@@ -45,21 +50,94 @@ def parse_line(number: int, text: str, defaults: GenerationSettings) -> Line:
     return Line(number, key, settings, prompt)
 
 
-def read_lines(prompt_file: Path | None) -> Iterator[tuple[int, str]]:
-    """(line number, text) of each non-blank line of the file or standard input, read as they come."""
-    if prompt_file is not None:
+def _refuse_constant(name: str) -> float:
+    """NaN and Infinity are not JSON (Python's reader takes them): a record that echoed one would not be either."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: valid JSON that no float holds
+        raise ValueError(f"{text} is out of a float's range")
+    return value
+
+
+# A line longer than this is refused with an error record and skipped, so endless input without a newline cannot
+# take the machine's memory (a prompt is encoded from at most PROMPT_TAIL_CHARS characters anyway).
+MAX_LINE_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class RawLine:
+    """A non-blank input line as read: its text, or why it has none (not UTF-8, too long)."""
+
+    number: int
+    text: str | None
+    error: str | None = None
+
+
+def read_raw_lines(source: BinaryIO) -> Iterator[RawLine]:
+    """Each non-blank line, split at \\n only (as `sed -n Np` and `wc -l` count them), at most MAX_LINE_BYTES."""
+    number = 0
+    while data := source.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(data) > MAX_LINE_BYTES and not data.endswith(b"\n"):
+            while (rest := source.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass  # skipped unread: only its end matters
+            yield RawLine(number, None, f"the line is over {MAX_LINE_BYTES // 2**20} MiB: shorten its prompt")
+            continue
         try:
-            source = prompt_file.open(encoding="utf-8")
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield RawLine(number, None, f"not JSON: not UTF-8 (byte {exc.start + 1} of the line): send UTF-8")
+            continue
+        if text.strip():
+            yield RawLine(number, text)
+
+
+class LineReader:
+    """The input's lines, read by a thread as they arrive, so that decoding never waits for a line not yet sent (a
+    client that writes one request and waits for its answer gets it)."""
+
+    def __init__(self, source: BinaryIO) -> None:
+        self._queue: queue.Queue[RawLine | OSError | None] = queue.Queue()
+        self._ended = False
+        threading.Thread(target=self._read, args=(source,), daemon=True).start()
+
+    def _read(self, source: BinaryIO) -> None:
+        try:
+            with source:
+                for line in read_raw_lines(source):
+                    self._queue.put(line)
         except OSError as exc:
-            raise InputError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
-    else:
-        if sys.stdin is None:
-            return
-        source = sys.stdin
-    with source:
-        for number, text in enumerate(source, start=1):
-            if text.strip():
-                yield number, text
+            self._queue.put(exc)
+        finally:
+            self._queue.put(None)
+
+    def next(self, wait: bool) -> RawLine | None:
+        """The next line; None when the input has ended, or (without wait) when no line has come yet."""
+        if self._ended:
+            return None
+        try:
+            item = self._queue.get(block=wait)
+        except queue.Empty:
+            return None
+        if isinstance(item, OSError):
+            raise InputError(f"cannot read the input: {item.strerror or item}")
+        self._ended = item is None
+        return item
+
+
+def open_input(prompt_file: Path | None) -> BinaryIO:
+    """The prompt file or standard input, as bytes (a line that is not UTF-8 gets an error record of its own)."""
+    if prompt_file is None:
+        return sys.stdin.buffer if sys.stdin is not None else io.BytesIO()
+    try:
+        if prompt_file.is_dir():
+            raise InputError(f"prompt file {prompt_file} is a directory, not a file")
+        return prompt_file.open("rb")
+    except OSError as exc:
+        raise InputError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
 
 
 def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: int, overflow: str, stats: bool | None,
@@ -79,6 +157,7 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
     require_stdout()
     console = stderr_console(quiet=quiet)
     show_stats = not quiet and (stats if stats is not None else sys.stderr.isatty())
+    source = open_input(prompt_file)
     checkpoint, _ = load_model(model_options)
     model, encoding = checkpoint.model, checkpoint.encoding
     check_memory(model, batch_size, model.config.block_size, "--batch-size")
@@ -90,9 +169,17 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
     seeds: dict[int, int] = {}
     written = failed = 0
 
-    def requests() -> Iterator[Request]:
-        for number, text in read_lines(prompt_file):
-            line = lines[number] = parse_line(number, text, defaults)
+    reader = LineReader(source)
+
+    def take(wait: bool) -> Request | None:
+        """The next request read (see generate_batched); a line that has none gets its error record at once."""
+        while (raw := reader.next(wait)) is not None:
+            number = raw.number
+            if raw.error is None:
+                line = parse_line(number, raw.text, defaults)
+            else:
+                line = Line(number, number, error=raw.error)
+            lines[number] = line
             order.append(number)
             if line.error is None:
                 try:
@@ -107,7 +194,9 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
             generator, seeds[number] = seeded_generator(settings.seed, model)
             streams[number] = TextStream(encoding, eot, settings.stop, record=True)
             progress[number] = GenerationStats(prompt_tokens=len(ids))
-            yield Request(number, ids, make_sampler(settings, generator, allowed), settings.max_tokens, settings.logprobs)
+            return Request(number, ids, make_sampler(settings, generator, allowed), settings.max_tokens,
+                           settings.logprobs)
+        return None
 
     def flush() -> None:
         """Write every record whose line, and all before it, is done."""
@@ -119,16 +208,17 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
             written += 1
         sys.stdout.flush()
 
-    def complete(number: int) -> None:
+    def complete(made) -> None:
         """The request's record: ended by its budget, unless end-of-text or a stop string ended it first."""
-        stream, line = streams.pop(number), lines[number]
+        stream, line = streams.pop(made.key), lines[made.key]
         stream.finish("length")
-        record = sample_record(stream, progress.pop(number), {}, seeds.pop(number), weights_name(model), line.settings)
-        del record["cache"]  # the rows' caches are gone with them; their sizes say nothing per request
+        record = sample_record(stream, progress.pop(made.key), made.cache.storage(), seeds.pop(made.key),
+                               weights_name(model), line.settings)
         line.record = {"id": line.id, **record}
 
     interruption = None
-    steps = generate_batched(model, requests(), batch_size, eot, overflow, finished=lambda n: streams[n].finished)
+    # A request whose stream is gone was completed (a stop string may end it before its budget).
+    steps = generate_batched(model, take, batch_size, eot, overflow, finished=lambda key: key not in streams)
     try:
         for tokens in steps:
             for made in tokens:
@@ -136,7 +226,7 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
                 progress[made.key].update(made)
                 stream.feed(made.token, made.logprobs)
                 if made.last or stream.finished:
-                    complete(made.key)
+                    complete(made)
             flush()
     except KeyboardInterrupt as exc:
         interruption = exc

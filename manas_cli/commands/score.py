@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from ..errors import InputError
-from .common import ModelOptions, load_model, read_text_file, require_stdout
+from .common import ModelOptions, load_model, read_stdin, read_text_file, require_stdout
 
 
 def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_options: ModelOptions) -> None:
@@ -51,17 +51,14 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
           f"{block_size}, stride {stride} · {weights_name(model)} weights", file=sys.stdout)
 
 
+SCORE_ADVICE = "score a part of it (head -c 64M FILE | manas score)"
+
+
 def read_text(text_file: Path | None) -> str:
     """The text file, or standard input for '-' or none."""
-    import sys
-
     if text_file is not None and str(text_file) != "-":
-        return read_text_file(text_file, "text file")
-    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"standard input is not valid UTF-8 (byte {exc.start}): pass UTF-8 text") from None
+        return read_text_file(text_file, "text file", SCORE_ADVICE)
+    text = read_stdin(SCORE_ADVICE)
     if not text.strip():
         raise InputError("standard input is empty: pass the text to score")
     return text

@@ -53,7 +53,7 @@ def run(
 
     import torch
 
-    from ..render import stderr_console, train_progress
+    from ..render import plural, stderr_console, train_progress
     from ..runtime import resolve_device
     from ..threads import choose_threads
     from ..tokenizer import build_encoding, encode_long_text
@@ -61,7 +61,7 @@ def run(
 
     console = stderr_console()
     torch.set_num_threads(choose_threads(threads).threads)
-    text = read_text_file(text_file, "training text")
+    text = read_text_file(text_file, "training text", "train on a part of it (head -c 64M FILE > part.txt)")
     if resume:
         model, spec, start_step, best = resumed_model(out, resolve_device(device))
     else:
@@ -76,7 +76,7 @@ def run(
                              eval_every=eval_every, seed=seed)
     console.print(
         f"training {model.num_parameters():,} parameters on {len(data.train_ids):,} tokens "
-        f"({len(data.val_ids):,} held out) on {next(model.parameters()).device}, {torch.get_num_threads()} threads"
+        f"({len(data.val_ids):,} held out) on {next(model.parameters()).device}, {plural(torch.get_num_threads(), 'thread')}"
     )
     with train_progress(console, settings.steps, start_step) as show:
         for event in train(model, data, settings, out, spec, start_step, best, overwrite=replace):
@@ -128,11 +128,12 @@ def new_model(spec: dict, shape: ModelShape, seed: int):
 def resumed_model(out: Path, device):
     """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
     from ..checkpoint import load_checkpoint
-    from ..quantize import is_quantized
+    from ..quantize import is_quantized, quantization
 
     checkpoint = load_checkpoint(out, device=device)
     if is_quantized(checkpoint.model):
-        raise InputError(f"{out} is an int8 checkpoint: training needs float weights (resume from the float one)")
+        raise InputError(f"{out} is an {quantization(checkpoint.model)} checkpoint: training needs float weights "
+                         "(resume from the float one)")
     step, val_loss = training_progress(checkpoint.metadata.get("training", "{}"), out)
     return checkpoint.model, checkpoint.tokenizer_spec, step, val_loss
 

@@ -288,8 +288,9 @@ def score(
 ) -> None:
     """Score a text with a model: its loss in nats per token and per character, and its perplexity.
 
-    A window of block_size tokens slides over the text by --stride, as Hugging Face's perplexity guide and
-    llama.cpp's llama-perplexity do. Compare a converted, quantized or retrained checkpoint on the same text.
+    A window of block_size tokens slides over the text by --stride, as Hugging Face's perplexity guide does: every
+    token is scored once (llama.cpp's llama-perplexity scores other tokens, so its figures differ). Compare a
+    converted, quantized or retrained checkpoint on the same text.
 
     Examples:
 
@@ -545,6 +546,8 @@ OS_ERRORS = {
     errno.EROFS: ("the file system is read-only", "write somewhere else"),
     errno.EACCES: ("permission denied", "check the file's and its folder's permissions, or write somewhere else"),
     errno.EIO: ("an input/output error", "check the disk or the device"),
+    errno.EFBIG: ("the file would be larger than this process may write", "raise the limit (ulimit -f), or write a "
+                  "smaller file"),
 }
 
 # Options whose next argument is a value that may itself read "--debug" (a prompt, a stop text).

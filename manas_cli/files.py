@@ -27,7 +27,12 @@ def atomic_write(path: str | Path, write: Callable[[str], None], *, overwrite: b
     path = Path(path)
     tmp = _create_temporary(path)
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as exc:
+            if exc.errno is None and _disk_full(path.parent):  # a short write reported without errno (numpy's)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
+            raise
         os.chmod(tmp, _new_file_mode())  # created private (0600) while being written; the result is an ordinary file
         if overwrite:
             refuse_special(path)  # checked before the work too; a device may have appeared meanwhile
@@ -125,6 +130,12 @@ def _create_temporary(path: Path) -> str:
         _unfinished.discard(tmp)  # not ours (or not created): never to be removed
         raise
     return tmp
+
+
+def _disk_full(folder: Path) -> bool:
+    """Whether the file system of folder has (next to) no space left for an ordinary user."""
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize < 2**20
 
 
 def _claim(tmp: str, path: Path) -> None:

@@ -102,8 +102,10 @@ class LiveDisplay:
         """Stop drawing for the rest of the run: the region erased (the whole screen after a resize, which may
         have moved its rows), the cursor shown, the text held back written; the text goes on without a region."""
         self.active = False
-        if erase:
+        if erase and (self._rows or self._resized):
             self._write(BEGIN_FRAME + (CLEAR_SCREEN if self._resized else self._erase()) + SHOW_CURSOR + END_FRAME)
+        elif erase:
+            self._write(SHOW_CURSOR)  # nothing was drawn
         self._rows = 0
         self.out.hold_lines = False
         self.out.release(whole=True)

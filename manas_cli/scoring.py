@@ -1,5 +1,6 @@
 """A model's loss on a text, with a sliding window: each token scored once, with as much context before it as the
-window holds, as Hugging Face's perplexity guide and llama.cpp's `llama-perplexity` do."""
+window holds, as Hugging Face's perplexity guide computes it (llama.cpp's `llama-perplexity` scores only the second
+half of non-overlapping windows, so its figures differ)."""
 
 from __future__ import annotations
 

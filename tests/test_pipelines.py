@@ -30,16 +30,20 @@ WORDS = "ROMEO JULIET KING The what love thou art sweet night day O speak me no 
 
 
 def reference_tokens(checkpoint: TinyCheckpoint, prompt: str, settings: GenerationSettings) -> list[int]:
-    """The request alone, as crop-and-recompute (which `manas generate` equals, token for token) computes it."""
+    """The request alone, as crop-and-recompute (which `manas generate` equals, token for token) computes it, up to
+    end-of-text or the token that completes a stop string."""
     model, encoding = checkpoint.loaded.model, checkpoint.encoding
     generator, _ = seeded_generator(settings.seed, model)
     sampler = make_sampler(settings, generator, torch.tensor(decodable(encoding)))
     ids = encoding.encode_ordinary(prompt)[-model.config.block_size:] or [checkpoint.eot_id]
-    tokens = []
+    tokens, text = [], b""
     for step in generate_reference(model, prompt_batch(ids, 1, model), sampler, settings.max_tokens, checkpoint.eot_id):
         if step.tokens[0] == checkpoint.eot_id:
             break
         tokens.append(step.tokens[0])
+        text += encoding.decode_single_token_bytes(step.tokens[0])
+        if any(stop in text.decode("utf-8", errors="ignore") for stop in settings.stop):
+            break
     return tokens
 
 
@@ -56,6 +60,8 @@ def mixed_requests(count: int, seed: int, max_tokens: tuple[int, int]) -> list[d
             request["temperature"] = 0.0
         if index % 5 == 0:
             request |= {"repetition_penalty": 1.3, "repeat_last_n": 16, "frequency_penalty": 0.2, "min_p": 0.02}
+        if index % 3 == 0:  # stop strings that match early, late or never: a stopped row leaves the batch mid-run
+            request["stop"] = [rng.choice(["e", "\n", " the", "O", "zzz"])]
         requests.append(request)
     return requests
 
@@ -68,6 +74,8 @@ def jsonl(checkpoint_path: Path, lines: list[str], *args: str) -> subprocess.Com
 
 @pytest.mark.parametrize("model, batch_size, budgets", [
     ("rope", "8", (5, 70)),  # past the 32-position window, re-prefilling
+    ("rope", "1", (5, 70)),
+    ("rope", "16", (5, 70)),
     ("learned", "3", (5, 70)),
     ("shipped", "8", (3, 12)),
 ])
@@ -78,11 +86,18 @@ def test_every_jsonl_record_equals_the_request_alone(checkpoints, model, batch_s
     assert done.returncode == 0, done.stderr.decode()
     records = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert [record["id"] for record in records] == [request["id"] for request in requests]  # input order
+    stops = 0
     for request, record in zip(requests, records):
         settings = with_overrides(GenerationSettings(), {k: v for k, v in request.items() if k not in ("prompt", "id")})
         assert record["tokens"] == reference_tokens(checkpoint, request["prompt"], settings), request
-        assert record["text"] == checkpoint.encoding.decode(record["tokens"])
+        if record["finish_reason"] == "stop":
+            stops += 1
+            assert settings.stop[0] not in record["text"]
+            assert record["text"] in checkpoint.encoding.decode(record["tokens"])
+        else:
+            assert record["text"] == checkpoint.encoding.decode(record["tokens"])
         assert record["temperature"] == settings.temperature and record["min_p"] == settings.min_p
+    assert stops >= (1 if model == "learned" else 3)  # stops matched mid-batch (random weights emit fewer letters)
 
 
 def test_a_jsonl_record_is_the_generate_record_of_the_request_alone(rope):

@@ -82,9 +82,9 @@ def read_raw_lines(source: BinaryIO) -> Iterator[RawLine]:
     while data := source.readline(MAX_LINE_BYTES + 1):
         number += 1
         if len(data) > MAX_LINE_BYTES and not data.endswith(b"\n"):
-            while (rest := source.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
-                pass  # skipped unread: only its end matters
             yield RawLine(number, None, f"the line is over {MAX_LINE_BYTES // 2**20} MiB: shorten its prompt")
+            while (rest := source.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass  # the rest of the line is skipped as it comes (an endless one never fills memory)
             continue
         try:
             text = data.decode("utf-8")

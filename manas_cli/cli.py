@@ -360,7 +360,7 @@ def convert(
     src: Annotated[Path, typer.Argument(help="nanoGPT ckpt.pt, a Hugging Face GPT-2 or Starcoder2 folder, or a bare model.safetensors (with --config).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="manas checkpoint to write (.safetensors).")],
     config: Annotated[Optional[Path], typer.Option(help="Hugging Face GPT-2 or Starcoder2 config.json for a bare weights file.")] = None,
-    tokenizer: Annotated[str, typer.Option(help="'gpt2': GPT-2's BPE, from a folder's own vocab.json + merges.txt, --tokenizer-file, or tiktoken's cache.")] = "gpt2",
+    tokenizer: Annotated[str, typer.Option(help="'gpt2': GPT-2's BPE, from a folder's own vocab.json + merges.txt (or tokenizer.json), --tokenizer-file, or tiktoken's cache.")] = "gpt2",
     tokenizer_file: Annotated[Optional[Path], typer.Option(help="GPT-2's ranks as a .tiktoken file, embedded in the checkpoint (`manas tokenizer` writes one from vocab.json + merges.txt).")] = None,
     tokenizer_meta: Annotated[Optional[Path], typer.Option(help="nanoGPT's character-level meta.pkl (read without running code).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
@@ -443,11 +443,11 @@ def quantize_command(
 
 @app.command("tokenizer", no_args_is_help=True)
 def tokenizer_command(
-    src: Annotated[Path, typer.Argument(help="A Hugging Face GPT-2 folder holding vocab.json and merges.txt.")],
+    src: Annotated[Path, typer.Argument(help="A Hugging Face GPT-2 folder holding vocab.json and merges.txt, or a tokenizer.json.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The .tiktoken ranks file to write.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:
-    """Write a GPT-2 folder's tokenizer (vocab.json + merges.txt) as a .tiktoken file for --tokenizer-file.
+    """Write a GPT-2 folder's tokenizer (vocab.json + merges.txt, or tokenizer.json) as a .tiktoken file for --tokenizer-file.
 
     convert reads a GPT-2 folder's own tokenizer files by itself; this is for a nanoGPT checkpoint trained with
     GPT-2's tokenizer, whose ckpt.pt carries none.

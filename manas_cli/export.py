@@ -24,7 +24,7 @@ from .errors import CheckpointError, InputError
 from .files import claim_folder, refuse_inputs, refuse_special, temporary_name
 from .model import GPT, GPTConfig
 from .quantize import dequantize_model
-from .tokenizer import END_OF_TEXT, GPT2_PAT_STR, bytes_to_unicode
+from .tokenizer import END_OF_TEXT, GPT2_PAT_STR, bytes_to_unicode, merge_parts
 
 GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}
 # Patterns that split text as Hugging Face's GPT-2 pre-tokenizer does: manas' own, and the equivalent possessive
@@ -122,21 +122,6 @@ def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, di
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------------------
-
-
-def merge_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
-    """Byte-pair merge the token's bytes as tiktoken does (lowest rank first), using ranks below max_rank only."""
-    parts = [bytes([byte]) for byte in token]
-    while True:
-        best: tuple[int, int] | None = None  # (rank, position)
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and rank < max_rank and (best is None or rank < best[0]):
-                best = (rank, i)
-        if best is None:
-            return parts
-        i = best[1]
-        parts[i : i + 2] = [parts[i] + parts[i + 1]]
 
 
 def hf_merges(ranks: dict[bytes, int], pat_str: str, source: Path) -> list[tuple[bytes, bytes]]:

@@ -168,27 +168,26 @@ def _check_merges_as_ranks(ranks: dict[bytes, int], pairs: dict[str, tuple[str, 
         return bytes(byte_of[ch] for ch in token)
 
     for merged, (where, parts) in pairs.items():
-        found = split_below_rank(spelled(merged), ranks)
+        found = merge_parts(ranks, spelled(merged), ranks[spelled(merged)])  # the parts its last merge joins
         if found != [spelled(part) for part in parts]:
             shown = " + ".join(repr(part.decode("utf-8", "replace")) for part in found)
             raise TokenizerError(f"{source}: {where} builds {merged!r} from {parts[0]!r} + {parts[1]!r}, but by rank "
                                  f"tiktoken builds it from {shown}, so the two would tokenize differently")
 
 
-def split_below_rank(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
-    """tiktoken's byte-pair merging of a token's bytes with the ranks below the token's own: the parts its last
-    merge joins. Merges the adjacent pair of lowest rank first, the leftmost on a tie, as tiktoken does."""
-    limit, parts = ranks[token], [token[i : i + 1] for i in range(len(token))]
-    while len(parts) > 1:
-        best_rank, best = limit, -1
+def merge_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """Byte-pair merge the token's bytes as tiktoken does (lowest rank first), using ranks below max_rank only."""
+    parts = [bytes([byte]) for byte in token]
+    while True:
+        best: tuple[int, int] | None = None  # (rank, position)
         for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1], limit)
-            if rank < best_rank:
-                best_rank, best = rank, i
-        if best < 0:
-            break
-        parts[best : best + 2] = [parts[best] + parts[best + 1]]
-    return parts
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < max_rank and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None:
+            return parts
+        i = best[1]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
 
 
 def bpe_spec(ranks: dict[bytes, int], pat_str: str = GPT2_PAT_STR, special_tokens: dict[str, int] | None = None) -> dict:

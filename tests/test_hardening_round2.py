@@ -449,13 +449,13 @@ def test_export_into_a_link_to_an_empty_folder_writes_there(tmp_path, learned):
     assert (tmp_path / "empty" / "config.json").is_file() and (tmp_path / "link").is_symlink()
 
 
-def test_a_random_ckpt_message_ends_on_a_whole_word(tmp_path):
-    (tmp_path / "ckpt.pt").write_bytes(os.urandom(4096))
+def test_a_random_ckpt_message_is_ours_not_torchs(tmp_path):
+    """Random bytes are no pickle nor zip: said in one sentence of manas's, not torch's weights_only paragraph."""
+    (tmp_path / "ckpt.pt").write_bytes(b"\x00" + os.urandom(4096))
     (tmp_path / "tok.tiktoken").write_text("".join(f"{__import__('base64').b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
     line = assert_one_error(run("convert", tmp_path / "ckpt.pt", "--out", tmp_path / "o.safetensors",
                                 "--tokenizer-file", tmp_path / "tok.tiktoken"), "not a readable PyTorch checkpoint")
-    detail = line.rsplit("(", 1)[1]
-    assert detail.endswith(")") and (len(detail) < 150 or detail.endswith(" …)"))
+    assert "weights_only" not in line and line.endswith("or its model.safetensors")
 
 
 def test_a_starcoder2_config_without_hidden_size_names_it(tmp_path, rope, exported):

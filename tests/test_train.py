@@ -59,6 +59,7 @@ def test_train_writes_a_checkpoint_of_the_requested_shape(trained):
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""  # talk goes to stderr
+    assert "on cpu, 1 thread\n" in result.stderr  # --threads 1, in the singular
     config = load_checkpoint(path).model.config
     assert (config.n_layer, config.n_head, config.n_kv_head, config.n_embd, config.block_size) == (1, 4, 2, 32, 16)
     assert (config.position_encoding, config.vocab_size) == ("rope", 300)

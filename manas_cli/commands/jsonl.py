@@ -133,8 +133,6 @@ def open_input(prompt_file: Path | None) -> BinaryIO:
     if prompt_file is None:
         return sys.stdin.buffer if sys.stdin is not None else io.BytesIO()
     try:
-        if prompt_file.is_dir():
-            raise InputError(f"prompt file {prompt_file} is a directory, not a file")
         return prompt_file.open("rb")
     except OSError as exc:
         raise InputError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None

@@ -13,13 +13,13 @@ import time
 
 import torch
 
-from manas_cli.bench import run_once
-from manas_cli.checkpoint import load_checkpoint
-from manas_cli.commands.common import resolve_checkpoint
-from manas_cli.generation import generate
-from manas_cli.kv_cache import CacheSession
-from manas_cli.model import use_decode_layout
-from manas_cli.sampling import Sampler
+from manas_cli.engine.bench import run_once
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.engine.generation import generate
+from manas_cli.engine.kv_cache import CacheSession
+from manas_cli.engine.model import use_decode_layout
+from manas_cli.engine.sampling import Sampler
 
 
 def decode(model, tokens: int, allocation: str):

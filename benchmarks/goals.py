@@ -53,13 +53,13 @@ from pathlib import Path
 
 import torch
 
-from manas_cli.bench import bench_prompt, run_once
-from manas_cli.checkpoint import load_checkpoint
-from manas_cli.commands.common import resolve_checkpoint
-from manas_cli.generation import generate, generate_reference
-from manas_cli.kv_cache import CacheSession
-from manas_cli.model import GPT, use_decode_layout
-from manas_cli.sampling import Sampler
+from manas_cli.engine.bench import bench_prompt, run_once
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.engine.generation import generate, generate_reference
+from manas_cli.engine.kv_cache import CacheSession
+from manas_cli.engine.model import GPT, use_decode_layout
+from manas_cli.engine.sampling import Sampler
 
 GREEDY = Sampler(temperature=0.0)
 GPT2_PROMPT_TOKENS, GPT2_NEW_TOKENS = 64, 256
@@ -113,7 +113,7 @@ def gpt2_pair():
     """Hugging Face's GPT-2-124M shape with random weights, and the same weights as a manas model (plain layout)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from manas_cli.convert import build_model, config_from_hf, gpt2_state_to_manas
+    from manas_cli.formats.convert import build_model, config_from_hf, gpt2_state_to_manas
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config()).eval()
@@ -244,9 +244,9 @@ def int8_copier():
     """A function making an int8 copy of a float model in its plain layout (int8 layers keep their own layout,
     as in the CLI); asked for before any model is built, so that a checkout without int8 skips at once."""
     try:
-        from manas_cli.quantize import quantize_model
+        from manas_cli.engine.quantize import quantize_model
     except ImportError:
-        raise Unavailable("int8 weights (manas_cli.quantize, issue 10) are not in this checkout") from None
+        raise Unavailable("int8 weights (manas_cli.engine.quantize, issue 10) are not in this checkout") from None
     return lambda model: quantize_model(copy.deepcopy(model))
 
 
@@ -365,9 +365,9 @@ def goal_dtypes(runs: int) -> dict:
 
 def gpt2_checkpoint(folder: Path) -> Path:
     """A GPT-2-124M-shaped manas checkpoint with random weights and GPT-2's tokenizer, written once into folder."""
-    from manas_cli.checkpoint import save_checkpoint
-    from manas_cli.model import GPTConfig
-    from manas_cli.tokenizer import spec_from_tiktoken_file
+    from manas_cli.formats.checkpoint import save_checkpoint
+    from manas_cli.engine.model import GPTConfig
+    from manas_cli.formats.tokenizer import spec_from_tiktoken_file
 
     path = folder / "gpt2-random.safetensors"
     if not path.exists():
@@ -563,7 +563,7 @@ def goal_pipelines(count: int = 100, new_tokens: int = 64) -> dict:
 
 def batched_decode_rate(model: GPT, batch: int, new_tokens: int) -> float:
     """Total decode tokens/s of `batch` greedy requests of a 64-token prompt decoding together."""
-    from manas_cli.batching import Request, generate_batched
+    from manas_cli.engine.batching import Request, generate_batched
 
     prompt = bench_prompt(model, 64, 1)[0].tolist()
     requests = [Request(i, prompt, GREEDY, new_tokens) for i in range(batch)]

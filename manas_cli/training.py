@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import save_checkpoint
+from .formats.checkpoint import save_checkpoint
 from .errors import InputError, TrainingError
-from .model import GPT
+from .engine.model import GPT
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from manas_cli.bpe import train_bpe
-from manas_cli.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from manas_cli.generation import generate_reference, prompt_batch
-from manas_cli.model import GPT, GPTConfig
-from manas_cli.quantize import quantize_model
-from manas_cli.sampling import Sampler, seeded_generator
-from manas_cli.tokenizer import bpe_spec, build_encoding, end_of_text_id
+from manas_cli.formats.bpe import train_bpe
+from manas_cli.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from manas_cli.engine.generation import generate_reference, prompt_batch
+from manas_cli.engine.model import GPT, GPTConfig
+from manas_cli.engine.quantize import quantize_model
+from manas_cli.engine.sampling import Sampler, seeded_generator
+from manas_cli.formats.tokenizer import bpe_spec, build_encoding, end_of_text_id
 
 DATA = Path(__file__).resolve().parent / "data"  # public data carried with the tests (data/SOURCES.md)
 BLOCK_SIZE = 32

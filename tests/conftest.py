@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from manas_cli.model import GPT, GPTConfig
-from manas_cli.tokenizer import bpe_spec
+from manas_cli.engine.model import GPT, GPTConfig
+from manas_cli.formats.tokenizer import bpe_spec
 
 # One thread for the whole session: the suite is tiny, CI has 2 cores, and a background job may hold the rest.
 torch.set_num_threads(1)

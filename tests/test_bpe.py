@@ -10,8 +10,8 @@ import regex
 import tiktoken
 import tiktoken.load
 
-from manas_cli.bpe import train_bpe
-from manas_cli.tokenizer import END_OF_TEXT, GPT2_PAT_STR, bpe_spec, build_encoding, encode_ranks, end_of_text_id
+from manas_cli.formats.bpe import train_bpe
+from manas_cli.formats.tokenizer import END_OF_TEXT, GPT2_PAT_STR, bpe_spec, build_encoding, encode_ranks, end_of_text_id
 
 VOCAB_SIZE = 300
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas, rope  # noqa: F401 (fixtures)
-from manas_cli.render import is_noisy, noise_warning
-from manas_cli.threads import ThreadChoice, choose_threads, free_cores
+from manas_cli.cli.render import is_noisy, noise_warning
+from manas_cli.engine.threads import ThreadChoice, choose_threads, free_cores
 
 
 def bench_json(checkpoint, *args: str, **env: str | None) -> dict:

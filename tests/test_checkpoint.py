@@ -13,10 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_model
-from manas_cli.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from manas_cli.formats.checkpoint import load_checkpoint, read_metadata, save_checkpoint
 from manas_cli.files import atomic_write
 from manas_cli.errors import CheckpointError, ManasError
-from manas_cli.tokenizer import build_encoding, end_of_text_id
+from manas_cli.formats.tokenizer import build_encoding, end_of_text_id
 
 
 def test_round_trip_gives_identical_logits_and_tokenizer(tiny_model, tiny_bpe_spec, tmp_path):

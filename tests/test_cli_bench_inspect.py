@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from cli_fixtures import BLOCK_SIZE, RUN_OPTIONS, checkpoints, learned, manas, rope  # noqa: F401 (fixtures)
-from manas_cli.commands.inspect_cache import DEFAULT_PROMPT as DEFAULT_INSPECT_PROMPT
+from manas_cli.cli.commands.inspect_cache import DEFAULT_PROMPT as DEFAULT_INSPECT_PROMPT
 
 FLOAT32_BYTES = 4
 N_LAYER, N_HEAD, HEAD_SIZE = 2, 4, 8

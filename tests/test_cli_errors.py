@@ -12,7 +12,7 @@ import typer
 from safetensors.torch import save_file
 
 from cli_fixtures import LONG_PROMPT, RUN_OPTIONS, checkpoints, cli_env, generate, manas, rope  # noqa: F401 (fixtures)
-from manas_cli.cli import app
+from manas_cli.cli.app import app
 
 
 def assert_one_error_line(run, code: int, *names: str) -> str:
@@ -115,7 +115,7 @@ def test_debug_shows_the_traceback_before_the_error_line(bad_files):
 HELP_WITHOUT_TORCH = """
 import sys
 sys.argv = ["manas", *sys.argv[1:], "--help"]
-from manas_cli.cli import main
+from manas_cli.cli.app import main
 try:
     main()
 except SystemExit as exit:

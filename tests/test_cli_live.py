@@ -26,9 +26,9 @@ import torch
 from cli_fixtures import (  # noqa: F401 (checkpoints and rope are fixtures)
     BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli_env, generate, manas, rope,
 )
-from manas_cli.checkpoint import save_checkpoint
-from manas_cli.model import GPT, GPTConfig
-from manas_cli.tokenizer import bpe_spec
+from manas_cli.formats.checkpoint import save_checkpoint
+from manas_cli.engine.model import GPT, GPTConfig
+from manas_cli.formats.tokenizer import bpe_spec
 
 COLUMNS, ROWS = 160, 50  # wide enough for the stats line on one row
 END_FRAME = "\x1b[?2026l"  # the live display draws each frame as one synchronized update, ended by this
@@ -344,7 +344,7 @@ def test_version_prints_the_package_metadata_without_importing_torch(flag):
     assert done.returncode == 0
     assert done.stdout.decode() == f"manas {version('manas-cli')}\n"
     imported = [line.split("|")[-1].strip() for line in done.stderr.decode().splitlines()]
-    assert "manas_cli.cli" in imported  # -X importtime really listed the imports
+    assert "manas_cli.cli.app" in imported  # -X importtime really listed the imports
     assert not [name for name in imported if name.split(".")[0] == "torch"]
 
 
@@ -373,7 +373,7 @@ def test_several_samples_say_per_sample_live_and_total_at_the_end(rope):
 
 
 def test_the_live_rate_is_the_last_seconds_not_the_running_average():
-    from manas_cli.live import RecentRate
+    from manas_cli.cli.live import RecentRate
 
     rate, steps, now = RecentRate(), 0, 0.0
     for _ in range(500):  # 5 s at 100 tokens/s, then the window fills: 10 tokens/s

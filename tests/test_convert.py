@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from manas_cli.checkpoint import load_checkpoint, read_metadata, save_checkpoint
-from manas_cli.generation import generate
-from manas_cli.sampling import Sampler
-from manas_cli.tokenizer import bpe_spec, decode_ranks, end_of_text_id
+from manas_cli.formats.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from manas_cli.engine.generation import generate
+from manas_cli.engine.sampling import Sampler
+from manas_cli.formats.tokenizer import bpe_spec, decode_ranks, end_of_text_id
 
 torch.set_num_threads(1)
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conftest import make_model
-from manas_cli.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.convert import character_spec
-from manas_cli.generation import generate
-from manas_cli.sampling import Sampler
-from manas_cli.tokenizer import bpe_spec, build_encoding, spec_from_tiktoken_file
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.convert import character_spec
+from manas_cli.engine.generation import generate
+from manas_cli.engine.sampling import Sampler
+from manas_cli.formats.tokenizer import bpe_spec, build_encoding, spec_from_tiktoken_file
 from test_convert import GPT2_RANKS, VARIED_TEXT, assert_refused, run_manas
 
 torch.set_num_threads(1)

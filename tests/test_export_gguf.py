@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from manas_cli.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.tokenizer import END_OF_TEXT, build_encoding
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.tokenizer import END_OF_TEXT, build_encoding
 from test_convert import assert_refused, run_manas
 from test_export import shakespeare_character_spec
 

@@ -16,8 +16,8 @@ import torch
 
 from cli_fixtures import RUN_OPTIONS
 from conftest import make_model
-from manas_cli.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.tokenizer import build_encoding, decode_ranks, encode_ranks
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.tokenizer import build_encoding, decode_ranks, encode_ranks
 from test_convert import assert_converted, assert_refused, run_manas
 
 torch.set_num_threads(1)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import BLOCK_SIZE, make_model
-from manas_cli.generation import GenerationStats, crop_window, generate, generate_reference
-from manas_cli.kv_cache import CacheSession
-from manas_cli.model import use_decode_layout
-from manas_cli.quantize import Int4Linear, Int8Linear, quantize_model
-from manas_cli.sampling import Penalties, Sampler
+from manas_cli.engine.generation import GenerationStats, crop_window, generate, generate_reference
+from manas_cli.engine.kv_cache import CacheSession
+from manas_cli.engine.model import use_decode_layout
+from manas_cli.engine.quantize import Int4Linear, Int8Linear, quantize_model
+from manas_cli.engine.sampling import Penalties, Sampler
 
 NEW_TOKENS = 5 * BLOCK_SIZE // 2  # 2.5 × block_size: the window overflows many times
 SAMPLERS = {

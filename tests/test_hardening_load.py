@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from cli_fixtures import BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, rope  # noqa: F401
-from manas_cli.checkpoint import load_checkpoint
-from manas_cli.convert import gpt2_name
-from manas_cli.model import GPT, GPTConfig, parameter_shapes
-from manas_cli.tokenizer import bpe_spec, encode_ranks
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.formats.convert import gpt2_name
+from manas_cli.engine.model import GPT, GPTConfig, parameter_shapes
+from manas_cli.formats.tokenizer import bpe_spec, encode_ranks
 
 ADDRESS_SPACE = 3 << 30  # far below what any of the refused claims would allocate
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors"

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, manas, rope  # noqa: F401 (fixtures)
-from manas_cli.tokenizer import GPT2_PAT_STR, build_encoding, bpe_spec, pattern_is_safe
+from manas_cli.formats.tokenizer import GPT2_PAT_STR, build_encoding, bpe_spec, pattern_is_safe
 from test_hardening_load import (
     assert_one_error, generate_from, limit_memory, read_parts, run, write_variant,
 )
@@ -210,7 +210,7 @@ def test_threads_out_of_range_is_a_usage_error_naming_the_range(rope, threads):
 
 
 def test_a_streamed_sample_keeps_none_of_its_text():
-    from manas_cli.streaming import TextStream
+    from manas_cli.cli.streaming import TextStream
 
     encoding = build_encoding(bpe_spec(BYTE_RANKS))
     stream = TextStream(encoding, None, (), record=False)

@@ -23,7 +23,7 @@ from safetensors.torch import save
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, manas, rope  # noqa: F401 (fixtures)
 from manas_cli.errors import TokenizerError
-from manas_cli.tokenizer import bytes_to_unicode, spec_from_hf_files
+from manas_cli.formats.tokenizer import bytes_to_unicode, spec_from_hf_files
 from test_hardening_load import assert_one_error, read_parts, write_variant
 
 ROOT = Path(__file__).resolve().parents[1]

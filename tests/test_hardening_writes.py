@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, generate, learned, manas, rope  # noqa: F401 (fixtures)
-from manas_cli.checkpoint import load_checkpoint, read_metadata, save_checkpoint
-from manas_cli.sampling import Sampler
-from manas_cli.tokenizer import encode_ranks
+from manas_cli.formats.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from manas_cli.engine.sampling import Sampler
+from manas_cli.formats.tokenizer import encode_ranks
 
 TINY_SHAPE = (
     "--n-layer", "1", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "32", "--block-size", "16",

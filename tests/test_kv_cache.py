@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 from conftest import BLOCK_SIZE, make_model, tiny_config
-from manas_cli.generation import crop_window
-from manas_cli.kv_cache import CacheSession
-from manas_cli.model import CausalSelfAttention, RotaryAttention
+from manas_cli.engine.generation import crop_window
+from manas_cli.engine.kv_cache import CacheSession
+from manas_cli.engine.model import CausalSelfAttention, RotaryAttention
 
 FLOAT32_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from cli_fixtures import (  # noqa: F401 (fixtures)
     BLOCK_SIZE, MANAS, RUN_OPTIONS, TinyCheckpoint, checkpoints, cli_env, learned, manas, rope,
 )
-from manas_cli.commands.generate import make_sampler
-from manas_cli.generation import generate_reference, prompt_batch
-from manas_cli.sampling import seeded_generator
-from manas_cli.settings import GenerationSettings, with_overrides
-from manas_cli.tokenizer import decodable
+from manas_cli.cli.commands.generate import make_sampler
+from manas_cli.engine.generation import generate_reference, prompt_batch
+from manas_cli.engine.sampling import seeded_generator
+from manas_cli.cli.settings import GenerationSettings, with_overrides
+from manas_cli.formats.tokenizer import decodable
 
 SHIPPED = TinyCheckpoint("shipped", Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors")
 WORDS = "ROMEO JULIET KING The what love thou art sweet night day O speak me no my lord".split()

@@ -13,12 +13,12 @@ from safetensors.torch import load, load_file, save
 
 from cli_fixtures import RUN_OPTIONS, TinyCheckpoint, checkpoints, generate, learned, manas, rope  # noqa: F401
 from conftest import make_model
-from manas_cli.generation import generate as generate_tokens
-from manas_cli.model import GPT, GPTConfig, use_decode_layout
-from manas_cli.quantize import (
+from manas_cli.engine.generation import generate as generate_tokens
+from manas_cli.engine.model import GPT, GPTConfig, use_decode_layout
+from manas_cli.engine.quantize import (
     INT8_MAX, Int8Linear, dequantize_rows, quantize_model, quantize_rows, weights_bytes, weights_name,
 )
-from manas_cli.sampling import Sampler
+from manas_cli.engine.sampling import Sampler
 from test_cli_errors import assert_one_error_line
 
 TINY_BENCH = ("--tokens", "20", "--prompt-tokens", "16", "--repeat", "1", "--no-baseline")

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from manas_cli.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.quantize import quantize_model
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.engine.quantize import quantize_model
 from manas_cli.training import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from manas_cli.errors import TokenizerError
-from manas_cli.tokenizer import (
+from manas_cli.formats.tokenizer import (
     IncrementalDecoder,
     bpe_spec,
     build_encoding,

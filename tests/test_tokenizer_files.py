@@ -10,8 +10,8 @@ import pytest
 
 from cli_fixtures import DATA, checkpoints, learned, manas, rope  # noqa: F401 (fixtures)
 from manas_cli.errors import TokenizerError
-from manas_cli.export import tokenizer_files
-from manas_cli.tokenizer import build_encoding, spec_from_hf_files, spec_from_tiktoken_file
+from manas_cli.formats.export import tokenizer_files
+from manas_cli.formats.tokenizer import build_encoding, spec_from_hf_files, spec_from_tiktoken_file
 
 
 @pytest.fixture(scope="module")

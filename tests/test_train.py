@@ -14,10 +14,10 @@ import pytest
 import tiktoken.load
 import torch
 
-from manas_cli.checkpoint import load_checkpoint, read_metadata
-from manas_cli.generation import generate
-from manas_cli.sampling import Sampler
-from manas_cli.tokenizer import end_of_text_id
+from manas_cli.formats.checkpoint import load_checkpoint, read_metadata
+from manas_cli.engine.generation import generate
+from manas_cli.engine.sampling import Sampler
+from manas_cli.formats.tokenizer import end_of_text_id
 
 TINY_SHAPE = [
     "--n-layer", "1", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "32", "--block-size", "16",

@@ -11,11 +11,11 @@ DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 
 def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool,
         model_options: ModelOptions) -> None:
-    from ..generation import GenerationStats, generate, prompt_batch
-    from ..kv_cache import CacheSession, cache_report
-    from ..quantize import weights_bytes, weights_name
+    from ...engine.generation import GenerationStats, generate, prompt_batch
+    from ...engine.kv_cache import CacheSession, cache_report
+    from ...engine.quantize import weights_bytes, weights_name
     from ..render import cache_view, json_line, stderr_console, token_progress
-    from ..sampling import Sampler
+    from ...engine.sampling import Sampler
 
     require_stdout()
     console = stderr_console()

@@ -20,10 +20,10 @@ import torch
 from . import starcoder2
 from .checkpoint import TIED, check_finite_tensors, load_checkpoint
 from .convert import gpt2_name, is_gpt2_linear_weight
-from .errors import CheckpointError, InputError
-from .files import claim_folder, refuse_inputs, refuse_special, temporary_name
-from .model import GPT, GPTConfig
-from .quantize import dequantize_model
+from ..errors import CheckpointError, InputError
+from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
+from ..engine.model import GPT, GPTConfig
+from ..engine.quantize import dequantize_model
 from .tokenizer import END_OF_TEXT, GPT2_PAT_STR, bytes_to_unicode, merge_parts
 
 GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import InputError, ManasError
+from ...errors import InputError, ManasError
 
 
 # The most text manas reads as one input (a prompt, a text to score or train on): endless input (`yes |`, a FIFO,
@@ -58,7 +58,7 @@ def default_checkpoint_candidates() -> list[Path]:
     import sys
 
     return [
-        Path(__file__).resolve().parents[2] / "checkpoints" / DEFAULT_CHECKPOINT,
+        Path(__file__).resolve().parents[3] / "checkpoints" / DEFAULT_CHECKPOINT,
         Path(sys.prefix) / "share" / "manas" / "checkpoints" / DEFAULT_CHECKPOINT,
     ]
 
@@ -110,11 +110,11 @@ def load_model(options: ModelOptions):
     asked, its float weights laid out for decoding."""
     import torch
 
-    from ..checkpoint import load_checkpoint
-    from ..model import use_decode_layout
-    from ..quantize import is_quantized
-    from ..runtime import resolve_device, resolve_dtype
-    from ..threads import choose_threads
+    from ...formats.checkpoint import load_checkpoint
+    from ...engine.model import use_decode_layout
+    from ...engine.quantize import is_quantized
+    from ...engine.runtime import resolve_device, resolve_dtype
+    from ...engine.threads import choose_threads
 
     threads = choose_threads(options.threads)
     torch.set_num_threads(threads.threads)
@@ -136,7 +136,7 @@ def load_model(options: ModelOptions):
 
 def check_memory(model, rows: int, positions: int, lower: str) -> None:
     """Refuse a run the device cannot hold before allocating it (see memory.check_fits)."""
-    from ..memory import check_fits
+    from ...engine.memory import check_fits
 
     embedding = model.token_embedding.weight
     check_fits(model.config, embedding.device, embedding.element_size(), rows, positions, lower)
@@ -145,7 +145,7 @@ def check_memory(model, rows: int, positions: int, lower: str) -> None:
 def quantize_checkpoint(checkpoint, kind: str, hint: str) -> None:
     """Quantize a loaded float checkpoint's model to int8 or int4, refusing one that is quantized already, or whose
     width int4's groups do not divide."""
-    from ..quantize import check_quantizable, quantization, quantize_model, quantized_tensor_names
+    from ...engine.quantize import check_quantizable, quantization, quantize_model, quantized_tensor_names
 
     if stored := quantized_tensor_names(checkpoint.model):
         raise InputError(f"{checkpoint.path} is already quantized: its tensor {stored[0]} is "
@@ -194,7 +194,7 @@ def encode_prompt(checkpoint, text: str, console) -> list[int]:
     the longest token's bytes in characters, so twice that (the tokens at the cut may differ, and are cropped) is
     exact, up to PROMPT_TAIL_CHARS. That bound also keeps any whitespace run far below the length (~10^6
     characters) at which tiktoken's regex engine overflows its stack and panics."""
-    from ..tokenizer import encode_text, end_of_text_id, longest_token_bytes
+    from ...formats.tokenizer import encode_text, end_of_text_id, longest_token_bytes
 
     block_size = checkpoint.model.config.block_size
     tail = min(2 * block_size * longest_token_bytes(checkpoint.encoding), PROMPT_TAIL_CHARS)

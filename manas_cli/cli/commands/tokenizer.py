@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import InputError
-from ..files import check_output_file
+from ...errors import InputError
+from ...files import check_output_file
 
 
 def run(*, src: Path, out: Path, force: bool) -> None:
-    from ..convert import HF_MERGES, HF_TOKENIZER, HF_VOCAB, folder_tokenizer
-    from ..files import atomic_write
+    from ...formats.convert import HF_MERGES, HF_TOKENIZER, HF_VOCAB, folder_tokenizer
+    from ...files import atomic_write
     from ..render import stderr_console
-    from ..tokenizer import decode_ranks
+    from ...formats.tokenizer import decode_ranks
 
     check_output_file(out, force, inputs=(src / HF_VOCAB, src / HF_MERGES, src / HF_TOKENIZER))
     found = folder_tokenizer(src) if src.is_dir() else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

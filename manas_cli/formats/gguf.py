@@ -20,12 +20,12 @@ import numpy as np
 
 from .checkpoint import load_checkpoint
 from .convert import is_gpt2_linear_weight
-from .errors import CheckpointError, MissingDependencyError, first_line
+from ..errors import CheckpointError, MissingDependencyError, first_line
 from . import starcoder2
 from .export import ByteLevelBPE, byte_level_bpe, hf_state_dict
-from .files import atomic_write, check_output_file
-from .model import GPT, GPTConfig
-from .quantize import dequantize_model
+from ..files import atomic_write, check_output_file
+from ..engine.model import GPT, GPTConfig
+from ..engine.quantize import dequantize_model
 from .tokenizer import END_OF_TEXT
 
 OUTTYPES = ("f32", "f16", "q8_0")

@@ -6,17 +6,17 @@ from pathlib import Path
 
 import typer
 
-from ..errors import InputError
+from ...errors import InputError
 from .common import ModelOptions, load_model, read_stdin, read_text_file, require_stdout
 
 
 def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_options: ModelOptions) -> None:
     import sys
 
-    from ..quantize import weights_name
+    from ...engine.quantize import weights_name
     from ..render import json_line, stderr_console, token_progress
-    from ..scoring import score
-    from ..tokenizer import encode_long_text
+    from ...engine.scoring import score
+    from ...formats.tokenizer import encode_long_text
 
     require_stdout()
     console = stderr_console()

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError, InputError
-from ..files import check_output_file
+from ...errors import CheckpointError, InputError
+from ...files import check_output_file
 from .common import read_text_file
 
 
@@ -54,10 +54,10 @@ def run(
     import torch
 
     from ..render import plural, stderr_console, train_progress
-    from ..runtime import resolve_device
-    from ..threads import choose_threads
-    from ..tokenizer import build_encoding, encode_long_text
-    from ..training import TrainSettings, make_dataset, train
+    from ...engine.runtime import resolve_device
+    from ...engine.threads import choose_threads
+    from ...formats.tokenizer import build_encoding, encode_long_text
+    from ...training import TrainSettings, make_dataset, train
 
     console = stderr_console()
     torch.set_num_threads(choose_threads(threads).threads)
@@ -86,8 +86,8 @@ def run(
 
 def training_tokenizer(text: str, tokenizer: str, tokenizer_file: Path | None, vocab_size: int, console) -> dict:
     """GPT-2's ranks from --tokenizer-file, or a BPE trained on the text."""
-    from ..bpe import train_bpe
-    from ..tokenizer import bpe_spec, spec_from_tiktoken_file
+    from ...formats.bpe import train_bpe
+    from ...formats.tokenizer import bpe_spec, spec_from_tiktoken_file
 
     if tokenizer == "gpt2":
         if tokenizer_file is None:
@@ -99,8 +99,8 @@ def training_tokenizer(text: str, tokenizer: str, tokenizer_file: Path | None, v
 
 def write_ranks(spec: dict, out: Path, force: bool, console) -> None:
     """--tokenizer-only: the BPE's ranks as a .tiktoken file, and no model."""
-    from ..files import atomic_write
-    from ..tokenizer import decode_ranks, encode_ranks
+    from ...files import atomic_write
+    from ...formats.tokenizer import decode_ranks, encode_ranks
 
     ranks = decode_ranks(spec["ranks"])
     atomic_write(out, lambda tmp: Path(tmp).write_text(encode_ranks(ranks), encoding="ascii"), overwrite=force)
@@ -110,8 +110,8 @@ def write_ranks(spec: dict, out: Path, force: bool, console) -> None:
 def new_model(spec: dict, shape: ModelShape, seed: int):
     import torch
 
-    from ..model import GPT, GPTConfig
-    from ..tokenizer import build_encoding, vocabulary_size
+    from ...engine.model import GPT, GPTConfig
+    from ...formats.tokenizer import build_encoding, vocabulary_size
 
     try:
         config = GPTConfig(
@@ -127,8 +127,8 @@ def new_model(spec: dict, shape: ModelShape, seed: int):
 
 def resumed_model(out: Path, device):
     """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
-    from ..checkpoint import load_checkpoint
-    from ..quantize import is_quantized, quantization
+    from ...formats.checkpoint import load_checkpoint
+    from ...engine.quantize import is_quantized, quantization
 
     checkpoint = load_checkpoint(out, device=device)
     if is_quantized(checkpoint.model):

@@ -21,9 +21,9 @@ import torch
 
 from . import starcoder2
 from .checkpoint import is_pytorch_file
-from .errors import CheckpointError, InputError, TokenizerError, first_line
-from .files import check_output_file
-from .model import GPT, GPTConfig, parameter_shapes
+from ..errors import CheckpointError, InputError, TokenizerError, first_line
+from ..files import check_output_file
+from ..engine.model import GPT, GPTConfig, parameter_shapes
 from .tokenizer import (
     bpe_spec, build_encoding, checked_spec, spec_from_hf_files, spec_from_tiktoken_file, spec_from_tokenizer_json,
     vocabulary_size,

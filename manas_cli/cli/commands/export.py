@@ -9,7 +9,7 @@ def run(*, checkpoint: Path, out: Path, output_format: str, outtype: str | None,
     from ..render import stderr_console
 
     if output_format == "gguf":
-        from ..export_gguf import export_gguf
+        from ...formats.gguf import export_gguf
 
         done = export_gguf(checkpoint, out, outtype=outtype or "f16", force=force)
         stderr_console().print(
@@ -21,7 +21,7 @@ def run(*, checkpoint: Path, out: Path, output_format: str, outtype: str | None,
         import typer
 
         raise typer.BadParameter("--outtype applies to --format gguf only", param_hint="'--outtype'")
-    from ..export import export_hf
+    from ...formats.export import export_hf
 
     result = export_hf(checkpoint, out, force=force)
     stderr_console().print(f"wrote a Hugging Face {result.architecture} model to {result.out}: {', '.join(result.files)}")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
-from .model import GPT, GPTConfig
+from ..errors import CheckpointError
+from ..engine.model import GPT, GPTConfig
 
 ARCHITECTURE = "Starcoder2ForCausalLM"
 MODEL_TYPE = "starcoder2"

@@ -42,8 +42,8 @@ def run(
 ) -> None:
     import torch
 
-    from ..bench import run_bench, sweep as sweep_positions
-    from ..quantize import weights_bytes, weights_name
+    from ...engine.bench import run_bench, sweep as sweep_positions
+    from ...engine.quantize import weights_bytes, weights_name
     from ..render import bench_table, is_noisy, json_line, noise_warning, stderr_console, sweep_chart, token_progress
 
     require_stdout()

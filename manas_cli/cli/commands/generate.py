@@ -6,7 +6,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from ..errors import interrupt_exit_code
+from ...errors import interrupt_exit_code
 from ..settings import GenerationSettings
 from .common import ModelOptions, check_memory, encode_prompt, load_model, read_prompt, require_stdout
 
@@ -30,15 +30,15 @@ def run(
     import torch
     import typer
 
-    from ..generation import GenerationStats, generate, prompt_batch
-    from ..kv_cache import CacheSession
+    from ...engine.generation import GenerationStats, generate, prompt_batch
+    from ...engine.kv_cache import CacheSession
     from ..live import LiveDisplay, piped, shares_terminal
-    from ..quantize import weights_name
+    from ...engine.quantize import weights_name
     from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
-    from ..sampling import seeded_generator
+    from ...engine.sampling import seeded_generator
     from ..streaming import TextStream
-    from ..threads import ThreadGovernor
-    from ..tokenizer import decodable, end_of_text_id
+    from ...engine.threads import ThreadGovernor
+    from ...formats.tokenizer import decodable, end_of_text_id
 
     require_stdout()
     console = stderr_console(quiet=quiet)
@@ -124,7 +124,7 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
 
 
 def make_sampler(settings: GenerationSettings, generator, decodable):
-    from ..sampling import Penalties, Sampler
+    from ...engine.sampling import Penalties, Sampler
 
     penalties = Penalties(settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty,
                           settings.presence_penalty)

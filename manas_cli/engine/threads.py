@@ -38,7 +38,7 @@ def choose_threads(option: int | None) -> ThreadChoice:
 
 
 def threads_from_environment(value: str) -> int:
-    from .errors import InputError
+    from ..errors import InputError
 
     try:
         threads = int(value)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import tiktoken
 
-from .errors import TokenizerError, first_line
+from ..errors import TokenizerError, first_line
 
 END_OF_TEXT = "<|endoftext|>"
 MAX_ID = 1 << 32  # tiktoken's ranks are u32

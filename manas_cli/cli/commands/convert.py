@@ -7,7 +7,7 @@ from pathlib import Path
 
 def run(*, src: Path, out: Path, config: Path | None, tokenizer: str, tokenizer_file: Path | None,
         tokenizer_meta: Path | None, force: bool) -> None:
-    from ..convert import convert_checkpoint
+    from ...formats.convert import convert_checkpoint
     from ..render import stderr_console
 
     result = convert_checkpoint(src, out, config_path=config, tokenizer=tokenizer, tokenizer_file=tokenizer_file,

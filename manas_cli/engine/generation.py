@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import NumericalError
+from ..errors import NumericalError
 from .kv_cache import CacheSession
 from .model import GPT
 from .sampling import Sampler, top_logprobs

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import InputError, ManasError, interrupt_exit_code
+from ...errors import InputError, ManasError, interrupt_exit_code
 from ..settings import GenerationSettings, with_overrides
 from .common import ModelOptions, check_memory, encode_prompt, load_model, require_stdout
 
@@ -143,13 +143,13 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
     import torch
     import typer
 
-    from ..batching import Request, generate_batched
-    from ..generation import GenerationStats
-    from ..quantize import weights_name
+    from ...engine.batching import Request, generate_batched
+    from ...engine.generation import GenerationStats
+    from ...engine.quantize import weights_name
     from ..render import json_line, say, stderr_console
-    from ..sampling import seeded_generator
+    from ...engine.sampling import seeded_generator
     from ..streaming import TextStream
-    from ..tokenizer import decodable, end_of_text_id
+    from ...formats.tokenizer import decodable, end_of_text_id
     from .generate import make_sampler, sample_record
 
     require_stdout()

@@ -6,7 +6,7 @@ import resource
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 from .model import GPTConfig
 
 

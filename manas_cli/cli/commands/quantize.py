@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..files import check_output_file
+from ...files import check_output_file
 from .common import quantize_checkpoint
 
 
 def run(*, checkpoint: Path, out: Path, kind: str, force: bool) -> None:
-    from ..checkpoint import load_checkpoint, save_checkpoint
+    from ...formats.checkpoint import load_checkpoint, save_checkpoint
     from ..render import stderr_console
 
     check_output_file(out, force, inputs=(checkpoint,))

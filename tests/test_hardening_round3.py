@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, manas, rope  # noqa: F401 (fixtures)
 from manas_cli.errors import TokenizerError

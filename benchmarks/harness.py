@@ -101,7 +101,8 @@ def gpt2_pair():
     """Hugging Face's GPT-2-124M shape with random weights, and the same weights as a manas model (plain layout)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from manas_cli.formats.convert import build_model, config_from_hf, gpt2_state_to_manas
+    from manas_cli.formats.gpt2 import config_from_hf, gpt2_state_to_manas
+    from manas_cli.formats.importing import build_model
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config()).eval()

@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_model
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.formats.convert import character_spec
+from manas_cli.formats.nanogpt import character_spec
 from manas_cli.engine.generation import generate
 from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.tokenizer import bpe_spec, build_encoding, spec_from_tiktoken_file

@@ -10,7 +10,7 @@ import pytest
 
 from cli_fixtures import DATA, checkpoints, learned, manas, rope  # noqa: F401 (fixtures)
 from manas_cli.errors import TokenizerError
-from manas_cli.formats.export import tokenizer_files
+from manas_cli.formats.huggingface import tokenizer_files
 from manas_cli.formats.tokenizer import build_encoding, spec_from_hf_files, spec_from_tiktoken_file
 
 

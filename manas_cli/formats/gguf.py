@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import load_checkpoint
-from .convert import is_gpt2_linear_weight
+from .gpt2 import hf_state_dict, is_gpt2_linear_weight
 from ..errors import CheckpointError, MissingDependencyError, first_line
 from . import starcoder2
-from .export import ByteLevelBPE, byte_level_bpe, hf_state_dict
+from .huggingface import ByteLevelBPE, byte_level_bpe
 from ..files import atomic_write, check_output_file
 from ..engine.model import GPT, GPTConfig
 from ..engine.quantize import dequantize_model

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..engine.model import GPT, GPTConfig
+from .importing import make_config, typed_field
 
 ARCHITECTURE = "Starcoder2ForCausalLM"
 MODEL_TYPE = "starcoder2"
@@ -122,7 +123,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
 
 
-# --- convert (convert.config_from_starcoder2 reads the config) -----------------------------------------------------------------------------------------------------
+# --- convert ---------------------------------------------------------------------------------------------------------
 
 
 def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:
@@ -162,3 +163,47 @@ def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Pa
 
 def _key_of(mapping: dict[str, str], value: str) -> str:
     return next(key for key, item in mapping.items() if item == value)
+
+
+STARCODER2_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def config_from_hf(values: dict, source: Path) -> GPTConfig:
+    """A Hugging Face Starcoder2 config.json (starcoder2.py maps its tensors), refusing every option whose
+    computation differs from manas'."""
+    activation = values.get("hidden_act", "gelu_pytorch_tanh")
+    if activation not in ACTIVATIONS:
+        raise CheckpointError(f"{source}: hidden_act {activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
+    # The shape has no sensible default: one missing would be blamed on a field checked against it.
+    if missing := [key for key in STARCODER2_SHAPE_FIELDS if key not in values]:
+        raise CheckpointError(f"{source}: the Starcoder2 config lacks {', '.join(missing)}")
+    rope = values.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_parameters must be an object of rope_type and rope_theta, got {rope!r}")
+    field, rope_field = typed_field(values, source), typed_field(rope, source, "rope_parameters.")
+    config = make_config(
+        source, position_encoding="rope",
+        vocab_size=field("vocab_size", int, 49152), block_size=field("max_position_embeddings", int, 4096),
+        n_layer=field("num_hidden_layers", int, 30), n_head=field("num_attention_heads", int, 24),
+        n_kv_head=field("num_key_value_heads", int, 2), n_embd=field("hidden_size", int, 3072),
+        # transformers 5 spells it rope_parameters.rope_theta, 4.x (and vLLM, TGI) rope_theta
+        rope_base=rope_field("rope_theta", float, field("rope_theta", float, 10000.0)),
+        norm_eps=field("norm_epsilon", float, 1e-5), dropout=field("residual_dropout", float, 0.0),
+        gelu_approximate=ACTIVATIONS[activation],
+    )
+    window = values.get("sliding_window")
+    unsupported = {
+        "intermediate_size": values.get("intermediate_size", 12288) != 4 * config.n_embd,
+        "use_bias": values.get("use_bias", True) is not True,
+        "tie_word_embeddings": values.get("tie_word_embeddings", True) is not True,
+        # a window as long as the context masks nothing
+        "sliding_window": window is not None and not (type(window) is int and window >= config.block_size),
+        "head_dim": values.get("head_dim") not in (None, config.head_size),
+        "rope_scaling": values.get("rope_scaling") is not None,
+        "rope_parameters": rope.get("rope_type", "default") != "default" or not set(rope) <= {"rope_type", "rope_theta"},
+    }
+    if changed := [name for name, differs in unsupported.items() if differs]:
+        name = changed[0]
+        shown = f"{name}={values[name]!r}" if name in values else f"{name} (Starcoder2's default)"
+        raise CheckpointError(f"{source}: {shown} has no manas equivalent")
+    return config

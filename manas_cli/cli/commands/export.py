@@ -21,7 +21,7 @@ def run(*, checkpoint: Path, out: Path, output_format: str, outtype: str | None,
         import typer
 
         raise typer.BadParameter("--outtype applies to --format gguf only", param_hint="'--outtype'")
-    from ...formats.export import export_hf
+    from ...formats.huggingface import export_hf
 
     result = export_hf(checkpoint, out, force=force)
     stderr_console().print(f"wrote a Hugging Face {result.architecture} model to {result.out}: {', '.join(result.files)}")

@@ -9,7 +9,7 @@ from ...files import check_output_file
 
 
 def run(*, src: Path, out: Path, force: bool) -> None:
-    from ...formats.convert import HF_MERGES, HF_TOKENIZER, HF_VOCAB, folder_tokenizer
+    from ...formats.huggingface import HF_MERGES, HF_TOKENIZER, HF_VOCAB, folder_tokenizer
     from ...files import atomic_write
     from ..render import stderr_console
     from ...formats.tokenizer import decode_ranks

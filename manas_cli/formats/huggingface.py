@@ -1,8 +1,9 @@
-"""A manas checkpoint as a Hugging Face folder, which transformers, vLLM and TGI load and serve.
+"""Hugging Face folders, which transformers, vLLM and TGI load and serve: read for convert (config.json, the
+weights, the tokenizer files) and written by export.
 
-Learned-position models are GPT-2 (plain multi-head attention only); rotary models are Starcoder2 (starcoder2.py).
-The tokenizer goes along as vocab.json + merges.txt, derived from the tiktoken ranks, so that Hugging Face's
-byte-level BPE encodes every text to the same ids.
+Learned-position models are GPT-2 (plain multi-head attention only; gpt2.py); rotary models are Starcoder2
+(starcoder2.py). The tokenizer goes out as vocab.json + merges.txt, derived from the tiktoken ranks, so that Hugging
+Face's byte-level BPE encodes every text to the same ids.
 """
 
 from __future__ import annotations
@@ -11,31 +12,39 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
 import torch
 
-from . import starcoder2
-from .checkpoint import TIED, check_finite_tensors, load_checkpoint
-from .convert import gpt2_name, is_gpt2_linear_weight
-from ..errors import CheckpointError, InputError
-from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
 from ..engine.model import GPT, GPTConfig
 from ..engine.quantize import dequantize_model
-from .tokenizer import END_OF_TEXT, GPT2_PAT_STR, bytes_to_unicode, merge_parts
+from ..errors import CheckpointError, InputError, TokenizerError, first_line
+from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
+from . import gpt2, starcoder2
+from .checkpoint import check_finite_tensors, load_checkpoint
+from .importing import TIED_HEAD, build_model, check_tied_head, load_pickled_weights, load_safetensors
+from .tokenizer import (
+    END_OF_TEXT, GPT2_PAT_STR, bytes_to_unicode, merge_parts, spec_from_hf_files, spec_from_tokenizer_json,
+)
 
-GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}
+# What convert reads from a Hugging Face folder.
+HF_CONFIG, HF_SAFETENSORS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
+HF_VOCAB, HF_MERGES, HF_TOKENIZER = "vocab.json", "merges.txt", "tokenizer.json"
+HF_FOLDER = "Hugging Face {} folder"  # formatted with the architecture read
+HF_WEIGHTS = "Hugging Face {} weights"
 # Patterns that split text as Hugging Face's GPT-2 pre-tokenizer does: manas' own, and the equivalent possessive
 # form that tiktoken's named gpt2 and r50k_base encodings use.
 GPT2_SPLIT_PATTERNS = (
     GPT2_PAT_STR,
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
 )
+
 WRITTEN_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
 )
+
 # Files an earlier export into the same folder may have left that Hugging Face would read instead of ours.
 SHADOWING_FILES = (
     "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
@@ -51,64 +60,105 @@ class Exported:
     architecture: str  # "GPT-2" or "Starcoder2"
 
 
-def check_exportable(config: GPTConfig, source: Path) -> None:
-    """Refuse what Hugging Face's GPT-2, the twin of learned-position models, cannot compute exactly."""
-    if config.n_kv_head != config.n_head:
+# --- reading -----------------------------------------------------------------------------------------------------
+
+
+def config_from_hf(values: object, source: Path) -> GPTConfig:
+    """A Hugging Face config.json's values as a manas config, by its model_type: GPT-2 or Starcoder2."""
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{source}: not a JSON object")
+    readers = {gpt2.MODEL_TYPE: gpt2.config_from_hf, starcoder2.MODEL_TYPE: starcoder2.config_from_hf}
+    if values.get("model_type") not in readers:
         raise CheckpointError(
-            f"{source}: grouped-query attention (n_kv_head={config.n_kv_head} < n_head={config.n_head}) with learned "
-            "positions has no exact equivalent: GPT-2 gives every head its own keys and values (rope models with "
-            "grouped-query attention export, as Starcoder2)"
+            f"{source}: model_type is {values.get('model_type')!r}; convert reads GPT-2 models (model_type 'gpt2') "
+            "and Starcoder2 models (model_type 'starcoder2') only"
         )
+    return readers[values["model_type"]](values, source)
 
 
-# --- model -------------------------------------------------------------------------------------------------------
+def read_hf_config(path: Path) -> GPTConfig:
+    """A config.json read and checked, its errors naming it, before any weights are loaded."""
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path} does not exist") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not a readable JSON config ({first_line(exc)})") from None
+    return config_from_hf(values, path)
 
 
-def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) -> dict:
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": config.vocab_size,
-        "n_positions": config.block_size,
-        "n_ctx": config.block_size,  # OpenAI's name for it, which llama.cpp's GPT-2 converter reads
-        "n_embd": config.n_embd,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_inner": None,  # 4 * n_embd, as manas
-        "activation_function": GELU_TO_HF[config.gelu_approximate],
-        "layer_norm_epsilon": config.norm_eps,
-        "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout,
-        "resid_pdrop": config.dropout,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "use_cache": True,
-        "bos_token_id": end_of_text,
-        "eos_token_id": end_of_text,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+def load_hf_folder(folder: Path) -> GPT:
+    config_path = folder / HF_CONFIG
+    if not config_path.is_file():
+        raise InputError(f"{folder} has no {HF_CONFIG}: not a Hugging Face model folder")
+    config = read_hf_config(config_path)
+    if (folder / HF_SAFETENSORS).is_file():
+        return load_hf(load_safetensors(folder / HF_SAFETENSORS), folder, config)
+    if (folder / HF_PICKLE).is_file():
+        state = load_pickled_weights(folder / HF_PICKLE)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{folder / HF_PICKLE}: not a state dict")
+        return load_hf(state, folder, config)
+    raise InputError(f"{folder} holds neither model.safetensors nor pytorch_model.bin (sharded weights are not supported)")
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's tensors: Conv1D weights transposed, and zero biases where a bias=False model has none
-    (a zero bias adds nothing, so the function is the same). lm_head is tied, so it is left out, as
-    save_pretrained does."""
-    state = model.state_dict()
-    with torch.device("meta"):
-        with_biases = GPT(replace(model.config, bias=True))
-    dtype = model.token_embedding.weight.dtype
-    tensors = {}
-    for name, template in with_biases.state_dict().items():
-        if name == TIED:
-            continue
-        tensor = state[name] if name in state else torch.zeros(template.shape, dtype=dtype)
-        target = gpt2_name(name)
-        tensor = tensor.t() if is_gpt2_linear_weight(target) else tensor
-        tensors[f"transformer.{target}"] = tensor.detach().to("cpu").contiguous()
-    return tensors
+def hf_kind(template: str, model: GPT) -> tuple[str, GPT]:
+    """(the source's kind, the model): a rope model can only have come from a Starcoder2 folder."""
+    return template.format("Starcoder2" if model.config.position_encoding == "rope" else "GPT-2"), model
+
+
+def load_hf(state: dict[str, torch.Tensor], source: Path, config: GPTConfig) -> GPT:
+    if config.position_encoding == "rope":
+        weights = {name: tensor for name, tensor in state.items() if name != TIED_HEAD}
+        renamed = starcoder2.state_to_manas(weights, config, source)
+        check_tied_head(state.get(TIED_HEAD), renamed.get("token_embedding.weight"), source)
+        return build_model(config, renamed, source)
+    return build_model(config, gpt2.gpt2_state_to_manas(state, conv1d=True, source=source), source)
+
+
+def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
+    """A Hugging Face folder's own GPT-2 tokenizer files, when they split text as GPT-2 does: vocab.json and
+    merges.txt of a GPT-2 model, or of any without a tokenizer.json (whose own pre-tokenizer could split otherwise,
+    as Starcoder2's does); else a tokenizer.json alone (transformers 5 saves no other), which says how it splits.
+    None to fall back to --tokenizer-file or tiktoken's cache."""
+    vocab, merges, combined = src / HF_VOCAB, src / HF_MERGES, src / HF_TOKENIZER
+    if not src.is_dir():
+        return None
+    if vocab.is_file() and merges.is_file():
+        if combined.is_file() and _model_type(src / HF_CONFIG) != "gpt2":
+            return None
+        texts = _tokenizer_text(vocab, src), _tokenizer_text(merges, src)
+        return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec_from_hf_files(*texts, src)
+    if combined.is_file():
+        spec = spec_from_tokenizer_json(_tokenizer_text(combined, src), src)
+        return f"GPT-2's BPE from {src}'s tokenizer.json (embedded)", spec
+    return None
+
+
+# Tokenizer files are a few MB (GPT-2's vocab.json 1 MB, a 150,000-token tokenizer.json 11 MB): a larger one is
+# refused before it is parsed, as its tokens would take memory out of proportion to it.
+MAX_TOKENIZER_FILE_BYTES = 64 * 2**20
+
+
+def _tokenizer_text(path: Path, src: Path) -> str:
+    try:
+        if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
+            raise TokenizerError(f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file "
+                                 "manas reads")
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"cannot read the tokenizer files of {src}: {first_line(exc)}") from None
+
+
+def _model_type(config: Path) -> object:
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None  # read_hf_config names what is wrong with it
+    return values.get("model_type") if isinstance(values, dict) else None
+
+
+# --- the model ------------------------------------------------------------------------------------------------------
 
 
 def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, dict, dict[str, torch.Tensor]]:
@@ -117,8 +167,8 @@ def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, di
     if config.position_encoding == "rope":
         starcoder2.check_exportable(config, source)
         return "Starcoder2", starcoder2.hf_config(config, dtype, end_of_text), starcoder2.hf_state_dict(model)
-    check_exportable(config, source)
-    return "GPT-2", hf_config(config, dtype, end_of_text), hf_state_dict(model)
+    gpt2.check_exportable(config, source)
+    return "GPT-2", gpt2.hf_config(config, dtype, end_of_text), gpt2.hf_state_dict(model)
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ app = typer.Typer(
     "Examples:\n\n"
     "  manas generate --prompt 'ROMEO:'\n\n"
     "  echo 'To be' | manas generate -n 50 --json\n\n"
-    "  manas bench --tokens 256\n\n"
+    "  manas bench\n\n"
     "  manas inspect-cache --tokens 32",
     add_completion=False,
     no_args_is_help=True,
@@ -228,7 +228,7 @@ def bench(
 
     Examples:
 
-      manas bench --tokens 256
+      manas bench
 
       manas bench --tokens 512 --overflow shift --no-baseline --sweep
 

@@ -291,6 +291,21 @@ def test_a_vocab_whose_unbuilt_tokens_are_not_special_is_refused():
     assert spec["special_tokens"] == {"<|endoftext|>": 257}
 
 
+def test_added_tokens_a_folder_lists_are_special_tokens(tmp_path):
+    """A GPT-2 folder's added tokens need not look like <markers>: added_tokens.json and tokenizer_config.json say
+    which they are."""
+    vocab, merges = hf_files(["a b"], {"[PAD]": 257, "[SEP]": 258})
+    for name, text in (("vocab.json", vocab), ("merges.txt", merges), ("added_tokens.json", '{"[PAD]": 257}'),
+                       ("tokenizer_config.json", '{"added_tokens_decoder": {"258": {"content": "[SEP]"}}}')):
+        (tmp_path / name).write_text(text)
+    manas("tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken").ok()
+    assert "[PAD]" in manas("tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken", "--force").ok().err
+    (tmp_path / "added_tokens.json").unlink()
+    done = subprocess.run([*MANAS, "tokenizer", tmp_path, "--out", tmp_path / "u.tiktoken"], capture_output=True,
+                          env=cli_env(), timeout=120)
+    assert_one_error(done, "token '[PAD]' (id 257) is longer than a byte, but no merge builds it")
+
+
 def test_the_tokenizer_command_refuses_a_vocab_of_unbuilt_tokens_instead_of_dropping_them(tmp_path):
     vocab, merges = hf_files(["a b"], {f"word{index}": 257 + index for index in range(1000)})
     (tmp_path / "vocab.json").write_text(vocab)

@@ -128,11 +128,33 @@ def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
         if combined.is_file() and _model_type(src / HF_CONFIG) != "gpt2":
             return None
         texts = _tokenizer_text(vocab, src), _tokenizer_text(merges, src)
-        return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec_from_hf_files(*texts, src)
+        spec = spec_from_hf_files(*texts, src, added_tokens(src))
+        return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec
     if combined.is_file():
         spec = spec_from_tokenizer_json(_tokenizer_text(combined, src), src)
         return f"GPT-2's BPE from {src}'s tokenizer.json (embedded)", spec
     return None
+
+
+def added_tokens(src: Path) -> frozenset[str]:
+    """The added (special) tokens a folder lists beside vocab.json: added_tokens.json's, and tokenizer_config.json's
+    added_tokens_decoder. Both are optional; one that cannot be read lists none."""
+    listed = set(_json_object(src / "added_tokens.json"))
+    decoder = _json_object(src / "tokenizer_config.json").get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        listed.update(entry.get("content") for entry in decoder.values() if isinstance(entry, dict))
+    return frozenset(token for token in listed if isinstance(token, str))
+
+
+def _json_object(path: Path) -> dict:
+    """An optional JSON file's object: {} when it is missing, unreadable, too large or not an object."""
+    try:
+        if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
+            return {}
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 # Tokenizer files are a few MB (GPT-2's vocab.json 1 MB, a 150,000-token tokenizer.json 11 MB): a larger one is
@@ -151,11 +173,7 @@ def _tokenizer_text(path: Path, src: Path) -> str:
 
 
 def _model_type(config: Path) -> object:
-    try:
-        values = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return None  # read_hf_config names what is wrong with it
-    return values.get("model_type") if isinstance(values, dict) else None
+    return _json_object(config).get("model_type")  # None for a bad config: read_hf_config names what is wrong
 
 
 # --- the model ------------------------------------------------------------------------------------------------------

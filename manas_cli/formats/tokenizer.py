@@ -70,17 +70,18 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(aliases.items()))
 
 
-def spec_from_hf_files(vocab_json: str, merges_txt: str, source: str | Path) -> dict:
+def spec_from_hf_files(vocab_json: str, merges_txt: str, source: str | Path, added: frozenset[str] = frozenset()) -> dict:
     """GPT-2's tokenizer files (vocab.json: token in GPT-2's byte alphabet → id; merges.txt: the merges in the
-    order they apply) as an embedded BPE with GPT-2's split (see spec_from_vocab_and_merges). With these files
-    alone, a special token is one that no merge builds, spelled as a marker: <|endoftext|>, <s>, <pad>."""
+    order they apply) as an embedded BPE with GPT-2's split (see spec_from_vocab_and_merges). A special token is
+    one that no merge builds, spelled as a marker (<|endoftext|>, <s>, <pad>) or among `added`, the added tokens
+    the folder lists beside them."""
     try:
         vocab = json.loads(vocab_json)
     except (ValueError, RecursionError) as exc:
         raise TokenizerError(f"{source}: vocab.json is not valid JSON: {first_line(exc)}") from None
     merges = [(number, line) for number, line in enumerate(merges_txt.splitlines(), start=1)
               if line.strip() and not line.startswith("#version")]
-    return spec_from_vocab_and_merges(vocab, merges, None, source, "vocab.json", "line {} of merges.txt")
+    return spec_from_vocab_and_merges(vocab, merges, added, source, "vocab.json", "line {} of merges.txt", markers=True)
 
 
 def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
@@ -107,18 +108,18 @@ def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
     added = value.get("added_tokens") or []
     if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str) for t in added):
         raise TokenizerError(f"{source}: tokenizer.json's added_tokens must be a list of objects with a 'content'")
-    return spec_from_vocab_and_merges(model.get("vocab"), merges, {t["content"] for t in added}, source,
+    return spec_from_vocab_and_merges(model.get("vocab"), merges, frozenset(t["content"] for t in added), source,
                                       "tokenizer.json's model.vocab", "merge {} of tokenizer.json")
 
 
-def spec_from_vocab_and_merges(vocab: object, merges: list[tuple[int, str]], specials: set[str] | None,
-                               source: str | Path, vocab_name: str, merge_name: str) -> dict:
+def spec_from_vocab_and_merges(vocab: object, merges: list[tuple[int, str]], specials: frozenset[str],
+                               source: str | Path, vocab_name: str, merge_name: str, markers: bool = False) -> dict:
     """A byte-level BPE's vocabulary (token in GPT-2's byte alphabet → id) and its merges, numbered, in the order
     they apply. tiktoken merges whichever adjacent pair's concatenation has the lowest rank, Hugging Face only the
     listed pairs, by their order; the two tokenize alike when each merge's parts are built by earlier merges (or
     are bytes), each merge builds a token whose id is larger than the last merge's, and tiktoken, splitting a
     merged token with the ranks below its own, arrives at the listed pair. Every other token longer than a byte is
-    a special token: one of `specials` (None: any spelled as a <marker>)."""
+    a special token: one of `specials`, or with markers any spelled as a <marker>."""
     if not isinstance(vocab, dict) or not all(type(i) is int for i in vocab.values()):
         raise TokenizerError(f"{source}: {vocab_name} must map each token to an integer id")
     byte_of = {alias: byte for byte, alias in bytes_to_unicode().items()}
@@ -141,7 +142,7 @@ def spec_from_vocab_and_merges(vocab: object, merges: list[tuple[int, str]], spe
     ranks, special = {}, {}
     for token, token_id in vocab.items():
         if len(token) > 1 and token not in built:
-            if not (token in specials if specials is not None else _is_marker(token)):
+            if token not in specials and not (markers and _is_marker(token)):
                 raise TokenizerError(f"{source}: {vocab_name} token {token[:40]!r} (id {token_id}) is longer than a "
                                      "byte, but no merge builds it and it is not a special token: the vocabulary "
                                      "and the merges do not belong together")

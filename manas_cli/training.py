@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .formats.checkpoint import save_checkpoint
-from .errors import InputError, TrainingError
 from .engine.model import GPT
+from .errors import InputError, TrainingError
+from .formats.checkpoint import save_checkpoint
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..engine.threads import MAX_THREADS, THREADS_ENV
 from ..errors import ManasError, Terminated, interrupt_exit_code
 from ..files import remove_unfinished
 from .settings import GenerationSettings
-from ..engine.threads import MAX_THREADS, THREADS_ENV
 
 app = typer.Typer(
     name="manas",

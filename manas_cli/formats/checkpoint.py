@@ -15,9 +15,9 @@ import tiktoken
 import torch
 from safetensors.torch import save
 
+from ..engine.model import GPT, GPTConfig, parameter_shapes
 from ..errors import CheckpointError, TokenizerError, first_line
 from ..files import atomic_write
-from ..engine.model import GPT, GPTConfig, parameter_shapes
 from ..engine.quantize import (
     INT4_GROUP_SIZE, QUANTIZATIONS, QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization,
     stored_names,

@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import load_checkpoint
-from .gpt2 import hf_state_dict, is_gpt2_linear_weight
-from ..errors import CheckpointError, MissingDependencyError, first_line
-from . import starcoder2
-from .huggingface import ByteLevelBPE, byte_level_bpe
-from ..files import atomic_write, check_output_file
 from ..engine.model import GPT, GPTConfig
 from ..engine.quantize import dequantize_model
+from ..errors import CheckpointError, MissingDependencyError, first_line
+from ..files import atomic_write, check_output_file
+from . import starcoder2
+from .checkpoint import load_checkpoint
+from .gpt2 import hf_state_dict, is_gpt2_linear_weight
+from .huggingface import ByteLevelBPE, byte_level_bpe
 from .tokenizer import END_OF_TEXT
 
 OUTTYPES = ("f32", "f16", "q8_0")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
 from ..engine.model import GPT, GPTConfig
+from ..errors import CheckpointError
 from .importing import make_config, typed_field
 
 ARCHITECTURE = "Starcoder2ForCausalLM"

@@ -110,11 +110,11 @@ def load_model(options: ModelOptions):
     asked, its float weights laid out for decoding."""
     import torch
 
-    from ...formats.checkpoint import load_checkpoint
     from ...engine.model import use_decode_layout
     from ...engine.quantize import is_quantized
     from ...engine.runtime import resolve_device, resolve_dtype
     from ...engine.threads import choose_threads
+    from ...formats.checkpoint import load_checkpoint
 
     threads = choose_threads(options.threads)
     torch.set_num_threads(threads.threads)

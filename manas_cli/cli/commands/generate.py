@@ -32,13 +32,13 @@ def run(
 
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.kv_cache import CacheSession
-    from ..live import LiveDisplay, piped, shares_terminal
     from ...engine.quantize import weights_name
-    from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
     from ...engine.sampling import seeded_generator
-    from ..streaming import TextStream
     from ...engine.threads import ThreadGovernor
     from ...formats.tokenizer import decodable, end_of_text_id
+    from ..live import LiveDisplay, piped, shares_terminal
+    from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
+    from ..streaming import TextStream
 
     require_stdout()
     console = stderr_console(quiet=quiet)

@@ -14,8 +14,8 @@ def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_outpu
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.kv_cache import CacheSession, cache_report
     from ...engine.quantize import weights_bytes, weights_name
-    from ..render import cache_view, json_line, stderr_console, token_progress
     from ...engine.sampling import Sampler
+    from ..render import cache_view, json_line, stderr_console, token_progress
 
     require_stdout()
     console = stderr_console()

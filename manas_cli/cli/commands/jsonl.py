@@ -146,10 +146,10 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
     from ...engine.batching import Request, generate_batched
     from ...engine.generation import GenerationStats
     from ...engine.quantize import weights_name
-    from ..render import json_line, say, stderr_console
     from ...engine.sampling import seeded_generator
-    from ..streaming import TextStream
     from ...formats.tokenizer import decodable, end_of_text_id
+    from ..render import json_line, say, stderr_console
+    from ..streaming import TextStream
     from .generate import make_sampler, sample_record
 
     require_stdout()

@@ -14,9 +14,9 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
     import sys
 
     from ...engine.quantize import weights_name
-    from ..render import json_line, stderr_console, token_progress
     from ...engine.scoring import score
     from ...formats.tokenizer import encode_long_text
+    from ..render import json_line, stderr_console, token_progress
 
     require_stdout()
     console = stderr_console()

@@ -9,10 +9,10 @@ from ...files import check_output_file
 
 
 def run(*, src: Path, out: Path, force: bool) -> None:
-    from ...formats.huggingface import HF_MERGES, HF_TOKENIZER, HF_VOCAB, folder_tokenizer
     from ...files import atomic_write
-    from ..render import stderr_console
+    from ...formats.huggingface import HF_MERGES, HF_TOKENIZER, HF_VOCAB, folder_tokenizer
     from ...formats.tokenizer import decode_ranks
+    from ..render import stderr_console
 
     check_output_file(out, force, inputs=(src / HF_VOCAB, src / HF_MERGES, src / HF_TOKENIZER))
     found = folder_tokenizer(src) if src.is_dir() else None

@@ -53,11 +53,11 @@ def run(
 
     import torch
 
-    from ..render import plural, stderr_console, train_progress
     from ...engine.runtime import resolve_device
     from ...engine.threads import choose_threads
     from ...formats.tokenizer import build_encoding, encode_long_text
     from ...training import TrainSettings, make_dataset, train
+    from ..render import plural, stderr_console, train_progress
 
     console = stderr_console()
     torch.set_num_threads(choose_threads(threads).threads)
@@ -127,8 +127,8 @@ def new_model(spec: dict, shape: ModelShape, seed: int):
 
 def resumed_model(out: Path, device):
     """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
-    from ...formats.checkpoint import load_checkpoint
     from ...engine.quantize import is_quantized, quantization
+    from ...formats.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(out, device=device)
     if is_quantized(checkpoint.model):

@@ -95,7 +95,7 @@ class LiveDisplay:
         """Draw, ending the display if that fails: a display problem never stops a generation."""
         try:
             draw()
-        except Exception:  # noqa: BLE001 (any failure of the display, whatever its kind, ends only the display)
+        except Exception:  # any failure of the display, whatever its kind, ends only the display
             self._end(erase=False)
 
     def _end(self, erase: bool = True) -> None:

@@ -73,7 +73,7 @@ _terminal_runs: dict[tuple, TerminalRun] = {}
 
 def on_terminal(*args: str | Path, stdout: str | Path = "terminal", columns: int = COLUMNS, **env: str) -> TerminalRun:
     """Run `manas generate -c <args>` with stderr on a pseudo-terminal of `columns` and stdout on another one
-    ("terminal"), on the same one ("shared"), on a pipe ("pipe") or in a file (a Path). Identical runs are shared
+    ("terminal"), on the same one ("same"), on a pipe ("pipe") or in a file (a Path). Identical runs are reused
     between tests."""
     key = (args, stdout, columns, tuple(sorted(env.items())))
     if key in _terminal_runs:
@@ -86,7 +86,7 @@ def on_terminal(*args: str | Path, stdout: str | Path = "terminal", columns: int
         slaves.append(out_slave)
         received.insert(0, bytearray())
     file = stdout.open("wb") if isinstance(stdout, Path) else None
-    out_target = file or {"terminal": slaves[-1], "shared": err_slave, "pipe": subprocess.PIPE}[stdout]
+    out_target = file or {"terminal": slaves[-1], "same": err_slave, "pipe": subprocess.PIPE}[stdout]
     process = subprocess.Popen([*MANAS, "generate", "-c", *args], stdin=subprocess.DEVNULL, stdout=out_target,
                                stderr=err_slave, env=cli_env(**env))
     if file:
@@ -105,7 +105,7 @@ def on_terminal(*args: str | Path, stdout: str | Path = "terminal", columns: int
     if file is not None:
         out = stdout.read_bytes()
     else:
-        out = {"pipe": piped, "terminal": bytes(received[0]), "shared": b""}[stdout]
+        out = {"pipe": piped, "terminal": bytes(received[0]), "same": b""}[stdout]
     run = _terminal_runs[key] = TerminalRun(process.returncode, out, bytes(received[-1]))
     assert run.returncode == 0, run.stderr.decode(errors="replace")
     return run
@@ -168,7 +168,7 @@ def test_on_one_terminal_the_text_scrolls_above_the_live_line_and_ends_as_withou
     final screen is the plain decode and the stats line."""
     piped = generate(rope, "-p", PROMPT, "-t", "0", "-n", N).ok()
     expected = decoded_rows(piped.out.removesuffix("\n"))
-    run = on_terminal(rope.path, *SINGLE, "-n", N, stdout="shared")
+    run = on_terminal(rope.path, *SINGLE, "-n", N, stdout="same")
     drawn = frames(run.stderr)
     assert drawn
     for rows in drawn:
@@ -177,7 +177,7 @@ def test_on_one_terminal_the_text_scrolls_above_the_live_line_and_ends_as_withou
         assert "\n".join(expected).startswith("\n".join(text))
     *text, stats = screen(run.stderr)
     assert text == expected and STATS_LINE.fullmatch(stats)
-    without = screen(on_terminal(rope.path, *SINGLE, "-n", N, "--no-stats", stdout="shared").stderr)
+    without = screen(on_terminal(rope.path, *SINGLE, "-n", N, "--no-stats", stdout="same").stderr)
     assert without == "\n".join(expected).rstrip("\n").split("\n")  # (screen() drops the trailing blank rows)
 
 
@@ -244,7 +244,7 @@ def test_a_notice_says_why_recompute_mode_slows_once_the_window_is_full(rope, fl
 def test_on_the_text_s_own_terminal_without_the_live_line_the_notice_waits_for_the_end_of_the_text(rope):
     piped = generate(rope, "-p", PROMPT, "-t", "0", "-n", "80").ok()
     *text, notice_head, notice_tail = screen(on_terminal(rope.path, *SINGLE, "-n", "80", "--no-stats",
-                                                          stdout="shared").stderr)
+                                                          stdout="same").stderr)
     assert text == decoded_rows(piped.out.removesuffix("\n"))
     notice = notice_head + " " + notice_tail  # wrapped at a word
     assert notice.startswith(NOTICE) and notice.endswith("no longer identical to it")

@@ -509,14 +509,14 @@ def main() -> None:
         if _out_of_memory(exc):
             _fail(f"out of memory: {out_of_memory_advice(args)}",
                   1, debug)
-        _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
+        _fail_unexpected(exc, debug)
     except OSError as exc:
         if exc.errno not in OS_ERRORS:
-            _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
+            _fail_unexpected(exc, debug)
         what, advice = OS_ERRORS[exc.errno]
         _fail(f"{exc.filename or 'a file'}: {what} ({exc.strerror}): {advice}", 1, debug)
     except Exception as exc:
-        _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
+        _fail_unexpected(exc, debug)
     finally:
         _cleaning_up.append(0)  # the command is over: let no signal cut this clean-up short
         remove_unfinished()
@@ -606,6 +606,10 @@ def _fail(message: str, code: int, debug: bool) -> None:
         traceback.print_exc()
     print(error_line(message), file=sys.stderr)
     sys.exit(code)
+
+
+def _fail_unexpected(exc: BaseException, debug: bool) -> None:
+    _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
 
 
 def _quiet_broken_pipe() -> None:

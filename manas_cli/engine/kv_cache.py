@@ -84,10 +84,7 @@ class CacheSession:
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Reset the cache, run the prompt (B, T ≤ block_size) causally; logits of its last position (B, 1, vocab)."""
         self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
-        if token_ids.dim() != 2 or token_ids.size(1) == 0 or token_ids.dtype != torch.long:
-            raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
-        if token_ids.size(1) > self.block_size:
-            raise ValueError(f"prefill of {token_ids.size(1)} positions exceeds block_size {self.block_size}")
+        check_prefill_ids(token_ids, self.block_size)
         layers = [self._new_layer() for _ in self.model.blocks]
         logits = self._run(token_ids, 0, layers)  # an exception here leaves the session empty
         self.layers, self.batch_size = layers, token_ids.size(0)
@@ -96,12 +93,7 @@ class CacheSession:
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Append one position per row (B, 1) and return its logits (B, 1, vocab)."""
-        if not self.positions:
-            raise ValueError("decode before prefill: prefill a prompt first")
-        if tuple(token_ids.shape) != (self.batch_size, 1):
-            raise ValueError(f"decode takes ({self.batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
-        if self.positions >= self.block_size:
-            raise ValueError(f"the cache is full ({self.block_size} positions): prefill the cropped window instead")
+        check_decode_ids(token_ids, self.positions, self.batch_size, self.block_size)
         return self._run(token_ids, self.positions, self.layers)
 
     def _run(self, token_ids: torch.Tensor, start_pos: int, layers: list) -> torch.Tensor:
@@ -119,6 +111,22 @@ class CacheSession:
             "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
             "allocation": self.allocation,
         }
+
+
+def check_prefill_ids(token_ids: torch.Tensor, block_size: int) -> None:
+    if token_ids.dim() != 2 or token_ids.size(1) == 0 or token_ids.dtype != torch.long:
+        raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
+    if token_ids.size(1) > block_size:
+        raise ValueError(f"prefill of {token_ids.size(1)} positions exceeds block_size {block_size}")
+
+
+def check_decode_ids(token_ids: torch.Tensor, positions: int, batch_size: int, block_size: int) -> None:
+    if not positions:
+        raise ValueError("decode before prefill: prefill a prompt first")
+    if tuple(token_ids.shape) != (batch_size, 1):
+        raise ValueError(f"decode takes ({batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
+    if positions >= block_size:
+        raise ValueError(f"the cache is full ({block_size} positions): prefill the cropped window instead")
 
 
 def check_cacheable(model: GPT) -> None:

@@ -1,0 +1,534 @@
+/* manas's native CPU core: the forward pass of engine/model.py's GPT over rows of (token, position, cache).
+
+   One call runs every layer for a set of rows: a prefill is the rows of one prompt sharing one cache, a batched
+   decode step is one row per sequence, each with its own cache. Every row's arithmetic is the same whichever
+   rows share the call: products sum in a fixed order of lanes written in the code (dots below), attention reads
+   exactly the positions up to the row's own, and nothing is fused across rows. So a decode step's logits equal,
+   bit for bit, those of the same position in a prefill of the whole window: cached == crop-and-recompute.
+
+   Python owns the tensors (the torch model's own memory), the caches and the scratch; the core allocates
+   nothing per call and keeps no globals. Only the manas_ functions are exported. Build (see native/build.py):
+   cc -O3 -march=native -ffp-contract=off -fPIC -shared -pthread core.c -lm */
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#define MANAS_ABI_VERSION 1
+#define MAX_THREADS 64
+
+/* ---- the model, as Python lays it out (native/binding.py mirrors these structs) ---- */
+
+enum { WEIGHTS_F32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2 };
+#define INT4_GROUP 32      /* values per scale/zero group along a row (quantize.py's INT4_GROUP_SIZE) */
+#define INT4_MIDDLE 8      /* the code a group's zero stands for */
+
+typedef struct {
+    int32_t kind, n_in, n_out;
+    const void *weight;      /* float32 (out, in); int8 (out, in); int4: uint8 (out, in/2), column 2i low nibble */
+    const uint16_t *scales;  /* bfloat16: one per row (int8), one per group (int4) */
+    const uint16_t *zeros;   /* bfloat16, one per group (int4): the value of code 8 */
+    const float *bias;       /* (out,) or NULL */
+} ManasLinear;
+
+typedef struct { const float *weight, *bias; } ManasNorm;  /* bias may be NULL */
+
+typedef struct { ManasNorm ln_attention; ManasLinear qkv, output; ManasNorm ln_ffn; ManasLinear up, down; } ManasLayer;
+
+typedef struct {
+    int32_t vocab_size, block_size, n_layer, n_head, n_kv_head, n_embd;
+    int32_t rope;        /* 1: rotary positions; 0: learned (position_embedding) */
+    int32_t gelu_tanh;   /* 1: GPT-2's tanh GELU; 0: the exact erf GELU */
+    float norm_eps;
+    double rope_base;
+    const float *token_embedding, *position_embedding;  /* (vocab, C); (block_size, C) or NULL */
+    const ManasLayer *layers;
+    ManasNorm final_norm;
+    ManasLinear lm_head;
+} ManasModel;
+
+/* One row's KV cache: k and v each [layer][capacity][kv head][head size], float32. */
+typedef struct { float *k, *v; int32_t capacity; } ManasCache;
+
+/* ---- threads: a small pool of its own (torch's OpenMP runtime must stay the only one in the process) ---- */
+
+typedef void (*Task)(void *context, int begin, int end, int thread);
+
+typedef struct ManasPool {
+    int threads;
+    pthread_t workers[MAX_THREADS];
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    atomic_uint generation;  /* bumped for every job */
+    atomic_int pending;      /* workers still running the current job */
+    atomic_int sleepers;
+    atomic_int stopping;
+    Task task;
+    void *context;
+    int items;
+} ManasPool;
+
+typedef struct { ManasPool *pool; int index; } Worker;
+
+/* Spinning hands the next product over in well under a microsecond; a worker that found no job for this long
+   sleeps, so an idle pool (between requests, or on a busy machine) costs no CPU. */
+#define SPINS_BEFORE_SLEEP 4000
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void slice(int items, int parts, int part, int *begin, int *end) {
+    *begin = (int)((long)items * part / parts);
+    *end = (int)((long)items * (part + 1) / parts);
+}
+
+static void *worker_main(void *argument) {
+    ManasPool *pool = ((Worker *)argument)->pool;
+    int index = ((Worker *)argument)->index;
+    free(argument);
+    unsigned seen = 0;
+    for (;;) {
+        for (int spin = 0; atomic_load(&pool->generation) == seen && spin < SPINS_BEFORE_SLEEP; spin++) cpu_relax();
+        if (atomic_load(&pool->generation) == seen) {
+            pthread_mutex_lock(&pool->lock);
+            atomic_fetch_add(&pool->sleepers, 1);
+            while (atomic_load(&pool->generation) == seen && !atomic_load(&pool->stopping))
+                pthread_cond_wait(&pool->wake, &pool->lock);
+            atomic_fetch_sub(&pool->sleepers, 1);
+            pthread_mutex_unlock(&pool->lock);
+        }
+        if (atomic_load(&pool->stopping)) return NULL;
+        seen = atomic_load(&pool->generation);
+        int begin, end;
+        slice(pool->items, pool->threads, index, &begin, &end);
+        if (begin < end) pool->task(pool->context, begin, end, index);
+        atomic_fetch_sub(&pool->pending, 1);
+    }
+}
+
+/* task(context, begin, end, thread) over items split evenly: the calling thread takes the first share. */
+static void parallel_for(ManasPool *pool, Task task, void *context, int items) {
+    if (!pool || pool->threads == 1 || items < 2) {
+        task(context, 0, items, 0);
+        return;
+    }
+    pool->task = task, pool->context = context, pool->items = items;
+    atomic_store(&pool->pending, pool->threads - 1);
+    atomic_fetch_add(&pool->generation, 1);
+    if (atomic_load(&pool->sleepers)) {  /* seq_cst on both sides: a worker going to sleep now sees the new job */
+        pthread_mutex_lock(&pool->lock);
+        pthread_cond_broadcast(&pool->wake);
+        pthread_mutex_unlock(&pool->lock);
+    }
+    int begin, end;
+    slice(items, pool->threads, 0, &begin, &end);
+    task(context, begin, end, 0);
+    for (int spin = 0; atomic_load(&pool->pending); spin++)
+        if (spin < SPINS_BEFORE_SLEEP) cpu_relax(); else sched_yield();
+}
+
+EXPORT ManasPool *manas_pool_new(int threads) {
+    if (threads < 1 || threads > MAX_THREADS) return NULL;
+    ManasPool *pool = calloc(1, sizeof *pool);
+    if (!pool) return NULL;
+    pool->threads = 1;
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->wake, NULL);
+    for (int i = 1; i < threads; i++) {
+        Worker *worker = malloc(sizeof *worker);
+        if (!worker) break;
+        *worker = (Worker){pool, i};
+        if (pthread_create(&pool->workers[i], NULL, worker_main, worker)) { free(worker); break; }
+        pool->threads = i + 1;
+    }
+    return pool;
+}
+
+EXPORT int manas_pool_threads(const ManasPool *pool) { return pool->threads; }
+
+EXPORT void manas_pool_free(ManasPool *pool) {
+    if (!pool) return;
+    pthread_mutex_lock(&pool->lock);
+    atomic_store(&pool->stopping, 1);
+    pthread_cond_broadcast(&pool->wake);
+    pthread_mutex_unlock(&pool->lock);
+    for (int i = 1; i < pool->threads; i++) pthread_join(pool->workers[i], NULL);
+    pthread_mutex_destroy(&pool->lock);
+    pthread_cond_destroy(&pool->wake);
+    free(pool);
+}
+
+/* ---- arithmetic ---- */
+
+/* Every dot product sums in LANES interleaved partial sums: lane l adds the products of elements l, l + LANES,
+   l + 2 LANES ... in that order, then the lanes meet in a fixed tree. The order is in the code, so the compiler
+   may vectorize the lanes (they are independent) but cannot reorder a sum: -ffp-contract=off keeps each
+   multiply and add separate, as written. */
+#define LANES 16
+#define TILE 4  /* rows of x and of W per tile: 16 partial-sum vectors, and each weight load serves 4 rows of x */
+
+typedef float Lanes __attribute__((vector_size(LANES * sizeof(float))));  /* GCC/Clang vectors: lane-wise ops */
+
+static inline Lanes load_lanes(const float *p) {
+    Lanes v;
+    memcpy(&v, p, sizeof v);  /* an unaligned load */
+    return v;
+}
+
+typedef float Half __attribute__((vector_size(LANES / 2 * sizeof(float))));
+typedef float Quarter __attribute__((vector_size(LANES / 4 * sizeof(float))));
+typedef float Eighth __attribute__((vector_size(LANES / 8 * sizeof(float))));
+
+/* The lanes' fixed tree: lane l += lane l + 8, then l + 4, l + 2, l + 1, as halves of the vector. */
+static inline float sum_lanes(Lanes lanes) {
+    Half h[2];
+    Quarter q[2];
+    Eighth e[2];
+    memcpy(h, &lanes, sizeof h);
+    h[0] += h[1];
+    memcpy(q, &h[0], sizeof q);
+    q[0] += q[1];
+    memcpy(e, &q[0], sizeof e);
+    e[0] += e[1];
+    return e[0][0] + e[0][1];
+}
+
+/* The sum of n values in the lane order of dots. */
+static float sum(int n, const float *x) {
+    Lanes lanes = {0};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) lanes += load_lanes(x + i);
+    for (int l = 0; i + l < n; l++) lanes[l] += x[i + l];
+    return sum_lanes(lanes);
+}
+
+/* out[r][o] = x[r] · w[o] for r < RT, o < OT (compile-time sizes after inlining): each pair in the lane order above. */
+static inline __attribute__((always_inline)) void dots(int RT, int OT, int n, const float *const *x,
+                                                       const float *const *w, float out[TILE][TILE]) {
+    Lanes lane[TILE][TILE] = {{{0}}};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        Lanes xs[TILE], ws[TILE];
+        for (int r = 0; r < RT; r++) xs[r] = load_lanes(x[r] + i);
+        for (int o = 0; o < OT; o++) ws[o] = load_lanes(w[o] + i);
+        for (int r = 0; r < RT; r++)
+            for (int o = 0; o < OT; o++) lane[r][o] += xs[r] * ws[o];
+    }
+    for (int r = 0; r < RT; r++)
+        for (int o = 0; o < OT; o++) {
+            for (int l = 0; i + l < n; l++) lane[r][o][l] += x[r][i + l] * w[o][i + l];
+            out[r][o] = sum_lanes(lane[r][o]);
+        }
+}
+
+static float dot(int n, const float *a, const float *b) {
+    float out[TILE][TILE];
+    dots(1, 1, n, &a, &b, out);
+    return out[0][0];
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to the nearest bfloat16, ties to even, as torch's .to(torch.bfloat16). */
+static inline float round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return f;  /* NaN stays NaN */
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Weight rows o0.. o0+count as float32, the values the products see: float rows in place; int8 codes as they
+   are (the row's scale multiplies the sum); int4 dequantized, zero + (code − 8) × scale, as quantize.py's
+   dequantize_groups. */
+static void weight_rows(const ManasLinear *linear, int o0, int count, float *buffer, const float **rows) {
+    int n = linear->n_in;
+    for (int k = 0; k < count; k++) {
+        int o = o0 + k;
+        float *row = buffer + (size_t)k * n;
+        if (linear->kind == WEIGHTS_F32) {
+            rows[k] = (const float *)linear->weight + (size_t)o * n;
+            continue;
+        }
+        if (linear->kind == WEIGHTS_INT8) {
+            const int8_t *q = (const int8_t *)linear->weight + (size_t)o * n;
+            for (int i = 0; i < n; i++) row[i] = (float)q[i];
+        } else {
+            const uint8_t *codes = (const uint8_t *)linear->weight + (size_t)o * (n / 2);
+            const uint16_t *scales = linear->scales + (size_t)o * (n / INT4_GROUP);
+            const uint16_t *zeros = linear->zeros + (size_t)o * (n / INT4_GROUP);
+            for (int i = 0; i < n; i += 2) {
+                float scale = bf16_to_float(scales[i / INT4_GROUP]), zero = bf16_to_float(zeros[i / INT4_GROUP]);
+                uint8_t pair = codes[i / 2];
+                row[i] = zero + (float)((pair & 15) - INT4_MIDDLE) * scale;
+                row[i + 1] = zero + (float)((pair >> 4) - INT4_MIDDLE) * scale;
+            }
+        }
+        rows[k] = row;
+    }
+}
+
+/* What a product's sum becomes, as engine/quantize.py's QuantizedLinear computes it: quantized layers round
+   their output to bfloat16 (int8 after its row's scale), then every layer adds its float bias. */
+static inline float finish(const ManasLinear *linear, int o, float sum) {
+    if (linear->kind == WEIGHTS_INT8) sum = round_bf16(sum * bf16_to_float(linear->scales[o]));
+    else if (linear->kind == WEIGHTS_INT4) sum = round_bf16(sum);
+    return linear->bias ? linear->bias[o] + sum : sum;
+}
+
+/* e^x to about 1 ulp without a call, so the loops over it (softmax, GELU) vectorize: x = k ln2 + r with
+   |r| ≤ ln2/2 (ln2 split in two for an exact product), Cephes' polynomial for e^r, then 2^k in the exponent bits.
+   Clamped to the range where 2^k is a normal float: e^-87.3 ≈ 1e-38 stands for 0. */
+static inline float exponential(float x) {
+    x = x < -87.3f ? -87.3f : x > 88.3f ? 88.3f : x;
+    float k = rintf(x * 1.44269504088896341f);
+    float r = x - k * 0.693359375f - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* GPT-2's GELU, 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))), with tanh(u) = 1 − 2 / (e^{2u} + 1): the error is
+   absolute, about 1e-7, which is all 1 + tanh needs; or the exact GELU, 0.5 x (1 + erf(x / √2)). */
+static inline float gelu(float x, int tanh_approximation) {
+    if (!tanh_approximation) return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
+    float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (2.0f - 2.0f / (exponential(2.0f * u) + 1.0f));
+}
+
+/* y = x · Wᵀ + b for `rows` rows, split over the pool by tiles of output features. */
+typedef struct {
+    const ManasLinear *linear;
+    const float *x;  /* (rows, n_in); bfloat16-rounded for quantized weights */
+    float *y;        /* (rows, n_out) */
+    int rows;
+    float *tiles;    /* per thread: TILE rows of n_in floats, for dequantized weights */
+} Matmul;
+
+static void matmul_tiles(void *context, int begin, int end, int thread) {
+    const Matmul *m = context;
+    const ManasLinear *linear = m->linear;
+    int n = linear->n_in, n_out = linear->n_out;
+    float *buffer = m->tiles + (size_t)thread * TILE * n;
+    for (int tile = begin; tile < end; tile++) {
+        int o0 = tile * TILE, count = n_out - o0 < TILE ? n_out - o0 : TILE;
+        const float *w[TILE];
+        weight_rows(linear, o0, count, buffer, w);
+        for (int r0 = 0; r0 < m->rows; r0 += TILE) {
+            int rows = m->rows - r0 < TILE ? m->rows - r0 : TILE;
+            const float *x[TILE];
+            for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * n;
+            float out[TILE][TILE];
+            if (rows == TILE && count == TILE) dots(TILE, TILE, n, x, w, out);
+            else if (rows == 1 && count == TILE) dots(1, TILE, n, x, w, out);
+            else
+                for (int r = 0; r < rows; r++)
+                    for (int o = 0; o < count; o++) dots(1, 1, n, x + r, w + o, (float(*)[TILE])&out[r][o]);
+            for (int r = 0; r < rows; r++)
+                for (int o = 0; o < count; o++) {
+                    m->y[(size_t)(r0 + r) * n_out + o0 + o] = finish(linear, o0 + o, out[r][o]);
+                }
+        }
+    }
+}
+
+/* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it). */
+typedef struct {
+    float *x, *h, *qkv, *attention, *hidden, *rounded, *angles, *tiles, *scores;
+} Scratch;
+
+static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, const float *x, float *y,
+                   int rows) {
+    if (linear->kind != WEIGHTS_F32) {  /* quantized layers take x in bfloat16, as torch's kernels */
+        for (size_t i = 0; i < (size_t)rows * linear->n_in; i++) s->rounded[i] = round_bf16(x[i]);
+        x = s->rounded;
+    }
+    Matmul m = {linear, x, y, rows, s->tiles};
+    parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);
+}
+
+/* GELU in place over rows of the feed-forward's hidden features, split over the pool by rows. */
+typedef struct { float *hidden; int width, tanh_approximation; } Gelu;
+
+static void gelu_rows(void *context, int begin, int end, int thread) {
+    const Gelu *g = context;
+    (void)thread;
+    float *hidden = g->hidden + (size_t)begin * g->width;
+    size_t n = (size_t)(end - begin) * g->width;
+    if (g->tanh_approximation)  /* two loops, so the tanh one vectorizes */
+        for (size_t i = 0; i < n; i++) hidden[i] = gelu(hidden[i], 1);
+    else
+        for (size_t i = 0; i < n; i++) hidden[i] = gelu(hidden[i], 0);
+}
+
+/* LayerNorm over C features: (x − mean) / sqrt(var + eps) · weight + bias, the variance the biased one. */
+static void layernorm(int C, float eps, const ManasNorm *norm, const float *x, float *out) {
+    float mean = sum(C, x) / (float)C;
+    for (int i = 0; i < C; i++) out[i] = (x[i] - mean) * (x[i] - mean);
+    float rstd = 1.0f / sqrtf(sum(C, out) / (float)C + eps);
+    for (int i = 0; i < C; i++) out[i] = (x[i] - mean) * rstd * norm->weight[i];
+    if (norm->bias)
+        for (int i = 0; i < C; i++) out[i] += norm->bias[i];
+}
+
+/* Each row's cos and sin of pos · base^(−2i/head_size), computed in double and rounded to float, as
+   engine/rotary.py's rope_tables. */
+static void rope_angles(const ManasModel *m, int position, float *angles) {
+    int half = m->n_embd / m->n_head / 2;
+    for (int i = 0; i < half; i++) {
+        double angle = (double)position * pow(m->rope_base, -(double)(2 * i) / (double)(2 * half));
+        angles[i] = (float)cos(angle);
+        angles[half + i] = (float)sin(angle);
+    }
+}
+
+/* Rotate each pair (a, b) = (x[2i], x[2i+1]) of one head: (a cos − b sin, b cos + a sin). */
+static void rotate(int head_size, const float *angles, float *x) {
+    int half = head_size / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[2 * i], b = x[2 * i + 1], c = angles[i], s = angles[half + i];
+        x[2 * i] = a * c + b * -s;
+        x[2 * i + 1] = b * c + a * s;
+    }
+}
+
+/* Attention of one query head of one row over its cache's positions 0..position: softmax(q·k / √hs) · v. */
+typedef struct {
+    const ManasModel *model;
+    const ManasCache *caches;
+    const int32_t *positions;
+    const float *qkv;
+    float *attention, *scores;
+    int layer;
+} Attend;
+
+static void attend_heads(void *context, int begin, int end, int thread) {
+    const Attend *a = context;
+    const ManasModel *m = a->model;
+    int hs = m->n_embd / m->n_head, group = m->n_head / m->n_kv_head, kv_width = m->n_kv_head * hs;
+    int qkv_width = m->n_embd + 2 * kv_width;
+    float *scores = a->scores + (size_t)thread * m->block_size;
+    float scale = 1.0f / sqrtf((float)hs);
+    for (int task = begin; task < end; task++) {
+        int row = task / m->n_head, head = task % m->n_head, kv_head = head / group;
+        const ManasCache *cache = &a->caches[row];
+        size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width;
+        const float *q = a->qkv + (size_t)row * qkv_width + head * hs;
+        int positions = a->positions[row] + 1;
+        float highest = -INFINITY;
+        for (int t = 0; t < positions; t++) {
+            scores[t] = dot(hs, q, cache->k + layer_offset + (size_t)t * kv_width + kv_head * hs) * scale;
+            highest = scores[t] > highest ? scores[t] : highest;
+        }
+        float total = 0.0f;
+        for (int t = 0; t < positions; t++) scores[t] = exponential(scores[t] - highest);
+        for (int t = 0; t < positions; t++) total += scores[t];
+        float *out = a->attention + (size_t)row * m->n_embd + head * hs;
+        memset(out, 0, hs * sizeof *out);
+        for (int t = 0; t < positions; t++) {
+            const float *v = cache->v + layer_offset + (size_t)t * kv_width + kv_head * hs;
+            float weight = scores[t] / total;
+            for (int i = 0; i < hs; i++) out[i] += weight * v[i];
+        }
+    }
+}
+
+/* Rotate (rope) the row's queries and keys, then write its key and value into its cache at its position. */
+static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, int position, const float *angles,
+                      float *qkv) {
+    int hs = m->n_embd / m->n_head, kv_width = m->n_kv_head * hs;
+    if (m->rope)
+        for (int head = 0; head < m->n_head + m->n_kv_head; head++) rotate(hs, angles, qkv + head * hs);
+    size_t offset = ((size_t)layer * cache->capacity + position) * kv_width;
+    memcpy(cache->k + offset, qkv + m->n_embd, kv_width * sizeof(float));
+    memcpy(cache->v + offset, qkv + m->n_embd + kv_width, kv_width * sizeof(float));
+}
+
+static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char *base) {
+    int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
+    size_t sizes[] = {(size_t)rows * C, (size_t)rows * C, (size_t)rows * qkv_width, (size_t)rows * C,
+                      (size_t)rows * 4 * C, (size_t)rows * 4 * C, (size_t)rows * hs,
+                      (size_t)threads * TILE * 4 * C, (size_t)threads * m->block_size};
+    float **parts[] = {&s->x, &s->h, &s->qkv, &s->attention, &s->hidden, &s->rounded, &s->angles, &s->tiles,
+                       &s->scores};
+    size_t offset = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+        if (base) *parts[i] = (float *)(base + offset);
+        offset += (sizes[i] * sizeof(float) + 63) & ~(size_t)63;  /* each part on its own cache lines */
+    }
+    return offset;
+}
+
+EXPORT int manas_abi_version(void) { return MANAS_ABI_VERSION; }
+
+/* Bytes of scratch manas_forward needs for `rows` rows on a pool of `threads`. */
+EXPORT size_t manas_scratch_bytes(const ManasModel *m, int rows, int threads) {
+    Scratch s;
+    return carve(&s, m, rows, threads, NULL);
+}
+
+/* The forward pass of `rows` rows: row r is token tokens[r] at position positions[r], attending over
+   caches[r]'s positions up to its own (earlier positions must be cached already, or be earlier rows of this
+   call); each row's key and value are written into its cache. The logits of rows logit_rows[0..n_logits) go to
+   logits (n_logits, vocab). Returns 0. */
+EXPORT int manas_forward(const ManasModel *m, ManasPool *pool, int rows, const int32_t *tokens,
+                         const int32_t *positions, const ManasCache *caches, int n_logits,
+                         const int32_t *logit_rows, float *logits, void *scratch) {
+    Scratch s;
+    carve(&s, m, rows, pool ? pool->threads : 1, scratch);
+    int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
+    for (int r = 0; r < rows; r++) {
+        float *x = s.x + (size_t)r * C;
+        const float *token = m->token_embedding + (size_t)tokens[r] * C;
+        if (m->rope) {
+            memcpy(x, token, C * sizeof *x);
+            rope_angles(m, positions[r], s.angles + (size_t)r * hs);
+        } else {
+            const float *position = m->position_embedding + (size_t)positions[r] * C;
+            for (int i = 0; i < C; i++) x[i] = token[i] + position[i];
+        }
+    }
+    for (int layer = 0; layer < m->n_layer; layer++) {
+        const ManasLayer *block = &m->layers[layer];
+        for (int r = 0; r < rows; r++) layernorm(C, m->norm_eps, &block->ln_attention, s.x + (size_t)r * C, s.h + (size_t)r * C);
+        matmul(pool, &s, &block->qkv, s.h, s.qkv, rows);
+        for (int r = 0; r < rows; r++)
+            cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width);
+        Attend attend = {m, caches, positions, s.qkv, s.attention, s.scores, layer};
+        parallel_for(pool, attend_heads, &attend, rows * m->n_head);
+        matmul(pool, &s, &block->output, s.attention, s.h, rows);
+        for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];
+        for (int r = 0; r < rows; r++) layernorm(C, m->norm_eps, &block->ln_ffn, s.x + (size_t)r * C, s.h + (size_t)r * C);
+        matmul(pool, &s, &block->up, s.h, s.hidden, rows);
+        parallel_for(pool, gelu_rows, &(Gelu){s.hidden, 4 * C, m->gelu_tanh}, rows);
+        matmul(pool, &s, &block->down, s.hidden, s.h, rows);
+        for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];
+    }
+    for (int k = 0; k < n_logits; k++)
+        layernorm(C, m->norm_eps, &m->final_norm, s.x + (size_t)logit_rows[k] * C, s.h + (size_t)k * C);
+    matmul(pool, &s, &m->lm_head, s.h, logits, n_logits);
+    return 0;
+}

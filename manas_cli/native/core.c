@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define EXPORT __attribute__((visibility("default")))
 #define MANAS_ABI_VERSION 1
@@ -76,9 +77,16 @@ typedef struct ManasPool {
 
 typedef struct { ManasPool *pool; int index; } Worker;
 
-/* Spinning hands the next product over in well under a microsecond; a worker that found no job for this long
-   sleeps, so an idle pool (between requests, or on a busy machine) costs no CPU. */
-#define SPINS_BEFORE_SLEEP 4000
+/* Spinning hands the next product over in well under a microsecond, where waking a sleeping thread takes tens
+   of microseconds (more in a virtual machine): a worker spins through the gap between two tokens (sampling, in
+   Python), and sleeps after SPIN_NS without a job, so an idle pool (between requests) costs no CPU. */
+#define SPIN_NS 2000000L
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -97,7 +105,10 @@ static void *worker_main(void *argument) {
     free(argument);
     unsigned seen = 0;
     for (;;) {
-        for (int spin = 0; atomic_load(&pool->generation) == seen && spin < SPINS_BEFORE_SLEEP; spin++) cpu_relax();
+        for (long start = now_ns(), spin = 1; atomic_load(&pool->generation) == seen; spin++) {
+            cpu_relax();
+            if (spin % 256 == 0 && now_ns() - start > SPIN_NS) break;
+        }
         if (atomic_load(&pool->generation) == seen) {
             pthread_mutex_lock(&pool->lock);
             atomic_fetch_add(&pool->sleepers, 1);
@@ -132,8 +143,8 @@ static void parallel_for(ManasPool *pool, Task task, void *context, int items) {
     int begin, end;
     slice(items, pool->threads, 0, &begin, &end);
     task(context, begin, end, 0);
-    for (int spin = 0; atomic_load(&pool->pending); spin++)
-        if (spin < SPINS_BEFORE_SLEEP) cpu_relax(); else sched_yield();
+    for (long spin = 1; atomic_load(&pool->pending); spin++)
+        if (spin % 1024) cpu_relax(); else sched_yield();  /* a worker descheduled on a busy machine gets its turn */
 }
 
 EXPORT ManasPool *manas_pool_new(int threads) {
@@ -211,31 +222,6 @@ static float sum(int n, const float *x) {
     return sum_lanes(lanes);
 }
 
-/* out[r][o] = x[r] · w[o] for r < RT, o < OT (compile-time sizes after inlining): each pair in the lane order above. */
-static inline __attribute__((always_inline)) void dots(int RT, int OT, int n, const float *const *x,
-                                                       const float *const *w, float out[TILE][TILE]) {
-    Lanes lane[TILE][TILE] = {{{0}}};
-    int i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        Lanes xs[TILE], ws[TILE];
-        for (int r = 0; r < RT; r++) xs[r] = load_lanes(x[r] + i);
-        for (int o = 0; o < OT; o++) ws[o] = load_lanes(w[o] + i);
-        for (int r = 0; r < RT; r++)
-            for (int o = 0; o < OT; o++) lane[r][o] += xs[r] * ws[o];
-    }
-    for (int r = 0; r < RT; r++)
-        for (int o = 0; o < OT; o++) {
-            for (int l = 0; i + l < n; l++) lane[r][o][l] += x[r][i + l] * w[o][i + l];
-            out[r][o] = sum_lanes(lane[r][o]);
-        }
-}
-
-static float dot(int n, const float *a, const float *b) {
-    float out[TILE][TILE];
-    dots(1, 1, n, &a, &b, out);
-    return out[0][0];
-}
-
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -253,34 +239,108 @@ static inline float round_bf16(float f) {
     return f;
 }
 
-/* Weight rows o0.. o0+count as float32, the values the products see: float rows in place; int8 codes as they
-   are (the row's scale multiplies the sum); int4 dequantized, zero + (code − 8) × scale, as quantize.py's
-   dequantize_groups. */
-static void weight_rows(const ManasLinear *linear, int o0, int count, float *buffer, const float **rows) {
-    int n = linear->n_in;
-    for (int k = 0; k < count; k++) {
-        int o = o0 + k;
-        float *row = buffer + (size_t)k * n;
-        if (linear->kind == WEIGHTS_F32) {
-            rows[k] = (const float *)linear->weight + (size_t)o * n;
-            continue;
-        }
-        if (linear->kind == WEIGHTS_INT8) {
-            const int8_t *q = (const int8_t *)linear->weight + (size_t)o * n;
-            for (int i = 0; i < n; i++) row[i] = (float)q[i];
-        } else {
-            const uint8_t *codes = (const uint8_t *)linear->weight + (size_t)o * (n / 2);
-            const uint16_t *scales = linear->scales + (size_t)o * (n / INT4_GROUP);
-            const uint16_t *zeros = linear->zeros + (size_t)o * (n / INT4_GROUP);
-            for (int i = 0; i < n; i += 2) {
-                float scale = bf16_to_float(scales[i / INT4_GROUP]), zero = bf16_to_float(zeros[i / INT4_GROUP]);
-                uint8_t pair = codes[i / 2];
-                row[i] = zero + (float)((pair & 15) - INT4_MIDDLE) * scale;
-                row[i + 1] = zero + (float)((pair >> 4) - INT4_MIDDLE) * scale;
-            }
-        }
-        rows[k] = row;
+/* 16 int8 codes, or the low (high) nibbles of 16 bytes, as float lanes. Written with the vector unit's own
+   widening loads where there is one: GCC 12 turns the portable loop (or __builtin_convertvector) into scalar
+   conversions, 4× slower than the whole int8 product. Exact either way: these are small integers. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline Lanes int8_lanes(const int8_t *p) {
+    return (Lanes)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline Lanes nibble_lanes(const uint8_t *p, int high) {
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    bytes = high ? _mm512_srli_epi32(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+    return (Lanes)_mm512_cvtepi32_ps(bytes);
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline Lanes int8_lanes(const int8_t *p) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+    Lanes lanes;
+    memcpy(&lanes, halves, sizeof lanes);
+    return lanes;
+}
+static inline Lanes nibble_lanes(const uint8_t *p, int high) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    bytes = high ? _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15)) : _mm_and_si128(bytes, _mm_set1_epi8(15));
+    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
+    Lanes lanes;
+    memcpy(&lanes, halves, sizeof lanes);
+    return lanes;
+}
+#else
+static inline Lanes int8_lanes(const int8_t *p) {
+    Lanes lanes;
+    for (int l = 0; l < LANES; l++) lanes[l] = (float)p[l];
+    return lanes;
+}
+static inline Lanes nibble_lanes(const uint8_t *p, int high) {
+    Lanes lanes;
+    for (int l = 0; l < LANES; l++) lanes[l] = (float)(high ? p[l] >> 4 : p[l] & 15);
+    return lanes;
+}
+#endif
+
+/* Chunks c .. c + step − 1 of weight row o as float32 lanes (chunk c: values 16c .. 16c + 15 in the order the
+   products use), step 1 for float32 and int8, 2 for int4: float32 as stored; int8 codes as they are (the row's
+   scale multiplies the sum, in finish); int4 dequantized as quantize.py's dequantize_groups, zero + (code − 8) ×
+   scale, a group of 32 at a time: its 16 bytes' low nibbles (the group's even columns) are chunk c, their high
+   nibbles (its odd columns) chunk c + 1, and x is reordered to match (quantized_input). */
+static inline __attribute__((always_inline)) void weight_lanes(int kind, const ManasLinear *linear, int o, int c,
+                                                               Lanes *chunks) {
+    size_t n = (size_t)linear->n_in;
+    if (kind == WEIGHTS_F32) {
+        chunks[0] = load_lanes((const float *)linear->weight + o * n + (size_t)c * LANES);
+    } else if (kind == WEIGHTS_INT8) {
+        chunks[0] = int8_lanes((const int8_t *)linear->weight + o * n + (size_t)c * LANES);
+    } else {
+        size_t group = o * (n / INT4_GROUP) + (size_t)c / 2;
+        const uint8_t *bytes = (const uint8_t *)linear->weight + group * LANES;
+        float scale = bf16_to_float(linear->scales[group]), zero = bf16_to_float(linear->zeros[group]);
+        for (int half = 0; half < 2; half++)
+            chunks[half] = (nibble_lanes(bytes, half) - (float)INT4_MIDDLE) * scale + zero;
     }
+}
+
+/* Element i of weight row o, for the tail of a row that is not a multiple of LANES (float32 and int8 only:
+   int4 rows are whole groups). */
+static inline float weight_at(int kind, const ManasLinear *linear, int o, int i) {
+    size_t at = (size_t)o * linear->n_in + i;
+    return kind == WEIGHTS_F32 ? ((const float *)linear->weight)[at] : (float)((const int8_t *)linear->weight)[at];
+}
+
+/* out[r][o] = x[r] · w[o0 + o] for r < RT, o < OT (compile-time sizes after inlining): each pair in the lane
+   order above, whatever the tile's shape. */
+static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT, const ManasLinear *linear,
+                                                       const float *const *x, int o0, float out[TILE][TILE]) {
+    Lanes lane[TILE][TILE] = {{{0}}};
+    int n = linear->n_in, chunks = n / LANES, step = kind == WEIGHTS_INT4 ? 2 : 1;
+    for (int c = 0; c < chunks; c += step) {
+        Lanes ws[TILE][2];
+        for (int o = 0; o < OT; o++) weight_lanes(kind, linear, o0 + o, c, ws[o]);
+        for (int k = 0; k < step; k++)
+            for (int r = 0; r < RT; r++) {
+                Lanes xs = load_lanes(x[r] + (c + k) * LANES);
+                for (int o = 0; o < OT; o++) lane[r][o] += xs * ws[o][k];
+            }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int o = 0; o < OT; o++) {
+            for (int i = chunks * LANES; i < n; i++) lane[r][o][i % LANES] += x[r][i] * weight_at(kind, linear, o0 + o, i);
+            out[r][o] = sum_lanes(lane[r][o]);
+        }
+}
+
+/* A float32 dot product in the same lane order (attention's q · k). */
+static float dot(int n, const float *a, const float *b) {
+    Lanes lanes = {0};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) lanes += load_lanes(a + i) * load_lanes(b + i);
+    for (int l = 0; i + l < n; l++) lanes[l] += a[i + l] * b[i + l];
+    return sum_lanes(lanes);
 }
 
 /* What a product's sum becomes, as engine/quantize.py's QuantizedLinear computes it: quantized layers round
@@ -289,6 +349,76 @@ static inline float finish(const ManasLinear *linear, int o, float sum) {
     if (linear->kind == WEIGHTS_INT8) sum = round_bf16(sum * bf16_to_float(linear->scales[o]));
     else if (linear->kind == WEIGHTS_INT4) sum = round_bf16(sum);
     return linear->bias ? linear->bias[o] + sum : sum;
+}
+
+/* y = x · Wᵀ + b for `rows` rows, split over the pool by tiles of output features. */
+typedef struct {
+    const ManasLinear *linear;
+    const float *x;  /* (rows, n_in); for quantized weights rounded to bfloat16 (and reordered, int4) */
+    float *y;        /* (rows, n_out) */
+    int rows;
+} Matmul;
+
+/* One tile of TILE output features for every row, TILE rows at a time: each weight load serves TILE rows. */
+static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, int o0, int count) {
+    int n = m->linear->n_in, n_out = m->linear->n_out;
+    for (int r0 = 0; r0 < m->rows; r0 += TILE) {
+        int rows = m->rows - r0 < TILE ? m->rows - r0 : TILE;
+        const float *x[TILE];
+        for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * n;
+        float out[TILE][TILE];
+        if (rows == TILE && count == TILE) dots(kind, TILE, TILE, m->linear, x, o0, out);
+        else if (rows == 1 && count == TILE) dots(kind, 1, TILE, m->linear, x, o0, out);
+        else
+            for (int r = 0; r < rows; r++)
+                for (int o = 0; o < count; o++) {
+                    float one[TILE][TILE];
+                    dots(kind, 1, 1, m->linear, x + r, o0 + o, one);
+                    out[r][o] = one[0][0];
+                }
+        for (int r = 0; r < rows; r++)
+            for (int o = 0; o < count; o++)
+                m->y[(size_t)(r0 + r) * n_out + o0 + o] = finish(m->linear, o0 + o, out[r][o]);
+    }
+}
+
+static void matmul_tiles(void *context, int begin, int end, int thread) {
+    const Matmul *m = context;
+    int n_out = m->linear->n_out, kind = m->linear->kind;
+    (void)thread;
+    for (int tile = begin; tile < end; tile++) {
+        int o0 = tile * TILE, count = n_out - o0 < TILE ? n_out - o0 : TILE;
+        if (kind == WEIGHTS_F32) matmul_tile(WEIGHTS_F32, m, o0, count);  /* one copy of the loops per kind */
+        else if (kind == WEIGHTS_INT8) matmul_tile(WEIGHTS_INT8, m, o0, count);
+        else matmul_tile(WEIGHTS_INT4, m, o0, count);
+    }
+}
+
+/* x rounded to bfloat16, as torch's quantized kernels take it; for int4 each group of 32 also reordered to its
+   even columns, then its odd ones: the order weight_lanes gives the codes in. */
+static void quantized_input(const ManasLinear *linear, const float *x, float *out, int rows) {
+    int n = linear->n_in;
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (int i = 0; i < n; i++) {
+            int at = i, j = i % INT4_GROUP;
+            if (linear->kind == WEIGHTS_INT4) at = i - j + (j % 2 ? INT4_GROUP / 2 : 0) + j / 2;
+            out[r * n + at] = round_bf16(x[r * n + i]);
+        }
+}
+
+/* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it). */
+typedef struct {
+    float *x, *h, *qkv, *attention, *hidden, *rounded, *angles, *scores;
+} Scratch;
+
+static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, const float *x, float *y,
+                   int rows) {
+    if (linear->kind != WEIGHTS_F32) {
+        quantized_input(linear, x, s->rounded, rows);
+        x = s->rounded;
+    }
+    Matmul m = {linear, x, y, rows};
+    parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);
 }
 
 /* e^x to about 1 ulp without a call, so the loops over it (softmax, GELU) vectorize: x = k ln2 + r with
@@ -317,57 +447,6 @@ static inline float gelu(float x, int tanh_approximation) {
     if (!tanh_approximation) return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
     float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
     return 0.5f * x * (2.0f - 2.0f / (exponential(2.0f * u) + 1.0f));
-}
-
-/* y = x · Wᵀ + b for `rows` rows, split over the pool by tiles of output features. */
-typedef struct {
-    const ManasLinear *linear;
-    const float *x;  /* (rows, n_in); bfloat16-rounded for quantized weights */
-    float *y;        /* (rows, n_out) */
-    int rows;
-    float *tiles;    /* per thread: TILE rows of n_in floats, for dequantized weights */
-} Matmul;
-
-static void matmul_tiles(void *context, int begin, int end, int thread) {
-    const Matmul *m = context;
-    const ManasLinear *linear = m->linear;
-    int n = linear->n_in, n_out = linear->n_out;
-    float *buffer = m->tiles + (size_t)thread * TILE * n;
-    for (int tile = begin; tile < end; tile++) {
-        int o0 = tile * TILE, count = n_out - o0 < TILE ? n_out - o0 : TILE;
-        const float *w[TILE];
-        weight_rows(linear, o0, count, buffer, w);
-        for (int r0 = 0; r0 < m->rows; r0 += TILE) {
-            int rows = m->rows - r0 < TILE ? m->rows - r0 : TILE;
-            const float *x[TILE];
-            for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * n;
-            float out[TILE][TILE];
-            if (rows == TILE && count == TILE) dots(TILE, TILE, n, x, w, out);
-            else if (rows == 1 && count == TILE) dots(1, TILE, n, x, w, out);
-            else
-                for (int r = 0; r < rows; r++)
-                    for (int o = 0; o < count; o++) dots(1, 1, n, x + r, w + o, (float(*)[TILE])&out[r][o]);
-            for (int r = 0; r < rows; r++)
-                for (int o = 0; o < count; o++) {
-                    m->y[(size_t)(r0 + r) * n_out + o0 + o] = finish(linear, o0 + o, out[r][o]);
-                }
-        }
-    }
-}
-
-/* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it). */
-typedef struct {
-    float *x, *h, *qkv, *attention, *hidden, *rounded, *angles, *tiles, *scores;
-} Scratch;
-
-static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, const float *x, float *y,
-                   int rows) {
-    if (linear->kind != WEIGHTS_F32) {  /* quantized layers take x in bfloat16, as torch's kernels */
-        for (size_t i = 0; i < (size_t)rows * linear->n_in; i++) s->rounded[i] = round_bf16(x[i]);
-        x = s->rounded;
-    }
-    Matmul m = {linear, x, y, rows, s->tiles};
-    parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);
 }
 
 /* GELU in place over rows of the feed-forward's hidden features, split over the pool by rows. */
@@ -470,10 +549,8 @@ static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, i
 static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char *base) {
     int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
     size_t sizes[] = {(size_t)rows * C, (size_t)rows * C, (size_t)rows * qkv_width, (size_t)rows * C,
-                      (size_t)rows * 4 * C, (size_t)rows * 4 * C, (size_t)rows * hs,
-                      (size_t)threads * TILE * 4 * C, (size_t)threads * m->block_size};
-    float **parts[] = {&s->x, &s->h, &s->qkv, &s->attention, &s->hidden, &s->rounded, &s->angles, &s->tiles,
-                       &s->scores};
+                      (size_t)rows * 4 * C, (size_t)rows * 4 * C, (size_t)rows * hs, (size_t)threads * m->block_size};
+    float **parts[] = {&s->x, &s->h, &s->qkv, &s->attention, &s->hidden, &s->rounded, &s->angles, &s->scores};
     size_t offset = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
         if (base) *parts[i] = (float *)(base + offset);

@@ -49,6 +49,7 @@ Overflow = choices("Overflow", "recompute", "shift")
 ExportFormat = choices("ExportFormat", "hf", "gguf")
 OutType = choices("OutType", "f32", "f16", "q8_0")
 Quantization = choices("Quantization", "int8", "int4")
+Engine = choices("Engine", "auto", "native", "torch")
 
 
 def _threads_in_range(value: Optional[int]) -> Optional[int]:
@@ -99,6 +100,14 @@ QuantizeOption = Annotated[
                  "scale per output row, a quarter of float32's bytes; int4: a scale and a zero per 32 values, faster "
                  "still on the CPU (n_embd a multiple of 32). Files written by `manas quantize` need no flag."),
 ]
+EngineOption = Annotated[
+    Engine,
+    typer.Option("--engine", envvar="MANAS_ENGINE", show_envvar=True,
+                 help="What runs the model. native: manas's C core, float32/int8/int4 on the CPU, compiled by the "
+                 "system's C compiler on first use ($CC, else cc) and cached; cached decoding equals "
+                 "crop-and-recompute bit for bit. torch: PyTorch (CUDA, bfloat16, float16). auto: native where it "
+                 "can run and builds, else torch."),
+]
 CacheOption = Annotated[
     Allocation,
     typer.Option("--cache", help="KV cache allocation: 'dynamic' grows as positions are cached (doubled when full, "
@@ -107,12 +116,16 @@ CacheOption = Annotated[
 
 
 def model_options(checkpoint: Optional[Path], device: Enum, dtype: Enum, threads: Optional[int],
-                  quantize: Optional[Enum], cache: Enum):
+                  quantize: Optional[Enum], cache: Enum, engine: Enum):
     """The flags generate, bench and inspect-cache share, as the commands take them."""
     from .commands.common import ModelOptions
 
     return ModelOptions(checkpoint=checkpoint, device=device.value, dtype=dtype.value, threads=threads,
-                        quantize=quantize.value if quantize else None, cache=cache.value)
+                        quantize=quantize.value if quantize else None, cache=cache.value, engine=engine.value,
+                        debug=_debug)
+
+
+_debug = False  # --debug, which root() receives before any command runs
 
 
 def _show_version(value: bool) -> None:
@@ -130,6 +143,8 @@ def root(
     version: Annotated[bool, typer.Option("--version", "-V", callback=_show_version, is_eager=True, help="Print the version and exit.")] = False,
 ) -> None:
     """Fast text generation from small GPT checkpoints, with a KV cache you can inspect."""
+    global _debug
+    _debug = debug
 
 
 @app.command()
@@ -162,6 +177,7 @@ def generate(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     threads: ThreadsOption = None,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout as it is produced.
 
@@ -193,7 +209,7 @@ def generate(
             raise typer.BadParameter("--jsonl reads its prompts as JSON lines (stdin or --prompt-file): it takes no "
                                      "--prompt, --echo or --num-samples", param_hint="'--jsonl'")
         pipeline.run(prompt_file=prompt_file, defaults=settings, batch_size=batch_size, overflow=overflow.value,
-                     stats=stats, quiet=quiet, model_options=model_options(checkpoint, device, dtype, threads, quantize, cache))
+                     stats=stats, quiet=quiet, model_options=model_options(checkpoint, device, dtype, threads, quantize, cache, engine))
         return
     if logprobs and not json_output:
         raise typer.BadParameter("log-probabilities are written in the --json record: add --json",
@@ -201,7 +217,7 @@ def generate(
     command.run(
         prompt=prompt, prompt_file=prompt_file, settings=settings, num_samples=num_samples, echo=echo,
         overflow=overflow.value, stats=stats, quiet=quiet, json_output=json_output,
-        model_options=model_options(checkpoint, device, dtype, threads, quantize, cache),
+        model_options=model_options(checkpoint, device, dtype, threads, quantize, cache, engine),
     )
 
 
@@ -221,6 +237,7 @@ def bench(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     threads: ThreadsOption = None,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """Measure prefill and decode speed, and the KV cache's speed-up over crop-and-recompute.
 
@@ -239,7 +256,7 @@ def bench(
     command.run(
         tokens=tokens, prompt_tokens=prompt_tokens, repeat=repeat, batch=batch, baseline=baseline,
         overflow=overflow.value, sweep=sweep, json_output=json_output,
-        model_options=model_options(checkpoint, device, dtype, threads, quantize, cache),
+        model_options=model_options(checkpoint, device, dtype, threads, quantize, cache, engine),
     )
 
 
@@ -255,6 +272,7 @@ def inspect_cache(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     threads: ThreadsOption = None,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """Prefill a prompt (and decode --tokens more), then show what the KV cache holds.
 
@@ -272,7 +290,7 @@ def inspect_cache(
     from .commands import inspect_cache as command
 
     command.run(prompt=prompt, prompt_file=prompt_file, tokens=tokens, json_output=json_output,
-                model_options=model_options(checkpoint, device, dtype, threads, quantize, cache))
+                model_options=model_options(checkpoint, device, dtype, threads, quantize, cache, engine))
 
 
 @app.command()
@@ -285,6 +303,7 @@ def score(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     threads: ThreadsOption = None,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """Score a text with a model: its loss in nats per token and per character, and its perplexity.
 
@@ -303,7 +322,7 @@ def score(
     from .commands import score as command
 
     command.run(text_file=text_file, stride=stride, json_output=json_output,
-                model_options=model_options(checkpoint, device, dtype, threads, quantize, Allocation.dynamic))
+                model_options=model_options(checkpoint, device, dtype, threads, quantize, Allocation.dynamic, engine))
 
 
 @app.command(no_args_is_help=True)

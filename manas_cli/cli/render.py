@@ -218,7 +218,8 @@ def bench_table(report: dict):
     header = Text(
         f"{model['path']}\n{model['parameters']:,} parameters · {model['weights']} weights "
         f"{format_bytes(model['weights_bytes'])} · "
-        f"block_size {model['block_size']} · {model['device']} · {model['dtype']} · {plural(model['threads'], 'thread')} ({model['threads_rule']}) · "
+        f"block_size {model['block_size']} · {model['engine']} engine · {model['device']} · {model['dtype']} · "
+        f"{plural(model['threads'], 'thread')} ({model['threads_rule']}) · "
         f"batch {report['batch']} · {plural(report['repeat'], 'run')} · overflow {report['overflow']}"
     )
     table = Table(box=None, pad_edge=False)

@@ -5,8 +5,9 @@ server do).
 A request's prompt is prefilled alone, and so is each re-prefill of its window, exactly as `generate` does them
 for one request. The decode steps of the rows in between run as one forward pass: the projections read each weight
 once for every row, and attention runs row by row over that row's own cache. Each row's numbers are those of the
-request alone, except that a matrix product over several rows may sum in another order than over one (the last
-bit of a float32), which can flip a near tie.
+request alone: on the native engine bit for bit (its products sum each row in the same order whatever rows share
+a call); on torch, a matrix product over several rows may sum in another order than over one (the last bit of a
+float32), which can flip a near tie.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from .generation import SamplingState, crop_window, kept_on_overflow, prefill_due
 from .kv_cache import CacheSession
 from .model import GPT
+from .native import NativeGPT, NativeSession, decode_rows, new_session
 from .sampling import Sampler
 
 
@@ -42,16 +44,16 @@ class Token:
     seconds: float  # the step that made it (a decode step makes every decoding row's token at once)
     logprobs: tuple[float, list[int], list[float]] | None
     last: bool  # its budget is spent, or it is end-of-text
-    cache: CacheSession  # the row's cache, for what it holds (its storage) once the request is done
+    cache: CacheSession | NativeSession  # the row's cache, for what it holds (its storage) once the request is done
 
 
 class Row:
     """A request in the batch: its cache, its token window and its sampling state, as generate keeps them."""
 
-    def __init__(self, model: GPT, request: Request, eot_id: int | None) -> None:
+    def __init__(self, model: GPT | NativeGPT, request: Request, eot_id: int | None) -> None:
         self.request, self.eot_id = request, eot_id
         device = next(model.parameters()).device
-        self.session = CacheSession(model)
+        self.session = new_session(model)
         prompt = torch.tensor([request.prompt], dtype=torch.long, device=device)
         self.window = crop_window(prompt, model.config.block_size)
         self.state = SamplingState(request.sampler, self.window, model.config.vocab_size, request.logprobs)
@@ -69,7 +71,7 @@ class Row:
 
 @torch.inference_mode()
 def generate_batched(
-    model: GPT,
+    model: GPT | NativeGPT,
     take: Callable[[bool], Request | None],
     batch_size: int,
     eot_id: int | None = None,
@@ -98,9 +100,8 @@ def generate_batched(
             else:
                 made[row] = row.take(due[1], due[0], started)
         if decoding:
-            logits = model.decode_rows(torch.cat([row.window[:, -1:] for row in decoding]),
-                                       [row.session.positions for row in decoding],
-                                       [row.session.layers for row in decoding])
+            logits = decode_rows(model, torch.cat([row.window[:, -1:] for row in decoding]),
+                                 [row.session for row in decoding])
             for index, row in enumerate(decoding):
                 made[row] = row.take(logits[index : index + 1], "decode", started)
         yield [made[row] for row in rows]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from .generation import GenerationStats, Step, generate, generate_reference
-from .kv_cache import CacheSession
 from .model import GPT
+from .native import new_session
 from .sampling import Sampler
 
 
@@ -82,7 +82,7 @@ def run_bench(
     prompt_tokens = min(prompt_tokens, model.config.block_size)  # the prefill crops a longer prompt to the window
     prompt = bench_prompt(model, prompt_tokens, batch)
     greedy = Sampler(temperature=0.0)
-    session = CacheSession(model, allocation, capacity=min(model.config.block_size, prompt_tokens + new_tokens))
+    session = new_session(model, allocation, capacity=min(model.config.block_size, prompt_tokens + new_tokens))
     runs = {"cached": lambda: generate(model, prompt, greedy, new_tokens, overflow=overflow, session=session)}
     if baseline:
         runs["baseline"] = lambda: generate_reference(model, prompt, greedy, new_tokens)

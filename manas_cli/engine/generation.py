@@ -10,6 +10,7 @@ import torch
 
 from ..errors import NumericalError
 from .kv_cache import CacheSession
+from .native import new_session
 from .model import GPT
 from .sampling import Sampler, top_logprobs
 
@@ -104,7 +105,7 @@ def generate(
     """
     keep = kept_on_overflow(overflow, model.config.block_size)
     validate_prompt(prompt)
-    session = session or CacheSession(model)
+    session = session or new_session(model)
     block_size = model.config.block_size
     sequence = crop_window(prompt, block_size)
     state = SamplingState(sampler, prompt, model.config.vocab_size, logprobs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -202,3 +203,51 @@ def decode_rows(model: GPT | NativeGPT, token_ids: torch.Tensor, sessions: list)
     for session in sessions:
         session.positions += 1
     return logits[:, None]
+
+
+ENGINES = ("auto", "native", "torch")
+ENGINE_ENV = "MANAS_ENGINE"
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """What runs the model, and what the CLI should say about the choice."""
+
+    model: GPT | NativeGPT
+    name: str  # "native" or "torch"
+    notice: str | None = None  # native was asked for and cannot run, or its cache folder was refused
+    detail: str = ""  # the compiler's or loader's own message, for --debug
+    compile_s: float | None = None  # this run compiled the core
+    library: str | None = None  # the core's shared library
+
+
+def native_unsupported(model: GPT) -> str | None:
+    """Why the core cannot run this model, or None: it runs float32, int8 and int4 weights on the CPU."""
+    weights = model.token_embedding.weight
+    if weights.device.type != "cpu":
+        return f"the model is on {weights.device.type.upper() if weights.device.type == 'cuda' else weights.device}"
+    if weights.dtype != torch.float32:
+        return f"the core runs float32, int8 and int4 weights, not {str(weights.dtype).removeprefix('torch.')}"
+    return None
+
+
+def choose_engine(name: str, model: GPT, threads: int) -> EngineChoice:
+    """`auto`: the native core when it can run the model and builds here, else torch; `native`: the same, with a
+    notice when torch runs instead; `torch`: torch."""
+    from ..native.build import NativeUnavailable, build
+    from ..native.binding import declare
+
+    if name not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {name!r}")
+    if name == "torch":
+        return EngineChoice(model, "torch")
+    reason, detail = native_unsupported(model), ""
+    if reason is None:
+        try:
+            built = build()
+            return EngineChoice(NativeGPT(model, declare(built.library), threads), "native", built.notice,
+                                compile_s=built.compile_s, library=str(built.path))
+        except NativeUnavailable as exc:
+            reason, detail = exc.reason, exc.detail
+    notice = f"the native engine cannot run: {reason}; the torch engine runs instead" if name == "native" else None
+    return EngineChoice(model, "torch", notice, detail)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 THREADS_ENV = "MANAS_THREADS"
@@ -82,20 +83,26 @@ def _our_running_threads() -> int:
 
 
 class ThreadGovernor:
-    """During a generation, gives torch the cores free now, at most every RECHECK_S: a process that starts beside
-    manas takes a core from it within half a second, and gives it back when it ends. A fixed choice stays fixed."""
+    """During a generation, gives the engine (torch, or the native core's pool) the cores free now, at most every
+    RECHECK_S: a process that starts beside manas takes a core from it within half a second, and gives it back
+    when it ends. A fixed choice stays fixed."""
 
-    def __init__(self, choice: ThreadChoice) -> None:
+    def __init__(self, choice: ThreadChoice, set_threads: Callable[[int], None] | None = None) -> None:
+        """set_threads: how the engine takes a thread count (default: torch's)."""
         self.choice = choice
+        self.set_threads = set_threads or _set_torch_threads
         self.cpus = usable_cpus()
         self._checked_at = time.monotonic()
 
     def check(self) -> None:
         if not self.choice.adaptive or time.monotonic() - self._checked_at < RECHECK_S:
             return
-        import torch
-
         self._checked_at = time.monotonic()
-        threads = free_cores(self.cpus)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        self.set_threads(free_cores(self.cpus))
+
+
+def _set_torch_threads(threads: int) -> None:
+    import torch
+
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)

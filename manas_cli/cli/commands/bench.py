@@ -48,7 +48,7 @@ def run(
 
     require_stdout()
     console = stderr_console()
-    checkpoint, threads = load_model(model_options)
+    checkpoint, threads, engine = load_model(model_options, console)
     model = checkpoint.model
     block_size = model.config.block_size
     prompt_tokens, tokens = bench_lengths(block_size, prompt_tokens, tokens, console)
@@ -61,20 +61,22 @@ def run(
         "block_size": block_size,
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": engine.model.threads if engine.name == "native" else torch.get_num_threads(),
         "threads_rule": threads.rule,
         "weights": weights_name(model),
         "weights_bytes": weights_bytes(model),
+        "engine": engine.name,
     }
     steps = (repeat + 1) * tokens * (2 if baseline else 1)  # each test's warm-up run and its timed runs
     with token_progress(console, steps, "warming up") as advance:
-        result = run_bench(model, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow,
+        result = run_bench(engine.model, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow,
                            on_step=advance)
     sweep_rows = None
     if sweep:
         sweep_tokens = block_size + block_size // 2
         with token_progress(console, sweep_tokens, "sweeping decode speed across the window") as advance:
-            sweep_rows = sweep_positions(model, min(prompt_tokens, block_size // 8), sweep_tokens, 12, on_token=advance)
+            sweep_rows = sweep_positions(engine.model, min(prompt_tokens, block_size // 8), sweep_tokens, 12,
+                                         on_token=advance)
     report = {
         "model": info,
         "tests": [

@@ -103,14 +103,18 @@ class ModelOptions:
     threads: int | None = None
     quantize: str | None = None  # "int8" or "int4"
     cache: str = "dynamic"  # the KV cache's allocation
+    engine: str = "auto"  # "auto", "native" or "torch"
+    debug: bool = False  # --debug: show the compiler's message when the native core does not build
 
 
-def load_model(options: ModelOptions):
+def load_model(options: ModelOptions, console=None):
     """The checkpoint on the chosen device, dtype and thread count (and how that count was chosen), quantized if
-    asked, its float weights laid out for decoding."""
+    asked, and the engine that runs it (engine/native.py's EngineChoice): the native core, or torch with its
+    float weights laid out for decoding. What there is to say about the engine goes to `console`, if given."""
     import torch
 
     from ...engine.model import use_decode_layout
+    from ...engine.native import choose_engine
     from ...engine.quantize import is_quantized
     from ...engine.runtime import resolve_device, resolve_dtype
     from ...engine.threads import choose_threads
@@ -129,9 +133,27 @@ def load_model(options: ModelOptions):
         raise
     if options.quantize is not None:
         quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
-    if not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
+    engine = choose_engine(options.engine, checkpoint.model, threads.threads)
+    if engine.name == "native":
+        torch.set_num_threads(1)  # torch only samples: its OpenMP workers would spin beside the core's
+    elif not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
         use_decode_layout(checkpoint.model)
-    return checkpoint, threads
+    if console is not None:
+        report_engine(console, engine, options.debug)
+    return checkpoint, threads, engine
+
+
+def report_engine(console, engine, debug: bool) -> None:
+    """One line when this run compiled the core (once per source, compiler and CPU), one when native was asked
+    for and torch runs instead; with --debug, the compiler's own message."""
+    from ..render import say
+
+    if engine.compile_s is not None:
+        say(console, f"compiled the native core in {engine.compile_s:.1f} s (once: cached as {engine.library})")
+    if engine.notice:
+        say(console, engine.notice)
+    if debug and engine.detail:
+        console.print(engine.detail.rstrip(), markup=False, highlight=False)
 
 
 def check_memory(model, rows: int, positions: int, lower: str) -> None:

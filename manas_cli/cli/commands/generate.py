@@ -31,7 +31,7 @@ def run(
     import typer
 
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.kv_cache import CacheSession
+    from ...engine.native import new_session
     from ...engine.quantize import weights_name
     from ...engine.sampling import seeded_generator
     from ...engine.threads import ThreadGovernor
@@ -46,7 +46,7 @@ def run(
     show_stats = not quiet and (stats if stats is not None else sys.stderr.isatty())
     live = show_stats and talk and not console.is_dumb_terminal and not piped(sys.stdout)
     text = read_prompt(prompt, prompt_file)
-    checkpoint, threads = load_model(model_options)
+    checkpoint, threads, engine = load_model(model_options, console)
     model, encoding = checkpoint.model, checkpoint.encoding
     ids = encode_prompt(checkpoint, text, console)
     batch, block_size, max_tokens = num_samples, model.config.block_size, settings.max_tokens
@@ -60,12 +60,12 @@ def run(
     shared = shares_terminal(sys.stdout, sys.stderr)
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
-    session = CacheSession(model, model_options.cache, capacity=positions)
-    steps = generate(model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session,
+    session = new_session(engine.model, model_options.cache, capacity=positions)
+    steps = generate(engine.model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session,
                      settings.logprobs)
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
-    governor = ThreadGovernor(threads)
+    governor = ThreadGovernor(threads, engine.model.set_threads if engine.name == "native" else None)
 
     storage = session.storage()  # what the cache holds after each step: a Ctrl-C during a re-prefill empties it
 
@@ -92,7 +92,7 @@ def run(
         storage = session.storage()
     if json_output:
         for stream in streams:
-            out.json_line(sample_record(stream, run_stats, storage, seed, weights_name(model), settings))
+            out.json_line(sample_record(stream, run_stats, storage, seed, weights_name(model), engine.name, settings))
     else:
         out.close_text([stream.text for stream in streams], echo=text if echo else None)
     display.keep_notices()
@@ -131,7 +131,8 @@ def make_sampler(settings: GenerationSettings, generator, decodable):
     return Sampler(settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p, penalties)
 
 
-def sample_record(stream, stats, storage: dict, seed: int, weights: str, settings: GenerationSettings) -> dict:
+def sample_record(stream, stats, storage: dict, seed: int, weights: str, engine: str,
+                  settings: GenerationSettings) -> dict:
     """One --json line: the contract fields first, extras after."""
     record = {
         "text": stream.text,
@@ -146,6 +147,7 @@ def sample_record(stream, stats, storage: dict, seed: int, weights: str, setting
         "cache": storage,
         "seed": seed,
         "weights": weights,
+        "engine": engine,
         **settings.record(),
     }
     if settings.logprobs:

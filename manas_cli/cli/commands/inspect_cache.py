@@ -12,7 +12,8 @@ DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool,
         model_options: ModelOptions) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.kv_cache import CacheSession, cache_report
+    from ...engine.kv_cache import cache_report
+    from ...engine.native import new_session
     from ...engine.quantize import weights_bytes, weights_name
     from ...engine.sampling import Sampler
     from ..render import cache_view, json_line, stderr_console, token_progress
@@ -20,18 +21,19 @@ def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_outpu
     require_stdout()
     console = stderr_console()
     text = read_prompt(prompt, prompt_file, default=DEFAULT_PROMPT)
-    checkpoint, _ = load_model(model_options)
+    checkpoint, _, engine = load_model(model_options, console)
     model = checkpoint.model
     ids = encode_prompt(checkpoint, text, console)
     positions = min(model.config.block_size, len(ids) + tokens)
     check_memory(model, 1, positions, "--tokens")
-    session = CacheSession(model, model_options.cache, capacity=positions)
+    session = new_session(engine.model, model_options.cache, capacity=positions)
     stats = GenerationStats(prompt_tokens=len(ids), re_prefill_positions=[])
     if tokens == 0:
         session.prefill(prompt_batch(ids, 1, model))
     else:
         # The prompt's prefill yields the first new token; the remaining tokens decode from the cache.
-        steps = generate(model, prompt_batch(ids, 1, model), Sampler(temperature=0.0), tokens + 1, session=session)
+        steps = generate(engine.model, prompt_batch(ids, 1, model), Sampler(temperature=0.0), tokens + 1,
+                         session=session)
         with token_progress(console, tokens + 1, "decoding") as advance:
             for step in steps:
                 stats.update(step)
@@ -48,6 +50,7 @@ def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_outpu
         "device": str(next(model.parameters()).device),
         "weights": weights_name(model),
         "weights_bytes": weights_bytes(model),
+        "engine": engine.name,
         "prompt_tokens": len(ids),
         "decoded_tokens": tokens,
     }

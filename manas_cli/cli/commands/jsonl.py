@@ -156,7 +156,7 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
     console = stderr_console(quiet=quiet)
     show_stats = not quiet and (stats if stats is not None else sys.stderr.isatty())
     source = open_input(prompt_file)
-    checkpoint, _ = load_model(model_options)
+    checkpoint, _, engine = load_model(model_options, console)
     model, encoding = checkpoint.model, checkpoint.encoding
     check_memory(model, batch_size, model.config.block_size, "--batch-size")
     eot, allowed = end_of_text_id(encoding), torch.tensor(decodable(encoding))
@@ -211,12 +211,12 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
         stream, line = streams.pop(made.key), lines[made.key]
         stream.finish("length")
         record = sample_record(stream, progress.pop(made.key), made.cache.storage(), seeds.pop(made.key),
-                               weights_name(model), line.settings)
+                               weights_name(model), engine.name, line.settings)
         line.record = {"id": line.id, **record}
 
     interruption = None
     # A request whose stream is gone was completed (a stop string may end it before its budget).
-    steps = generate_batched(model, take, batch_size, eot, overflow, finished=lambda key: key not in streams)
+    steps = generate_batched(engine.model, take, batch_size, eot, overflow, finished=lambda key: key not in streams)
     try:
         for tokens in steps:
             for made in tokens:

@@ -21,7 +21,7 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
     require_stdout()
     console = stderr_console()
     text = read_text(text_file)
-    checkpoint, _ = load_model(model_options)
+    checkpoint, _, engine = load_model(model_options, console)
     model, block_size = checkpoint.model, checkpoint.model.config.block_size
     stride = block_size // 2 if stride is None else stride
     if not 1 <= stride <= block_size:
@@ -31,7 +31,7 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
     if len(ids) < 2:
         raise InputError(f"the text is {len(ids)} token long: scoring needs at least 2")
     with token_progress(console, len(ids) - 1, "scoring") as advance:
-        result = score(model, ids, len(text), stride, on_window=lambda tokens: advance(tokens=tokens))
+        result = score(engine.model, ids, len(text), stride, on_window=lambda tokens: advance(tokens=tokens))
     report = {
         "nats_per_token": result.nats_per_token,
         "nats_per_char": result.nats_per_char,
@@ -42,13 +42,14 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
         "block_size": block_size,
         "checkpoint": str(checkpoint.path),
         "weights": weights_name(model),
+        "engine": engine.name,
     }
     if json_output:
         print(json_line(report))
         return
     print(f"{result.nats_per_token:.4f} nats/token · {result.nats_per_char:.4f} nats/char · perplexity "
           f"{result.perplexity:,.2f} · {result.tokens:,} tokens scored ({result.characters:,} characters), window "
-          f"{block_size}, stride {stride} · {weights_name(model)} weights", file=sys.stdout)
+          f"{block_size}, stride {stride} · {weights_name(model)} weights · {engine.name} engine", file=sys.stdout)
 
 
 SCORE_ADVICE = "score a part of it (head -c 64M FILE | manas score)"

@@ -21,6 +21,7 @@ from manas_cli.formats.bpe import train_bpe
 from manas_cli.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from manas_cli.engine.generation import generate_reference, prompt_batch
 from manas_cli.engine.model import GPT, GPTConfig
+from manas_cli.engine.native import choose_engine
 from manas_cli.engine.quantize import quantize_model
 from manas_cli.engine.sampling import Sampler, seeded_generator
 from manas_cli.formats.tokenizer import bpe_spec, build_encoding, end_of_text_id
@@ -53,6 +54,11 @@ class TinyCheckpoint:
             quantize_model(checkpoint.model, "int8" if self.quantize is True else self.quantize)
         return checkpoint
 
+    @cached_property
+    def runner(self):
+        """The model as the CLI's default `--engine auto` runs it here: the native core where it builds."""
+        return choose_engine("auto", self.loaded.model, 1).model
+
     @property
     def encoding(self):
         return self.loaded.encoding
@@ -69,7 +75,7 @@ class TinyCheckpoint:
                   top_p: float | None = None, seed: int | None = None, num_samples: int = 1) -> list[list[int]]:
         """Each sample's new tokens from crop-and-recompute generation (end-of-text ends a sample and is not one of
         its tokens), sampled with the generator the CLI seeds for --seed."""
-        model = self.loaded.model
+        model = self.runner
         generator = seeded_generator(seed, model)[0] if seed is not None else None
         sampler = Sampler(temperature, top_k, top_p, generator)
         prompt_ids = prompt_batch(self.prompt_ids(prompt), num_samples, model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,37 @@ def shakespeare() -> str:
 def shakespeare_held_out() -> str:
     """The first 30,000 characters of Tiny Shakespeare's held-out last 10%."""
     return (DATA / "tinyshakespeare-held-out.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def native_library():
+    """The native core, built (or found in the cache) as the CLI builds it. Only a machine with no C compiler at
+    all skips the native tests; a compiler that fails on core.c fails them."""
+    import shutil
+
+    from manas_cli.native.binding import declare
+    from manas_cli.native.build import build
+
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler: the native engine cannot be built here")
+    return declare(build().library)
+
+
+ENGINES = ("torch", "native")
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def run_on(engine, request):
+    """The model as `engine` runs it: itself on torch, the C core over its own tensors on native. Tests that take
+    it hold on both engines."""
+    if engine == "torch":
+        return lambda model: model
+    from manas_cli.engine.native import NativeGPT
+
+    library = request.getfixturevalue("native_library")
+    return lambda model, threads=1: NativeGPT(model, library, threads)

@@ -37,7 +37,7 @@ def test_bench_json_reports_the_model_and_each_test(checkpoints, name, batch):
     assert report["model"] == {"path": str(checkpoint.path), "parameters": parameters,
                                "size_bytes": parameters * FLOAT32_BYTES, "block_size": BLOCK_SIZE, "device": "cpu",
                                "dtype": "float32", "threads": 1, "threads_rule": "--threads", "weights": "float32",
-                               "weights_bytes": parameters * FLOAT32_BYTES}
+                               "weights_bytes": parameters * FLOAT32_BYTES, "engine": "native"}
     tests = {test["name"]: test for test in report["tests"]}
     assert list(tests) == ["pp16", "tg20", "tg20 no-cache"]
     for test in tests.values():

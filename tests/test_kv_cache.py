@@ -10,6 +10,7 @@ from conftest import BLOCK_SIZE, make_model, tiny_config
 from manas_cli.engine.generation import crop_window
 from manas_cli.engine.kv_cache import CacheSession
 from manas_cli.engine.model import CausalSelfAttention, RotaryAttention
+from manas_cli.engine.native import new_session
 
 FLOAT32_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 
@@ -19,16 +20,20 @@ def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_prefill_and_decode_logits_equal_the_full_forward_last_position(tiny_model, batch):
-    """Through the first fill, and through re-prefills of the cropped window past block_size."""
-    session = CacheSession(tiny_model)
+def test_prefill_and_decode_logits_equal_the_full_forward_last_position(tiny_model, batch, engine, run_on):
+    """Through the first fill, and through re-prefills of the cropped window past block_size: within float32
+    rounding on torch, bit for bit on the native core."""
+    model = run_on(tiny_model)
+    session = new_session(model)
     sequence = random_ids(batch, 5)
     next_ids = random_ids(batch, 3 * BLOCK_SIZE, seed=1)  # teacher-forced continuation
     with torch.no_grad():
         logits = session.prefill(sequence)
         for column in range(next_ids.size(1)):
-            expected = tiny_model(crop_window(sequence, BLOCK_SIZE))[:, -1:]
+            expected = model(crop_window(sequence, BLOCK_SIZE))[:, -1:]
             assert logits.shape == (batch, 1, tiny_model.config.vocab_size)
+            if engine == "native":
+                assert torch.equal(logits, expected)
             torch.testing.assert_close(logits, expected, **FLOAT32_TOLERANCE)
             sequence = torch.cat((sequence, next_ids[:, column : column + 1]), dim=1)
             if session.positions == BLOCK_SIZE:
@@ -90,8 +95,9 @@ def test_session_refuses_a_model_that_does_not_match_its_config(broken_model, me
 
 
 @pytest.fixture
-def session() -> CacheSession:
-    return CacheSession(make_model("rope", "gqa"))
+def session(run_on):
+    """A session of each engine: both refuse alike and account alike."""
+    return new_session(run_on(make_model("rope", "gqa")))
 
 
 def test_decode_before_any_prefill_is_refused(session):
@@ -138,8 +144,9 @@ def test_prefill_failing_inside_the_model_leaves_the_session_empty(session):
     assert_empty(session)
 
 
-def test_prefill_failing_after_some_layers_appended_leaves_the_session_empty(session):
+def test_prefill_failing_after_some_layers_appended_leaves_the_session_empty():
     """A failure in the last block, when the first block has already cached its keys, must not half-fill it."""
+    session = CacheSession(make_model("rope", "gqa"))
 
     def fail(module, inputs):
         raise RuntimeError("simulated failure in the last block")

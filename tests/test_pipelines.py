@@ -29,10 +29,12 @@ SHIPPED = TinyCheckpoint("shipped", Path(__file__).resolve().parents[1] / "check
 WORDS = "ROMEO JULIET KING The what love thou art sweet night day O speak me no my lord".split()
 
 
-def reference_tokens(checkpoint: TinyCheckpoint, prompt: str, settings: GenerationSettings) -> list[int]:
-    """The request alone, as crop-and-recompute (which `manas generate` equals, token for token) computes it, up to
-    end-of-text or the token that completes a stop string."""
-    model, encoding = checkpoint.loaded.model, checkpoint.encoding
+def reference_tokens(checkpoint: TinyCheckpoint, prompt: str, settings: GenerationSettings,
+                     engine: str = "auto") -> list[int]:
+    """The request alone, as crop-and-recompute (which `manas generate` equals, token for token) computes it on
+    the engine the CLI runs, up to end-of-text or the token that completes a stop string."""
+    model = checkpoint.loaded.model if engine == "torch" else checkpoint.runner
+    encoding = checkpoint.encoding
     generator, _ = seeded_generator(settings.seed, model)
     sampler = make_sampler(settings, generator, torch.tensor(decodable(encoding)))
     ids = encoding.encode_ordinary(prompt)[-model.config.block_size:] or [checkpoint.eot_id]
@@ -79,17 +81,18 @@ def jsonl(checkpoint_path: Path, lines: list[str], *args: str) -> subprocess.Com
     ("learned", "3", (5, 70)),
     ("shipped", "8", (3, 12)),
 ])
-def test_every_jsonl_record_equals_the_request_alone(checkpoints, model, batch_size, budgets):
+def test_every_jsonl_record_equals_the_request_alone(checkpoints, model, batch_size, budgets, engine):
     checkpoint = {"rope": checkpoints["rope-gqa"], "learned": checkpoints["learned-mha"], "shipped": SHIPPED}[model]
     requests = mixed_requests(52, seed=len(model), max_tokens=budgets)
-    done = jsonl(checkpoint.path, [json.dumps(r) for r in requests], "--batch-size", batch_size)
+    done = jsonl(checkpoint.path, [json.dumps(r) for r in requests], "--batch-size", batch_size, "--engine", engine)
     assert done.returncode == 0, done.stderr.decode()
     records = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert [record["id"] for record in records] == [request["id"] for request in requests]  # input order
     stops = 0
     for request, record in zip(requests, records):
         settings = with_overrides(GenerationSettings(), {k: v for k, v in request.items() if k not in ("prompt", "id")})
-        assert record["tokens"] == reference_tokens(checkpoint, request["prompt"], settings), request
+        assert record["tokens"] == reference_tokens(checkpoint, request["prompt"], settings, engine), request
+        assert record["engine"] == engine
         if record["finish_reason"] == "stop":
             stops += 1
             assert settings.stop[0] not in record["text"]

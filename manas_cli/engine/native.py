@@ -26,6 +26,7 @@ class NativeGPT:
     do not apply use_decode_layout)."""
 
     def __init__(self, model: GPT, library: ctypes.CDLL, threads: int = 1) -> None:
+        self._pool = None  # first: __del__ closes it
         embedding = model.token_embedding.weight
         if embedding.device.type != "cpu" or embedding.dtype != torch.float32:
             raise ValueError(f"the native core runs float32 weights on the CPU, not {embedding.dtype} on {embedding.device}")
@@ -33,7 +34,6 @@ class NativeGPT:
         self.config: GPTConfig = model.config
         self.library = library
         self.bound, self._alive = bind(model)
-        self._pool = None
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.set_threads(threads)
 
@@ -70,7 +70,7 @@ class NativeGPT:
         """The core's forward pass over rows (token, position, cache); the logits of logit_rows, (len, vocab)."""
         rows = len(tokens)
         if any(not 0 <= token < self.config.vocab_size for token in tokens):
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+            raise IndexError(f"token ids must be in [0, {self.config.vocab_size})")
         needed = self.library.manas_scratch_bytes(ctypes.byref(self.bound), rows, self.threads)
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.uint8)
@@ -144,12 +144,17 @@ class NativeSession:
 
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
         """CacheSession.prefill: reset, run the prompt (B, T ≤ block_size); logits of its last position (B, 1, vocab)."""
-        self.reset()
+        self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
         check_prefill_ids(token_ids, self.block_size)
         B, T = token_ids.shape
-        self.allocate(B, T)
         ids = token_ids.tolist()
-        logits = torch.cat([self.model.run(ids[b], list(range(T)), [self.cache(b)] * T, [T - 1]) for b in range(B)])
+        try:
+            self.allocate(B, T)
+            logits = torch.cat([self.model.run(ids[b], list(range(T)), [self.cache(b)] * T, [T - 1])
+                                for b in range(B)])
+        except BaseException:
+            self.reset()
+            raise
         self.positions, self.batch_size = T, B
         return logits[:, None]
 

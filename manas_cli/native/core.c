@@ -229,16 +229,6 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-/* Round to the nearest bfloat16, ties to even, as torch's .to(torch.bfloat16). */
-static inline float round_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return f;  /* NaN stays NaN */
-    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* 16 int8 codes, or the low (high) nibbles of 16 bytes, as float lanes. Written with the vector unit's own
    widening loads where there is one: GCC 12 turns the portable loop (or __builtin_convertvector) into scalar
    conversions, 4× slower than the whole int8 product. Exact either way: these are small integers. */
@@ -288,7 +278,7 @@ static inline Lanes nibble_lanes(const uint8_t *p, int high) {
    products use), step 1 for float32 and int8, 2 for int4: float32 as stored; int8 codes as they are (the row's
    scale multiplies the sum, in finish); int4 dequantized as quantize.py's dequantize_groups, zero + (code − 8) ×
    scale, a group of 32 at a time: its 16 bytes' low nibbles (the group's even columns) are chunk c, their high
-   nibbles (its odd columns) chunk c + 1, and x is reordered to match (quantized_input). */
+   nibbles (its odd columns) chunk c + 1, and x is reordered to match (int4_input). */
 static inline __attribute__((always_inline)) void weight_lanes(int kind, const ManasLinear *linear, int o, int c,
                                                                Lanes *chunks) {
     size_t n = (size_t)linear->n_in;
@@ -343,18 +333,19 @@ static float dot(int n, const float *a, const float *b) {
     return sum_lanes(lanes);
 }
 
-/* What a product's sum becomes, as engine/quantize.py's QuantizedLinear computes it: quantized layers round
-   their output to bfloat16 (int8 after its row's scale), then every layer adds its float bias. */
+/* What a product's sum becomes: int8's times its row's scale, then the float bias. Activations stay float32
+   throughout: torch's engine rounds a quantized product's input and output to bfloat16 because its int8 kernel
+   is vectorized for bfloat16 only; the core has no such limit, so it computes x · Wᵀ over W's dequantized values
+   (exact in float32) to float32 rounding. */
 static inline float finish(const ManasLinear *linear, int o, float sum) {
-    if (linear->kind == WEIGHTS_INT8) sum = round_bf16(sum * bf16_to_float(linear->scales[o]));
-    else if (linear->kind == WEIGHTS_INT4) sum = round_bf16(sum);
+    if (linear->kind == WEIGHTS_INT8) sum *= bf16_to_float(linear->scales[o]);
     return linear->bias ? linear->bias[o] + sum : sum;
 }
 
 /* y = x · Wᵀ + b for `rows` rows, split over the pool by tiles of output features. */
 typedef struct {
     const ManasLinear *linear;
-    const float *x;  /* (rows, n_in); for quantized weights rounded to bfloat16 (and reordered, int4) */
+    const float *x;  /* (rows, n_in); for int4, each group reordered (int4_input) */
     float *y;        /* (rows, n_out) */
     int rows;
 } Matmul;
@@ -394,28 +385,26 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
     }
 }
 
-/* x rounded to bfloat16, as torch's quantized kernels take it; for int4 each group of 32 also reordered to its
-   even columns, then its odd ones: the order weight_lanes gives the codes in. */
-static void quantized_input(const ManasLinear *linear, const float *x, float *out, int rows) {
-    int n = linear->n_in;
+/* x with each group of 32 reordered to its even columns, then its odd ones: the order weight_lanes gives an
+   int4 row's codes in. */
+static void int4_input(int n, const float *x, float *out, int rows) {
     for (size_t r = 0; r < (size_t)rows; r++)
         for (int i = 0; i < n; i++) {
-            int at = i, j = i % INT4_GROUP;
-            if (linear->kind == WEIGHTS_INT4) at = i - j + (j % 2 ? INT4_GROUP / 2 : 0) + j / 2;
-            out[r * n + at] = round_bf16(x[r * n + i]);
+            int j = i % INT4_GROUP;
+            out[r * n + i - j + (j % 2 ? INT4_GROUP / 2 : 0) + j / 2] = x[r * n + i];
         }
 }
 
 /* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it). */
 typedef struct {
-    float *x, *h, *qkv, *attention, *hidden, *rounded, *angles, *scores;
+    float *x, *h, *qkv, *attention, *hidden, *reordered, *angles, *scores;
 } Scratch;
 
 static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, const float *x, float *y,
                    int rows) {
-    if (linear->kind != WEIGHTS_F32) {
-        quantized_input(linear, x, s->rounded, rows);
-        x = s->rounded;
+    if (linear->kind == WEIGHTS_INT4) {
+        int4_input(linear->n_in, x, s->reordered, rows);
+        x = s->reordered;
     }
     Matmul m = {linear, x, y, rows};
     parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);
@@ -550,7 +539,7 @@ static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char
     int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
     size_t sizes[] = {(size_t)rows * C, (size_t)rows * C, (size_t)rows * qkv_width, (size_t)rows * C,
                       (size_t)rows * 4 * C, (size_t)rows * 4 * C, (size_t)rows * hs, (size_t)threads * m->block_size};
-    float **parts[] = {&s->x, &s->h, &s->qkv, &s->attention, &s->hidden, &s->rounded, &s->angles, &s->scores};
+    float **parts[] = {&s->x, &s->h, &s->qkv, &s->attention, &s->hidden, &s->reordered, &s->angles, &s->scores};
     size_t offset = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
         if (base) *parts[i] = (float *)(base + offset);

@@ -1,0 +1,347 @@
+"""The native core: its logits against the torch model for every configuration it runs, cached == full window and
+batched == alone bit for bit, and its build: cached per user, refused folders, no compiler, a broken compiler."""
+
+from __future__ import annotations
+
+import copy
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
+from conftest import BLOCK_SIZE, make_model
+from manas_cli.engine.generation import crop_window
+from manas_cli.engine.native import NativeGPT, NativeSession, decode_rows
+from manas_cli.engine.model import GPT
+from manas_cli.engine.quantize import is_quantized, quantizable, quantize_model
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.native import build
+
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors"
+
+# Every configuration the core runs: position encoding, head layout, bias, GELU, weights.
+CONFIGURATIONS = [
+    (pe, layout, bias, gelu, weights)
+    for pe in ("learned", "rope") for layout in ("mha", "gqa", "mqa") for bias in (True, False)
+    for gelu in ("tanh", "none") for weights in ("float32", "int8", "int4")
+]
+
+
+def configuration_id(configuration: tuple) -> str:
+    pe, layout, bias, gelu, weights = configuration
+    return f"{pe}-{layout}-{'bias' if bias else 'no-bias'}-gelu-{gelu}-{weights}"
+
+
+def configured_model(pe: str, layout: str, bias: bool, gelu: str, weights: str, **overrides):
+    model = make_model(pe, layout, bias=bias, gelu_approximate=gelu, **overrides)
+    return model if weights == "float32" else quantize_model(model, weights)
+
+
+def dequantized_reference(model: GPT) -> GPT:
+    """The float32 torch model a quantized one stands for: every quantized layer (the output layer too, a quantized
+    copy of the embedding) as an nn.Linear holding its dequantized weights, which are exact in float32."""
+    if not is_quantized(model):
+        return model
+    reference = copy.deepcopy(model)
+    for name in quantizable(reference):
+        layer = reference.get_submodule(name)
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        linear.weight = nn.Parameter(layer.dequantized(torch.float32))
+        linear.bias = layer.bias
+        parent, _, child = name.rpartition(".")
+        setattr(reference.get_submodule(parent) if parent else reference, child, linear)
+    return reference.eval()
+
+
+def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(300, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference, relative to the logits' scale (their largest magnitude)."""
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=configuration_id)
+def test_native_logits_equal_the_torch_models_within_float32_rounding(native_library, configuration):
+    pe, layout, bias, gelu, weights = configuration
+    model = configured_model(*configuration)
+    ids = random_ids(2, BLOCK_SIZE)
+    with torch.inference_mode():
+        expected = dequantized_reference(model)(ids)
+    got = NativeGPT(model, native_library)(ids)
+    assert got.shape == expected.shape
+    assert relative_error(got, expected) <= 1e-4
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_native_quantized_logits_stay_near_the_torch_engines_bfloat16_activations(native_library, weights):
+    """torch's engine rounds each quantized product's input and output to bfloat16 (its kernels' limit); the core
+    keeps float32: the two differ by that rounding, not by more."""
+    model = configured_model("rope", "gqa", True, "tanh", weights)
+    ids = random_ids(2, BLOCK_SIZE)
+    with torch.inference_mode():
+        torch_engine = model(ids)
+    assert relative_error(NativeGPT(model, native_library)(ids), torch_engine) <= 2**-5
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=configuration_id)
+def test_a_cached_decode_step_is_bit_for_bit_the_full_windows_position(native_library, configuration):
+    """Through a prefill, decode steps to the full window, and a re-prefill of the cropped window."""
+    native = NativeGPT(configured_model(*configuration), native_library)
+    sequence = random_ids(2, 3 * BLOCK_SIZE // 2, seed=1)
+    session = NativeSession(native)
+    logits = session.prefill(sequence[:, :3])
+    for end in range(3, sequence.size(1)):
+        window = crop_window(sequence[:, :end], BLOCK_SIZE)
+        assert torch.equal(logits[:, 0], native(window)[:, -1])
+        if session.positions == BLOCK_SIZE:
+            logits = session.prefill(crop_window(sequence[:, : end + 1], BLOCK_SIZE))
+        else:
+            logits = session.decode(sequence[:, end : end + 1])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+def test_rows_decoded_together_equal_each_row_alone_bit_for_bit(native_library, weights, threads):
+    """Continuous batching's step: sessions at different positions in one call give each session's own logits,
+    on any number of threads."""
+    model = configured_model("rope", "gqa", True, "tanh", weights)
+    native = NativeGPT(model, native_library, threads)
+    prompts = [random_ids(1, length, seed=length) for length in (2, 5, 9, 13)]
+    together = [NativeSession(native) for _ in prompts]
+    alone = [NativeSession(NativeGPT(model, native_library, 1)) for _ in prompts]
+    for session, solo, prompt in zip(together, alone, prompts):
+        assert torch.equal(session.prefill(prompt), solo.prefill(prompt))
+    nexts = random_ids(len(prompts), 1, seed=99)
+    logits = decode_rows(native, nexts, together)
+    for row, (session, solo) in enumerate(zip(together, alone)):
+        assert torch.equal(logits[row], solo.decode(nexts[row : row + 1])[0])
+        assert session.positions == solo.positions
+
+
+def test_the_shipped_model_on_the_core_matches_torch_over_its_whole_window(native_library):
+    model = load_checkpoint(SHIPPED).model
+    ids = random_ids(1, model.config.block_size)
+    with torch.inference_mode():
+        expected = model(ids)
+    got = NativeGPT(model, native_library, 2)(ids)
+    assert relative_error(got, expected) <= 1e-4
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_the_core_reads_the_torch_models_own_memory(native_library):
+    """No copy: a change to the torch model's weights is what the core computes with next."""
+    model = make_model("rope", "gqa")
+    native = NativeGPT(model, native_library)
+    ids = random_ids(1, 4)
+    before = native(ids)
+    with torch.no_grad():
+        model.blocks[0].ffn.up.weight.mul_(2)
+    after = native(ids)
+    assert not torch.equal(before, after)
+    with torch.inference_mode():
+        assert relative_error(after, model(ids)) <= 1e-4
+
+
+def test_the_core_refuses_weights_it_does_not_run(native_library):
+    with pytest.raises(ValueError, match="float32 weights on the CPU, not torch.bfloat16"):
+        NativeGPT(make_model("rope").to(torch.bfloat16), native_library)
+    transposed = make_model("rope")
+    from manas_cli.engine.model import use_decode_layout
+
+    with pytest.raises(ValueError, match="contiguous"):
+        NativeGPT(use_decode_layout(transposed), native_library)
+
+
+# ---- the build ----
+
+
+def run_generate(*args: str, env: dict, prompt: str = "ROMEO:") -> subprocess.CompletedProcess:
+    return subprocess.run([*MANAS, "generate", "-p", prompt, "-n", "8", "-t", "0", *RUN_OPTIONS, *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def fresh_cache_env(tmp_path: Path, **overrides: str) -> dict:
+    return cli_env(XDG_CACHE_HOME=str(tmp_path / "cache"), **overrides)
+
+
+def test_the_first_run_compiles_once_into_the_users_cache_and_later_runs_load_it(tmp_path):
+    env = fresh_cache_env(tmp_path)
+    first = run_generate("--json", env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count("compiled the native core in") == 1
+    assert json.loads(first.stdout)["engine"] == "native"
+    folder = tmp_path / "cache" / "manas"
+    (library,) = folder.glob("core-*.so")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert not stat.S_IMODE(library.stat().st_mode) & (stat.S_IWGRP | stat.S_IWOTH)
+    second = run_generate("--json", env=env)
+    assert second.returncode == 0 and "compiled" not in second.stderr
+    assert json.loads(second.stdout)["tokens"] == json.loads(first.stdout)["tokens"]
+
+
+def test_two_first_runs_at_once_both_succeed_and_one_compiles(tmp_path):
+    env = fresh_cache_env(tmp_path)
+    command = [*MANAS, "generate", "-p", "ROMEO:", "-n", "4", "-t", "0", *RUN_OPTIONS, "--json"]
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(2)]
+    results = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], results
+    assert sum(stderr.count("compiled the native core") for _, stderr in results) == 1
+    assert all(json.loads(stdout)["engine"] == "native" for stdout, _ in results)
+    assert len(list((tmp_path / "cache" / "manas").glob("core-*.so"))) == 1
+    assert not list((tmp_path / "cache" / "manas").glob(".build-*"))  # no temporary left behind
+
+
+def test_a_cache_folder_others_can_write_is_refused_for_a_private_one(tmp_path):
+    folder = tmp_path / "cache" / "manas"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    result = run_generate("--json", env=fresh_cache_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"{folder} can be written by other users: the native core is built in a private temporary folder " \
+           "instead" in result.stderr
+    assert json.loads(result.stdout)["engine"] == "native"
+    assert not list(folder.glob("core-*.so"))  # nothing written where another user could replace it
+
+
+def test_unsafe_reason_names_what_is_wrong(tmp_path):
+    shared = tmp_path / "shared-folder"
+    shared.mkdir()
+    shared.chmod(0o775)
+    assert build.unsafe_reason(shared) == "can be written by other users"
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    assert build.unsafe_reason(link) == "is a symbolic link"
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert build.unsafe_reason(private) is None
+
+
+def test_without_a_compiler_torch_runs_and_only_asking_for_native_says_so(tmp_path):
+    env = fresh_cache_env(tmp_path, CC=str(tmp_path / "no-such-cc"))
+    auto = run_generate("--json", env=env)
+    assert auto.returncode == 0, auto.stderr
+    assert json.loads(auto.stdout)["engine"] == "torch" and auto.stderr == ""
+    asked = run_generate("--json", "--engine", "native", env=env)
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["engine"] == "torch"
+    assert asked.stderr.strip() == (f"the native engine cannot run: no C compiler ($CC={tmp_path / 'no-such-cc'} "
+                                    "not found); the torch engine runs instead")
+    assert json.loads(asked.stdout)["tokens"] == json.loads(auto.stdout)["tokens"]
+
+
+def fake_compiler(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "fake-cc"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_failing_compiler_is_never_a_crash_and_debug_shows_its_message(tmp_path):
+    cc = fake_compiler(tmp_path, 'case "$1" in --version) echo "fake cc 1.0";; *) echo "core.c:1: fatal: no '
+                                 'headers" >&2; exit 1;; esac')
+    env = fresh_cache_env(tmp_path, CC=str(cc))
+    result = run_generate("--engine", "native", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "the native engine cannot run: the C compiler" in result.stderr and "failed on the native core" in result.stderr
+    assert "fatal: no headers" not in result.stderr
+    debug = run_generate("--engine", "native", "--debug", env=env)
+    assert debug.returncode == 0 and "core.c:1: fatal: no headers" in debug.stderr
+    assert not list((tmp_path / "cache" / "manas").glob("core-*.so"))
+
+
+def test_a_library_that_will_not_load_is_never_a_crash(tmp_path):
+    cc = fake_compiler(tmp_path, 'case "$1" in --version) echo "fake cc 2.0";; *) while [ "$1" != "-o" ]; do '
+                                 'shift; done; echo "not a shared library" > "$2";; esac')
+    result = run_generate("--engine", "native", "--json", env=fresh_cache_env(tmp_path, CC=str(cc)))
+    assert result.returncode == 0, result.stderr
+    assert "the native engine cannot run: the native core does not load" in result.stderr
+    assert json.loads(result.stdout)["engine"] == "torch"
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (("--dtype", "bfloat16"), "the core runs float32, int8 and int4 weights, not bfloat16"),
+    (("--dtype", "float16"), "the core runs float32, int8 and int4 weights, not float16"),
+])
+def test_asking_for_native_where_it_cannot_run_names_why_and_torch_runs(tmp_path, flags, reason):
+    result = run_generate("--engine", "native", "--json", *flags, env=fresh_cache_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == f"the native engine cannot run: {reason}; the torch engine runs instead"
+    assert json.loads(result.stdout)["engine"] == "torch"
+
+
+@pytest.mark.parametrize("value", ["torch", "native"])
+def test_the_engine_comes_from_the_environment_too(tmp_path, value):
+    result = run_generate("--json", env=fresh_cache_env(tmp_path, MANAS_ENGINE=value))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["engine"] == value
+
+
+def test_an_unknown_engine_is_refused_naming_the_choices(tmp_path):
+    result = run_generate("--engine", "fast", env=fresh_cache_env(tmp_path))
+    assert result.returncode == 2
+    assert "'fast' is not one of 'auto', 'native', 'torch'" in result.stderr
+
+
+def test_the_library_exports_only_its_prefixed_entry_points(native_library):
+    """Every other symbol is static: nothing can bind to a libc function of the same name (glibc's `step`)."""
+    path = Path(native_library._name)
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True)
+    if nm.returncode:
+        pytest.skip("no nm to list the library's symbols")
+    exported = {line.split()[-1] for line in nm.stdout.splitlines() if line.split()[1] in "TDB"}
+    assert exported and all(name.startswith("manas_") for name in exported), exported
+
+
+def test_the_library_is_keyed_by_source_flags_compiler_and_cpu(monkeypatch):
+    cc = build.compiler()
+    name = build.library_name(cc)
+    monkeypatch.setattr(build, "FLAGS", (*build.FLAGS, "-DANOTHER_BUILD"))
+    assert build.library_name(cc) != name
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "cpu_features", lambda: "another cpu")
+    assert build.library_name(cc) != name
+
+
+def test_bench_and_score_name_the_engine(tmp_path):
+    env = fresh_cache_env(tmp_path)
+    bench = subprocess.run([*MANAS, "bench", "-n", "4", "--prompt-tokens", "4", "-r", "1", "--no-baseline",
+                            *RUN_OPTIONS, "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert bench.returncode == 0, bench.stderr
+    assert json.loads(bench.stdout)["model"]["engine"] == "native"
+    table = subprocess.run([*MANAS, "bench", "-n", "4", "--prompt-tokens", "4", "-r", "1", "--no-baseline",
+                            *RUN_OPTIONS, "--engine", "torch"], capture_output=True, text=True, env=env, timeout=300)
+    assert "torch engine" in table.stdout
+    score = subprocess.run([*MANAS, "score", *RUN_OPTIONS, "--json"], input="To be, or not to be: that is it.",
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert json.loads(score.stdout)["engine"] == "native"
+
+
+def test_native_and_torch_score_the_same_text_alike(shakespeare_held_out, tmp_path):
+    env = fresh_cache_env(tmp_path)
+    scores = {}
+    for engine in ("native", "torch"):
+        done = subprocess.run([*MANAS, "score", *RUN_OPTIONS, "--engine", engine, "--json"],
+                              input=shakespeare_held_out[:6000], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        scores[engine] = json.loads(done.stdout)
+    assert scores["native"]["tokens"] == scores["torch"]["tokens"]
+    assert abs(scores["native"]["nats_per_token"] - scores["torch"]["nats_per_token"]) < 1e-4
+
+
+def test_torch_is_given_one_thread_when_the_core_runs():
+    """torch only samples beside the core: its OpenMP workers must not spin on the core's cores."""
+    code = ("import torch, sys; from manas_cli.cli.commands.common import ModelOptions, load_model; "
+            "_, _, engine = load_model(ModelOptions(threads=2)); print(engine.name, torch.get_num_threads(), "
+            "engine.model.threads)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert done.stdout.split() == ["native", "1", "2"], done.stderr

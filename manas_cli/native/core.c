@@ -19,6 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__AVX2__) || defined(__FMA__) || defined(__AVX512F__)
+#include <immintrin.h> /* the vector unit's own widening loads and fused multiply-add, where it has them */
+#endif
 
 #define EXPORT __attribute__((visibility("default")))
 #define MANAS_ABI_VERSION 1
@@ -182,8 +185,8 @@ EXPORT void manas_pool_free(ManasPool *pool) {
 
 /* Every dot product sums in LANES interleaved partial sums: lane l adds the products of elements l, l + LANES,
    l + 2 LANES ... in that order, then the lanes meet in a fixed tree. The order is in the code, so the compiler
-   may vectorize the lanes (they are independent) but cannot reorder a sum: -ffp-contract=off keeps each
-   multiply and add separate, as written. */
+   may vectorize the lanes (they are independent) but cannot reorder a sum; -ffp-contract=off fuses nothing
+   behind the code's back, and where the CPU has FMA the code fuses each lane's multiply-add itself (madd). */
 #define LANES 16
 #define TILE 4  /* rows of x and of W per tile: 16 partial-sum vectors, and each weight load serves 4 rows of x */
 
@@ -200,6 +203,32 @@ typedef float Quarter __attribute__((vector_size(LANES / 4 * sizeof(float))));
 typedef float Eighth __attribute__((vector_size(LANES / 8 * sizeof(float))));
 
 /* The lanes' fixed tree: lane l += lane l + 8, then l + 4, l + 2, l + 1, as halves of the vector. */
+/* acc + x·w, lane by lane: one rounding with FMA (explicitly, so every caller gets the same), two without. */
+#if defined(__AVX512F__)
+static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
+    return (Lanes)_mm512_fmadd_ps((__m512)x, (__m512)w, (__m512)acc);
+}
+#elif defined(__FMA__)
+static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
+    __m256 a[2], b[2], c[2];
+    memcpy(a, &x, sizeof a), memcpy(b, &w, sizeof b), memcpy(c, &acc, sizeof c);
+    for (int h = 0; h < 2; h++) c[h] = _mm256_fmadd_ps(a[h], b[h], c[h]);
+    memcpy(&acc, c, sizeof acc);
+    return acc;
+}
+#else
+static inline Lanes madd(Lanes acc, Lanes x, Lanes w) { return acc + x * w; }
+#endif
+
+/* The same for one lane (a row's tail past its last whole chunk). */
+static inline float madd1(float acc, float x, float w) {
+#if defined(__FMA__) || defined(__AVX512F__)
+    return fmaf(x, w, acc);
+#else
+    return acc + x * w;
+#endif
+}
+
 static inline float sum_lanes(Lanes lanes) {
     Half h[2];
     Quarter q[2];
@@ -233,7 +262,6 @@ static inline float bf16_to_float(uint16_t h) {
    widening loads where there is one: GCC 12 turns the portable loop (or __builtin_convertvector) into scalar
    conversions, 4× slower than the whole int8 product. Exact either way: these are small integers. */
 #if defined(__AVX512F__)
-#include <immintrin.h>
 static inline Lanes int8_lanes(const int8_t *p) {
     return (Lanes)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -243,7 +271,6 @@ static inline Lanes nibble_lanes(const uint8_t *p, int high) {
     return (Lanes)_mm512_cvtepi32_ps(bytes);
 }
 #elif defined(__AVX2__)
-#include <immintrin.h>
 static inline Lanes int8_lanes(const int8_t *p) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
@@ -314,12 +341,13 @@ static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT,
         for (int k = 0; k < step; k++)
             for (int r = 0; r < RT; r++) {
                 Lanes xs = load_lanes(x[r] + (c + k) * LANES);
-                for (int o = 0; o < OT; o++) lane[r][o] += xs * ws[o][k];
+                for (int o = 0; o < OT; o++) lane[r][o] = madd(lane[r][o], xs, ws[o][k]);
             }
     }
     for (int r = 0; r < RT; r++)
         for (int o = 0; o < OT; o++) {
-            for (int i = chunks * LANES; i < n; i++) lane[r][o][i % LANES] += x[r][i] * weight_at(kind, linear, o0 + o, i);
+            for (int i = chunks * LANES; i < n; i++)
+                lane[r][o][i % LANES] = madd1(lane[r][o][i % LANES], x[r][i], weight_at(kind, linear, o0 + o, i));
             out[r][o] = sum_lanes(lane[r][o]);
         }
 }
@@ -328,8 +356,8 @@ static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT,
 static float dot(int n, const float *a, const float *b) {
     Lanes lanes = {0};
     int i = 0;
-    for (; i + LANES <= n; i += LANES) lanes += load_lanes(a + i) * load_lanes(b + i);
-    for (int l = 0; i + l < n; l++) lanes[l] += a[i + l] * b[i + l];
+    for (; i + LANES <= n; i += LANES) lanes = madd(lanes, load_lanes(a + i), load_lanes(b + i));
+    for (int l = 0; i + l < n; l++) lanes[l] = madd1(lanes[l], a[i + l], b[i + l]);
     return sum_lanes(lanes);
 }
 

@@ -376,23 +376,26 @@ typedef struct {
     const float *x;  /* (rows, n_in); for int4, each group reordered (int4_input) */
     float *y;        /* (rows, n_out) */
     int rows;
+    float *tiles;    /* per thread, TILE rows of n_in floats: a tile of quantized weights dequantized */
 } Matmul;
 
-/* One tile of TILE output features for every row, TILE rows at a time: each weight load serves TILE rows. */
-static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, int o0, int count) {
+/* Output features o0 .. o0 + count − 1 for every row, TILE rows at a time, each weight load serving TILE rows;
+   the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it dequantized). */
+static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, const ManasLinear *weights,
+                                                              int w0, int o0, int count) {
     int n = m->linear->n_in, n_out = m->linear->n_out;
     for (int r0 = 0; r0 < m->rows; r0 += TILE) {
         int rows = m->rows - r0 < TILE ? m->rows - r0 : TILE;
         const float *x[TILE];
         for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * n;
         float out[TILE][TILE];
-        if (rows == TILE && count == TILE) dots(kind, TILE, TILE, m->linear, x, o0, out);
-        else if (rows == 1 && count == TILE) dots(kind, 1, TILE, m->linear, x, o0, out);
+        if (rows == TILE && count == TILE) dots(kind, TILE, TILE, weights, x, w0, out);
+        else if (rows == 1 && count == TILE) dots(kind, 1, TILE, weights, x, w0, out);
         else
             for (int r = 0; r < rows; r++)
                 for (int o = 0; o < count; o++) {
                     float one[TILE][TILE];
-                    dots(kind, 1, 1, m->linear, x + r, o0 + o, one);
+                    dots(kind, 1, 1, weights, x + r, w0 + o, one);
                     out[r][o] = one[0][0];
                 }
         for (int r = 0; r < rows; r++)
@@ -401,15 +404,39 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
     }
 }
 
+/* Rows o0 .. o0 + count − 1 of a quantized layer as float32, in the order of its chunks: the values weight_lanes
+   gives, stored. */
+static void dequantize_tile(const ManasLinear *linear, int o0, int count, float *buffer) {
+    int n = linear->n_in, step = linear->kind == WEIGHTS_INT4 ? 2 : 1;
+    for (int k = 0; k < count; k++) {
+        float *row = buffer + (size_t)k * n;
+        for (int c = 0; c < n / LANES; c += step) {
+            Lanes chunks[2];
+            if (linear->kind == WEIGHTS_INT8) weight_lanes(WEIGHTS_INT8, linear, o0 + k, c, chunks);
+            else weight_lanes(WEIGHTS_INT4, linear, o0 + k, c, chunks);
+            memcpy(row + (size_t)c * LANES, chunks, step * sizeof(Lanes));
+        }
+        for (int i = n / LANES * LANES; i < n; i++) row[i] = weight_at(WEIGHTS_INT8, linear, o0 + k, i);
+    }
+}
+
 static void matmul_tiles(void *context, int begin, int end, int thread) {
     const Matmul *m = context;
     int n_out = m->linear->n_out, kind = m->linear->kind;
-    (void)thread;
+    float *buffer = m->tiles + (size_t)thread * TILE * m->linear->n_in;
     for (int tile = begin; tile < end; tile++) {
         int o0 = tile * TILE, count = n_out - o0 < TILE ? n_out - o0 : TILE;
-        if (kind == WEIGHTS_F32) matmul_tile(WEIGHTS_F32, m, o0, count);  /* one copy of the loops per kind */
-        else if (kind == WEIGHTS_INT8) matmul_tile(WEIGHTS_INT8, m, o0, count);
-        else matmul_tile(WEIGHTS_INT4, m, o0, count);
+        if (kind == WEIGHTS_F32) {
+            matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count);  /* one copy of the loops per kind */
+        } else if (kind == WEIGHTS_INT4 && m->rows > TILE) {  /* a prefill: dequantize once for all its rows */
+            dequantize_tile(m->linear, o0, count, buffer);
+            ManasLinear dequantized = {WEIGHTS_F32, m->linear->n_in, count, buffer, NULL, NULL, NULL};
+            matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count);
+        } else if (kind == WEIGHTS_INT8) {
+            matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count);
+        } else {
+            matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count);
+        }
     }
 }
 
@@ -425,7 +452,7 @@ static void int4_input(int n, const float *x, float *out, int rows) {
 
 /* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it). */
 typedef struct {
-    float *x, *h, *qkv, *attention, *hidden, *reordered, *angles, *scores;
+    float *x, *h, *qkv, *attention, *hidden, *reordered, *angles, *tiles, *scores;
 } Scratch;
 
 static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, const float *x, float *y,
@@ -434,7 +461,7 @@ static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear,
         int4_input(linear->n_in, x, s->reordered, rows);
         x = s->reordered;
     }
-    Matmul m = {linear, x, y, rows};
+    Matmul m = {linear, x, y, rows, s->tiles};
     parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);
 }
 
@@ -566,8 +593,10 @@ static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, i
 static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char *base) {
     int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
     size_t sizes[] = {(size_t)rows * C, (size_t)rows * C, (size_t)rows * qkv_width, (size_t)rows * C,
-                      (size_t)rows * 4 * C, (size_t)rows * 4 * C, (size_t)rows * hs, (size_t)threads * m->block_size};
-    float **parts[] = {&s->x, &s->h, &s->qkv, &s->attention, &s->hidden, &s->reordered, &s->angles, &s->scores};
+                      (size_t)rows * 4 * C, (size_t)rows * 4 * C, (size_t)rows * hs, (size_t)threads * TILE * 4 * C,
+                      (size_t)threads * m->block_size};
+    float **parts[] = {&s->x, &s->h, &s->qkv, &s->attention, &s->hidden, &s->reordered, &s->angles, &s->tiles,
+                       &s->scores};
     size_t offset = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
         if (base) *parts[i] = (float *)(base + offset);

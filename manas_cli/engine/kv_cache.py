@@ -53,6 +53,12 @@ ALLOCATIONS = {
 }
 
 
+def allocation_description(allocation: str) -> str:
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
+    return ALLOCATIONS[allocation]
+
+
 class CacheSession:
     """The KV cache of one request against a model in eval mode.
 
@@ -61,12 +67,10 @@ class CacheSession:
     """
 
     def __init__(self, model: GPT, allocation: str = "dynamic", capacity: int | None = None) -> None:
-        if allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
+        self.allocation = allocation_description(allocation)
         check_cacheable(model)
         self.model = model
         self.block_size = model.config.block_size
-        self.allocation = ALLOCATIONS[allocation]
         capacity = self.block_size if capacity is None else min(capacity, self.block_size)
         self._new_layer = lambda: LayerCache(capacity, reserve=allocation == "static")
         self.layers: list[LayerCache] = []

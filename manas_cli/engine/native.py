@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..native.binding import ManasCache, bind
-from .kv_cache import ALLOCATIONS, CacheSession, check_decode_ids, check_prefill_ids
+from .kv_cache import CacheSession, allocation_description, check_decode_ids, check_prefill_ids
 from .model import GPT, GPTConfig
-from .quantize import is_quantized
 
 
 class NativeGPT:
@@ -62,10 +61,6 @@ class NativeGPT:
         """The torch model's parameters: the tensors the core reads."""
         return self.model.parameters()
 
-    @property
-    def quantized(self) -> bool:
-        return is_quantized(self.model)
-
     def run(self, tokens: list[int], positions: list[int], caches: list, logit_rows: list[int]) -> torch.Tensor:
         """The core's forward pass over rows (token, position, cache); the logits of logit_rows, (len, vocab)."""
         rows = len(tokens)
@@ -91,9 +86,7 @@ class NativeGPT:
             raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
         session = NativeSession(self, "static", capacity=T)
         session.allocate(B, T)
-        tokens = idx.tolist()
-        return torch.stack([
-            self.run(tokens[b], list(range(T)), [session.cache(b)] * T, list(range(T))) for b in range(B)])
+        return session.run_prompts(idx.tolist(), every_position=True).view(B, T, -1)
 
 
 def _int32s(values: list[int]):
@@ -110,11 +103,9 @@ class NativeSession:
     doubling), "static" allocates `capacity` at once."""
 
     def __init__(self, model: NativeGPT, allocation: str = "dynamic", capacity: int | None = None) -> None:
-        if allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
         self.model = model
         self.block_size = model.config.block_size
-        self.allocation = ALLOCATIONS[allocation]
+        self.allocation = allocation_description(allocation)
         self.reserve = allocation == "static"
         self.capacity = self.block_size if capacity is None else min(capacity, self.block_size)
         self.k = self.v = None
@@ -147,16 +138,22 @@ class NativeSession:
         self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
         check_prefill_ids(token_ids, self.block_size)
         B, T = token_ids.shape
-        ids = token_ids.tolist()
         try:
             self.allocate(B, T)
-            logits = torch.cat([self.model.run(ids[b], list(range(T)), [self.cache(b)] * T, [T - 1])
-                                for b in range(B)])
+            logits = self.run_prompts(token_ids.tolist(), every_position=False)
         except BaseException:
             self.reset()
             raise
         self.positions, self.batch_size = T, B
         return logits[:, None]
+
+    def run_prompts(self, ids: list[list[int]], every_position: bool) -> torch.Tensor:
+        """Each batch row's tokens from position 0 into its cache, all rows in one call; the logits of every
+        position, (B·T, vocab), or of each row's last, (B, vocab)."""
+        B, T = len(ids), len(ids[0])
+        caches = [cache for b in range(B) for cache in [self.cache(b)] * T]
+        logit_rows = range(B * T) if every_position else range(T - 1, B * T, T)
+        return self.model.run([token for row in ids for token in row], list(range(T)) * B, caches, list(logit_rows))
 
     def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
         """CacheSession.decode: append one position per row (B, 1); its logits (B, 1, vocab)."""
@@ -211,7 +208,6 @@ def decode_rows(model: GPT | NativeGPT, token_ids: torch.Tensor, sessions: list)
 
 
 ENGINES = ("auto", "native", "torch")
-ENGINE_ENV = "MANAS_ENGINE"
 
 
 @dataclass(frozen=True)

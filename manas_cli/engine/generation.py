@@ -148,15 +148,15 @@ def check_logits(logits: torch.Tensor, first_position: int) -> torch.Tensor:
     load finite may still overflow in the computation (a learned position row of 3e38 at one position, float16's
     range), and sampling from NaN would print token 0 over and over. One reduction per step: cheap beside the
     forward pass. The error names the first position whose logits are not finite."""
+    if bool(torch.isfinite(logits).all()):  # one reduction on the usual path; where, only on failure
+        return logits
     finite = torch.isfinite(logits).all(dim=-1)
-    if not finite.all():
-        position = first_position + int((~finite).reshape(-1, finite.size(-1)).any(0).nonzero()[0])
-        dtype = str(logits.dtype).removeprefix("torch.")
-        advice = ("its weights overflow float32 there although each is finite (--dtype float32 cannot help): check "
-                  "the checkpoint" if logits.dtype == torch.float32 else
-                  "its weights overflow that type; run it with --dtype float32, or check the checkpoint")
-        raise NumericalError(f"the model computed NaN or infinite logits at position {position} in {dtype}: {advice}")
-    return logits
+    position = first_position + int((~finite).reshape(-1, finite.size(-1)).any(0).nonzero()[0])
+    dtype = str(logits.dtype).removeprefix("torch.")
+    advice = ("its weights overflow float32 there although each is finite (--dtype float32 cannot help): check "
+              "the checkpoint" if logits.dtype == torch.float32 else
+              "its weights overflow that type; run it with --dtype float32, or check the checkpoint")
+    raise NumericalError(f"the model computed NaN or infinite logits at position {position} in {dtype}: {advice}")
 
 
 def _all_finished(finished: list[bool], tokens: list[int], eot_id: int | None) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -93,9 +94,15 @@ class Sampler:
         """The logits the sampler draws from before temperature and filters: undecodable ids masked, penalties
         applied (context: the token window the logits follow; counts: each token's generations so far)."""
         if self.decodable is not None:
-            allowed = self.decodable.to(logits.device)
-            logits = logits[:, : allowed.numel()].masked_fill(~allowed, float("-inf"))
+            logits = logits[:, : self.decodable.numel()]
+            if self._undecodable is not None:
+                logits = logits.masked_fill(self._undecodable.to(logits.device), float("-inf"))
         return self.penalties.apply(logits.float(), context, counts)
+
+    @cached_property
+    def _undecodable(self) -> torch.Tensor | None:
+        """The ids to mask, or None when every id is decodable (most tokenizers): a step then spends no op on it."""
+        return None if bool(self.decodable.all()) else ~self.decodable
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """Adjusted logits (B, vocab) -> next token ids (B, 1)."""

@@ -1,0 +1,166 @@
+"""The server's one engine: a thread that runs the continuous-batching generator of `--jsonl` over the requests
+the HTTP threads submit, and hands each request's tokens back to the thread that waits for them.
+
+Each choice of a request is one row, at its own position in its own cache (batching.py), so a response equals
+`manas generate --json` for that request alone. A choice whose client has gone, or that a stop string ended, is
+dropped from the batch at the next step.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..settings import GenerationSettings
+from ..streaming import TextStream
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server holds: the client should retry later."""
+
+
+@dataclass
+class Choice:
+    """One row of a request: its prompt and settings in, its text and tokens out, through `events`."""
+
+    index: int
+    prompt_ids: list[int]
+    settings: GenerationSettings
+    seed: int
+    stream: TextStream
+    events: queue.Queue = field(default_factory=queue.Queue)  # (text released, logprob entry or None); None ends it
+    cancelled: bool = False
+    prefill_done_s: float | None = None  # when its prefill's token was sampled (time.monotonic)
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or self.stream.finished
+
+
+class Scheduler:
+    """Runs generate_batched on its own thread. submit() queues choices; each choice's events carry its text as
+    it is released, then None once it is done (budget, end-of-text, stop string, or cancelled)."""
+
+    def __init__(self, model, checkpoint, batch_size: int, max_queued: int, overflow: str = "recompute") -> None:
+        import torch
+
+        from ...formats.tokenizer import decodable, end_of_text_id
+
+        self.model, self.checkpoint = model, checkpoint
+        self.batch_size, self.max_queued, self.overflow = batch_size, max_queued, overflow
+        self.eot = end_of_text_id(checkpoint.encoding)
+        self._allowed = torch.tensor(decodable(checkpoint.encoding))
+        self._waiting: queue.Queue[Choice] = queue.Queue()
+        self._running: dict[int, Choice] = {}
+        self._keys = iter(range(1, 1 << 62))
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None  # what ended the engine thread, if anything did
+        self._thread = threading.Thread(target=self._run, name="manas-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def new_choice(self, index: int, prompt_ids: list[int], settings: GenerationSettings) -> Choice:
+        """A choice of a request; a request without a seed gets a fresh one, as generate does."""
+        seed = settings.seed if settings.seed is not None else secrets.randbelow(2**53)
+        return Choice(index, prompt_ids, settings, seed, TextStream(self.checkpoint.encoding, self.eot, settings.stop))
+
+    def submit(self, choices: list[Choice]) -> None:
+        """Queue a request's choices together, or refuse them all when the queue is full."""
+        with self._lock:
+            if self._waiting.qsize() + len(choices) > self.max_queued:
+                raise QueueFull(f"{self._waiting.qsize()} requests are waiting already")
+            if self._stopping.is_set():
+                raise QueueFull("the server is shutting down")
+            for choice in choices:
+                self._waiting.put(choice)
+
+    @property
+    def busy(self) -> int:
+        """Choices decoding or waiting."""
+        return len(self._running) + self._waiting.qsize()
+
+    def stop(self) -> None:
+        """Take no more requests; end the engine thread once the batch is empty."""
+        self._stopping.set()
+
+    def cancel_all(self) -> None:
+        for choice in list(self._running.values()):
+            choice.cancelled = True
+        while True:
+            try:
+                choice = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            choice.cancelled = True
+            choice.events.put(None)
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _take(self, wait: bool):
+        """generate_batched's take: the next waiting choice as a Request; waiting only when no row decodes."""
+        from ...engine.batching import Request
+        from ...engine.sampling import seeded_generator
+        from ..commands.generate import make_sampler
+
+        while True:
+            try:
+                choice = self._waiting.get(timeout=0.1) if wait else self._waiting.get_nowait()
+            except queue.Empty:
+                if not wait or self._stopping.is_set():
+                    return None
+                continue
+            if choice.cancelled:
+                choice.events.put(None)
+                continue
+            key = next(self._keys)
+            self._running[key] = choice
+            generator, _ = seeded_generator(choice.seed, self.checkpoint.model)
+            sampler = make_sampler(choice.settings, generator, self._allowed)
+            return Request(key, choice.prompt_ids, sampler, choice.settings.max_tokens, choice.settings.logprobs)
+
+    def _finished(self, key: int) -> bool:
+        choice = self._running.get(key)  # _deliver lets go of a choice once it is done
+        return choice is None or choice.done
+
+    def _run(self) -> None:
+        from ...engine.batching import generate_batched
+
+        steps = generate_batched(self.model, self._take, self.batch_size, self.eot, self.overflow, self._finished)
+        try:
+            for tokens in steps:
+                for made in tokens:
+                    self._deliver(made)
+        except BaseException as exc:  # the engine failed: every waiting client gets an error, not a hang
+            self.error = exc
+            self.cancel_all()
+        finally:
+            steps.close()
+            for choice in self._running.values():
+                choice.events.put(None)
+            self._running.clear()
+
+    def _deliver(self, made) -> None:
+        """A row's new token to its choice; a done choice leaves the batch (generate_batched asks _finished)."""
+        choice = self._running[made.key]
+        if choice.cancelled:
+            self._running.pop(made.key).events.put(None)
+            return
+        if made.kind == "prefill":
+            choice.prefill_done_s = time.monotonic()
+        stream = choice.stream
+        entries_before = len(stream.logprobs)
+        text = stream.feed(made.token, made.logprobs)
+        entry = stream.logprobs[-1] if len(stream.logprobs) > entries_before else None
+        if made.last and not stream.finished:
+            text += stream.finish("length")
+        choice.events.put((text, entry))
+        if stream.finished:
+            self._running.pop(made.key)
+            choice.events.put(None)

@@ -325,6 +325,42 @@ def score(
                 model_options=model_options(checkpoint, device, dtype, threads, quantize, Allocation.dynamic, engine))
 
 
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on. Another than loopback without --api-key prints a warning: anyone who reaches the port can use the model.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on; 0 takes a free one (the ready line says which).")] = 8080,
+    batch_size: Annotated[int, typer.Option(min=1, max=256, help="Requests (choices) decoded together, each at its own position, as --jsonl's.")] = 16,
+    max_queue: Annotated[int, typer.Option(min=1, help="Choices that may wait for a row; beyond, a request gets 429 with Retry-After.")] = 64,
+    api_key: Annotated[Optional[str], typer.Option(envvar="MANAS_API_KEY", show_envvar=True, help="Require 'Authorization: Bearer KEY' on every request but /health.")] = None,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a client may send or read nothing before it is dropped (a slow or stalled client holds no row).")] = 10.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
+    quantize: QuantizeOption = None,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    threads: ThreadsOption = None,
+    engine: EngineOption = Engine.auto,
+) -> None:
+    """Serve OpenAI's completions API on a local port: any client that speaks it can use the model.
+
+    POST /v1/completions (stream, n, stop, seed, logprobs, echo, the penalties, and manas's top_k, min_p,
+    repetition_penalty, repeat_last_n); GET /v1/models; GET /health. Every request joins one continuous batch, and
+    its answer equals `manas generate --json` for that request alone. A base model has no chat template, so
+    /v1/chat/completions answers 404. Ctrl-C or SIGTERM: stop accepting, let what runs finish (10 s), exit 0.
+
+    Examples:
+
+      manas serve --port 8080
+
+      curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "ROMEO:", "max_tokens": 40}'
+    """
+    from .commands import serve as command
+
+    command.run(host=host, port=port, batch_size=batch_size, max_queued=max_queue, api_key=api_key, timeout_s=timeout,
+                verbose=verbose, model_options=model_options(checkpoint, device, dtype, threads, quantize,
+                                                             Allocation.dynamic, engine))
+
+
 @app.command(no_args_is_help=True)
 def train(
     text_file: Annotated[Path, typer.Argument(help="UTF-8 training text; its last --val-fraction is held out.")],

@@ -31,13 +31,25 @@ class Choice:
     settings: GenerationSettings
     seed: int
     stream: TextStream
-    events: queue.Queue = field(default_factory=queue.Queue)  # (text released, logprob entry or None); None ends it
+    # (index, text released, its token's logprob entry or None) per token, then (index, None, None) once done;
+    # the choices of one request share their queue
+    events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
-    prefill_done_s: float | None = None  # when its prefill's token was sampled (time.monotonic)
+    ended: bool = False
+    first_token_s: float | None = None  # time.monotonic() when the prefill's token was sampled
 
     @property
     def done(self) -> bool:
         return self.cancelled or self.stream.finished
+
+    def send(self, text: str, entry: dict | None) -> None:
+        self.events.put((self.index, text, entry))
+
+    def end(self) -> None:
+        """The last event of the choice, sent once whatever ended it."""
+        if not self.ended:
+            self.ended = True
+            self.events.put((self.index, None, None))
 
 
 class Scheduler:
@@ -80,9 +92,17 @@ class Scheduler:
                 self._waiting.put(choice)
 
     @property
+    def rows(self) -> int:
+        """Choices decoding."""
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        return self._waiting.qsize()
+
+    @property
     def busy(self) -> int:
-        """Choices decoding or waiting."""
-        return len(self._running) + self._waiting.qsize()
+        return self.rows + self.queued
 
     def stop(self) -> None:
         """Take no more requests; end the engine thread once the batch is empty."""
@@ -97,7 +117,7 @@ class Scheduler:
             except queue.Empty:
                 break
             choice.cancelled = True
-            choice.events.put(None)
+            choice.end()
 
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
@@ -117,7 +137,7 @@ class Scheduler:
                     return None
                 continue
             if choice.cancelled:
-                choice.events.put(None)
+                choice.end()
                 continue
             key = next(self._keys)
             self._running[key] = choice
@@ -143,24 +163,24 @@ class Scheduler:
         finally:
             steps.close()
             for choice in self._running.values():
-                choice.events.put(None)
+                choice.end()
             self._running.clear()
 
     def _deliver(self, made) -> None:
         """A row's new token to its choice; a done choice leaves the batch (generate_batched asks _finished)."""
         choice = self._running[made.key]
         if choice.cancelled:
-            self._running.pop(made.key).events.put(None)
+            self._running.pop(made.key).end()
             return
-        if made.kind == "prefill":
-            choice.prefill_done_s = time.monotonic()
+        if choice.first_token_s is None:
+            choice.first_token_s = time.monotonic()
         stream = choice.stream
         entries_before = len(stream.logprobs)
         text = stream.feed(made.token, made.logprobs)
         entry = stream.logprobs[-1] if len(stream.logprobs) > entries_before else None
         if made.last and not stream.finished:
             text += stream.finish("length")
-        choice.events.put((text, entry))
+        choice.send(text, entry)
         if stream.finished:
             self._running.pop(made.key)
-            choice.events.put(None)
+            choice.end()

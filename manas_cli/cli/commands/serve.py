@@ -1,0 +1,37 @@
+"""`manas serve`: OpenAI's completions API on a local port, every request a row of one continuous batch."""
+
+from __future__ import annotations
+
+import errno
+
+from ...errors import InputError
+from .common import ModelOptions, check_memory, encode_prompt, load_model
+
+GRACE_S = 10.0  # after SIGINT/SIGTERM, what runs has this long to finish
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # the hosts that need no warning without a key
+
+
+def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str | None, timeout_s: float,
+        verbose: bool, model_options: ModelOptions) -> None:
+    from ..render import say, stderr_console
+    from ..server.http import Server, serve
+    from ..server.scheduler import Scheduler
+
+    console = stderr_console()
+    checkpoint, _, engine = load_model(model_options, console)
+    check_memory(checkpoint.model, batch_size, checkpoint.model.config.block_size, "--batch-size")
+    quiet = stderr_console(quiet=True)  # a request's prompt notices are not the server's to print
+    scheduler = Scheduler(engine.model, checkpoint, batch_size, max_queued)
+    model_id = checkpoint.path.stem
+    try:
+        server = Server((host, port), scheduler, lambda text: encode_prompt(checkpoint, text, quiet), model_id,
+                        api_key, verbose, timeout_s)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise InputError(f"cannot listen on {host}:{port}: the port is in use; choose another with --port") from None
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    if host not in LOOPBACK and api_key is None:
+        say(console, f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model")
+    url = f"http://{f'[{host}]' if ':' in host else host}:{server.server_port}"
+    serve(server, GRACE_S, on_ready=lambda: say(
+        console, f"manas serve: {url}/v1 · model {model_id} · {engine.name} engine · batch size {batch_size}"))

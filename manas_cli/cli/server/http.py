@@ -1,0 +1,306 @@
+"""The HTTP side of `manas serve`: the standard library's threading server, one thread per connection, each
+request checked (size, type, key, fields) before it reaches the engine, answers in OpenAI's shapes, streams as
+server-sent events. Nothing a request sends names a file: the server reads and writes none."""
+
+from __future__ import annotations
+
+import hmac
+import queue
+import select
+import socket
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ...errors import ManasError
+from ..render import json_line
+from .api import (FINISH_REASONS, RequestError, choice_body, completion_body, legacy_logprobs, parse_completion,
+                  parse_json, usage)
+from .scheduler import Choice, QueueFull, Scheduler
+
+MAX_BODY_BYTES = 1 << 20
+CLIENT_TIMEOUT_S = 10.0  # a client that sends or reads nothing for this long is dropped (slowloris, a stalled reader)
+RETRY_AFTER_S = 1
+POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
+
+
+class Server(ThreadingHTTPServer):
+    """The listening socket and what every request needs: the engine, the model's name, the key."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], scheduler: Scheduler, encode, model_id: str,
+                 api_key: str | None, verbose: bool, timeout_s: float = CLIENT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, Handler)
+        self.scheduler, self.encode, self.model_id = scheduler, encode, model_id
+        self.api_key, self.verbose = api_key, verbose
+        self.created = int(time.time())
+        self.active = 0  # requests being answered
+        self._lock = threading.Lock()
+
+    def track(self, change: int) -> None:
+        with self._lock:
+            self.active += change
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Server
+
+    def setup(self) -> None:
+        self.timeout = self.server.timeout_s  # every read and write of the connection
+        super().setup()
+
+    # ---- routing ----
+
+    def do_GET(self) -> None:
+        self._answer({"/health": self._health, "/v1/models": self._models}.get(self.path.split("?")[0]))
+
+    def do_POST(self) -> None:
+        routes = {"/v1/completions": self._completions, "/v1/chat/completions": self._chat}
+        self._answer(routes.get(self.path.split("?")[0]))
+
+    def _answer(self, route) -> None:
+        self.server.track(1)
+        started = time.monotonic()
+        self._status, self._first_token_s = 0, None
+        try:
+            if route is None:
+                raise RequestError(f"no route {self.command} {self.path}: manas serves GET /health, GET /v1/models "
+                                   "and POST /v1/completions", status=404, code="not_found")
+            route()
+        except RequestError as exc:
+            self._json(exc.status, exc.body(), {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else {})
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
+        finally:
+            self.server.track(-1)
+            if self.server.verbose:  # the first token's time is the server's clock (CLOCK_MONOTONIC, system-wide)
+                first = f" · first token at {self._first_token_s:.6f}" if self._first_token_s is not None else ""
+                print(f'{self.client_address[0]} "{self.command} {self.path}" {self._status} '
+                      f"{time.monotonic() - started:.3f} s{first}", file=sys.stderr, flush=True)
+
+    def log_message(self, format: str, *args) -> None:
+        """http.server's own log lines stay off stderr; --verbose writes one access line per request instead."""
+
+    # ---- endpoints ----
+
+    def _health(self) -> None:
+        scheduler = self.server.scheduler
+        self._json(200, {"status": "ok", "rows": scheduler.rows, "queued": scheduler.queued})
+
+    def _models(self) -> None:
+        self._authorize()
+        self._json(200, {"object": "list", "data": [{"id": self.server.model_id, "object": "model",
+                                                     "created": self.server.created, "owned_by": "manas"}]})
+
+    def _chat(self) -> None:
+        raise RequestError("manas serves a base model, which has no chat template: send the text to continue to "
+                           "POST /v1/completions", status=404, code="not_found")
+
+    def _completions(self) -> None:
+        self._authorize()
+        request = parse_completion(parse_json(self._body()))
+        if self.server.scheduler.error is not None:
+            raise RequestError(f"the engine stopped: {self.server.scheduler.error}", status=500, kind="server_error")
+        try:
+            prompts = [self.server.encode(prompt) for prompt in request.prompts]
+        except ManasError as exc:  # a character outside a character-level vocabulary, an empty prompt
+            raise RequestError(str(exc), param="prompt") from None
+        events: queue.Queue = queue.Queue()
+        choices = []
+        for p, ids in enumerate(prompts):
+            for i in range(request.n):
+                settings = request.settings
+                if settings.seed is not None and i:  # choice i of a seeded request is `generate --seed S+i` alone
+                    settings = type(settings)(**{**settings.__dict__, "seed": (settings.seed + i) % 2**64})
+                choice = self.server.scheduler.new_choice(p * request.n + i, ids, settings)
+                choice.events = events
+                choices.append(choice)
+        try:
+            self.server.scheduler.submit(choices)
+        except QueueFull as exc:
+            raise RequestError(f"the server is busy ({exc}): retry in {RETRY_AFTER_S} s", status=429,
+                               kind="rate_limit_error", code="rate_limit_exceeded") from None
+        try:
+            reply = Reply(request, prompts, choices, self.server)
+            if request.stream:
+                self._stream(reply, events)
+            else:
+                self._wait(events, len(choices))
+                if self.server.scheduler.error is not None:
+                    raise RequestError(f"the engine stopped: {self.server.scheduler.error}", status=500,
+                                       kind="server_error")
+                self._json(200, reply.body())
+        finally:
+            for choice in choices:  # a client gone mid-answer frees its rows at the engine's next step
+                choice.cancelled = choice.cancelled or not choice.stream.finished
+            self._first_token_s = min((c.first_token_s for c in choices if c.first_token_s is not None), default=None)
+
+    # ---- the request, checked ----
+
+    def _authorize(self) -> None:
+        key = self.server.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        expected = f"Bearer {key}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):  # constant time: the key is not guessed byte by byte
+            raise RequestError("a wrong or missing API key: send Authorization: Bearer <key>", status=401,
+                               code="invalid_api_key")
+
+    def _body(self) -> bytes:
+        kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise RequestError(f"the body must be application/json, not {kind or 'untyped'}", status=415)
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise RequestError("send the body with a Content-Length, not chunked", status=411)
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            raise RequestError("a POST needs a Content-Length header", status=411)
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is not read: the connection cannot be reused
+            raise RequestError(f"the body is {int(length):,} bytes: at most {MAX_BODY_BYTES:,}", status=413)
+        body = self.rfile.read(int(length))
+        if len(body) < int(length):
+            self.close_connection = True
+            raise RequestError(f"the body ended after {len(body)} of its {length} bytes")
+        return body
+
+    # ---- answering ----
+
+    def _json(self, status: int, body: dict, headers: dict | None = None) -> None:
+        data = (json_line(body) + "\n").encode()
+        self._status = status
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _wait(self, events: queue.Queue, count: int) -> None:
+        """Until every choice is done; a client that hangs up meanwhile stops waiting (its rows are freed)."""
+        ended = 0
+        while ended < count:
+            try:
+                event = events.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._client_gone():
+                    raise ConnectionResetError("the client hung up") from None
+                continue
+            ended += event[1] is None
+
+    def _client_gone(self) -> bool:
+        readable, _, _ = select.select([self.connection], [], [], 0)
+        if not readable:
+            return False
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _stream(self, reply: Reply, events: queue.Queue) -> None:
+        self._status = 200
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream's end is the connection's
+        self.end_headers()
+        self.close_connection = True
+        if reply.request.echo:
+            for choice in reply.choices:
+                self._event(reply.chunk(choice.index, reply.prompt_text(choice), None, None))
+        ended = 0
+        while ended < len(reply.choices):
+            index, text, entry = events.get()
+            if text is None:
+                ended += 1
+                choice = reply.choice(index)
+                self._event(reply.chunk(index, "", reply.finish_reason(choice), None))
+                continue
+            if text or entry is not None:
+                self._event(reply.chunk(index, text, None, reply.stream_logprobs(index, text, entry)))
+        if reply.request.include_usage:
+            self._event({**reply.chunk(0, "", None, None), "choices": [], "usage": reply.usage()})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def _event(self, body: dict) -> None:
+        self.wfile.write(f"data: {json_line(body)}\n\n".encode())
+        self.wfile.flush()
+
+
+class Reply:
+    """One request's answer, built from its choices as they finish: bodies, stream chunks, usage."""
+
+    def __init__(self, request, prompts: list[list[int]], choices: list[Choice], server: Server) -> None:
+        self.request, self.prompts, self.choices = request, prompts, choices
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.model, self.created = server.model_id, int(time.time())
+        self._offsets = {choice.index: len(self.prompt_text(choice)) if request.echo else 0 for choice in choices}
+
+    def choice(self, index: int) -> Choice:
+        return self.choices[index]
+
+    def prompt_text(self, choice: Choice) -> str:
+        return self.request.prompts[choice.index // self.request.n]
+
+    def finish_reason(self, choice: Choice) -> str:
+        return FINISH_REASONS.get(choice.stream.finish_reason, "length")
+
+    def usage(self) -> dict:
+        return usage(sum(len(ids) for ids in self.prompts), sum(choice.stream.count for choice in self.choices))
+
+    def body(self) -> dict:
+        choices = []
+        for choice in self.choices:
+            text = (self.prompt_text(choice) if self.request.echo else "") + choice.stream.text
+            offset = len(self.prompt_text(choice)) if self.request.echo else 0
+            logprobs = legacy_logprobs(choice.stream.logprobs, offset) if self.request.settings.logprobs else None
+            choices.append(choice_body(choice.index, text, self.finish_reason(choice), logprobs))
+        return completion_body(self.id, self.created, self.model, choices, self.usage())
+
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return completion_body(self.id, self.created, self.model, [choice_body(index, text, finish_reason, logprobs)],
+                               None)
+
+    def stream_logprobs(self, index: int, text: str, entry: dict | None) -> dict | None:
+        """A chunk's token's logprobs, in the legacy shape, its offset counted along the choice's tokens."""
+        if not self.request.settings.logprobs or entry is None:
+            return None
+        logprobs = legacy_logprobs([entry], self._offsets[index])
+        self._offsets[index] += len(entry["text"])
+        return logprobs
+
+
+def serve(server: Server, grace_s: float, on_ready) -> None:
+    """Serve until SIGINT or SIGTERM (KeyboardInterrupt here); then stop accepting, let what runs finish within
+    grace_s, cancel the rest, and return. A second signal during the grace period propagates (exit 130)."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+    server.scheduler.start()
+    thread.start()
+    on_ready()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        pass
+    server.shutdown()  # no new connections; the handlers already running go on
+    server.scheduler.stop()
+    deadline = time.monotonic() + grace_s
+    while (server.active or server.scheduler.busy) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.scheduler.cancel_all()
+    server.scheduler.join(timeout=grace_s)
+    server.server_close()

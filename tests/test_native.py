@@ -214,12 +214,12 @@ def test_a_cache_folder_others_can_write_is_refused_for_a_private_one(tmp_path):
 
 
 def test_unsafe_reason_names_what_is_wrong(tmp_path):
-    shared = tmp_path / "shared-folder"
-    shared.mkdir()
-    shared.chmod(0o775)
-    assert build.unsafe_reason(shared) == "can be written by other users"
+    open_to_all = tmp_path / "open-folder"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o775)
+    assert build.unsafe_reason(open_to_all) == "can be written by other users"
     link = tmp_path / "link"
-    link.symlink_to(shared)
+    link.symlink_to(open_to_all)
     assert build.unsafe_reason(link) == "is a symbolic link"
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
@@ -261,7 +261,7 @@ def test_a_failing_compiler_is_never_a_crash_and_debug_shows_its_message(tmp_pat
 
 def test_a_library_that_will_not_load_is_never_a_crash(tmp_path):
     cc = fake_compiler(tmp_path, 'case "$1" in --version) echo "fake cc 2.0";; *) while [ "$1" != "-o" ]; do '
-                                 'shift; done; echo "not a shared library" > "$2";; esac')
+                                 'shift; done; echo "not a library" > "$2";; esac')
     result = run_generate("--engine", "native", "--json", env=fresh_cache_env(tmp_path, CC=str(cc)))
     assert result.returncode == 0, result.stderr
     assert "the native engine cannot run: the native core does not load" in result.stderr

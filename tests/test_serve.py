@@ -9,9 +9,11 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas  # noqa
 
 openai = pytest.importorskip("openai")
 
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors"
 READY = re.compile(r"manas serve: http://([\d.]+):(\d+)/v1 · model (\S+) · (\w+) engine · batch size (\d+)")
 
 
@@ -313,3 +316,20 @@ def test_another_host_without_a_key_warns_and_loopback_does_not(checkpoints):
         assert live.health()["status"] == "ok"
     with running_server(checkpoints["rope-gqa"].path) as live:
         assert not any("warning" in line for line in live.stderr_lines)
+
+
+def test_the_readme_serving_examples_run_as_written(tmp_path):
+    """The README's Serving section against a live server of the shipped model: its port is this test's own."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Serving", 1)[1].split("\n## ", 1)[0]
+    (shell,) = re.findall(r"```bash\n(.*?)```", section, re.S)
+    (python,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert shell.startswith("manas serve --port 8080 &\n")
+    with running_server(SHIPPED) as live:
+        curl = shell.split("\n", 1)[1].replace("8080", str(live.port))
+        if subprocess.run(["sh", "-c", "command -v curl && command -v jq"], capture_output=True).returncode == 0:
+            done = subprocess.run(["bash", "-o", "pipefail", "-c", curl], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0 and done.stdout.strip(), done.stderr
+        done = subprocess.run([sys.executable, "-c", python.replace("8080", str(live.port))], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip(), done.stderr

@@ -31,6 +31,7 @@ class Server(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # socketserver's 5 resets the 6th of many clients connecting at once
 
     def __init__(self, address: tuple[str, int], scheduler: Scheduler, encode, model_id: str,
                  api_key: str | None, verbose: bool, timeout_s: float = CLIENT_TIMEOUT_S) -> None:

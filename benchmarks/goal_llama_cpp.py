@@ -1,5 +1,6 @@
-"""llama.cpp beside manas (issues 15 and 16; needs `bash ../shared/tools/build-llamacpp.sh`, skipped with a message
-without it): manas float32, int8 and int4 against llama.cpp f32, q8_0 and q4_0 on the same weights (manas exports
+"""llama.cpp beside manas (issues 15, 16 and 25; needs `bash ../shared/tools/build-llamacpp.sh`, skipped with a
+message without it): manas float32, int8 and int4 on its native engine (and, for the shipped model, on torch too,
+side by side) against llama.cpp f32, q8_0 and q4_0 on the same weights (manas exports
 the GGUF, llama-quantize makes q8_0 and q4_0), whole processes taking turns, each under `chrt -f 1` where
 allowed, 1 and 2 threads: the GPT-2-124M shape (`llama-cpp`: pp64, 256 new tokens) and the shipped model
 (`llama-cpp-shipped`: pp64, 128 new tokens)."""
@@ -47,20 +48,22 @@ def llama_cpp_rates(gguf: Path, prompt_tokens: int, new_tokens: int, threads: in
 
 
 def manas_bench_rates(checkpoint: Path, prompt_tokens: int, new_tokens: int, threads: int,
-                      weights: str) -> dict[str, float]:
+                      weights: str, engine: str = "native") -> dict[str, float]:
     """A whole `manas bench` process's prefill and decode tokens/s, as a user runs it."""
     quantize = [] if weights == "float32" else ["--quantize", weights]
     done = subprocess.run(realtime([*MANAS, "bench", "-c", str(checkpoint), "--tokens",
                                     str(new_tokens), "--prompt-tokens", str(prompt_tokens), "--no-baseline",
-                                    "--repeat", "1", "--threads", str(threads), "--json", *quantize]),
+                                    "--repeat", "1", "--threads", str(threads), "--json", "--engine", engine,
+                                    *quantize]),
                           capture_output=True, check=True, timeout=900)
     prefill, decode = json.loads(done.stdout)["tests"]
     return {"prefill": prefill["tokens_per_s_mean"], "decode": decode["tokens_per_s_mean"]}
 
 
-def against_llama_cpp(checkpoint: Path, prompt_tokens: int, new_tokens: int, runs: int) -> dict:
-    """manas float32, int8 and int4 beside llama.cpp f32, q8_0 and q4_0 on the same weights, every command a whole
-    process, all of them taking turns round after round (the first round warms up), on 1 and on 2 threads."""
+def against_llama_cpp(checkpoint: Path, prompt_tokens: int, new_tokens: int, runs: int, torch_too: bool = False) -> dict:
+    """manas float32, int8 and int4 (the native engine; with torch_too, the torch engine's as well) beside
+    llama.cpp f32, q8_0 and q4_0 on the same weights, every command a whole process, all of them taking turns
+    round after round (the first round warms up), on 1 and on 2 threads."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
@@ -72,6 +75,9 @@ def against_llama_cpp(checkpoint: Path, prompt_tokens: int, new_tokens: int, run
                     checkpoint, prompt_tokens, new_tokens, t, w)
                 commands[f"llama_cpp_{peer}_{threads}t"] = lambda p=peer, t=threads: llama_cpp_rates(
                     gguf[p], prompt_tokens, new_tokens, t)
+                if torch_too:
+                    commands[f"manas_torch_{weights}_{threads}t"] = lambda w=weights, t=threads: manas_bench_rates(
+                        checkpoint, prompt_tokens, new_tokens, t, w, "torch")
         samples = {name: [] for name in commands}
         for round_ in range(runs + 1):
             for name, measure in commands.items():
@@ -103,7 +109,7 @@ def goal_llama_cpp_gpt2(runs: int) -> dict:
 def goal_llama_cpp_shipped(runs: int) -> dict:
     """Issue 16: the shipped model, pp64, 128 new tokens within the window. Goals: float32 ≥ 1.0× llama.cpp f32,
     int8 and int4 ≥ 1.0× q8_0 decode, on 1 and on 2 threads."""
-    result = against_llama_cpp(resolve_checkpoint(None), 64, 128, runs)
+    result = against_llama_cpp(resolve_checkpoint(None), 64, 128, runs, torch_too=True)
     rates = result["tokens_per_s"]
     result["quantized_over_q8_0"] = {f"{weights}_{t}t": round(rates[f"manas_{weights}_{t}t"]["decode"]
                                                               / rates[f"llama_cpp_q8_0_{t}t"]["decode"], 2)

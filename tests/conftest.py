@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -93,17 +94,21 @@ def shakespeare_held_out() -> str:
     return (DATA / "tinyshakespeare-held-out.txt").read_text(encoding="utf-8")
 
 
+HAS_COMPILER = shutil.which(os.environ.get("CC") or "cc") is not None
+DEFAULT_ENGINE = "native" if HAS_COMPILER else "torch"  # what `--engine auto` runs on this machine's CPU
+NO_COMPILER = "no C compiler: the native engine cannot be built here"
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason=NO_COMPILER)
+
+
 @pytest.fixture(scope="session")
 def native_library():
     """The native core, built (or found in the cache) as the CLI builds it. Only a machine with no C compiler at
     all skips the native tests; a compiler that fails on core.c fails them."""
-    import shutil
-
     from manas_cli.native.binding import declare
     from manas_cli.native.build import build
 
-    if shutil.which(os.environ.get("CC") or "cc") is None:
-        pytest.skip("no C compiler: the native engine cannot be built here")
+    if not HAS_COMPILER:
+        pytest.skip(NO_COMPILER)
     return declare(build().library)
 
 
@@ -112,6 +117,8 @@ ENGINES = ("torch", "native")
 
 @pytest.fixture(params=ENGINES)
 def engine(request) -> str:
+    if request.param == "native" and not HAS_COMPILER:
+        pytest.skip(NO_COMPILER)
     return request.param
 
 

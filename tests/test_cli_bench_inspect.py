@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from cli_fixtures import BLOCK_SIZE, RUN_OPTIONS, checkpoints, learned, manas, rope  # noqa: F401 (fixtures)
+from conftest import DEFAULT_ENGINE
 from manas_cli.cli.commands.inspect_cache import DEFAULT_PROMPT as DEFAULT_INSPECT_PROMPT
 
 FLOAT32_BYTES = 4
@@ -37,7 +38,7 @@ def test_bench_json_reports_the_model_and_each_test(checkpoints, name, batch):
     assert report["model"] == {"path": str(checkpoint.path), "parameters": parameters,
                                "size_bytes": parameters * FLOAT32_BYTES, "block_size": BLOCK_SIZE, "device": "cpu",
                                "dtype": "float32", "threads": 1, "threads_rule": "--threads", "weights": "float32",
-                               "weights_bytes": parameters * FLOAT32_BYTES, "engine": "native"}
+                               "weights_bytes": parameters * FLOAT32_BYTES, "engine": DEFAULT_ENGINE}
     tests = {test["name"]: test for test in report["tests"]}
     assert list(tests) == ["pp16", "tg20", "tg20 no-cache"]
     for test in tests.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
-from conftest import BLOCK_SIZE, make_model
+from conftest import BLOCK_SIZE, make_model, needs_compiler
 from manas_cli.engine.generation import crop_window
 from manas_cli.engine.native import NativeGPT, NativeSession, decode_rows
 from manas_cli.engine.model import GPT
@@ -173,6 +174,7 @@ def fresh_cache_env(tmp_path: Path, **overrides: str) -> dict:
     return cli_env(XDG_CACHE_HOME=str(tmp_path / "cache"), **overrides)
 
 
+@needs_compiler
 def test_the_first_run_compiles_once_into_the_users_cache_and_later_runs_load_it(tmp_path):
     env = fresh_cache_env(tmp_path)
     first = run_generate("--json", env=env)
@@ -188,6 +190,7 @@ def test_the_first_run_compiles_once_into_the_users_cache_and_later_runs_load_it
     assert json.loads(second.stdout)["tokens"] == json.loads(first.stdout)["tokens"]
 
 
+@needs_compiler
 def test_two_first_runs_at_once_both_succeed_and_one_compiles(tmp_path):
     env = fresh_cache_env(tmp_path)
     command = [*MANAS, "generate", "-p", "ROMEO:", "-n", "4", "-t", "0", *RUN_OPTIONS, "--json"]
@@ -201,6 +204,7 @@ def test_two_first_runs_at_once_both_succeed_and_one_compiles(tmp_path):
     assert not list((tmp_path / "cache" / "manas").glob(".build-*"))  # no temporary left behind
 
 
+@needs_compiler
 def test_a_cache_folder_others_can_write_is_refused_for_a_private_one(tmp_path):
     folder = tmp_path / "cache" / "manas"
     folder.mkdir(parents=True)
@@ -211,6 +215,29 @@ def test_a_cache_folder_others_can_write_is_refused_for_a_private_one(tmp_path):
            "instead" in result.stderr
     assert json.loads(result.stdout)["engine"] == "native"
     assert not list(folder.glob("core-*.so"))  # nothing written where another user could replace it
+
+
+@needs_compiler
+def test_a_truncated_cached_library_is_rebuilt(tmp_path):
+    env = fresh_cache_env(tmp_path)
+    assert run_generate(env=env).returncode == 0
+    (library,) = (tmp_path / "cache" / "manas").glob("core-*.so")
+    library.write_bytes(library.read_bytes()[:4096])
+    again = run_generate("--json", env=env)
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("compiled the native core in") == 1
+    assert json.loads(again.stdout)["engine"] == "native"
+
+
+@needs_compiler
+@pytest.mark.skipif(os.getuid() == 0, reason="root writes into a read-only folder all the same")
+def test_a_cache_folder_that_cannot_be_written_gives_a_private_one(tmp_path):
+    folder = tmp_path / "cache" / "manas"
+    folder.mkdir(parents=True, mode=0o500)
+    result = run_generate("--json", env=fresh_cache_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"{folder} cannot be written" in result.stderr
+    assert json.loads(result.stdout)["engine"] == "native"
 
 
 def test_unsafe_reason_names_what_is_wrong(tmp_path):
@@ -279,7 +306,7 @@ def test_asking_for_native_where_it_cannot_run_names_why_and_torch_runs(tmp_path
     assert json.loads(result.stdout)["engine"] == "torch"
 
 
-@pytest.mark.parametrize("value", ["torch", "native"])
+@pytest.mark.parametrize("value", ["torch", pytest.param("native", marks=needs_compiler)])
 def test_the_engine_comes_from_the_environment_too(tmp_path, value):
     result = run_generate("--json", env=fresh_cache_env(tmp_path, MANAS_ENGINE=value))
     assert result.returncode == 0, result.stderr
@@ -302,6 +329,7 @@ def test_the_library_exports_only_its_prefixed_entry_points(native_library):
     assert exported and all(name.startswith("manas_") for name in exported), exported
 
 
+@needs_compiler
 def test_the_library_is_keyed_by_source_flags_compiler_and_cpu(monkeypatch):
     cc = build.compiler()
     name = build.library_name(cc)
@@ -312,6 +340,7 @@ def test_the_library_is_keyed_by_source_flags_compiler_and_cpu(monkeypatch):
     assert build.library_name(cc) != name
 
 
+@needs_compiler
 def test_bench_and_score_name_the_engine(tmp_path):
     env = fresh_cache_env(tmp_path)
     bench = subprocess.run([*MANAS, "bench", "-n", "4", "--prompt-tokens", "4", "-r", "1", "--no-baseline",
@@ -338,6 +367,7 @@ def test_native_and_torch_score_the_same_text_alike(shakespeare_held_out, tmp_pa
     assert abs(scores["native"]["nats_per_token"] - scores["torch"]["nats_per_token"]) < 1e-4
 
 
+@needs_compiler
 def test_torch_is_given_one_thread_when_the_core_runs():
     """torch only samples beside the core: its OpenMP workers must not spin on the core's cores."""
     code = ("import torch, sys; from manas_cli.cli.commands.common import ModelOptions, load_model; "

@@ -145,13 +145,46 @@ def load(path: Path) -> ctypes.CDLL:
 
 
 def build() -> Built:
-    """The loaded core, compiled first if this source, compiler and CPU have no library in the cache yet.
-    Concurrent first runs take turns on a lock: one compiles, the others load what it built."""
+    """The loaded core, compiled first if this source, compiler and CPU have no library in the cache yet, or the
+    cached one does not load (truncated, corrupted): it is then rebuilt. Concurrent first runs take turns on a
+    lock: one compiles, the others load what it built. A cache folder that cannot be written is replaced by a
+    private temporary one, with a notice."""
     cc = compiler()
     name = library_name(cc)
     folder, notice = private_folder(cache_folder())
-    target = folder / name
-    with open(folder / f"{name}.lock", "a") as lock:
+    try:
+        return _build_in(cc, folder / name, notice)
+    except OSError as exc:  # the folder is ours but not writable (a read-only home, a full disk)
+        private = Path(tempfile.mkdtemp(prefix="manas-native-"))
+        notice = f"{folder} cannot be written ({exc.strerror or exc}): the native core is built in a private " \
+                 "temporary folder instead"
+        return _build_in(cc, private / name, notice)
+
+
+def _build_in(cc: str, target: Path, notice: str | None) -> Built:
+    digest = target.with_name(f"{target.name}.sha256")
+    with open(target.parent / f"{target.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        compile_s = None if target.exists() and unsafe_reason(target) is None else compile_library(cc, target)
+        if intact(target, digest):
+            return Built(load(target), target, None, notice)
+        compile_s = compile_library(cc, target)
+        write_digest(target, digest)
     return Built(load(target), target, compile_s, notice)
+
+
+def intact(target: Path, digest: Path) -> bool:
+    """Whether the cached library is the one compiled, byte for byte: loading a truncated or corrupted shared
+    library kills the process (SIGBUS) before any error could be caught, so it is checked first, and rebuilt."""
+    try:
+        if unsafe_reason(target) or unsafe_reason(digest):
+            return False
+        return hashlib.sha256(target.read_bytes()).hexdigest() == digest.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def write_digest(target: Path, digest: Path) -> None:
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".digest-")
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(hashlib.sha256(target.read_bytes()).hexdigest() + "\n")
+    os.replace(temporary, digest)

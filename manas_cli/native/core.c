@@ -242,6 +242,28 @@ static inline float sum_lanes(Lanes lanes) {
     return e[0][0] + e[0][1];
 }
 
+/* sum_lanes of four vectors at once, the same additions of the same lanes (so the same four sums), done on
+   shuffled vectors instead of one vector's halves: a tile's reductions cost a quarter of the instructions, which
+   matters where rows are short (a 256-wide model spends a third of a product reducing otherwise). */
+#if LANES == 16 && (defined(__clang__) || __GNUC__ >= 12)
+#define SHUFFLE __builtin_shufflevector
+static inline void sum_lanes4(const Lanes *v, float *out) {
+    Lanes ab = SHUFFLE(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(v[0], v[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    Lanes cd = SHUFFLE(v[2], v[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(v[2], v[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    Lanes abcd = SHUFFLE(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                 SHUFFLE(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    Half pairs = SHUFFLE(abcd, abcd, 0, 1, 4, 5, 8, 9, 12, 13) + SHUFFLE(abcd, abcd, 2, 3, 6, 7, 10, 11, 14, 15);
+    Quarter sums = SHUFFLE(pairs, pairs, 0, 2, 4, 6) + SHUFFLE(pairs, pairs, 1, 3, 5, 7);
+    memcpy(out, &sums, sizeof sums);
+}
+#else
+static inline void sum_lanes4(const Lanes *v, float *out) {
+    for (int k = 0; k < 4; k++) out[k] = sum_lanes(v[k]);
+}
+#endif
+
 /* The sum of n values in the lane order of dots. */
 static float sum(int n, const float *x) {
     Lanes lanes = {0};
@@ -344,12 +366,16 @@ static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT,
                 for (int o = 0; o < OT; o++) lane[r][o] = madd(lane[r][o], xs, ws[o][k]);
             }
     }
-    for (int r = 0; r < RT; r++)
-        for (int o = 0; o < OT; o++) {
+    for (int r = 0; r < RT; r++) {
+        for (int o = 0; o < OT; o++)
             for (int i = chunks * LANES; i < n; i++)
                 lane[r][o][i % LANES] = madd1(lane[r][o][i % LANES], x[r][i], weight_at(kind, linear, o0 + o, i));
-            out[r][o] = sum_lanes(lane[r][o]);
+        if (OT == 4) {
+            sum_lanes4(lane[r], out[r]);
+        } else {
+            for (int o = 0; o < OT; o++) out[r][o] = sum_lanes(lane[r][o]);
         }
+    }
 }
 
 /* A float32 dot product in the same lane order (attention's q · k). */

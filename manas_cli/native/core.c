@@ -387,6 +387,20 @@ static float dot(int n, const float *a, const float *b) {
     return sum_lanes(lanes);
 }
 
+/* dot(n, a, b[k]) for four vectors b, each the same arithmetic as dot's, reduced together (attention's q against
+   four cached keys). */
+static void dot4(int n, const float *a, const float *const *b, float *out) {
+    Lanes lanes[4] = {{0}};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        Lanes x = load_lanes(a + i);
+        for (int k = 0; k < 4; k++) lanes[k] = madd(lanes[k], x, load_lanes(b[k] + i));
+    }
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; i + l < n; l++) lanes[k][l] = madd1(lanes[k][l], a[i + l], b[k][i + l]);
+    sum_lanes4(lanes, out);
+}
+
 /* What a product's sum becomes: int8's times its row's scale, then the float bias. Activations stay float32
    throughout: torch's engine rounds a quantized product's input and output to bfloat16 because its int8 kernel
    is vectorized for bfloat16 only; the core has no such limit, so it computes x · Wᵀ over W's dequantized values
@@ -564,6 +578,23 @@ static void rotate(int head_size, const float *angles, float *x) {
     }
 }
 
+/* out = Σ_t weights[t] · v_t over the cached values (rows `stride` apart), LANES features at a time in registers,
+   the positions summed in order. */
+static void mix_values(int hs, int positions, const float *weights, const float *values, int stride, float *out) {
+    int i = 0;
+    for (; i + LANES <= hs; i += LANES) {
+        Lanes sum = {0};
+        for (int t = 0; t < positions; t++)
+            sum = madd(sum, (Lanes){0} + weights[t], load_lanes(values + (size_t)t * stride + i));
+        memcpy(out + i, &sum, sizeof sum);
+    }
+    for (; i < hs; i++) {
+        float sum = 0.0f;
+        for (int t = 0; t < positions; t++) sum = madd1(sum, weights[t], values[(size_t)t * stride + i]);
+        out[i] = sum;
+    }
+}
+
 /* Attention of one query head of one row over its cache's positions 0..position: softmax(q·k / √hs) · v. */
 typedef struct {
     const ManasModel *model;
@@ -588,20 +619,24 @@ static void attend_heads(void *context, int begin, int end, int thread) {
         const float *q = a->qkv + (size_t)row * qkv_width + head * hs;
         int positions = a->positions[row] + 1;
         float highest = -INFINITY;
-        for (int t = 0; t < positions; t++) {
-            scores[t] = dot(hs, q, cache->k + layer_offset + (size_t)t * kv_width + kv_head * hs) * scale;
+        const float *keys = cache->k + layer_offset + kv_head * hs;
+        int t = 0;
+        for (; t + 4 <= positions; t += 4) {
+            const float *four[4];
+            for (int k = 0; k < 4; k++) four[k] = keys + (size_t)(t + k) * kv_width;
+            dot4(hs, q, four, scores + t);
+        }
+        for (; t < positions; t++) scores[t] = dot(hs, q, keys + (size_t)t * kv_width);
+        for (t = 0; t < positions; t++) {
+            scores[t] *= scale;
             highest = scores[t] > highest ? scores[t] : highest;
         }
         float total = 0.0f;
         for (int t = 0; t < positions; t++) scores[t] = exponential(scores[t] - highest);
         for (int t = 0; t < positions; t++) total += scores[t];
-        float *out = a->attention + (size_t)row * m->n_embd + head * hs;
-        memset(out, 0, hs * sizeof *out);
-        for (int t = 0; t < positions; t++) {
-            const float *v = cache->v + layer_offset + (size_t)t * kv_width + kv_head * hs;
-            float weight = scores[t] / total;
-            for (int i = 0; i < hs; i++) out[i] += weight * v[i];
-        }
+        for (int t = 0; t < positions; t++) scores[t] /= total;
+        mix_values(hs, positions, scores, cache->v + layer_offset + kv_head * hs, kv_width,
+                   a->attention + (size_t)row * m->n_embd + head * hs);
     }
 }
 

@@ -8,7 +8,7 @@
 
    Python owns the tensors (the torch model's own memory), the caches and the scratch; the core allocates
    nothing per call and keeps no globals. Only the manas_ functions are exported. Build (see native/build.py):
-   cc -O3 -march=native -ffp-contract=off -fPIC -shared -pthread core.c -lm */
+   cc -O3 -march=native -ffp-contract=off -fPIC -shared -pthread -fvisibility=hidden core.c -lm */
 
 #include <math.h>
 #include <pthread.h>
@@ -202,7 +202,6 @@ typedef float Half __attribute__((vector_size(LANES / 2 * sizeof(float))));
 typedef float Quarter __attribute__((vector_size(LANES / 4 * sizeof(float))));
 typedef float Eighth __attribute__((vector_size(LANES / 8 * sizeof(float))));
 
-/* The lanes' fixed tree: lane l += lane l + 8, then l + 4, l + 2, l + 1, as halves of the vector. */
 /* acc + x·w, lane by lane: one rounding with FMA (explicitly, so every caller gets the same), two without. */
 #if defined(__AVX512F__)
 static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
@@ -229,6 +228,7 @@ static inline float madd1(float acc, float x, float w) {
 #endif
 }
 
+/* The lanes' fixed tree: lane l += lane l + 8, then l + 4, l + 2, l + 1, as halves of the vector. */
 static inline float sum_lanes(Lanes lanes) {
     Half h[2];
     Quarter q[2];

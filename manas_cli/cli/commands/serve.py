@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 
+import typer
+
 from ...errors import InputError
 from .common import ModelOptions, check_memory, encode_prompt, load_model
 
@@ -33,5 +35,8 @@ def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str 
     if host not in LOOPBACK and api_key is None:
         say(console, f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model")
     url = f"http://{f'[{host}]' if ':' in host else host}:{server.server_port}"
-    serve(server, GRACE_S, on_ready=lambda: say(
-        console, f"manas serve: {url}/v1 · model {model_id} · {engine.name} engine · batch size {batch_size}"))
+    try:
+        serve(server, GRACE_S, on_ready=lambda: say(
+            console, f"manas serve: {url}/v1 · model {model_id} · {engine.name} engine · batch size {batch_size}"))
+    except KeyboardInterrupt:  # a second SIGINT or SIGTERM during the grace period: stop now
+        raise typer.Exit(130) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hmac
 import queue
 import select
+import signal
 import socket
 import sys
 import threading
@@ -291,17 +292,27 @@ def serve(server: Server, grace_s: float, on_ready) -> None:
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     server.scheduler.start()
     thread.start()
-    on_ready()
     try:
+        on_ready()  # inside: a signal right after the ready line is the graceful stop too
         while thread.is_alive():
             thread.join(0.5)
     except KeyboardInterrupt:
         pass
-    server.shutdown()  # no new connections; the handlers already running go on
-    server.scheduler.stop()
-    deadline = time.monotonic() + grace_s
-    while (server.active or server.scheduler.busy) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    server.scheduler.cancel_all()
-    server.scheduler.join(timeout=grace_s)
-    server.server_close()
+    handlers = {number: signal.signal(number, _interrupt_now) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.shutdown()  # no new connections; the handlers already running go on
+        server.scheduler.stop()
+        deadline = time.monotonic() + grace_s
+        while (server.active or server.scheduler.busy) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.scheduler.cancel_all()
+        server.scheduler.join(timeout=grace_s)
+        server.server_close()
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+
+
+def _interrupt_now(signum: int, frame) -> None:
+    """A second signal during the grace period: what runs is not waited for."""
+    raise KeyboardInterrupt()

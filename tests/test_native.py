@@ -19,7 +19,7 @@ from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
 from conftest import BLOCK_SIZE, make_model, needs_compiler
 from manas_cli.engine.generation import crop_window
 from manas_cli.engine.native import NativeGPT, NativeSession, decode_rows
-from manas_cli.engine.model import GPT
+from manas_cli.engine.model import GPT, use_decode_layout
 from manas_cli.engine.quantize import is_quantized, quantizable, quantize_model
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.native import build
@@ -155,11 +155,8 @@ def test_the_core_reads_the_torch_models_own_memory(native_library):
 def test_the_core_refuses_weights_it_does_not_run(native_library):
     with pytest.raises(ValueError, match="float32 weights on the CPU, not torch.bfloat16"):
         NativeGPT(make_model("rope").to(torch.bfloat16), native_library)
-    transposed = make_model("rope")
-    from manas_cli.engine.model import use_decode_layout
-
     with pytest.raises(ValueError, match="contiguous"):
-        NativeGPT(use_decode_layout(transposed), native_library)
+        NativeGPT(use_decode_layout(make_model("rope")), native_library)
 
 
 # ---- the build ----

@@ -221,6 +221,17 @@ class EngineChoice:
     compile_s: float | None = None  # this run compiled the core
     library: str | None = None  # the core's shared library
 
+    @property
+    def threads(self) -> int:
+        """The threads the engine computes on now."""
+        return self.model.threads if self.name == "native" else torch.get_num_threads()
+
+    def set_threads(self, threads: int) -> None:
+        if self.name == "native":
+            self.model.set_threads(threads)
+        elif threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+
 
 def native_unsupported(model: GPT) -> str | None:
     """Why the core cannot run this model, or None: it runs float32, int8 and int4 weights on the CPU."""

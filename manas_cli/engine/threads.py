@@ -87,10 +87,10 @@ class ThreadGovernor:
     RECHECK_S: a process that starts beside manas takes a core from it within half a second, and gives it back
     when it ends. A fixed choice stays fixed."""
 
-    def __init__(self, choice: ThreadChoice, set_threads: Callable[[int], None] | None = None) -> None:
-        """set_threads: how the engine takes a thread count (default: torch's)."""
+    def __init__(self, choice: ThreadChoice, set_threads: Callable[[int], None]) -> None:
+        """set_threads: how the engine takes a thread count (EngineChoice.set_threads)."""
         self.choice = choice
-        self.set_threads = set_threads or _set_torch_threads
+        self.set_threads = set_threads
         self.cpus = usable_cpus()
         self._checked_at = time.monotonic()
 
@@ -100,9 +100,3 @@ class ThreadGovernor:
         self._checked_at = time.monotonic()
         self.set_threads(free_cores(self.cpus))
 
-
-def _set_torch_threads(threads: int) -> None:
-    import torch
-
-    if threads != torch.get_num_threads():
-        torch.set_num_threads(threads)

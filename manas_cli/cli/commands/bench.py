@@ -40,8 +40,6 @@ def run(
     json_output: bool,
     model_options: ModelOptions,
 ) -> None:
-    import torch
-
     from ...engine.bench import run_bench, sweep as sweep_positions
     from ...engine.quantize import weights_bytes, weights_name
     from ..render import bench_table, is_noisy, json_line, noise_warning, stderr_console, sweep_chart, token_progress
@@ -61,7 +59,7 @@ def run(
         "block_size": block_size,
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "threads": engine.model.threads if engine.name == "native" else torch.get_num_threads(),
+        "threads": engine.threads,
         "threads_rule": threads.rule,
         "weights": weights_name(model),
         "weights_bytes": weights_bytes(model),

@@ -65,7 +65,7 @@ def run(
                      settings.logprobs)
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
-    governor = ThreadGovernor(threads, engine.model.set_threads if engine.name == "native" else None)
+    governor = ThreadGovernor(threads, engine.set_threads)
 
     storage = session.storage()  # what the cache holds after each step: a Ctrl-C during a re-prefill empties it
 

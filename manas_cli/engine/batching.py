@@ -16,13 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import torch
-
-from .generation import SamplingState, crop_window, kept_on_overflow, prefill_due
-from .kv_cache import CacheSession
-from .model import GPT
-from .native import NativeGPT, NativeSession, decode_rows, new_session
+from .generation import kept_on_overflow
+from .native import decode_sessions, new_session, sampling_state
 from .sampling import Sampler
+from .session import prefill_due
 
 
 @dataclass(frozen=True)
@@ -44,34 +41,32 @@ class Token:
     seconds: float  # the step that made it (a decode step makes every decoding row's token at once)
     logprobs: tuple[float, list[int], list[float]] | None
     last: bool  # its budget is spent, or it is end-of-text
-    cache: CacheSession | NativeSession  # the row's cache, for what it holds (its storage) once the request is done
+    cache: object  # the row's cache (CacheSession or NativeSession), for what it holds once the request is done
 
 
 class Row:
     """A request in the batch: its cache, its token window and its sampling state, as generate keeps them."""
 
-    def __init__(self, model: GPT | NativeGPT, request: Request, eot_id: int | None) -> None:
+    def __init__(self, model, request: Request, eot_id: int | None) -> None:
         self.request, self.eot_id = request, eot_id
-        device = next(model.parameters()).device
         self.session = new_session(model)
-        prompt = torch.tensor([request.prompt], dtype=torch.long, device=device)
-        self.window = crop_window(prompt, model.config.block_size)
-        self.state = SamplingState(request.sampler, self.window, model.config.vocab_size, request.logprobs)
+        self.window = request.prompt[-model.config.block_size :]
+        self.state = sampling_state(model, request.sampler, 1, request.logprobs)
         self.steps = 0
 
-    def take(self, logits: torch.Tensor, kind: str, started: float) -> Token:
-        """Sample this row's next token from its logits (1, 1, vocab)."""
+    def take(self, logits, kind: str, started: float) -> Token:
+        """Sample this row's next token from its logits (one row)."""
         position = len(self.request.prompt) - 1 + self.steps
-        next_ids, (token,), seconds, top = self.state.sample(logits, self.window, started, position)
-        self.window = crop_window(torch.cat((self.window, next_ids), dim=1), self.session.block_size)
+        (token,), top = self.state.sample(logits, [self.window], position)
+        seconds = time.perf_counter() - started
+        self.window = (self.window + [token])[-self.session.block_size :]
         self.steps += 1
         last = self.steps == self.request.max_tokens or token == self.eot_id
         return Token(self.request.key, token, kind, seconds, top[0] if top else None, last, self.session)
 
 
-@torch.inference_mode()
 def generate_batched(
-    model: GPT | NativeGPT,
+    model,
     take: Callable[[bool], Request | None],
     batch_size: int,
     eot_id: int | None = None,
@@ -94,15 +89,20 @@ def generate_batched(
         started = time.perf_counter()
         made, decoding = {}, []
         for row in rows:
-            due = prefill_due(row.session, row.window, row.steps == 0, keep)
+            due = prefill_due(row.session, [row.window], row.steps == 0, keep)
             if due is None:
                 decoding.append(row)
             else:
                 made[row] = row.take(due[1], due[0], started)
         if decoding:
-            logits = decode_rows(model, torch.cat([row.window[:, -1:] for row in decoding]),
-                                 [row.session for row in decoding])
+            logits = decode_sessions(model, [row.window[-1] for row in decoding], [row.session for row in decoding])
             for index, row in enumerate(decoding):
-                made[row] = row.take(logits[index : index + 1], "decode", started)
+                made[row] = row.take(row_logits(logits, index), "decode", started)
         yield [made[row] for row in rows]
         rows = [row for row in rows if not (made[row].last or finished(row.request.key))]
+
+
+def row_logits(logits, index: int):
+    """Row `index` of a batched step's logits, as one row's logits: a tensor's (1, 1, vocab) slice, or the core's
+    Logits starting at that row."""
+    return logits[index : index + 1] if hasattr(logits, "dim") else logits.slice(index)

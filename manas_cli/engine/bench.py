@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+import random
 import resource
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import torch
-
 from .generation import GenerationStats, Step, generate, generate_reference
-from .model import GPT
 from .native import new_session
 from .sampling import Sampler
 
@@ -45,11 +43,11 @@ class BenchResult:
         return self.measurements[1].mean / self.measurements[2].mean
 
 
-def bench_prompt(model: GPT, prompt_tokens: int, batch: int, seed: int = 0) -> torch.Tensor:
+def bench_prompt(model, prompt_tokens: int, batch: int, seed: int = 0) -> list[list[int]]:
     """A reproducible random prompt: speed does not depend on which tokens they are."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(model.config.vocab_size, (1, prompt_tokens), generator=generator).repeat(batch, 1)
-    return ids.to(next(model.parameters()).device)
+    draw = random.Random(seed)
+    ids = [draw.randrange(model.config.vocab_size) for _ in range(prompt_tokens)]
+    return [list(ids) for _ in range(batch)]
 
 
 def reporting(steps: Iterator[Step], on_step: Callable[[str], None], label: str) -> Iterator[Step]:
@@ -67,7 +65,7 @@ def run_once(steps: Iterator[Step], prompt_tokens: int, batch: int) -> Generatio
 
 
 def run_bench(
-    model: GPT,
+    model,
     prompt_tokens: int,
     new_tokens: int,
     repeat: int,
@@ -108,7 +106,7 @@ def run_bench(
     )
 
 
-def sweep(model: GPT, prompt_tokens: int, new_tokens: int, buckets: int,
+def sweep(model, prompt_tokens: int, new_tokens: int, buckets: int,
           on_token: Callable[[], None] = lambda: None) -> list[dict]:
     """Decode speed against context position, in `buckets` spans: shows what re-prefills cost. on_token is called
     after each token (a progress bar)."""
@@ -117,7 +115,7 @@ def sweep(model: GPT, prompt_tokens: int, new_tokens: int, buckets: int,
     run_once(generate(model, prompt, greedy, min(new_tokens, 16)), prompt_tokens, 1)  # warm-up
     span = max(1, (prompt_tokens + new_tokens) // buckets)
     rows: dict[int, dict] = {}
-    position = prompt.size(1)
+    position = len(prompt[0])
     for step in generate(model, prompt, greedy, new_tokens):
         on_token()
         position += 1
@@ -133,9 +131,11 @@ def sweep(model: GPT, prompt_tokens: int, new_tokens: int, buckets: int,
     return list(rows.values())
 
 
-def peak_memory_bytes(model: GPT) -> int:
+def peak_memory_bytes(model) -> int:
     """Peak GPU memory allocated on CUDA; peak resident memory of the whole process on the CPU."""
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+    embedding = getattr(model, "token_embedding", None)  # a torch model; the native engine runs on the CPU
+    if embedding is not None and embedding.weight.device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(embedding.weight.device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

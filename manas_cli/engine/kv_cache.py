@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .model import GPT, CausalSelfAttention, RotaryAttention
+from .session import allocation_description, check_decode_rows, check_prefill_rows
 
 
 class LayerCache:
@@ -47,18 +48,6 @@ class LayerCache:
         self._k_buffer, self._v_buffer = k_buffer, v_buffer
 
 
-ALLOCATIONS = {
-    "dynamic": "dynamic: written in place, doubled when full (at most half unused)",
-    "static": "static: preallocated for the positions the run needs, written in place",
-}
-
-
-def allocation_description(allocation: str) -> str:
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
-    return ALLOCATIONS[allocation]
-
-
 class CacheSession:
     """The KV cache of one request against a model in eval mode.
 
@@ -85,20 +74,31 @@ class CacheSession:
         self.batch_size = 0
 
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, token_ids: torch.Tensor | list[list[int]]) -> torch.Tensor:
         """Reset the cache, run the prompt (B, T ≤ block_size) causally; logits of its last position (B, 1, vocab)."""
         self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
-        check_prefill_ids(token_ids, self.block_size)
+        token_ids = self._ids(token_ids)
+        if token_ids.dim() != 2 or token_ids.dtype != torch.long:
+            raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
+        check_prefill_rows(token_ids.tolist(), self.block_size)
         layers = [self._new_layer() for _ in self.model.blocks]
         logits = self._run(token_ids, 0, layers)  # an exception here leaves the session empty
         self.layers, self.batch_size = layers, token_ids.size(0)
         return logits
 
     @torch.inference_mode()
-    def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Append one position per row (B, 1) and return its logits (B, 1, vocab)."""
-        check_decode_ids(token_ids, self.positions, self.batch_size, self.block_size)
+    def decode(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """Append one position per row ((B, 1) ids, or a list of B) and return its logits (B, 1, vocab)."""
+        token_ids = self._ids(token_ids if hasattr(token_ids, "dim") else [[token] for token in token_ids])
+        if token_ids.dim() != 2 or token_ids.size(1) != 1:
+            raise ValueError(f"decode takes ({self.batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
+        check_decode_rows(token_ids[:, 0].tolist(), self.positions, self.batch_size, self.block_size)
         return self._run(token_ids, self.positions, self.layers)
+
+    def _ids(self, rows: torch.Tensor | list[list[int]]) -> torch.Tensor:
+        if isinstance(rows, torch.Tensor):
+            return rows
+        return torch.tensor(rows, dtype=torch.long, device=self.model.token_embedding.weight.device)
 
     def _run(self, token_ids: torch.Tensor, start_pos: int, layers: list) -> torch.Tensor:
         hidden = self.model.hidden_states(token_ids, start_pos, layers)
@@ -116,21 +116,18 @@ class CacheSession:
             "allocation": self.allocation,
         }
 
+    def layer_shapes(self) -> list[tuple[list[int], list[int], int]]:
+        """Per layer: K's and V's shapes (B, n_kv_head, positions, head_size), and their bytes."""
+        return [(list(layer.k.shape), list(layer.v.shape),
+                 layer.k.numel() * layer.k.element_size() + layer.v.numel() * layer.v.element_size())
+                for layer in self.layers]
 
-def check_prefill_ids(token_ids: torch.Tensor, block_size: int) -> None:
-    if token_ids.dim() != 2 or token_ids.size(1) == 0 or token_ids.dtype != torch.long:
-        raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
-    if token_ids.size(1) > block_size:
-        raise ValueError(f"prefill of {token_ids.size(1)} positions exceeds block_size {block_size}")
 
-
-def check_decode_ids(token_ids: torch.Tensor, positions: int, batch_size: int, block_size: int) -> None:
-    if not positions:
-        raise ValueError("decode before prefill: prefill a prompt first")
-    if tuple(token_ids.shape) != (batch_size, 1):
-        raise ValueError(f"decode takes ({batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
-    if positions >= block_size:
-        raise ValueError(f"the cache is full ({block_size} positions): prefill the cropped window instead")
+def decode_torch_rows(model: GPT, tokens: list[int], sessions: list[CacheSession]) -> torch.Tensor:
+    """One new token for each row of several sessions at once (native.decode_sessions), each at its own
+    position over its own cache; the logits (R, 1, vocab)."""
+    ids = torch.tensor([[token] for token in tokens], dtype=torch.long, device=model.token_embedding.weight.device)
+    return model.decode_rows(ids, [s.positions for s in sessions], [s.layers for s in sessions])
 
 
 def check_cacheable(model: GPT) -> None:
@@ -159,28 +156,3 @@ def check_cacheable(model: GPT) -> None:
                 f"blocks[{i}].attention.qkv maps {attention.qkv.in_features} to {attention.qkv.out_features} "
                 f"features, expected {config.n_embd} to {qkv_width}"
             )
-
-
-def cache_report(session: CacheSession) -> dict:
-    """What the cache holds, layer by layer, and what it would cost at a full window or without GQA."""
-    storage = session.storage()
-    config = session.model.config
-    layers = [
-        {
-            "layer": index,
-            "k_shape": list(layer.k.shape),
-            "v_shape": list(layer.v.shape),
-            "bytes": layer.k.numel() * layer.k.element_size() + layer.v.numel() * layer.v.element_size(),
-        }
-        for index, layer in enumerate(session.layers)
-    ]
-    bytes_per_position = storage["logical_bytes"] // storage["positions"] if storage["positions"] else 0
-    return {
-        **storage,
-        "block_size": config.block_size,
-        "layers": layers,
-        "bytes_per_position": bytes_per_position,
-        "full_window_bytes": bytes_per_position * config.block_size,
-        # A plain multi-head cache keeps every query head's K and V: n_head / n_kv_head times as much.
-        "mha_equivalent_bytes": storage["logical_bytes"] * config.n_head // config.n_kv_head,
-    }

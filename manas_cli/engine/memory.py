@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import resource
 
-import torch
-
 from ..errors import InputError
-from .model import GPTConfig
+from .config import GPTConfig
 
 
 def run_bytes(config: GPTConfig, rows: int, positions: int, itemsize: int) -> int:
@@ -20,11 +18,13 @@ def run_bytes(config: GPTConfig, rows: int, positions: int, itemsize: int) -> in
     return rows * ((cache + activations) * itemsize + 2 * config.vocab_size * 4)
 
 
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory on the device: CUDA's free bytes; on the CPU the smaller of MemAvailable and what the process's
-    address-space limit (ulimit -v) leaves. None when neither can be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+def available_bytes(device: str) -> int | None:
+    """Free memory on the device ("cpu", "cuda", "cuda:1"): CUDA's free bytes; on the CPU the smaller of
+    MemAvailable and what the process's address-space limit (ulimit -v) leaves. None when neither can be read."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
     limits = [_meminfo_bytes("/proc/meminfo", "MemAvailable")]
     address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
     if address_space != resource.RLIM_INFINITY:
@@ -34,7 +34,7 @@ def available_bytes(device: torch.device) -> int | None:
     return min(known) if known else None
 
 
-def check_fits(config: GPTConfig, device: torch.device, itemsize: int, rows: int, positions: int, lower: str) -> None:
+def check_fits(config: GPTConfig, device: str, itemsize: int, rows: int, positions: int, lower: str) -> None:
     """Refuse, before allocating, a run that needs more memory than the device has; `lower` names what to lower."""
     needed, available = run_bytes(config, rows, positions, itemsize), available_bytes(device)
     if available is not None and needed > available:

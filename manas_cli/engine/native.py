@@ -1,53 +1,88 @@
-"""The native engine: the torch model's own tensors run by the C core (native/core.c), one call per step.
+"""The native engine: the C core (native/core.c) runs the model, one call per step, and samples its tokens.
 
 NativeGPT stands where generation, batching and scoring take a model: it has the config, the full causal forward
-(`model(idx)`, for the crop-and-recompute reference and for scoring) and, through NativeSession, a KV cache with
-CacheSession's interface. The core computes each position's row with the same kernels and the same order of
-arithmetic whether it is decoded alone, prefilled among a prompt's rows or decoded beside other requests, so on
-this engine cached == recompute and batched == alone hold bit for bit.
+(`model(rows)`, for the crop-and-recompute reference and for scoring) and, through NativeSession, a KV cache with
+CacheSession's interface; NativeSampling draws each row's token in the core. Its weights are the mapped checkpoint
+file's bytes (native/weights.py), or a torch model's tensors: this module never imports torch itself, so the CPU
+path of a run without torch starts in milliseconds. The core computes each position's row with the same kernels
+and the same order of arithmetic whether it is decoded alone, prefilled among a prompt's rows or decoded beside
+other requests, so on this engine cached == recompute and batched == alone hold bit for bit.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+import math
+from ctypes import c_float, c_int32, c_uint8
 from dataclasses import dataclass
 
-import torch
+from ..errors import NumericalError
+from ..native.binding import ManasCache, ManasDraw, ManasSampler, bind
+from .config import GPTConfig, parameter_shapes
+from .session import allocation_description, check_decode_rows, check_prefill_rows
+from .sampling import Sampler, logits_error
 
-from ..native.binding import ManasCache, bind
-from .kv_cache import CacheSession, allocation_description, check_decode_ids, check_prefill_ids
-from .model import GPT, GPTConfig
+
+class Logits:
+    """Rows of float32 logits in memory the core writes: (rows, vocab), from row `first` of `buffer`.
+    `torch()` views them as a tensor."""
+
+    def __init__(self, rows: int, vocab: int, buffer=None, first: int = 0) -> None:
+        self.rows, self.vocab, self.first = rows, vocab, first
+        self.buffer = (c_float * (rows * vocab))() if buffer is None else buffer
+
+    def row(self, index: int) -> int:
+        """The address of row `index`."""
+        return ctypes.addressof(self.buffer) + 4 * (self.first + index) * self.vocab
+
+    def slice(self, index: int) -> Logits:
+        """Row `index` alone."""
+        return Logits(1, self.vocab, self.buffer, self.first + index)
+
+    def torch(self):
+        import torch
+
+        whole = torch.frombuffer(self.buffer, dtype=torch.float32).view(-1, self.vocab)
+        return whole[self.first : self.first + self.rows]
 
 
 class NativeGPT:
-    """A float32, int8 or int4 GPT on the CPU, run by the C core on its own tensors (nn.Linear's (out, in) layout:
-    do not apply use_decode_layout)."""
+    """A float32, int8 or int4 GPT run by the core. `source`: a MappedCheckpoint (its file's bytes, checked
+    finite by the core) or a torch GPT on the CPU in nn.Linear's (out, in) layout (do not apply
+    use_decode_layout)."""
 
-    def __init__(self, model: GPT, library: ctypes.CDLL, threads: int = 1) -> None:
+    def __init__(self, source, library: ctypes.CDLL, threads: int = 1) -> None:
+        from ..formats.header import MappedCheckpoint
+        from ..native.weights import MappedWeights, TorchWeights
+
         self._pool = None  # first: __del__ closes it
-        embedding = model.token_embedding.weight
-        if embedding.device.type != "cpu" or embedding.dtype != torch.float32:
-            raise ValueError(f"the native core runs float32 weights on the CPU, not {embedding.dtype} on {embedding.device}")
-        self.model = model.eval()
-        self.config: GPTConfig = model.config
-        self.library = library
-        self.bound, self._alive = bind(model)
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        if isinstance(source, MappedCheckpoint):
+            self.config: GPTConfig = source.header.config
+            self.weights = source.header.quantization or "float32"
+            weights = MappedWeights(source, library)
+        else:
+            check_torch_model(source)
+            self.config, self.weights = source.config, torch_weights_name(source)
+            weights = TorchWeights(source.eval())
+        self.source, self.library = source, library
+        self.bound = bind(self.config, weights)
+        self._alive = weights  # the converted copies the bound pointers may point into
+        self._scratch = ctypes.create_string_buffer(0)
+        self._scratch_rows = -1
         self.set_threads(threads)
 
     def set_threads(self, threads: int) -> None:
-        if self._pool is not None and self.library.manas_pool_threads(self._pool) == threads:
+        if self._pool is not None and self.threads == threads:
             return
         pool = self.library.manas_pool_new(threads)
         if not pool:
             raise MemoryError(f"the native core could not start {threads} threads")
         self.close()
-        self._pool = pool
+        self._pool, self._threads = pool, threads
 
     @property
     def threads(self) -> int:
-        return self.library.manas_pool_threads(self._pool)
+        return self._threads
 
     def close(self) -> None:
         if self._pool is not None:
@@ -57,44 +92,74 @@ class NativeGPT:
     def __del__(self) -> None:
         self.close()
 
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        """The torch model's parameters: the tensors the core reads."""
-        return self.model.parameters()
+    def num_parameters(self) -> int:
+        return sum(math.prod(shape) for _, shape in parameter_shapes(self.config))
 
-    def run(self, tokens: list[int], positions: list[int], caches: list, logit_rows: list[int]) -> torch.Tensor:
+    @property
+    def weights_bytes(self) -> int:
+        """What the weights the core reads take: 4 bytes a float value; int8 1 and int4 ½ a value in the matrices
+        plus their bfloat16 scales (and zeros)."""
+        total = 0
+        for name, shape in parameter_shapes(self.config):
+            count = math.prod(shape)
+            if self.weights == "float32" or len(shape) != 2 or name == "position_embedding.weight":
+                total += 4 * count
+            elif self.weights == "int8":
+                total += count + 2 * shape[0]
+            else:
+                total += count // 2 + 4 * count // 32
+        return total
+
+    def run(self, tokens: list[int], positions: list[int], caches: list, logit_rows: list[int]) -> Logits:
         """The core's forward pass over rows (token, position, cache); the logits of logit_rows, (len, vocab)."""
-        rows = len(tokens)
-        if any(not 0 <= token < self.config.vocab_size for token in tokens):
-            raise IndexError(f"token ids must be in [0, {self.config.vocab_size})")
-        needed = self.library.manas_scratch_bytes(ctypes.byref(self.bound), rows, self.threads)
-        if self._scratch.numel() < needed:
-            self._scratch = torch.empty(needed, dtype=torch.uint8)
-        logits = torch.empty(len(logit_rows), self.config.vocab_size)
-        c_caches = (ManasCache * rows)(*caches)
+        rows, vocab = len(tokens), self.config.vocab_size
+        if any(not 0 <= token < vocab for token in tokens):
+            raise IndexError(f"token ids must be in [0, {vocab})")
+        if rows > self._scratch_rows:  # sized for the most rows yet: a decode step asks for no new memory
+            needed = self.library.manas_scratch_bytes(ctypes.byref(self.bound), rows, self.threads)
+            self._scratch, self._scratch_rows = ctypes.create_string_buffer(needed), rows
+        logits = Logits(len(logit_rows), vocab)
         status = self.library.manas_forward(
-            ctypes.byref(self.bound), self._pool, rows, _int32s(tokens), _int32s(positions), c_caches,
-            len(logit_rows), _int32s(logit_rows), _floats(logits), self._scratch.data_ptr())
+            ctypes.byref(self.bound), self._pool, rows, _int32s(tokens), _int32s(positions),
+            (ManasCache * rows)(*caches), len(logit_rows), _int32s(logit_rows), logits.buffer, self._scratch)
         if status:
             raise RuntimeError(f"the native core failed with status {status}")
         return logits
 
-    @torch.inference_mode()
-    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        """GPT.forward without targets: the logits (B, T, vocab) of every position, each row from position 0."""
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
-        session = NativeSession(self, "static", capacity=T)
-        session.allocate(B, T)
-        return session.run_prompts(idx.tolist(), every_position=True).view(B, T, -1)
+    def __call__(self, idx):
+        """GPT.forward without targets: the logits of every position of rows of token ids, each row from
+        position 0: a Logits of (B·T, vocab) for lists, a (B, T, vocab) tensor for a tensor."""
+        rows = idx.tolist() if hasattr(idx, "tolist") else idx
+        B, T = len(rows), len(rows[0])
+        logits = self._forward(rows, every_position=True)
+        return logits if rows is idx else logits.torch().view(B, T, -1)
+
+    def last_logits(self, rows: list[list[int]]) -> Logits:
+        """The logits of each row's last position, (B, vocab), each row from position 0."""
+        return self._forward(rows, every_position=False)
+
+    def _forward(self, rows: list[list[int]], every_position: bool) -> Logits:
+        if len(rows[0]) > self.config.block_size:
+            raise ValueError(f"sequence of {len(rows[0])} tokens exceeds block_size {self.config.block_size}")
+        session = NativeSession(self, "static", capacity=len(rows[0]))
+        session.allocate(len(rows), len(rows[0]))
+        return session.run_prompts(rows, every_position)
+
+
+def check_torch_model(model) -> None:
+    embedding = model.token_embedding.weight
+    if embedding.device.type != "cpu" or str(embedding.dtype) != "torch.float32":
+        raise ValueError(f"the native core runs float32 weights on the CPU, not {embedding.dtype} on {embedding.device}")
+
+
+def torch_weights_name(model) -> str:
+    from .quantize import weights_name
+
+    return weights_name(model)
 
 
 def _int32s(values: list[int]):
-    return (ctypes.c_int32 * len(values))(*values)
-
-
-def _floats(tensor: torch.Tensor):
-    return ctypes.cast(tensor.data_ptr(), ctypes.POINTER(ctypes.c_float))
+    return (c_int32 * len(values))(*values)
 
 
 class NativeSession:
@@ -108,46 +173,56 @@ class NativeSession:
         self.allocation = allocation_description(allocation)
         self.reserve = allocation == "static"
         self.capacity = self.block_size if capacity is None else min(capacity, self.block_size)
-        self.k = self.v = None
-        self.positions = 0
-        self.batch_size = 0
+        config = model.config
+        self.position_floats = config.n_kv_head * config.head_size  # one layer's key (or value) at one position
+        self.reset()
 
     def reset(self) -> None:
         self.k = self.v = None
-        self.positions = self.batch_size = 0
+        self.size = self.positions = self.batch_size = 0
 
     def allocate(self, batch_size: int, needed: int) -> None:
         """Room for `needed` positions of every row, the cached ones kept."""
         if needed > self.capacity:
             raise ValueError(f"the cache holds {self.capacity} positions; {needed} were asked for")
-        if self.k is not None and needed <= self.k.size(2):
+        if self.k is not None and needed <= self.size:
             return
         size = self.capacity if self.reserve else min(self.capacity, max(needed, 2 * self.positions))
-        config = self.model.config
-        shape = (batch_size, config.n_layer, size, config.n_kv_head, config.head_size)
-        k, v = torch.empty(shape), torch.empty(shape)
+        count = batch_size * self.model.config.n_layer * size * self.position_floats
+        k, v = (c_float * count)(), (c_float * count)()
         if self.positions:
-            k[:, :, : self.positions], v[:, :, : self.positions] = self.k[:, :, : self.positions], self.v[:, :, : self.positions]
-        self.k, self.v = k, v
+            self._copy_positions(k, size), self._copy_positions(v, size, keys=False)
+        self.k, self.v, self.size = k, v, size
 
-    def cache(self, row: int):
-        return ManasCache(_floats(self.k[row]), _floats(self.v[row]), self.k.size(2))
+    def _copy_positions(self, into, size: int, keys: bool = True) -> None:
+        """The cached positions of every row and layer into a buffer of `size` positions per layer."""
+        old, span = (self.k if keys else self.v), 4 * self.positions * self.position_floats
+        for block in range(self.batch_size * self.model.config.n_layer):  # (row, layer) pairs, in memory order
+            ctypes.memmove(ctypes.addressof(into) + 4 * block * size * self.position_floats,
+                           ctypes.addressof(old) + 4 * block * self.size * self.position_floats, span)
 
-    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """CacheSession.prefill: reset, run the prompt (B, T ≤ block_size); logits of its last position (B, 1, vocab)."""
+    def cache(self, row: int) -> ManasCache:
+        offset = 4 * row * self.model.config.n_layer * self.size * self.position_floats
+        return ManasCache(ctypes.cast(ctypes.addressof(self.k) + offset, ctypes.POINTER(c_float)),
+                          ctypes.cast(ctypes.addressof(self.v) + offset, ctypes.POINTER(c_float)), self.size)
+
+    def prefill(self, token_ids):
+        """CacheSession.prefill: reset, run the prompt's rows (B, T ≤ block_size); the logits of each row's last
+        position: Logits (B, vocab), or a (B, 1, vocab) tensor for a tensor."""
         self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
-        check_prefill_ids(token_ids, self.block_size)
-        B, T = token_ids.shape
+        rows = _rows(token_ids)
+        check_prefill_rows(rows, self.block_size)
+        B, T = len(rows), len(rows[0])
         try:
             self.allocate(B, T)
-            logits = self.run_prompts(token_ids.tolist(), every_position=False)
+            logits = self.run_prompts(rows, every_position=False)
         except BaseException:
             self.reset()
             raise
         self.positions, self.batch_size = T, B
-        return logits[:, None]
+        return logits if rows is token_ids else logits.torch()[:, None]
 
-    def run_prompts(self, ids: list[list[int]], every_position: bool) -> torch.Tensor:
+    def run_prompts(self, ids: list[list[int]], every_position: bool) -> Logits:
         """Each batch row's tokens from position 0 into its cache, all rows in one call; the logits of every
         position, (B·T, vocab), or of each row's last, (B, vocab)."""
         B, T = len(ids), len(ids[0])
@@ -155,56 +230,171 @@ class NativeSession:
         logit_rows = range(B * T) if every_position else range(T - 1, B * T, T)
         return self.model.run([token for row in ids for token in row], list(range(T)) * B, caches, list(logit_rows))
 
-    def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """CacheSession.decode: append one position per row (B, 1); its logits (B, 1, vocab)."""
-        check_decode_ids(token_ids, self.positions, self.batch_size, self.block_size)
-        return decode_rows(self.model, token_ids, [self])
+    def decode(self, token_ids):
+        """CacheSession.decode: append one position per row (a list of B ids, or a (B, 1) tensor); its logits."""
+        tokens = token_ids[:, 0].tolist() if hasattr(token_ids, "tolist") else token_ids
+        check_decode_rows(tokens, self.positions, self.batch_size, self.block_size)
+        logits = decode_rows(self.model, tokens, [self])
+        return logits if tokens is token_ids else logits.torch()[:, None]
 
     def storage(self) -> dict:
-        config = self.model.config
-        logical = 2 * self.batch_size * config.n_layer * self.positions * config.n_kv_head * config.head_size * 4
+        logical = 2 * self.batch_size * self.model.config.n_layer * self.positions * self.position_floats * 4
         return {
             "positions": self.positions,
             "logical_bytes": logical,
-            "storage_bytes": 0 if self.k is None else 2 * self.k.numel() * 4,
+            "storage_bytes": 0 if self.k is None else 2 * ctypes.sizeof(self.k),
             "dtype": "float32" if self.positions else None,
             "allocation": self.allocation,
         }
 
+    def layer_shapes(self) -> list[tuple[list[int], list[int], int]]:
+        """Per layer: K's and V's shapes as CacheSession's layers hold them, (B, n_kv_head, positions, head_size),
+        and their bytes."""
+        config = self.model.config
+        shape = [self.batch_size, config.n_kv_head, self.positions, config.head_size]
+        return [(shape, shape, 2 * 4 * math.prod(shape))] * (config.n_layer if self.k is not None else 0)
+
     @property
     def layers(self) -> list:
-        """Per layer, K and V views (B, n_kv_head, positions, head_size), as CacheSession's layers hold them."""
+        """Per layer, K and V tensor views (B, n_kv_head, positions, head_size), as CacheSession's layers hold
+        them (imports torch: for tests and inspection)."""
+        import torch
+
         if self.k is None:
             return []
-        return [_LayerView(self.k[:, i, : self.positions].transpose(1, 2), self.v[:, i, : self.positions].transpose(1, 2))
-                for i in range(self.model.config.n_layer)]
+        config = self.model.config
+        shape = (self.batch_size, config.n_layer, self.size, config.n_kv_head, config.head_size)
+        k, v = (torch.frombuffer(buffer, dtype=torch.float32).view(shape) for buffer in (self.k, self.v))
+        return [_LayerView(k[:, i, : self.positions].transpose(1, 2), v[:, i, : self.positions].transpose(1, 2))
+                for i in range(config.n_layer)]
 
 
 class _LayerView:
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __init__(self, k, v) -> None:
         self.k, self.v = k, v
 
 
-def new_session(model: GPT | NativeGPT, allocation: str = "dynamic", capacity: int | None = None):
-    """The KV cache of one request, for whichever engine runs the model."""
-    session_type = NativeSession if isinstance(model, NativeGPT) else CacheSession
-    return session_type(model, allocation, capacity)
+def _rows(token_ids) -> list[list[int]]:
+    return token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
 
 
-def decode_rows(model: GPT | NativeGPT, token_ids: torch.Tensor, sessions: list) -> torch.Tensor:
-    """One new token for each row of several sessions at once, token_ids (R, 1) in the sessions' row order, each
-    at its own position over its own cache; the logits (R, 1, vocab)."""
-    if not isinstance(model, NativeGPT):
-        return model.decode_rows(token_ids, [s.positions for s in sessions], [s.layers for s in sessions])
+def decode_rows(model: NativeGPT, tokens: list[int], sessions: list[NativeSession]) -> Logits:
+    """One new token for each row of several sessions at once, tokens in the sessions' row order, each at its
+    own position over its own cache; their logits (R, vocab)."""
     caches, positions = [], []
     for session in sessions:
         session.allocate(session.batch_size, session.positions + 1)
         caches += [session.cache(b) for b in range(session.batch_size)]
         positions += [session.positions] * session.batch_size
-    logits = model.run(token_ids[:, 0].tolist(), positions, caches, list(range(len(positions))))
+    logits = model.run(tokens, positions, caches, list(range(len(positions))))
     for session in sessions:
         session.positions += 1
-    return logits[:, None]
+    return logits
+
+
+class NativeSampling:
+    """The sampler's state for rows of one request on the core: each row's generation counts (for the
+    frequency and presence penalties) and the scratch its draws share. Row b of a request draws its token at
+    text position p with the uniform number Philox(seed; p, b) (core.c): a seeded text never depends on how
+    requests were batched."""
+
+    def __init__(self, model: NativeGPT, sampler: Sampler, rows: int, logprobs: int) -> None:
+        self.library, self.logprobs = model.library, logprobs
+        self.vocab = model.config.vocab_size
+        decodable = sampler.decodable
+        self.drawable = self.vocab if decodable is None else min(len(decodable), self.vocab)
+        everything = decodable is None or all(decodable[: self.drawable])
+        self.mask = None if everything else (c_uint8 * self.drawable)(*decodable[: self.drawable])
+        p = sampler.penalties
+        self.settings = ManasSampler(sampler.temperature, sampler.top_k or 0, 1.0 if sampler.top_p is None else sampler.top_p,
+                                     sampler.min_p or 0.0, p.repetition, p.last_n, p.frequency, p.presence,
+                                     sampler.seed, logprobs)
+        self.counts = [(c_int32 * self.drawable)() for _ in range(rows)] if p.counts_needed else None
+        self.last_n = 0 if p.repetition == 1.0 else p.last_n  # the window's tokens the core needs: none, or these
+        self.scratch = ctypes.create_string_buffer(self.library.manas_sample_scratch_bytes(self.drawable))
+        self.draw = ManasDraw()
+
+    def sample(self, logits: Logits, windows: list[list[int]], position: int) -> tuple[list[int], list | None]:
+        """Each row's next token from its logits, and with logprobs (its log-probability, the most likely ids,
+        theirs). position: the text position the logits follow (0 is the first token): the new token's position
+        less one, and the one an error names when they are not finite."""
+        tokens, top = [], [] if self.logprobs else None
+        for b, window in enumerate(windows):
+            draw, context = self.draw, window[-self.last_n:] if self.last_n > 0 else window
+            counts = self.counts[b] if self.counts is not None else None
+            if self.library.manas_sample(ctypes.byref(self.settings), logits.row(b), self.vocab, self.drawable,
+                                         self.mask, _int32s(context) if self.last_n else None, len(context), counts,
+                                         b, position + 1, self.scratch, ctypes.byref(draw)):
+                raise NumericalError(logits_error(position, "float32"))
+            tokens.append(draw.token)
+            if top is not None:
+                top.append((draw.logprob, list(draw.top_ids[: self.logprobs]), list(draw.top_logprobs[: self.logprobs])))
+        return tokens, top
+
+
+def new_session(model, allocation: str = "dynamic", capacity: int | None = None):
+    """The KV cache of one request, for whichever engine runs the model."""
+    if isinstance(model, NativeGPT):
+        return NativeSession(model, allocation, capacity)
+    from .kv_cache import CacheSession
+
+    return CacheSession(model, allocation, capacity)
+
+
+def torch_generator(model, seed: int):
+    """The torch engine's seeded torch.Generator on the model's device; None for the core, which keys its own
+    generator on the seed (Sampler.seed)."""
+    if isinstance(model, NativeGPT):
+        return None
+    import torch
+
+    return torch.Generator(device=model.token_embedding.weight.device).manual_seed(seed)
+
+
+def sampling_state(model, sampler: Sampler, rows: int, logprobs: int):
+    """What sampling keeps for a request's rows between steps, for whichever engine runs the model."""
+    if isinstance(model, NativeGPT):
+        return NativeSampling(model, sampler, rows, logprobs)
+    from .torch_sampling import TorchSampling
+
+    return TorchSampling(model, sampler, rows, logprobs)
+
+
+def last_logits(model, windows: list[list[int]]):
+    """The full model's logits of each row's last position (the uncached reference), on either engine."""
+    if isinstance(model, NativeGPT):
+        return model.last_logits(windows)
+    import torch
+
+    with torch.inference_mode():
+        return model(torch.tensor(windows, device=model.token_embedding.weight.device))[:, -1:]
+
+
+def window_nats(model, window: list[int], targets: int, first_position: int = 0) -> float:
+    """The summed negative log-likelihood of a window's last `targets` tokens, each given the tokens before it
+    in the window, on either engine. first_position: the window's first token's position in the text (for the
+    error when logits are not finite)."""
+    first = len(window) - targets - 1  # the position whose logits predict the first target
+    if not isinstance(model, NativeGPT):
+        from .torch_sampling import torch_window_nats
+
+        return torch_window_nats(model, window, targets, first_position + first)
+    logits = model([window])
+    target_ids = _int32s(window[-targets:])
+    logprobs = (ctypes.c_double * targets)()
+    bad = model.library.manas_target_logprobs(logits.row(first), targets, model.config.vocab_size, target_ids, logprobs)
+    if bad >= 0:
+        raise NumericalError(logits_error(first_position + first + bad, "float32"))
+    return -sum(logprobs)
+
+
+def decode_sessions(model, tokens: list[int], sessions: list):
+    """One decode step for the rows of several sessions at once (batching.py), on either engine."""
+    if isinstance(model, NativeGPT):
+        return decode_rows(model, tokens, sessions)
+    from .kv_cache import decode_torch_rows
+
+    return decode_torch_rows(model, tokens, sessions)
 
 
 ENGINES = ("auto", "native", "torch")
@@ -214,8 +404,10 @@ ENGINES = ("auto", "native", "torch")
 class EngineChoice:
     """What runs the model, and what the CLI should say about the choice."""
 
-    model: GPT | NativeGPT
+    model: object  # GPT or NativeGPT
     name: str  # "native" or "torch"
+    weights: str = "float32"  # "float32", "bfloat16", "float16", "int8" or "int4"
+    device: str = "cpu"
     notice: str | None = None  # native was asked for and cannot run, or its cache folder was refused
     detail: str = ""  # the compiler's or loader's own message, for --debug
     compile_s: float | None = None  # this run compiled the core
@@ -224,42 +416,77 @@ class EngineChoice:
     @property
     def threads(self) -> int:
         """The threads the engine computes on now."""
-        return self.model.threads if self.name == "native" else torch.get_num_threads()
+        if self.name == "native":
+            return self.model.threads
+        import torch
+
+        return torch.get_num_threads()
 
     def set_threads(self, threads: int) -> None:
         if self.name == "native":
             self.model.set_threads(threads)
-        elif threads != torch.get_num_threads():
+            return
+        import torch
+
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
+    @property
+    def dtype(self) -> str:
+        """What the activations compute in."""
+        if self.name == "native":
+            return "float32"
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
-def native_unsupported(model: GPT) -> str | None:
-    """Why the core cannot run this model, or None: it runs float32, int8 and int4 weights on the CPU."""
+    @property
+    def weights_bytes(self) -> int:
+        if self.name == "native":
+            return self.model.weights_bytes
+        from .quantize import weights_bytes
+
+        return weights_bytes(self.model)
+
+
+def native_unsupported(model) -> str | None:
+    """Why the core cannot run this torch model, or None: it runs float32, int8 and int4 weights on the CPU."""
     weights = model.token_embedding.weight
     if weights.device.type != "cpu":
         return f"the model is on {weights.device.type.upper() if weights.device.type == 'cuda' else weights.device}"
-    if weights.dtype != torch.float32:
+    if str(weights.dtype) != "torch.float32":
         return f"the core runs float32, int8 and int4 weights, not {str(weights.dtype).removeprefix('torch.')}"
     return None
 
 
-def choose_engine(name: str, model: GPT, threads: int) -> EngineChoice:
-    """`auto`: the native core when it can run the model and builds here, else torch; `native`: the same, with a
-    notice when torch runs instead; `torch`: torch."""
-    from ..native.build import NativeUnavailable, build
+def open_native(source, threads: int) -> EngineChoice:
+    """The core built (or loaded from its cache) running `source` (a MappedCheckpoint or a torch GPT); raises
+    native.build.NativeUnavailable when it cannot build or load here."""
     from ..native.binding import declare
+    from ..native.build import build
+
+    built = build()
+    model = NativeGPT(source, declare(built.library), threads)
+    return EngineChoice(model, "native", model.weights, "cpu", built.notice, compile_s=built.compile_s,
+                        library=str(built.path))
+
+
+def choose_engine(name: str, model, threads: int, unavailable=None) -> EngineChoice:
+    """For a torch model: `auto`, the native core when it can run the model and builds here, else torch;
+    `native`, the same, with a notice when torch runs instead; `torch`, torch. `unavailable`: the reason the core
+    already failed to build in this process (NativeUnavailable), not to try again."""
+    from ..native.build import NativeUnavailable
 
     if name not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {name!r}")
+    weights, device = torch_weights_name(model), str(model.token_embedding.weight.device)
     if name == "torch":
-        return EngineChoice(model, "torch")
+        return EngineChoice(model, "torch", weights, device)
     reason, detail = native_unsupported(model), ""
-    if reason is None:
+    if reason is None and unavailable is not None:
+        reason, detail = unavailable.reason, unavailable.detail
+    elif reason is None:
         try:
-            built = build()
-            return EngineChoice(NativeGPT(model, declare(built.library), threads), "native", built.notice,
-                                compile_s=built.compile_s, library=str(built.path))
+            return open_native(model, threads)
         except NativeUnavailable as exc:
             reason, detail = exc.reason, exc.detail
     notice = f"the native engine cannot run: {reason}; the torch engine runs instead" if name == "native" else None
-    return EngineChoice(model, "torch", notice, detail)
+    return EngineChoice(model, "torch", weights, device, notice, detail)

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .config import INT4_GROUP_SIZE, stored_names
 from .model import GPT, GPTConfig
 
 INT8_MAX = 127  # symmetric: -127 … 127, so a row's largest magnitude maps to ±127 exactly
@@ -22,11 +23,6 @@ KERNEL_MAX_ROWS = 32
 KERNEL_IN_FEATURES_MULTIPLE = 16
 KERNEL_ALIGNMENT = 64
 QUANTIZE_SLICE_ELEMENTS = 1 << 18  # 1 MiB of float32 rows: quantize_rows' temporaries fit in cache
-# int4: groups of 32 values along a row, as llama.cpp's q4_0 blocks. On the shipped model 32, 64 and 128 cost the
-# same held-out loss within noise (+0.003 nats/char), and on GPT-2's shape one decode step's products take 4.2, 4.3
-# and 4.6 ms (1 thread, 2-core AMD EPYC): the smallest group is the most faithful for no measurable cost, and it
-# divides the width of every model whose n_embd is a multiple of 32.
-INT4_GROUP_SIZE = 32
 INT4_LEVELS = 15  # codes 0 … 15
 INT4_MIDDLE_CODE = 8  # a group's zero is the value this code stands for
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel accepts
@@ -243,9 +239,6 @@ class Int4Linear(QuantizedLinear):
         return None if torch.isfinite(spread + self.zeros.float().abs()).all() else "zeros"
 
 
-QUANTIZATIONS = ("int8", "int4")  # what manas runs, by the names flags and files give them
-
-
 def quantizable(model: GPT) -> list[str]:
     """Qualified names of the layers quantization replaces: every linear layer of the blocks, then the output layer."""
     blocks = [name for name, module in model.blocks.named_modules(prefix="blocks")
@@ -296,11 +289,6 @@ def quantize_model(model: GPT, kind: str = "int8", kernel: bool | None = None) -
             layer = Int4Linear(*quantize_groups(linear.weight), linear.bias, kernel)
         _replace(model, name, layer)
     return model
-
-
-def stored_names(kind: str) -> tuple[str, ...]:
-    """The tensors a quantized matrix is stored as, by suffix: `weight` first (FORMAT.md, version 2)."""
-    return ("weight", "scales") if kind == "int8" else ("weight", "scales", "zeros")
 
 
 def _stored(tensors: dict[str, torch.Tensor], name: str, kind: str) -> list[torch.Tensor]:

@@ -1,23 +1,18 @@
-"""Turning last-position logits into next tokens: penalties against repetition, then greedy, or temperature,
-top-k, top-p and min-p sampling."""
+"""How last-position logits become next tokens: penalties against repetition, then greedy, or temperature,
+top-k, top-p and min-p sampling. This module holds the settings and their rules, free of torch; the native core
+samples with them (core.c, "sampling"), torch_sampling.py does on the torch engine."""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
-
-import torch
 
 
-def seeded_generator(seed: int | None, model: torch.nn.Module) -> tuple[torch.Generator, int]:
-    """A generator on the model's device, seeded with `seed`, or with a fresh random seed that is returned so the
-    run can be reproduced. A chosen seed is below 2^53: every JSON reader holds it exactly (jq rounds a 64-bit
-    integer to a double)."""
-    generator = torch.Generator(device=next(model.parameters()).device)
-    if seed is None:
-        seed = secrets.randbelow(JSON_SAFE_SEED_LIMIT)
-    return generator.manual_seed(seed), seed
+def choose_seed(seed: int | None) -> int:
+    """`seed`, or a fresh random one, returned so the run can be reproduced. A chosen seed is below 2^53: every
+    JSON reader holds it exactly (jq rounds a 64-bit integer to a double)."""
+    return secrets.randbelow(JSON_SAFE_SEED_LIMIT) if seed is None else seed
 
 
 JSON_SAFE_SEED_LIMIT = 2**53  # integers up to here are exact in a double
@@ -45,34 +40,27 @@ class Penalties:
     def counts_needed(self) -> bool:
         return self.frequency != 0 or self.presence != 0
 
-    def apply(self, logits: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor | None) -> torch.Tensor:
-        """logits (B, V) float32; context (B, T) the token window the logits follow; counts (B, V) of each token's
-        generations so far."""
-        if self.repetition != 1.0 and self.last_n != 0 and context is not None:
-            whole = self.last_n == -1 or self.last_n >= context.size(1)  # more than the window is the window
-            recent = context if whole else context[:, -self.last_n :]
-            seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, recent, True)
-            penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
-            logits = torch.where(seen, penalized, logits)
-        if self.counts_needed and counts is not None:
-            logits = logits - self.frequency * counts - self.presence * (counts > 0)
-        return logits
+    @property
+    def context_needed(self) -> bool:
+        return self.repetition != 1.0 and self.last_n != 0
 
 
 @dataclass(frozen=True)
 class Sampler:
     """The penalties first; then temperature 0 is greedy (argmax), otherwise sample from the tempered, top-k-,
-    top-p- and min-p-filtered softmax with `generator`, so a seeded generator reproduces a run draw for draw."""
+    top-p- and min-p-filtered softmax. The torch engine draws with `generator` (a seeded torch.Generator
+    reproduces a run draw for draw); the native core with its counter-based generator keyed on `seed`."""
 
     temperature: float = 0.8
     top_k: int | None = None
     top_p: float | None = None
-    generator: torch.Generator | None = None
+    generator: object | None = None  # a torch.Generator, for the torch engine
     # Which ids may be drawn (tokenizer.decodable: a bool per id; ids past its end never are): nanoGPT pads its
     # embedding (50304 rows for GPT-2's 50257 tokens), and a padded id, or a hole in the ids, has no token to print.
-    decodable: torch.Tensor | None = None
+    decodable: Sequence[bool] | None = None
     min_p: float | None = None  # drop tokens less likely than min_p × the most likely one's probability
     penalties: Penalties = Penalties()
+    seed: int = 0  # the native core's draws
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -84,65 +72,30 @@ class Sampler:
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
-    def __call__(self, logits: torch.Tensor, context: torch.Tensor | None = None,
-                 counts: torch.Tensor | None = None) -> torch.Tensor:
+    # The torch engine's sampling, by torch_sampling.py (imported only when the torch engine samples):
+    def __call__(self, logits, context=None, counts=None):
         """logits (B, vocab) -> next token ids (B, 1); context and counts feed the penalties (see adjust)."""
         return self.draw(self.adjust(logits, context, counts))
 
-    def adjust(self, logits: torch.Tensor, context: torch.Tensor | None = None,
-               counts: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits the sampler draws from before temperature and filters: undecodable ids masked, penalties
-        applied (context: the token window the logits follow; counts: each token's generations so far)."""
-        if self.decodable is not None:
-            logits = logits[:, : self.decodable.numel()]
-            if self._undecodable is not None:
-                logits = logits.masked_fill(self._undecodable.to(logits.device), float("-inf"))
-        return self.penalties.apply(logits.float(), context, counts)
+    def adjust(self, logits, context=None, counts=None):
+        from .torch_sampling import adjust
 
-    @cached_property
-    def _undecodable(self) -> torch.Tensor | None:
-        """The ids to mask, or None when every id is decodable (most tokenizers): a step then spends no op on it."""
-        return None if bool(self.decodable.all()) else ~self.decodable
+        return adjust(self, logits, context, counts)
 
-    def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """Adjusted logits (B, vocab) -> next token ids (B, 1)."""
-        if self.temperature == 0:
-            return logits.argmax(dim=-1, keepdim=True)
-        probs = self.probabilities(logits)
-        return torch.multinomial(probs, num_samples=1, generator=self.generator)
+    def draw(self, logits):
+        from .torch_sampling import draw
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = tempered(logits.float(), self.temperature)
-        if self.top_k is not None and self.top_k < logits.size(-1):
-            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if self.top_p is not None and self.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass before it already does.
-            drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p
-            drop_sorted[:, 0] = False  # a top_p below the top probability (or 0 in float32) keeps the top token
-            probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
-        if self.min_p:
-            probs = probs.masked_fill(probs < self.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        return probs
+        return draw(self, logits)
+
+    def probabilities(self, logits):
+        from .torch_sampling import probabilities
+
+        return probabilities(self, logits)
 
 
-def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> list[tuple[float, list[int], list[float]]]:
-    """Per row of adjusted logits (B, vocab): the chosen token's log-probability and the n most likely tokens with
-    theirs, from the softmax at temperature 1 (before the temperature and the filters)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(logprobs, min(n, logprobs.size(-1)), dim=-1)
-    chosen_logprobs = logprobs.gather(-1, chosen).squeeze(-1).tolist()
-    return list(zip(chosen_logprobs, top.indices.tolist(), top.values.tolist()))
-
-
-def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature; a row that the division overflows (a temperature too small to divide by) gets the
-    limit as temperature -> 0 instead, all its mass on the argmax: greedy, as temperature 0 is."""
-    scaled = logits / temperature
-    overflowed = ~scaled.amax(dim=-1, keepdim=True).isfinite()
-    if not overflowed.any():  # the usual case: skip the argmax, which costs more than the division
-        return scaled
-    greedy = torch.full_like(logits, float("-inf")).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
-    return torch.where(overflowed, greedy, scaled)
+def logits_error(position: int, dtype: str) -> str:
+    """The error for logits that are not finite at a text position, with what to do about it."""
+    advice = ("its weights overflow float32 there although each is finite (--dtype float32 cannot help): check "
+              "the checkpoint" if dtype == "float32" else
+              "its weights overflow that type; run it with --dtype float32, or check the checkpoint")
+    return f"the model computed NaN or infinite logits at position {position} in {dtype}: {advice}"

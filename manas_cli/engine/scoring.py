@@ -8,11 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
-from .generation import check_logits
-from .model import GPT
+from .native import window_nats
 
 
 @dataclass(frozen=True)
@@ -50,19 +46,15 @@ def windows(length: int, block_size: int, stride: int) -> list[tuple[int, int, i
     return spans
 
 
-@torch.inference_mode()
-def score(model: GPT, ids: list[int], characters: int, stride: int,
+def score(model, ids: list[int], characters: int, stride: int,
           on_window: Callable[[int], None] = lambda tokens: None) -> Score:
-    """The model's loss on the token ids of a text of `characters` characters; on_window(tokens scored) after
-    each window (a progress bar). stride must be between 1 and block_size."""
+    """The model's (a torch GPT's or a NativeGPT's) loss on the token ids of a text of `characters` characters;
+    on_window(tokens scored) after each window (a progress bar). stride must be between 1 and block_size."""
     if len(ids) < 2:
         raise ValueError("a text of fewer than 2 tokens has nothing to score")
-    device = next(model.parameters()).device
     nats, scored = 0.0, 0
     for begin, end, targets in windows(len(ids), model.config.block_size, stride):
-        window = torch.tensor([ids[begin:end]], device=device)
-        logits = check_logits(model(window)[0, -targets - 1 : -1], end - targets - 1).float()
-        nats += F.cross_entropy(logits, window[0, -targets:], reduction="sum").item()
+        nats += window_nats(model, ids[begin:end], targets, begin)
         scored += targets
         on_window(targets)
     return Score(nats, scored, characters)

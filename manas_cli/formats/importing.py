@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.model import GPT, GPTConfig, parameter_shapes
+from ..engine.config import GPTConfig, parameter_shapes
+from ..engine.model import GPT
 from ..errors import CheckpointError, InputError, TokenizerError, first_line
 from .checkpoint import is_pytorch_file
 

@@ -1,16 +1,10 @@
-"""core.c's structs in ctypes, filled with pointers to the torch model's own tensors (no copy), and the entry
-points' signatures."""
+"""core.c's structs in ctypes, and the entry points' signatures. A ManasModel is filled with pointers into memory
+Python owns (weights.py: the mapped checkpoint, or a torch model's tensors): the core copies nothing."""
 
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, c_double, c_float, c_int, c_int32, c_size_t, c_uint16, c_void_p
-
-import torch
-import torch.nn as nn
-
-from ..engine.model import GPT
-from ..engine.quantize import Int4Linear, Int8Linear
+from ctypes import POINTER, c_double, c_float, c_int, c_int32, c_int64, c_size_t, c_uint16, c_uint32, c_uint64, c_void_p
 
 WEIGHTS_F32, WEIGHTS_INT8, WEIGHTS_INT4 = 0, 1, 2
 
@@ -41,6 +35,20 @@ class ManasCache(ctypes.Structure):
     _fields_ = [("k", POINTER(c_float)), ("v", POINTER(c_float)), ("capacity", c_int32)]
 
 
+MAX_LOGPROBS = 20  # core.c's, and settings.py's
+
+
+class ManasSampler(ctypes.Structure):
+    _fields_ = [("temperature", c_float), ("top_k", c_int32), ("top_p", c_float), ("min_p", c_float),
+                ("repetition", c_float), ("last_n", c_int32), ("frequency", c_float), ("presence", c_float),
+                ("seed", c_uint64), ("logprobs", c_int32)]
+
+
+class ManasDraw(ctypes.Structure):
+    _fields_ = [("token", c_int32), ("logprob", c_float), ("top_ids", c_int32 * MAX_LOGPROBS),
+                ("top_logprobs", c_float * MAX_LOGPROBS)]
+
+
 def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """The entry points' argument and result types (ctypes would otherwise pass and return C ints)."""
     library.manas_pool_new.argtypes, library.manas_pool_new.restype = [c_int], c_void_p
@@ -51,46 +59,36 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.manas_forward.argtypes = [POINTER(ManasModel), c_void_p, c_int, POINTER(c_int32), POINTER(c_int32),
                                       POINTER(ManasCache), c_int, POINTER(c_int32), POINTER(c_float), c_void_p]
     library.manas_forward.restype = c_int
+    library.manas_convert.argtypes, library.manas_convert.restype = [c_void_p, c_int, c_int64, c_int, c_void_p], c_int64
+    library.manas_first_not_finite.argtypes, library.manas_first_not_finite.restype = [c_void_p, c_int64], c_int64
+    library.manas_quantized_overflow.argtypes = [POINTER(ManasLinear)]
+    library.manas_dequantized_finite.argtypes = [POINTER(ManasLinear), c_void_p]
+    library.manas_philox.argtypes, library.manas_philox.restype = [POINTER(c_uint32), POINTER(c_uint32), POINTER(c_uint32)], None
+    library.manas_uniform.argtypes, library.manas_uniform.restype = [c_uint64, c_uint64, c_uint64], c_double
+    library.manas_sample_scratch_bytes.argtypes, library.manas_sample_scratch_bytes.restype = [c_int], c_size_t
+    library.manas_sample.argtypes = [POINTER(ManasSampler), c_void_p, c_int, c_int, c_void_p, POINTER(c_int32), c_int,
+                                     c_void_p, c_uint64, c_uint64, c_void_p, POINTER(ManasDraw)]
+    library.manas_target_logprobs.argtypes = [c_void_p, c_int, c_int, POINTER(c_int32), POINTER(c_double)]
     return library
 
 
-def pointer(tensor: torch.Tensor | None, kind=c_float):
-    """The tensor's memory as a C pointer; it must be contiguous in the layout core.c reads (nn.Linear's (out, in))."""
-    if tensor is None:
-        return None
-    if not tensor.is_contiguous():
-        raise ValueError(f"the native core reads contiguous tensors, got strides {tensor.stride()}")
-    return ctypes.cast(tensor.data_ptr(), POINTER(kind))
+WEIGHTS_KINDS = {"float32": WEIGHTS_F32, "int8": WEIGHTS_INT8, "int4": WEIGHTS_INT4}
 
 
-def norm(layer: nn.LayerNorm) -> ManasNorm:
-    return ManasNorm(pointer(layer.weight), pointer(layer.bias))
+def bind(config, weights) -> ManasModel:
+    """The ManasModel of a GPT of `config` whose tensors `weights` points at (weights.py): vector(name), a
+    float32 pointer or None where the model has no such tensor; linear(name), a ManasLinear."""
+    def norm(name: str) -> ManasNorm:
+        return ManasNorm(weights.vector(f"{name}.weight"), weights.vector(f"{name}.bias"))
 
-
-def linear(layer: nn.Module) -> ManasLinear:
-    """A float nn.Linear, or int8/int4 layers: their stored codes, scales (and zeros) as they are in memory."""
-    bias = pointer(layer.bias)
-    if isinstance(layer, Int8Linear):
-        return ManasLinear(WEIGHTS_INT8, layer.in_features, layer.out_features, layer.weight.data_ptr(),
-                           pointer(layer.scales, c_uint16), None, bias)
-    if isinstance(layer, Int4Linear):
-        return ManasLinear(WEIGHTS_INT4, layer.in_features, layer.out_features, layer.weight.data_ptr(),
-                           pointer(layer.scales, c_uint16), pointer(layer.zeros, c_uint16), bias)
-    pointer(layer.weight)  # checks the layout
-    return ManasLinear(WEIGHTS_F32, layer.in_features, layer.out_features, layer.weight.data_ptr(), None, None, bias)
-
-
-def bind(model: GPT) -> tuple[ManasModel, list]:
-    """The ManasModel of a float32 (or int8/int4) GPT in eval mode, and what must stay alive while it is used."""
-    config = model.config
     layers = (ManasLayer * config.n_layer)(*(
-        ManasLayer(norm(block.ln_attention), linear(block.attention.qkv), linear(block.attention.output),
-                   norm(block.ln_ffn), linear(block.ffn.up), linear(block.ffn.down))
-        for block in model.blocks))
-    positions = model.position_embedding.weight if config.position_encoding == "learned" else None
-    bound = ManasModel(
+        ManasLayer(norm(f"blocks.{i}.ln_attention"), weights.linear(f"blocks.{i}.attention.qkv"),
+                   weights.linear(f"blocks.{i}.attention.output"), norm(f"blocks.{i}.ln_ffn"),
+                   weights.linear(f"blocks.{i}.ffn.up"), weights.linear(f"blocks.{i}.ffn.down"))
+        for i in range(config.n_layer)))
+    learned = config.position_encoding == "learned"
+    return ManasModel(
         config.vocab_size, config.block_size, config.n_layer, config.n_head, config.n_kv_head, config.n_embd,
-        config.position_encoding == "rope", config.gelu_approximate == "tanh", config.norm_eps, config.rope_base,
-        pointer(model.token_embedding.weight), pointer(positions), layers, norm(model.final_norm),
-        linear(model.lm_head))
-    return bound, [layers, model]
+        not learned, config.gelu_approximate == "tanh", config.norm_eps, config.rope_base,
+        weights.vector("token_embedding.weight"), weights.vector("position_embedding.weight") if learned else None,
+        layers, norm("final_norm"), weights.linear("lm_head"))

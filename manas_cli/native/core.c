@@ -651,6 +651,37 @@ static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, i
     memcpy(cache->v + offset, qkv + m->n_embd + kv_width, kv_width * sizeof(float));
 }
 
+/* Weight row o of a quantized layer as the float32 values dequantize_rows / dequantize_groups give: q × scale;
+   zero + (code − 8) × scale, column 2j of a group in byte j's low nibble, 2j + 1 in its high one. */
+static void dequantize_row(const ManasLinear *linear, int o, float *out) {
+    size_t n = (size_t)linear->n_in;
+    if (linear->kind == WEIGHTS_INT8) {
+        const int8_t *codes = (const int8_t *)linear->weight + o * n;
+        float scale = bf16_to_float(linear->scales[o]);
+        for (size_t i = 0; i < n; i++) out[i] = (float)codes[i] * scale;
+        return;
+    }
+    const uint8_t *bytes = (const uint8_t *)linear->weight + o * n / 2;
+    for (size_t g = 0; g < n / INT4_GROUP; g++) {
+        size_t group = o * (n / INT4_GROUP) + g;
+        float scale = bf16_to_float(linear->scales[group]), zero = bf16_to_float(linear->zeros[group]);
+        for (int j = 0; j < INT4_GROUP / 2; j++) {
+            uint8_t byte = bytes[g * INT4_GROUP / 2 + j];
+            out[g * INT4_GROUP + 2 * j] = ((float)(byte & 15) - (float)INT4_MIDDLE) * scale + zero;
+            out[g * INT4_GROUP + 2 * j + 1] = ((float)(byte >> 4) - (float)INT4_MIDDLE) * scale + zero;
+        }
+    }
+}
+
+/* A token's embedding. A quantized checkpoint stores the tied matrix once, as the output layer's codes: without a
+   float table (token_embedding NULL) the row is dequantized from them, the values a float table would hold. */
+static void embed(const ManasModel *m, int token, float *x) {
+    if (m->token_embedding)
+        memcpy(x, m->token_embedding + (size_t)token * m->n_embd, m->n_embd * sizeof *x);
+    else
+        dequantize_row(&m->lm_head, token, x);
+}
+
 static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char *base) {
     int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
     size_t sizes[] = {(size_t)rows * C, (size_t)rows * C, (size_t)rows * qkv_width, (size_t)rows * C,
@@ -686,13 +717,12 @@ EXPORT int manas_forward(const ManasModel *m, ManasPool *pool, int rows, const i
     int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
     for (int r = 0; r < rows; r++) {
         float *x = s.x + (size_t)r * C;
-        const float *token = m->token_embedding + (size_t)tokens[r] * C;
+        embed(m, tokens[r], x);
         if (m->rope) {
-            memcpy(x, token, C * sizeof *x);
             rope_angles(m, positions[r], s.angles + (size_t)r * hs);
         } else {
             const float *position = m->position_embedding + (size_t)positions[r] * C;
-            for (int i = 0; i < C; i++) x[i] = token[i] + position[i];
+            for (int i = 0; i < C; i++) x[i] += position[i];
         }
     }
     for (int layer = 0; layer < m->n_layer; layer++) {
@@ -715,4 +745,325 @@ EXPORT int manas_forward(const ManasModel *m, ManasPool *pool, int rows, const i
         layernorm(C, m->norm_eps, &m->final_norm, s.x + (size_t)logit_rows[k] * C, s.h + (size_t)k * C);
     matmul(pool, &s, &m->lm_head, s.h, logits, n_logits);
     return 0;
+}
+
+/* ---- loading: the checkpoint's tensors as the core reads them (Python maps the file; the core checks it) ---- */
+
+enum { STORED_F32 = 0, STORED_F16 = 1, STORED_BF16 = 2, STORED_F64 = 3 };
+
+static float f16_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7F800000 | mantissa << 13;  /* infinity, or NaN */
+    } else if (exponent) {
+        bits = sign | (exponent + 112) << 23 | mantissa << 13;
+    } else if (mantissa) {  /* subnormal: shift the mantissa up until it is normal */
+        int shift = 0;
+        while (!(mantissa & 1024)) mantissa <<= 1, shift++;
+        bits = sign | (uint32_t)(113 - shift) << 23 | (mantissa & 1023) << 13;
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Element i of a stored float tensor (little-endian, maybe unaligned: memcpy) as float32, rounded to nearest. */
+static float stored_float(const unsigned char *src, int dtype, int64_t i) {
+    if (dtype == STORED_F64) {
+        double d;
+        memcpy(&d, src + 8 * i, 8);
+        return (float)d;
+    }
+    if (dtype == STORED_F32) {
+        float f;
+        memcpy(&f, src + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, src + 2 * i, 2);
+    return dtype == STORED_F16 ? f16_to_float(h) : bf16_to_float(h);
+}
+
+/* float32 to bfloat16 as torch rounds it: to nearest, ties to even; a NaN stays a (quiet) NaN. */
+static uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (isnan(f)) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* n stored floats to float32 (out_bf16 0) or bfloat16 (1) in dst; the index of the first value that is not finite
+   there (a float64 1e300 becomes infinite as float32), or −1. */
+EXPORT int64_t manas_convert(const void *src, int dtype, int64_t n, int out_bf16, void *dst) {
+    int64_t bad = -1;
+    for (int64_t i = 0; i < n; i++) {
+        float f = stored_float(src, dtype, i);
+        if (out_bf16) {
+            uint16_t h = float_to_bf16(f);
+            ((uint16_t *)dst)[i] = h;
+            f = bf16_to_float(h);
+        } else {
+            ((float *)dst)[i] = f;
+        }
+        if (bad < 0 && !isfinite(f)) bad = i;
+    }
+    return bad;
+}
+
+/* The index of the first value of a float32 tensor that is not finite, or −1. */
+EXPORT int64_t manas_first_not_finite(const void *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(stored_float(src, STORED_F32, i))) return i;
+    return -1;
+}
+
+/* Which stored tensor of a quantized layer makes a dequantized weight infinite in float32 (quantize.py's
+   overflowing_tensor): 1 its scales (int8: a row's scale × 127; int4: a group's scale × 8, the codes' reach),
+   2 its zeros (int4: the zero plus that reach), 0 neither. */
+EXPORT int manas_quantized_overflow(const ManasLinear *linear) {
+    size_t groups = linear->kind == WEIGHTS_INT8 ? (size_t)linear->n_out
+                                                 : (size_t)linear->n_out * (linear->n_in / INT4_GROUP);
+    float reach = linear->kind == WEIGHTS_INT8 ? 127.0f : (float)INT4_MIDDLE;
+    int overflow = 0;
+    for (size_t g = 0; g < groups && overflow < 1; g++)
+        if (!isfinite(fabsf(bf16_to_float(linear->scales[g])) * reach)) overflow = 1;
+    for (size_t g = 0; linear->kind == WEIGHTS_INT4 && g < groups && !overflow; g++) {
+        float spread = fabsf(bf16_to_float(linear->scales[g])) * reach;
+        if (!isfinite(spread + fabsf(bf16_to_float(linear->zeros[g])))) overflow = 2;
+    }
+    return overflow;
+}
+
+/* Whether every dequantized row of a quantized layer is finite (the token embedding a quantized file implies). */
+EXPORT int manas_dequantized_finite(const ManasLinear *linear, float *row) {
+    for (int o = 0; o < linear->n_out; o++) {
+        dequantize_row(linear, o, row);
+        for (int i = 0; i < linear->n_in; i++)
+            if (!isfinite(row[i])) return 0;
+    }
+    return 1;
+}
+
+/* ---- sampling: penalties, temperature, top-k, top-p, min-p and the draw, over one row of logits ---- */
+
+/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011), the counter-based
+   generator of Random123, cuRAND and JAX: ten rounds of a keyed bijection of a 128-bit counter. Keyed on the seed
+   and counting (position, row), the number a token's draw uses depends on nothing else: not on what ran before it,
+   how rows were batched, or the platform (integer arithmetic only). */
+static void philox4x32(uint32_t counter[4], uint32_t key0, uint32_t key1) {
+    for (int round = 0; round < 10; round++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * counter[0], p1 = (uint64_t)0xCD9E8D57u * counter[2];
+        uint32_t next[4] = {(uint32_t)(p1 >> 32) ^ counter[1] ^ key0, (uint32_t)p1,
+                            (uint32_t)(p0 >> 32) ^ counter[3] ^ key1, (uint32_t)p0};
+        memcpy(counter, next, sizeof next);
+        key0 += 0x9E3779B9u;  /* the golden ratio and √3 − 1, as 32-bit fractions: Weyl steps of the key */
+        key1 += 0xBB67AE85u;
+    }
+}
+
+/* Philox4x32-10's four words for (counter, key), as Random123's known-answer tests state them. */
+EXPORT void manas_philox(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]) {
+    memcpy(out, counter, 4 * sizeof *out);
+    philox4x32(out, key[0], key[1]);
+}
+
+/* The uniform number in [0, 1) of a draw: the first 53 bits of Philox(seed; position, row), as a double. */
+EXPORT double manas_uniform(uint64_t seed, uint64_t row, uint64_t position) {
+    uint32_t counter[4] = {(uint32_t)position, (uint32_t)(position >> 32), (uint32_t)row, (uint32_t)(row >> 32)};
+    philox4x32(counter, (uint32_t)seed, (uint32_t)(seed >> 32));
+    return (double)((((uint64_t)counter[0] << 32) | counter[1]) >> 11) * 0x1p-53;
+}
+
+#define MAX_LOGPROBS 20
+
+/* What sampling.py's Sampler holds, as numbers: 0 top_k, 1 top_p, 0 min_p, 1 repetition mean "none". */
+typedef struct {
+    float temperature;
+    int32_t top_k;
+    float top_p, min_p;
+    float repetition;
+    int32_t last_n;  /* the window's last tokens the repetition penalty covers; −1 all of them */
+    float frequency, presence;
+    uint64_t seed;
+    int32_t logprobs;  /* how many of the most likely tokens to report, up to MAX_LOGPROBS */
+} ManasSampler;
+
+typedef struct {
+    int32_t token;
+    float logprob;  /* the token's, at temperature 1 over the adjusted logits */
+    int32_t top_ids[MAX_LOGPROBS];
+    float top_logprobs[MAX_LOGPROBS];
+} ManasDraw;
+
+static int argmax(int n, const float *x) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+/* The logits sampling starts from: undecodable ids −∞, then the repetition penalty over the window's last
+   tokens (each distinct token once: divided when positive, multiplied when negative), then the frequency and
+   presence penalties over the row's counts of generated tokens. `seen` is vocab bytes of zeros, left zero. */
+static void adjust(const ManasSampler *s, float *a, int n, const uint8_t *decodable, const int32_t *window,
+                   int window_len, const int32_t *counts, uint8_t *seen) {
+    if (decodable)
+        for (int i = 0; i < n; i++)
+            if (!decodable[i]) a[i] = -INFINITY;
+    if (s->repetition != 1.0f && s->last_n != 0) {
+        int start = s->last_n < 0 || s->last_n >= window_len ? 0 : window_len - s->last_n;
+        for (int t = start; t < window_len; t++) {
+            int id = window[t];
+            if (id < 0 || id >= n || seen[id]) continue;
+            seen[id] = 1;
+            a[id] = a[id] > 0 ? a[id] / s->repetition : a[id] * s->repetition;
+        }
+        for (int t = start; t < window_len; t++)
+            if (window[t] >= 0 && window[t] < n) seen[window[t]] = 0;
+    }
+    if (counts && (s->frequency != 0.0f || s->presence != 0.0f))
+        for (int i = 0; i < n; i++)
+            a[i] = (a[i] - s->frequency * (float)counts[i]) - s->presence * (float)(counts[i] > 0);
+}
+
+/* log-softmax at temperature 1: the chosen token's and the k most likely (ties: the lower id first). */
+static void report_logprobs(int n, const float *a, int k, int token, ManasDraw *out) {
+    float top = a[argmax(n, a)];
+    double total = 0;
+    for (int i = 0; i < n; i++) total += exponential(a[i] - top);
+    float lse = top + (float)log(total);
+    out->logprob = a[token] - lse;
+    int held = 0;  /* top_ids[0 .. held) in order, most likely first: each id goes in after its equals */
+    for (int i = 0; i < n; i++) {
+        if (held == k && !(a[i] > a[out->top_ids[k - 1]])) continue;
+        int j = held < k ? held++ : k - 1;
+        for (; j > 0 && a[out->top_ids[j - 1]] < a[i]; j--) out->top_ids[j] = out->top_ids[j - 1];
+        out->top_ids[j] = i;
+    }
+    for (int j = 0; j < k; j++) out->top_logprobs[j] = a[out->top_ids[j]] - lse;
+}
+
+/* Probabilities sort by a key: the complement of the float's bits (non-negative floats order as their bits do)
+   above the id, so ascending keys are descending probabilities, ties by ascending id. */
+static int ascending(const void *x, const void *y) {
+    uint64_t i = *(const uint64_t *)x, j = *(const uint64_t *)y;
+    return (i > j) - (i < j);
+}
+
+/* The k-th largest of n values (k ≥ 1), by quickselect on a copy in `work`. */
+static float kth_largest(int n, const float *x, int k, float *work) {
+    memcpy(work, x, n * sizeof *work);
+    int lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        float pivot = work[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (work[i] > pivot) i++;
+            while (work[j] < pivot) j--;
+            if (i <= j) {
+                float t = work[i];
+                work[i++] = work[j];
+                work[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else break;
+    }
+    return work[want];
+}
+
+/* Probabilities of the tempered logits x (their max finite), in place: top-k drops what is below the k-th
+   largest, top-p keeps the smallest prefix of the sorted probabilities whose mass reaches top_p (the most likely
+   token always), min-p drops what is below min_p × the largest. Unnormalized: the draw divides by their sum. */
+static void filtered_probabilities(const ManasSampler *s, int n, float *x, uint64_t *keys) {
+    if (s->top_k > 0 && s->top_k < n) {
+        float kth = kth_largest(n, x, s->top_k, (float *)keys);
+        for (int i = 0; i < n; i++)
+            if (x[i] < kth) x[i] = -INFINITY;
+    }
+    float top = x[argmax(n, x)];
+    double total = 0;
+    for (int i = 0; i < n; i++) {
+        float below = x[i] - top;  /* e^-87.3 is exponential's floor: anything further below counts as 0 */
+        total += x[i] = below < -87.3f ? 0.0f : exponential(below);
+    }
+    if (s->top_p < 1.0f) {
+        int kept = 0;
+        for (int i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, &x[i], sizeof bits);
+            if (x[i] > 0) keys[kept++] = (uint64_t)~bits << 32 | (uint32_t)i;
+        }
+        qsort(keys, kept, sizeof *keys, ascending);
+        double before = 0;
+        for (int j = 0; j < kept; j++) {
+            uint32_t id = (uint32_t)keys[j];
+            double p = x[id] / total;
+            if (j > 0 && before >= s->top_p) x[id] = 0;
+            before += p;
+        }
+    }
+    if (s->min_p > 0) {
+        float floor = s->min_p * x[argmax(n, x)];
+        for (int i = 0; i < n; i++)
+            if (x[i] < floor) x[i] = 0;
+    }
+}
+
+/* Bytes of scratch manas_sample needs for a vocabulary of n. */
+EXPORT size_t manas_sample_scratch_bytes(int n) { return (size_t)n * (2 * sizeof(float) + sizeof(uint64_t) + 1); }
+
+/* The next token of one row from its logits (vocab values; the first n are ids that may be drawn), and with
+   s->logprobs its log-probabilities. window: the token window the logits follow (the repetition penalty's
+   context); counts: the row's generations per id (frequency and presence penalties; NULL when unused), which the
+   drawn token is added to. The draw's uniform number is manas_uniform(seed, row, position). Returns 0, or 1 when
+   the logits are not all finite (nothing is drawn). */
+EXPORT int manas_sample(const ManasSampler *s, const float *logits, int vocab, int n, const uint8_t *decodable,
+                        const int32_t *window, int window_len, int32_t *counts, uint64_t row, uint64_t position,
+                        void *scratch, ManasDraw *out) {
+    for (int i = 0; i < vocab; i++)
+        if (!isfinite(logits[i])) return 1;
+    uint64_t *keys = scratch;
+    float *a = (float *)(keys + n), *x = a + n;
+    uint8_t *seen = (uint8_t *)(x + n);
+    memcpy(a, logits, n * sizeof *a);
+    memset(seen, 0, n);
+    adjust(s, a, n, decodable, window, window_len, counts, seen);
+    int token = argmax(n, a);
+    if (s->temperature > 0) {
+        for (int i = 0; i < n; i++) x[i] = a[i] / s->temperature;
+        if (isfinite(x[argmax(n, x)])) {  /* else too small a temperature to divide by: its limit, the argmax */
+            filtered_probabilities(s, n, x, keys);
+            double total = 0;
+            for (int i = 0; i < n; i++) total += x[i];
+            double target = manas_uniform(s->seed, row, position) * total, mass = 0;
+            for (int i = 0; i < n; i++) {
+                if (x[i] <= 0) continue;
+                token = i;
+                if ((mass += x[i]) > target) break;
+            }
+        }
+    }
+    out->token = token;
+    if (s->logprobs > 0) report_logprobs(n, a, s->logprobs > MAX_LOGPROBS ? MAX_LOGPROBS : s->logprobs, token, out);
+    if (counts) counts[token]++;
+    return 0;
+}
+
+/* Each row's log-probability of its target, log softmax(logits)[target], for scoring: `out` doubles. Returns
+   the first row whose logits are not all finite, or −1. */
+EXPORT int manas_target_logprobs(const float *logits, int rows, int vocab, const int32_t *targets, double *out) {
+    for (int r = 0; r < rows; r++) {
+        const float *row = logits + (size_t)r * vocab;
+        for (int i = 0; i < vocab; i++)
+            if (!isfinite(row[i])) return r;
+        float top = row[argmax(vocab, row)];
+        double total = 0;
+        for (int i = 0; i < vocab; i++) total += exp((double)row[i] - top);
+        out[r] = (double)row[targets[r]] - top - log(total);
+    }
+    return -1;
 }

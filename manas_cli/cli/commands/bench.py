@@ -41,7 +41,6 @@ def run(
     model_options: ModelOptions,
 ) -> None:
     from ...engine.bench import run_bench, sweep as sweep_positions
-    from ...engine.quantize import weights_bytes, weights_name
     from ..render import bench_table, is_noisy, json_line, noise_warning, stderr_console, sweep_chart, token_progress
 
     require_stdout()
@@ -50,19 +49,18 @@ def run(
     model = checkpoint.model
     block_size = model.config.block_size
     prompt_tokens, tokens = bench_lengths(block_size, prompt_tokens, tokens, console)
-    check_memory(model, batch, min(block_size, prompt_tokens + tokens), "--batch (or --prompt-tokens, --tokens)")
-    device = next(model.parameters()).device
+    check_memory(engine, batch, min(block_size, prompt_tokens + tokens), "--batch (or --prompt-tokens, --tokens)")
     info = {
         "path": str(checkpoint.path),
         "parameters": model.num_parameters(),
-        "size_bytes": weights_bytes(model),
+        "size_bytes": engine.weights_bytes,
         "block_size": block_size,
-        "device": str(device),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": engine.device,
+        "dtype": engine.dtype,
         "threads": engine.threads,
         "threads_rule": threads.rule,
-        "weights": weights_name(model),
-        "weights_bytes": weights_bytes(model),
+        "weights": engine.weights,
+        "weights_bytes": engine.weights_bytes,
         "engine": engine.name,
     }
     steps = (repeat + 1) * tokens * (2 if baseline else 1)  # each test's warm-up run and its timed runs

@@ -110,37 +110,75 @@ class ModelOptions:
 def load_model(options: ModelOptions, console=None):
     """The checkpoint on the chosen device, dtype and thread count (and how that count was chosen), quantized if
     asked, and the engine that runs it (engine/native.py's EngineChoice): the native core, or torch with its
-    float weights laid out for decoding. What there is to say about the engine goes to `console`, if given."""
+    float weights laid out for decoding. What there is to say about the engine goes to `console`, if given.
+
+    On the CPU in float32 the core runs the mapped file itself and torch is never imported; torch loads only
+    where it is needed: asked for, a GPU, a half-precision dtype, --quantize, or a core that does not build."""
+    from ...engine.threads import choose_threads
+    from ...native.build import NativeUnavailable
+
+    threads = choose_threads(options.threads)
+    path = _naming_the_environment(options, lambda: checkpoint_file(resolve_checkpoint(options.checkpoint)))
+    unavailable = None
+    if not torch_needed(options):
+        from ...engine.native import open_native
+        from ...formats.header import Checkpoint, open_checkpoint
+
+        mapped = _naming_the_environment(options, lambda: open_checkpoint(path))
+        try:
+            engine = _naming_the_environment(options, lambda: open_native(mapped, threads.threads))
+        except NativeUnavailable as exc:
+            unavailable = exc  # torch runs it, without trying to build the core again
+        else:
+            header = mapped.header
+            checkpoint = Checkpoint(engine.model, header.encoding, header.tokenizer_spec, path, header.metadata)
+            if console is not None:
+                report_engine(console, engine, options.debug)
+            return checkpoint, threads, engine
+    return _load_with_torch(options, path, threads, unavailable, console)
+
+
+def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, console):
     import torch
 
     from ...engine.model import use_decode_layout
     from ...engine.native import choose_engine
     from ...engine.quantize import is_quantized
     from ...engine.runtime import resolve_device, resolve_dtype
-    from ...engine.threads import choose_threads
     from ...formats.checkpoint import load_checkpoint
 
-    threads = choose_threads(options.threads)
     torch.set_num_threads(threads.threads)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    path = resolve_checkpoint(options.checkpoint)
-    try:
-        checkpoint = load_checkpoint(checkpoint_file(path), device=device, dtype=dtype)
-    except ManasError as exc:
-        if options.checkpoint is None and os.environ.get(CHECKPOINT_ENV):  # the user may not remember setting it
-            raise type(exc)(f"{exc} (the path comes from ${CHECKPOINT_ENV}: fix it, unset it, or pass --checkpoint)") from None
-        raise
+    checkpoint = _naming_the_environment(options, lambda: load_checkpoint(path, device=device, dtype=dtype))
     if options.quantize is not None:
         quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
-    engine = choose_engine(options.engine, checkpoint.model, threads.threads)
+    engine = choose_engine(options.engine, checkpoint.model, threads.threads, unavailable)
     if engine.name == "native":
-        torch.set_num_threads(1)  # torch only samples: its OpenMP workers would spin beside the core's
+        torch.set_num_threads(1)  # the core computes and samples: torch's OpenMP workers would only spin beside it
     elif not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
         use_decode_layout(checkpoint.model)
     if console is not None:
         report_engine(console, engine, options.debug)
     return checkpoint, threads, engine
+
+
+def torch_needed(options: ModelOptions) -> bool:
+    """Whether the run needs torch before its model loads: the torch engine asked for, a GPU (or a machine that
+    may have one: CUDA's or ROCm's device files), a half-precision dtype, or --quantize."""
+    gpu = options.device not in ("auto", "cpu") or (options.device == "auto" and any(
+        os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")))
+    return options.engine == "torch" or gpu or options.dtype not in ("auto", "float32") or options.quantize is not None
+
+
+def _naming_the_environment(options: ModelOptions, load):
+    """load(), whose error says where the path came from when it is $MANAS_CHECKPOINT's."""
+    try:
+        return load()
+    except ManasError as exc:
+        if options.checkpoint is None and os.environ.get(CHECKPOINT_ENV):  # the user may not remember setting it
+            raise type(exc)(f"{exc} (the path comes from ${CHECKPOINT_ENV}: fix it, unset it, or pass --checkpoint)") from None
+        raise
 
 
 def report_engine(console, engine, debug: bool) -> None:
@@ -156,12 +194,13 @@ def report_engine(console, engine, debug: bool) -> None:
         console.print(engine.detail.rstrip(), markup=False, highlight=False)
 
 
-def check_memory(model, rows: int, positions: int, lower: str) -> None:
+def check_memory(engine, rows: int, positions: int, lower: str) -> None:
     """Refuse a run the device cannot hold before allocating it (see memory.check_fits)."""
     from ...engine.memory import check_fits
 
-    embedding = model.token_embedding.weight
-    check_fits(model.config, embedding.device, embedding.element_size(), rows, positions, lower)
+    model = engine.model
+    itemsize = 4 if engine.name == "native" else model.token_embedding.weight.element_size()  # the core: float32
+    check_fits(model.config, engine.device, itemsize, rows, positions, lower)
 
 
 def quantize_checkpoint(checkpoint, kind: str, hint: str) -> None:

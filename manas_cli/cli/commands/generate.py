@@ -27,13 +27,11 @@ def run(
     json_output: bool,
     model_options: ModelOptions,
 ) -> None:
-    import torch
     import typer
 
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.native import new_session
-    from ...engine.quantize import weights_name
-    from ...engine.sampling import seeded_generator
+    from ...engine.sampling import choose_seed
     from ...engine.threads import ThreadGovernor
     from ...formats.tokenizer import decodable, end_of_text_id
     from ..live import LiveDisplay, piped, shares_terminal
@@ -51,9 +49,9 @@ def run(
     ids = encode_prompt(checkpoint, text, console)
     batch, block_size, max_tokens = num_samples, model.config.block_size, settings.max_tokens
     positions = min(block_size, len(ids) + max_tokens)
-    check_memory(model, batch, positions, "--num-samples")
-    generator, seed = seeded_generator(settings.seed, model)
-    sampler = make_sampler(settings, generator, torch.tensor(decodable(encoding)))
+    check_memory(engine, batch, positions, "--num-samples")
+    seed = choose_seed(settings.seed)
+    sampler = make_sampler(settings, seed, decodable(encoding), engine.model)
     eot = end_of_text_id(encoding)
     record = json_output or batch > 1  # a single streamed sample keeps none of its text
     streams = [TextStream(encoding, eot, settings.stop, record) for _ in range(batch)]
@@ -61,7 +59,7 @@ def run(
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = new_session(engine.model, model_options.cache, capacity=positions)
-    steps = generate(engine.model, prompt_batch(ids, batch, model), sampler, max_tokens, eot, overflow, session,
+    steps = generate(engine.model, prompt_batch(ids, batch), sampler, max_tokens, eot, overflow, session,
                      settings.logprobs)
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
@@ -92,7 +90,7 @@ def run(
         storage = session.storage()
     if json_output:
         for stream in streams:
-            out.json_line(sample_record(stream, run_stats, storage, seed, weights_name(model), engine.name, settings))
+            out.json_line(sample_record(stream, run_stats, storage, seed, engine.weights, engine.name, settings))
     else:
         out.close_text([stream.text for stream in streams], echo=text if echo else None)
     display.keep_notices()
@@ -123,12 +121,16 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
     return interruption
 
 
-def make_sampler(settings: GenerationSettings, generator, decodable):
+def make_sampler(settings: GenerationSettings, seed: int, decodable: list[bool], model):
+    """The sampler of a request's settings and seed, for the engine running `model`."""
+    from ...engine.native import torch_generator
     from ...engine.sampling import Penalties, Sampler
 
     penalties = Penalties(settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty,
                           settings.presence_penalty)
-    return Sampler(settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p, penalties)
+    generator = torch_generator(model, seed) if settings.temperature > 0 else None
+    return Sampler(settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p,
+                   penalties, seed)
 
 
 def sample_record(stream, stats, storage: dict, seed: int, weights: str, engine: str,

@@ -12,10 +12,9 @@ DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool,
         model_options: ModelOptions) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.kv_cache import cache_report
     from ...engine.native import new_session
-    from ...engine.quantize import weights_bytes, weights_name
     from ...engine.sampling import Sampler
+    from ...engine.session import cache_report
     from ..render import cache_view, json_line, stderr_console, token_progress
 
     require_stdout()
@@ -25,14 +24,14 @@ def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_outpu
     model = checkpoint.model
     ids = encode_prompt(checkpoint, text, console)
     positions = min(model.config.block_size, len(ids) + tokens)
-    check_memory(model, 1, positions, "--tokens")
+    check_memory(engine, 1, positions, "--tokens")
     session = new_session(engine.model, model_options.cache, capacity=positions)
     stats = GenerationStats(prompt_tokens=len(ids), re_prefill_positions=[])
     if tokens == 0:
-        session.prefill(prompt_batch(ids, 1, model))
+        session.prefill(prompt_batch(ids, 1))
     else:
         # The prompt's prefill yields the first new token; the remaining tokens decode from the cache.
-        steps = generate(engine.model, prompt_batch(ids, 1, model), Sampler(temperature=0.0), tokens + 1,
+        steps = generate(engine.model, prompt_batch(ids, 1), Sampler(temperature=0.0), tokens + 1,
                          session=session)
         with token_progress(console, tokens + 1, "decoding") as advance:
             for step in steps:
@@ -47,9 +46,9 @@ def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_outpu
         "n_head": config.n_head,
         "n_kv_head": config.n_kv_head,
         "head_size": config.head_size,
-        "device": str(next(model.parameters()).device),
-        "weights": weights_name(model),
-        "weights_bytes": weights_bytes(model),
+        "device": engine.device,
+        "weights": engine.weights,
+        "weights_bytes": engine.weights_bytes,
         "engine": engine.name,
         "prompt_tokens": len(ids),
         "decoded_tokens": tokens,

@@ -140,13 +140,11 @@ def open_input(prompt_file: Path | None) -> BinaryIO:
 
 def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: int, overflow: str, stats: bool | None,
         quiet: bool, model_options: ModelOptions) -> None:
-    import torch
     import typer
 
     from ...engine.batching import Request, generate_batched
     from ...engine.generation import GenerationStats
-    from ...engine.quantize import weights_name
-    from ...engine.sampling import seeded_generator
+    from ...engine.sampling import choose_seed
     from ...formats.tokenizer import decodable, end_of_text_id
     from ..render import json_line, say, stderr_console
     from ..streaming import TextStream
@@ -158,8 +156,8 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
     source = open_input(prompt_file)
     checkpoint, _, engine = load_model(model_options, console)
     model, encoding = checkpoint.model, checkpoint.encoding
-    check_memory(model, batch_size, model.config.block_size, "--batch-size")
-    eot, allowed = end_of_text_id(encoding), torch.tensor(decodable(encoding))
+    check_memory(engine, batch_size, model.config.block_size, "--batch-size")
+    eot, allowed = end_of_text_id(encoding), decodable(encoding)
     lines: dict[int, Line] = {}  # by number, until written
     order: list[int] = []  # the line numbers read, in order
     streams: dict[int, TextStream] = {}
@@ -189,10 +187,10 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
                 flush()
                 continue
             settings = line.settings
-            generator, seeds[number] = seeded_generator(settings.seed, model)
+            seeds[number] = choose_seed(settings.seed)
             streams[number] = TextStream(encoding, eot, settings.stop, record=True)
             progress[number] = GenerationStats(prompt_tokens=len(ids))
-            return Request(number, ids, make_sampler(settings, generator, allowed), settings.max_tokens,
+            return Request(number, ids, make_sampler(settings, seeds[number], allowed, engine.model), settings.max_tokens,
                            settings.logprobs)
         return None
 
@@ -211,7 +209,7 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
         stream, line = streams.pop(made.key), lines[made.key]
         stream.finish("length")
         record = sample_record(stream, progress.pop(made.key), made.cache.storage(), seeds.pop(made.key),
-                               weights_name(model), engine.name, line.settings)
+                               engine.weights, engine.name, line.settings)
         line.record = {"id": line.id, **record}
 
     interruption = None

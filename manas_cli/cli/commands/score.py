@@ -13,7 +13,6 @@ from .common import ModelOptions, load_model, read_stdin, read_text_file, requir
 def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_options: ModelOptions) -> None:
     import sys
 
-    from ...engine.quantize import weights_name
     from ...engine.scoring import score
     from ...formats.tokenizer import encode_long_text
     from ..render import json_line, stderr_console, token_progress
@@ -22,7 +21,7 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
     console = stderr_console()
     text = read_text(text_file)
     checkpoint, _, engine = load_model(model_options, console)
-    model, block_size = checkpoint.model, checkpoint.model.config.block_size
+    block_size = checkpoint.model.config.block_size
     stride = block_size // 2 if stride is None else stride
     if not 1 <= stride <= block_size:
         raise typer.BadParameter(f"{stride} is not in the range 1 <= stride <= {block_size} (the model's block_size)",
@@ -41,7 +40,7 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
         "stride": stride,
         "block_size": block_size,
         "checkpoint": str(checkpoint.path),
-        "weights": weights_name(model),
+        "weights": engine.weights,
         "engine": engine.name,
     }
     if json_output:
@@ -49,7 +48,7 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
         return
     print(f"{result.nats_per_token:.4f} nats/token · {result.nats_per_char:.4f} nats/char · perplexity "
           f"{result.perplexity:,.2f} · {result.tokens:,} tokens scored ({result.characters:,} characters), window "
-          f"{block_size}, stride {stride} · {weights_name(model)} weights · {engine.name} engine", file=sys.stdout)
+          f"{block_size}, stride {stride} · {engine.weights} weights · {engine.name} engine", file=sys.stdout)
 
 
 SCORE_ADVICE = "score a part of it (head -c 64M FILE | manas score)"

@@ -21,7 +21,7 @@ def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str 
 
     console = stderr_console()
     checkpoint, _, engine = load_model(model_options, console)
-    check_memory(checkpoint.model, batch_size, checkpoint.model.config.block_size, "--batch-size")
+    check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
     quiet = stderr_console(quiet=True)  # a request's prompt notices are not the server's to print
     scheduler = Scheduler(engine.model, checkpoint, batch_size, max_queued)
     model_id = checkpoint.path.stem

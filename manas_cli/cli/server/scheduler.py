@@ -57,14 +57,12 @@ class Scheduler:
     it is released, then None once it is done (budget, end-of-text, stop string, or cancelled)."""
 
     def __init__(self, model, checkpoint, batch_size: int, max_queued: int, overflow: str = "recompute") -> None:
-        import torch
-
         from ...formats.tokenizer import decodable, end_of_text_id
 
         self.model, self.checkpoint = model, checkpoint
         self.batch_size, self.max_queued, self.overflow = batch_size, max_queued, overflow
         self.eot = end_of_text_id(checkpoint.encoding)
-        self._allowed = torch.tensor(decodable(checkpoint.encoding))
+        self._allowed = decodable(checkpoint.encoding)
         self._waiting: queue.Queue[Choice] = queue.Queue()
         self._running: dict[int, Choice] = {}
         self._keys = iter(range(1, 1 << 62))
@@ -126,7 +124,6 @@ class Scheduler:
     def _take(self, wait: bool):
         """generate_batched's take: the next waiting choice as a Request; waiting only when no row decodes."""
         from ...engine.batching import Request
-        from ...engine.sampling import seeded_generator
         from ..commands.generate import make_sampler
 
         while True:
@@ -141,8 +138,7 @@ class Scheduler:
                 continue
             key = next(self._keys)
             self._running[key] = choice
-            generator, _ = seeded_generator(choice.seed, self.checkpoint.model)
-            sampler = make_sampler(choice.settings, generator, self._allowed)
+            sampler = make_sampler(choice.settings, choice.seed, self._allowed, self.model)
             return Request(key, choice.prompt_ids, sampler, choice.settings.max_tokens, choice.settings.logprobs)
 
     def _finished(self, key: int) -> bool:

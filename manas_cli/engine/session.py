@@ -1,0 +1,63 @@
+"""What the KV caches of both engines share (kv_cache.CacheSession for torch, native.NativeSession for the core):
+the allocation policies, the refusals of a prefill or decode that cannot be right, and the report of what a
+cache holds. Free of torch."""
+
+from __future__ import annotations
+
+ALLOCATIONS = {
+    "dynamic": "dynamic: written in place, doubled when full (at most half unused)",
+    "static": "static: preallocated for the positions the run needs, written in place",
+}
+
+
+def allocation_description(allocation: str) -> str:
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
+    return ALLOCATIONS[allocation]
+
+
+def check_prefill_rows(rows: list[list[int]], block_size: int) -> None:
+    """A prefill takes B ≥ 1 rows of the same T, 1 ≤ T ≤ block_size, token ids."""
+    if not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows):
+        raise ValueError(f"prefill takes a non-empty (B, T) batch of token ids, got rows of {sorted({len(r) for r in rows})}")
+    if len(rows[0]) > block_size:
+        raise ValueError(f"prefill of {len(rows[0])} positions exceeds block_size {block_size}")
+
+
+def check_decode_rows(tokens: list[int], positions: int, batch_size: int, block_size: int) -> None:
+    """A decode step takes one token per cached row, into a cache with room."""
+    if not positions:
+        raise ValueError("decode before prefill: prefill a prompt first")
+    if len(tokens) != batch_size:
+        raise ValueError(f"decode takes ({batch_size}, 1) token ids, got ({len(tokens)}, 1)")
+    if positions >= block_size:
+        raise ValueError(f"the cache is full ({block_size} positions): prefill the cropped window instead")
+
+
+def prefill_due(session, windows: list[list[int]], first: bool, keep: int):
+    """The window rule, in one place: the prompt's window is prefilled; a full cache re-prefills the last `keep`
+    tokens of the window (all of it in recompute mode, half in shift mode); otherwise None: decode from the cache.
+    Returns (kind, logits) for a prefill."""
+    if first:
+        return "prefill", session.prefill(windows)
+    if session.positions >= session.block_size:
+        return "re_prefill", session.prefill([window[-keep:] for window in windows])
+    return None
+
+
+def cache_report(session) -> dict:
+    """What the cache holds, layer by layer, and what it would cost at a full window or without GQA."""
+    storage = session.storage()
+    config = session.model.config
+    layers = [{"layer": index, "k_shape": k_shape, "v_shape": v_shape, "bytes": size}
+              for index, (k_shape, v_shape, size) in enumerate(session.layer_shapes())]
+    bytes_per_position = storage["logical_bytes"] // storage["positions"] if storage["positions"] else 0
+    return {
+        **storage,
+        "block_size": config.block_size,
+        "layers": layers,
+        "bytes_per_position": bytes_per_position,
+        "full_window_bytes": bytes_per_position * config.block_size,
+        # A plain multi-head cache keeps every query head's K and V: n_head / n_kv_head times as much.
+        "mha_equivalent_bytes": storage["logical_bytes"] * config.n_head // config.n_kv_head,
+    }

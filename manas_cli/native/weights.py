@@ -1,0 +1,121 @@
+"""Where the core's weights live: the mapped checkpoint file itself (no torch), or a torch model's tensors.
+
+Either way binding.bind asks for each tensor by its module name: `vector(name)`, a float32 pointer (None where the
+model has no such tensor), and `linear(name)`, a ManasLinear of float32, int8 or int4 weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_float, c_uint16
+
+from ..formats.header import ITEMSIZES, MappedCheckpoint, companion_name, not_finite
+from .binding import WEIGHTS_F32, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear
+
+STORED = {"F32": 0, "F16": 1, "BF16": 2, "F64": 3}  # core.c's STORED_* codes
+
+
+class MappedWeights:
+    """The checkpoint's own bytes where they are already what the core reads (float32, bfloat16 scales, codes),
+    else a converted copy; every tensor checked finite as the core will compute with it, by the core."""
+
+    def __init__(self, mapped: MappedCheckpoint, library: ctypes.CDLL) -> None:
+        self.mapped, self.library = mapped, library
+        self.quantization = mapped.header.quantization
+        self.kept: list = []  # the converted copies, alive as long as the pointers into them
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(mapped.mapping)) if len(mapped.mapping) else 0
+
+    def vector(self, name: str):
+        """A float tensor as float32; None when the file has none of that name (no bias; a quantized file's
+        token embedding, which the core dequantizes from the output layer's codes)."""
+        if name not in self.mapped.header.tensors or (self.quantization and name == "token_embedding.weight"):
+            return None
+        return ctypes.cast(self._converted(name, bfloat16=False), POINTER(c_float))
+
+    def linear(self, name: str) -> ManasLinear:
+        stored = "token_embedding" if name == "lm_head" else name  # the tied output layer is stored once
+        weight = f"{stored}.weight"
+        rows, columns = self.mapped.header.tensors[weight].shape
+        bias = self.vector(f"{name}.bias")
+        if not self.quantization:
+            return ManasLinear(WEIGHTS_F32, columns, rows, self._converted(weight, bfloat16=False), None, None, bias)
+        scales = self._bfloat16s(companion_name(weight, "scales"))
+        if self.quantization == "int8":
+            layer = ManasLinear(WEIGHTS_INT8, columns, rows, self._address(weight), scales, None, bias)
+        else:
+            zeros = self._bfloat16s(companion_name(weight, "zeros"))
+            layer = ManasLinear(WEIGHTS_INT4, 2 * columns, rows, self._address(weight), scales, zeros, bias)
+        if overflow := self.library.manas_quantized_overflow(ctypes.byref(layer)):
+            raise not_finite(self.mapped.path, f"{stored}.{('scales', 'zeros')[overflow - 1]}", "float32")
+        if name == "lm_head":
+            self._check_embedding(layer)
+        return layer
+
+    def _address(self, name: str) -> int:
+        return self._base + self.mapped.header.tensors[name].start
+
+    def _converted(self, name: str, bfloat16: bool) -> int:
+        """The address of tensor `name` as float32 (or bfloat16): in the mapping where it is stored so, aligned;
+        else converted into a copy. Refused, naming it, when a value is not finite in that type."""
+        entry = self.mapped.header.tensors[name]
+        count = self.mapped.data(name).nbytes // ITEMSIZES[entry.dtype]  # data() checks the size
+        if not bfloat16 and entry.dtype == "F32" and self.mapped.aligned(name):
+            if self.library.manas_first_not_finite(self._address(name), count) >= 0:
+                raise not_finite(self.mapped.path, name, "float32")
+            return self._address(name)
+        converted = ((c_uint16 if bfloat16 else c_float) * count)()
+        if self.library.manas_convert(self._address(name), STORED[entry.dtype], count, bfloat16, converted) >= 0:
+            raise not_finite(self.mapped.path, name, "bfloat16" if bfloat16 else "float32")
+        self.kept.append(converted)
+        return ctypes.addressof(converted)
+
+    def _bfloat16s(self, name: str):
+        """Scales and zeros as the core reads them, bfloat16 (quantize.py's COMPUTE_DTYPE): always a copy, as
+        small as one value per row or per group."""
+        return ctypes.cast(self._converted(name, bfloat16=True), POINTER(c_uint16))
+
+    def _check_embedding(self, layer: ManasLinear) -> None:
+        """A quantized file's token embedding is its output layer's rows dequantized: each must be finite."""
+        row = (c_float * layer.n_in)()
+        if not self.library.manas_dequantized_finite(ctypes.byref(layer), row):
+            raise not_finite(self.mapped.path, "token_embedding.weight", "float32")
+
+
+class TorchWeights:
+    """A torch GPT's own tensors (float32 on the CPU, nn.Linear's (out, in) layout), and its int8/int4 layers'
+    stored codes, scales and zeros as they are in memory."""
+
+    def __init__(self, model) -> None:
+        from ..engine.quantize import QuantizedLinear, is_quantized
+
+        self.model, self.quantized, self._quantized_type = model, is_quantized(model), QuantizedLinear
+
+    def vector(self, name: str):
+        module_name, _, attribute = name.rpartition(".")
+        if self.quantized and name == "token_embedding.weight":
+            return None  # the core dequantizes it from the output layer's codes, as the file stores it
+        if module_name == "position_embedding" and getattr(self.model, "position_embedding", None) is None:
+            return None
+        return pointer(getattr(self.model.get_submodule(module_name), attribute))
+
+    def linear(self, name: str) -> ManasLinear:
+        from ..engine.quantize import Int8Linear
+
+        layer = self.model.get_submodule(name)
+        bias = pointer(layer.bias)
+        if isinstance(layer, self._quantized_type):
+            kind = WEIGHTS_INT8 if isinstance(layer, Int8Linear) else WEIGHTS_INT4
+            zeros = pointer(layer.zeros, c_uint16) if kind == WEIGHTS_INT4 else None
+            return ManasLinear(kind, layer.in_features, layer.out_features, layer.weight.data_ptr(),
+                               pointer(layer.scales, c_uint16), zeros, bias)
+        pointer(layer.weight)  # checks the layout
+        return ManasLinear(WEIGHTS_F32, layer.in_features, layer.out_features, layer.weight.data_ptr(), None, None, bias)
+
+
+def pointer(tensor, kind=c_float):
+    """A tensor's memory as a C pointer; it must be contiguous in the layout core.c reads (nn.Linear's (out, in))."""
+    if tensor is None:
+        return None
+    if not tensor.is_contiguous():
+        raise ValueError(f"the native core reads contiguous tensors, got strides {tensor.stride()}")
+    return ctypes.cast(tensor.data_ptr(), POINTER(kind))

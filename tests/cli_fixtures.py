@@ -23,7 +23,8 @@ from manas_cli.engine.generation import generate_reference, prompt_batch
 from manas_cli.engine.model import GPT, GPTConfig
 from manas_cli.engine.native import choose_engine
 from manas_cli.engine.quantize import quantize_model
-from manas_cli.engine.sampling import Sampler, seeded_generator
+from manas_cli.engine.native import torch_generator
+from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.tokenizer import bpe_spec, build_encoding, end_of_text_id
 
 DATA = Path(__file__).resolve().parent / "data"  # public data carried with the tests (data/SOURCES.md)
@@ -76,9 +77,9 @@ class TinyCheckpoint:
         """Each sample's new tokens from crop-and-recompute generation (end-of-text ends a sample and is not one of
         its tokens), sampled with the generator the CLI seeds for --seed."""
         model = self.runner
-        generator = seeded_generator(seed, model)[0] if seed is not None else None
-        sampler = Sampler(temperature, top_k, top_p, generator)
-        prompt_ids = prompt_batch(self.prompt_ids(prompt), num_samples, model)
+        generator = torch_generator(model, seed) if seed is not None else None
+        sampler = Sampler(temperature, top_k, top_p, generator, seed=seed or 0)
+        prompt_ids = prompt_batch(self.prompt_ids(prompt), num_samples)
         samples: list[list[int]] = [[] for _ in range(num_samples)]
         ended = [False] * num_samples
         for step in generate_reference(model, prompt_ids, sampler, max_tokens, self.eot_id):

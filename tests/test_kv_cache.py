@@ -7,7 +7,6 @@ import torch
 import torch.nn as nn
 
 from conftest import BLOCK_SIZE, make_model, tiny_config
-from manas_cli.engine.generation import crop_window
 from manas_cli.engine.kv_cache import CacheSession
 from manas_cli.engine.model import CausalSelfAttention, RotaryAttention
 from manas_cli.engine.native import new_session
@@ -30,14 +29,14 @@ def test_prefill_and_decode_logits_equal_the_full_forward_last_position(tiny_mod
     with torch.no_grad():
         logits = session.prefill(sequence)
         for column in range(next_ids.size(1)):
-            expected = model(crop_window(sequence, BLOCK_SIZE))[:, -1:]
+            expected = model(sequence[:, -BLOCK_SIZE:])[:, -1:]
             assert logits.shape == (batch, 1, tiny_model.config.vocab_size)
             if engine == "native":
                 assert torch.equal(logits, expected)
             torch.testing.assert_close(logits, expected, **FLOAT32_TOLERANCE)
             sequence = torch.cat((sequence, next_ids[:, column : column + 1]), dim=1)
             if session.positions == BLOCK_SIZE:
-                logits = session.prefill(crop_window(sequence, BLOCK_SIZE))
+                logits = session.prefill(sequence[:, -BLOCK_SIZE:])
             else:
                 logits = session.decode(sequence[:, -1:])
             assert session.positions == min(sequence.size(1), BLOCK_SIZE)

@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
 from conftest import BLOCK_SIZE, make_model, needs_compiler
-from manas_cli.engine.generation import crop_window
 from manas_cli.engine.native import NativeGPT, NativeSession, decode_rows
 from manas_cli.engine.model import GPT, use_decode_layout
 from manas_cli.engine.quantize import is_quantized, quantizable, quantize_model
@@ -101,10 +100,10 @@ def test_a_cached_decode_step_is_bit_for_bit_the_full_windows_position(native_li
     session = NativeSession(native)
     logits = session.prefill(sequence[:, :3])
     for end in range(3, sequence.size(1)):
-        window = crop_window(sequence[:, :end], BLOCK_SIZE)
+        window = sequence[:, :end][:, -BLOCK_SIZE:]
         assert torch.equal(logits[:, 0], native(window)[:, -1])
         if session.positions == BLOCK_SIZE:
-            logits = session.prefill(crop_window(sequence[:, : end + 1], BLOCK_SIZE))
+            logits = session.prefill(sequence[:, : end + 1][:, -BLOCK_SIZE:])
         else:
             logits = session.decode(sequence[:, end : end + 1])
 
@@ -122,7 +121,7 @@ def test_rows_decoded_together_equal_each_row_alone_bit_for_bit(native_library, 
     for session, solo, prompt in zip(together, alone, prompts):
         assert torch.equal(session.prefill(prompt), solo.prefill(prompt))
     nexts = random_ids(len(prompts), 1, seed=99)
-    logits = decode_rows(native, nexts, together)
+    logits = decode_rows(native, nexts[:, 0].tolist(), together).torch()[:, None]
     for row, (session, solo) in enumerate(zip(together, alone)):
         assert torch.equal(logits[row], solo.decode(nexts[row : row + 1])[0])
         assert session.positions == solo.positions

@@ -21,7 +21,7 @@ from cli_fixtures import (  # noqa: F401 (fixtures)
 )
 from manas_cli.cli.commands.generate import make_sampler
 from manas_cli.engine.generation import generate_reference, prompt_batch
-from manas_cli.engine.sampling import seeded_generator
+from manas_cli.engine.sampling import choose_seed
 from manas_cli.cli.settings import GenerationSettings, with_overrides
 from manas_cli.formats.tokenizer import decodable
 
@@ -35,11 +35,10 @@ def reference_tokens(checkpoint: TinyCheckpoint, prompt: str, settings: Generati
     the engine the CLI runs, up to end-of-text or the token that completes a stop string."""
     model = checkpoint.loaded.model if engine == "torch" else checkpoint.runner
     encoding = checkpoint.encoding
-    generator, _ = seeded_generator(settings.seed, model)
-    sampler = make_sampler(settings, generator, torch.tensor(decodable(encoding)))
+    sampler = make_sampler(settings, choose_seed(settings.seed), decodable(encoding), model)
     ids = encoding.encode_ordinary(prompt)[-model.config.block_size:] or [checkpoint.eot_id]
     tokens, text = [], b""
-    for step in generate_reference(model, prompt_batch(ids, 1, model), sampler, settings.max_tokens, checkpoint.eot_id):
+    for step in generate_reference(model, prompt_batch(ids, 1), sampler, settings.max_tokens, checkpoint.eot_id):
         if step.tokens[0] == checkpoint.eot_id:
             break
         tokens.append(step.tokens[0])

@@ -97,17 +97,20 @@ class NativeGPT:
 
     @property
     def weights_bytes(self) -> int:
-        """What the weights the core reads take: 4 bytes a float value; int8 1 and int4 ½ a value in the matrices
-        plus their bfloat16 scales (and zeros)."""
+        """Bytes of the weights the core reads: a torch model's own (quantize.weights_bytes); a mapped file's
+        tensors as the core holds them: float values 4 bytes each (mapped, or converted), codes as stored, scales
+        and zeros 2 (bfloat16)."""
+        from ..formats.header import MappedCheckpoint
+
+        if not isinstance(self.source, MappedCheckpoint):
+            from .quantize import weights_bytes
+
+            return weights_bytes(self.source)
         total = 0
-        for name, shape in parameter_shapes(self.config):
-            count = math.prod(shape)
-            if self.weights == "float32" or len(shape) != 2 or name == "position_embedding.weight":
-                total += 4 * count
-            elif self.weights == "int8":
-                total += count + 2 * shape[0]
-            else:
-                total += count // 2 + 4 * count // 32
+        for name, entry in self.source.header.tensors.items():
+            count = math.prod(entry.shape)
+            companion = name.endswith((".scales", ".zeros"))
+            total += count * (1 if entry.dtype in ("I8", "U8") else 2 if companion else 4)
         return total
 
     def run(self, tokens: list[int], positions: list[int], caches: list, logit_rows: list[int]) -> Logits:
@@ -160,6 +163,11 @@ def torch_weights_name(model) -> str:
 
 def _int32s(values: list[int]):
     return (c_int32 * len(values))(*values)
+
+
+# The rows of one forward call in a prefill of many prompts (bench --batch, --num-samples): each call's scratch
+# (activations of every row) then stays a few megabytes however many prompts there are; the results are the same.
+PREFILL_ROWS = 4096
 
 
 class NativeSession:
@@ -226,13 +234,29 @@ class NativeSession:
         """Each batch row's tokens from position 0 into its cache, all rows in one call; the logits of every
         position, (B·T, vocab), or of each row's last, (B, vocab)."""
         B, T = len(ids), len(ids[0])
-        caches = [cache for b in range(B) for cache in [self.cache(b)] * T]
-        logit_rows = range(B * T) if every_position else range(T - 1, B * T, T)
-        return self.model.run([token for row in ids for token in row], list(range(T)) * B, caches, list(logit_rows))
+        step = max(1, PREFILL_ROWS // T)  # whole prompts per call: a prompt's positions attend to its earlier ones
+        parts = [self._run_group(ids, range(first, min(B, first + step)), every_position) for first in range(0, B, step)]
+        if len(parts) == 1:
+            return parts[0]
+        logits = Logits(B * T if every_position else B, self.model.config.vocab_size)
+        for first, part in zip(range(0, B, step), parts):
+            ctypes.memmove(logits.row(first * T if every_position else first), part.buffer, ctypes.sizeof(part.buffer))
+        return logits
+
+    def _run_group(self, ids: list[list[int]], group: range, every_position: bool) -> Logits:
+        T = len(ids[0])
+        caches = [cache for b in group for cache in [self.cache(b)] * T]
+        logit_rows = range(len(group) * T) if every_position else range(T - 1, len(group) * T, T)
+        return self.model.run([token for b in group for token in ids[b]], list(range(T)) * len(group), caches,
+                              list(logit_rows))
 
     def decode(self, token_ids):
         """CacheSession.decode: append one position per row (a list of B ids, or a (B, 1) tensor); its logits."""
-        tokens = token_ids[:, 0].tolist() if hasattr(token_ids, "tolist") else token_ids
+        tokens = token_ids
+        if hasattr(token_ids, "tolist"):  # a (B, 1) tensor
+            if token_ids.dim() != 2 or token_ids.size(1) != 1:
+                raise ValueError(f"decode takes ({self.batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
+            tokens = token_ids[:, 0].tolist()
         check_decode_rows(tokens, self.positions, self.batch_size, self.block_size)
         logits = decode_rows(self.model, tokens, [self])
         return logits if tokens is token_ids else logits.torch()[:, None]
@@ -275,7 +299,12 @@ class _LayerView:
 
 
 def _rows(token_ids) -> list[list[int]]:
-    return token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
+    """A prefill's rows: lists as they are, a (B, T) LongTensor's as lists."""
+    if not hasattr(token_ids, "tolist"):
+        return token_ids
+    if token_ids.dim() != 2 or str(token_ids.dtype) != "torch.int64":
+        raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
+    return token_ids.tolist()
 
 
 def decode_rows(model: NativeGPT, tokens: list[int], sessions: list[NativeSession]) -> Logits:

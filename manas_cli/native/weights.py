@@ -83,17 +83,16 @@ class MappedWeights:
 
 class TorchWeights:
     """A torch GPT's own tensors (float32 on the CPU, nn.Linear's (out, in) layout), and its int8/int4 layers'
-    stored codes, scales and zeros as they are in memory."""
+    stored codes, scales and zeros as they are in memory. Its token embedding is its own float table (a model
+    quantized in memory keeps the original rows there; one loaded from a file, the dequantized ones)."""
 
     def __init__(self, model) -> None:
-        from ..engine.quantize import QuantizedLinear, is_quantized
+        from ..engine.quantize import QuantizedLinear
 
-        self.model, self.quantized, self._quantized_type = model, is_quantized(model), QuantizedLinear
+        self.model, self._quantized_type = model, QuantizedLinear
 
     def vector(self, name: str):
         module_name, _, attribute = name.rpartition(".")
-        if self.quantized and name == "token_embedding.weight":
-            return None  # the core dequantizes it from the output layer's codes, as the file stores it
         if module_name == "position_embedding" and getattr(self.model, "position_embedding", None) is None:
             return None
         return pointer(getattr(self.model.get_submodule(module_name), attribute))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -112,7 +111,7 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def temporary_name(name: str) -> str:
     """`.NAME.RANDOM.tmp`, NAME cut so that the whole stays within the 255 bytes a file name may have."""
-    suffix = f".{secrets.token_hex(8)}.tmp"
+    suffix = f".{os.urandom(8).hex()}.tmp"
     room = NAME_MAX - 1 - len(suffix)
     return "." + os.fsencode(name)[:room].decode(errors="ignore") + suffix
 

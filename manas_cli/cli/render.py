@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 def stderr_console(quiet: bool = False) -> Console:
@@ -39,6 +38,8 @@ def format_seconds(seconds: float) -> str:
 @contextmanager
 def train_progress(console: Console, total_steps: int, start_step: int) -> Iterator:
     """A progress bar on a terminal; a line per evaluation elsewhere. Yields a function taking TrainEvents."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
     live = console.is_terminal
     progress = Progress(
         TextColumn("step {task.completed}/{task.total}"),
@@ -168,6 +169,8 @@ def generation_stats_line(stats, storage: dict, seed: int | None = None) -> str:
 def token_progress(console: Console, total: int, description: str) -> Iterator:
     """On a terminal, a bar over `total` tokens with the elapsed time and an estimate of what is left, redrawn ten
     times a second; yields the callback to call after each token (or several), which may give a new description."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
     progress = Progress(TextColumn("{task.description}"), BarColumn(),
                         TextColumn("{task.completed:,}/{task.total:,} tokens"), TimeElapsedColumn(), TextColumn("ETA"),
                         TimeRemainingColumn(), console=console, disable=not console.is_terminal, transient=True)

@@ -201,6 +201,7 @@ class NativeSession:
         if self.positions:
             self._copy_positions(k, size), self._copy_positions(v, size, keys=False)
         self.k, self.v, self.size = k, v, size
+        self._caches = [self._row_cache(row) for row in range(batch_size)]
 
     def _copy_positions(self, into, size: int, keys: bool = True) -> None:
         """The cached positions of every row and layer into a buffer of `size` positions per layer."""
@@ -210,6 +211,9 @@ class NativeSession:
                            ctypes.addressof(old) + 4 * block * self.size * self.position_floats, span)
 
     def cache(self, row: int) -> ManasCache:
+        return self._caches[row]
+
+    def _row_cache(self, row: int) -> ManasCache:
         offset = 4 * row * self.model.config.n_layer * self.size * self.position_floats
         return ManasCache(ctypes.cast(ctypes.addressof(self.k) + offset, ctypes.POINTER(c_float)),
                           ctypes.cast(ctypes.addressof(self.v) + offset, ctypes.POINTER(c_float)), self.size)

@@ -4,7 +4,7 @@ samples with them (core.c, "sampling"), torch_sampling.py does on the torch engi
 
 from __future__ import annotations
 
-import secrets
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +12,10 @@ from dataclasses import dataclass
 def choose_seed(seed: int | None) -> int:
     """`seed`, or a fresh random one, returned so the run can be reproduced. A chosen seed is below 2^53: every
     JSON reader holds it exactly (jq rounds a 64-bit integer to a double)."""
-    return secrets.randbelow(JSON_SAFE_SEED_LIMIT) if seed is None else seed
+    if seed is not None:
+        return seed
+    # os.urandom, not the secrets module: the same bytes, without loading OpenSSL's hashing at every start.
+    return int.from_bytes(os.urandom(8), "little") % JSON_SAFE_SEED_LIMIT
 
 
 JSON_SAFE_SEED_LIMIT = 2**53  # integers up to here are exact in a double

@@ -2,7 +2,7 @@
 
 Nothing is compiled at install time: `pip install` needs no compiler. The first run that wants the core compiles
 core.c (`$CC`, else `cc`) into a per-user cache folder, `$XDG_CACHE_HOME/manas` else `~/.cache/manas`, under a
-name keyed by a hash of the source, the flags, the compiler's version and the CPU's features, so an upgrade of
+name keyed by a hash of the source, the flags, the compiler (its file and modification time) and the CPU's features, so an upgrade of
 any of them builds afresh and two machines sharing a home folder never load each other's code. A shared library
 is code: one is loaded only from a folder the user owns and no one else can write, and only if the user owns it
 and no one else can write it. A folder that fails those checks is refused with one notice, and the core is built
@@ -62,14 +62,12 @@ def compiler() -> str:
     return path
 
 
-def compiler_version(cc: str) -> str:
-    try:
-        result = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeUnavailable(f"the C compiler {cc} does not run", str(exc)) from None
-    if result.returncode:
-        raise NativeUnavailable(f"the C compiler {cc} does not run", result.stderr)
-    return result.stdout
+def compiler_identity(cc: str) -> str:
+    """The compiler as the key knows it: its resolved file, size and modification time, which an upgrade changes.
+    (Not `cc --version`: a process at every start, for what a stat tells.)"""
+    real = os.path.realpath(cc)
+    info = os.stat(real)
+    return f"{real} {info.st_size} {info.st_mtime_ns}"
 
 
 def cpu_features() -> str:
@@ -84,7 +82,7 @@ def cpu_features() -> str:
 
 def library_name(cc: str) -> str:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBRARIES).encode(), compiler_version(cc).encode(),
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBRARIES).encode(), compiler_identity(cc).encode(),
                  cpu_features().encode()):
         key.update(hashlib.sha256(part).digest())
     return f"core-{key.hexdigest()[:24]}.so"

@@ -9,11 +9,11 @@ dropped from the batch at the next step.
 from __future__ import annotations
 
 import queue
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 
+from ...engine.sampling import choose_seed
 from ..settings import GenerationSettings
 from ..streaming import TextStream
 
@@ -76,7 +76,7 @@ class Scheduler:
 
     def new_choice(self, index: int, prompt_ids: list[int], settings: GenerationSettings) -> Choice:
         """A choice of a request; a request without a seed gets a fresh one, as generate does."""
-        seed = settings.seed if settings.seed is not None else secrets.randbelow(2**53)
+        seed = choose_seed(settings.seed)
         return Choice(index, prompt_ids, settings, seed, TextStream(self.checkpoint.encoding, self.eot, settings.stop))
 
     def submit(self, choices: list[Choice]) -> None:

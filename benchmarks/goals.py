@@ -10,6 +10,8 @@ goal_gpt2_vs_hf  1: GPT-2-124M shape, 64-token prompt, 256 new tokens, float32: 
                  `generate` on the same random weights, and against the weight-bandwidth limit.
 goal_cache       2: the shipped model, cached decode against crop-and-recompute; per-token time across the window.
 goal_startup     3: time to first token of a whole `manas generate` process against importing torch; `--help`.
+                 startup, startup-loop, startup-score: whole processes on the native engine (no torch) beside
+                 the torch engine and llama.cpp's `llama-completion` (issue 26).
 goal_samples     4: `--num-samples 8` against one sample.
 goal_int8        int8, threads, int8-shipped, int8-prefill: int8 weights and both cores (issue 10).
 goal_dtype       dtype: bfloat16 and float16 against float32, prefill and decode.

@@ -134,19 +134,20 @@ class NativeGPT:
         position 0: a Logits of (B·T, vocab) for lists, a (B, T, vocab) tensor for a tensor."""
         rows = idx.tolist() if hasattr(idx, "tolist") else idx
         B, T = len(rows), len(rows[0])
-        logits = self._forward(rows, every_position=True)
+        logits = self.logits_from(rows, 0)
         return logits if rows is idx else logits.torch().view(B, T, -1)
 
     def last_logits(self, rows: list[list[int]]) -> Logits:
         """The logits of each row's last position, (B, vocab), each row from position 0."""
-        return self._forward(rows, every_position=False)
+        return self.logits_from(rows, len(rows[0]) - 1)
 
-    def _forward(self, rows: list[list[int]], every_position: bool) -> Logits:
+    def logits_from(self, rows: list[list[int]], first: int) -> Logits:
+        """The logits of positions first .. T − 1 of each row, (B·(T − first), vocab), each row from position 0."""
         if len(rows[0]) > self.config.block_size:
             raise ValueError(f"sequence of {len(rows[0])} tokens exceeds block_size {self.config.block_size}")
         session = NativeSession(self, "static", capacity=len(rows[0]))
         session.allocate(len(rows), len(rows[0]))
-        return session.run_prompts(rows, every_position)
+        return session.run_prompts(rows, first)
 
 
 def check_torch_model(model) -> None:
@@ -227,32 +228,33 @@ class NativeSession:
         B, T = len(rows), len(rows[0])
         try:
             self.allocate(B, T)
-            logits = self.run_prompts(rows, every_position=False)
+            logits = self.run_prompts(rows, T - 1)
         except BaseException:
             self.reset()
             raise
         self.positions, self.batch_size = T, B
         return logits if rows is token_ids else logits.torch()[:, None]
 
-    def run_prompts(self, ids: list[list[int]], every_position: bool) -> Logits:
-        """Each batch row's tokens from position 0 into its cache, all rows in one call; the logits of every
-        position, (B·T, vocab), or of each row's last, (B, vocab)."""
+    def run_prompts(self, ids: list[list[int]], logits_from: int) -> Logits:
+        """Each batch row's tokens from position 0 into its cache; the logits of each row's positions logits_from
+        .. T − 1, (B·(T − logits_from), vocab): all of them for scoring, the last for a prefill."""
         B, T = len(ids), len(ids[0])
         step = max(1, PREFILL_ROWS // T)  # whole prompts per call: a prompt's positions attend to its earlier ones
-        parts = [self._run_group(ids, range(first, min(B, first + step)), every_position) for first in range(0, B, step)]
+        groups = [range(first, min(B, first + step)) for first in range(0, B, step)]
+        parts = [self._run_group(ids, group, logits_from) for group in groups]
         if len(parts) == 1:
             return parts[0]
-        logits = Logits(B * T if every_position else B, self.model.config.vocab_size)
-        for first, part in zip(range(0, B, step), parts):
-            ctypes.memmove(logits.row(first * T if every_position else first), part.buffer, ctypes.sizeof(part.buffer))
+        logits = Logits(B * (T - logits_from), self.model.config.vocab_size)
+        for group, part in zip(groups, parts):
+            ctypes.memmove(logits.row(group.start * (T - logits_from)), part.buffer, ctypes.sizeof(part.buffer))
         return logits
 
-    def _run_group(self, ids: list[list[int]], group: range, every_position: bool) -> Logits:
+    def _run_group(self, ids: list[list[int]], group: range, logits_from: int) -> Logits:
         T = len(ids[0])
         caches = [cache for b in group for cache in [self.cache(b)] * T]
-        logit_rows = range(len(group) * T) if every_position else range(T - 1, len(group) * T, T)
+        logit_rows = [b * T + t for b in range(len(group)) for t in range(logits_from, T)]
         return self.model.run([token for b in group for token in ids[b]], list(range(T)) * len(group), caches,
-                              list(logit_rows))
+                              logit_rows)
 
     def decode(self, token_ids):
         """CacheSession.decode: append one position per row (a list of B ids, or a (B, 1) tensor); its logits."""
@@ -412,10 +414,10 @@ def window_nats(model, window: list[int], targets: int, first_position: int = 0)
         from .torch_sampling import torch_window_nats
 
         return torch_window_nats(model, window, targets, first_position + first)
-    logits = model([window])
+    logits = model.logits_from([window], first)  # rows first .. T − 1: the targets' predictions, and one more
     target_ids = _int32s(window[-targets:])
     logprobs = (ctypes.c_double * targets)()
-    bad = model.library.manas_target_logprobs(logits.row(first), targets, model.config.vocab_size, target_ids, logprobs)
+    bad = model.library.manas_target_logprobs(logits.row(0), targets, model.config.vocab_size, target_ids, logprobs)
     if bad >= 0:
         raise NumericalError(logits_error(first_position + first + bad, "float32"))
     return -sum(logprobs)

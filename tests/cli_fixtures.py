@@ -21,9 +21,9 @@ from manas_cli.formats.bpe import train_bpe
 from manas_cli.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from manas_cli.engine.generation import generate_reference, prompt_batch
 from manas_cli.engine.model import GPT, GPTConfig
-from manas_cli.engine.native import choose_engine
+from manas_cli.engine.engines import choose_engine
 from manas_cli.engine.quantize import quantize_model
-from manas_cli.engine.native import torch_generator
+from manas_cli.engine.engines import torch_generator
 from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.tokenizer import bpe_spec, build_encoding, end_of_text_id
 

@@ -11,7 +11,7 @@ from conftest import BLOCK_SIZE, make_model
 from manas_cli.engine.generation import GenerationStats, crop_window, generate, generate_reference
 from manas_cli.engine.kv_cache import CacheSession
 from manas_cli.engine.model import use_decode_layout
-from manas_cli.engine.native import new_session
+from manas_cli.engine.engines import new_session
 from manas_cli.engine.quantize import Int4Linear, Int8Linear, quantize_model
 from manas_cli.engine.sampling import Penalties, Sampler
 

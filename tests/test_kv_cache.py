@@ -9,7 +9,7 @@ import torch.nn as nn
 from conftest import BLOCK_SIZE, make_model, tiny_config
 from manas_cli.engine.kv_cache import CacheSession
 from manas_cli.engine.model import CausalSelfAttention, RotaryAttention
-from manas_cli.engine.native import new_session
+from manas_cli.engine.engines import new_session
 
 FLOAT32_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .generation import kept_on_overflow
-from .native import decode_sessions, new_session, sampling_state
+from .engines import decode_sessions, new_session, sampling_state
 from .sampling import Sampler
 from .session import prefill_due
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .generation import GenerationStats, Step, generate, generate_reference
-from .native import new_session
+from .engines import new_session
 from .sampling import Sampler
 
 

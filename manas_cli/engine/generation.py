@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .native import last_logits, new_session, sampling_state
+from .engines import last_logits, new_session, sampling_state
 from .sampling import Sampler
 from .session import prefill_due
 

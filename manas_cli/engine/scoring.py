@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .native import window_nats
+from .engines import window_nats
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def load_model(options: ModelOptions, console=None):
     path = _naming_the_environment(options, lambda: checkpoint_file(resolve_checkpoint(options.checkpoint)))
     unavailable = None
     if not torch_needed(options):
-        from ...engine.native import open_native
+        from ...engine.engines import open_native
         from ...formats.header import Checkpoint, open_checkpoint
 
         mapped = _naming_the_environment(options, lambda: open_checkpoint(path))
@@ -142,7 +142,7 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, co
     import torch
 
     from ...engine.model import use_decode_layout
-    from ...engine.native import choose_engine
+    from ...engine.engines import choose_engine
     from ...engine.quantize import is_quantized
     from ...engine.runtime import resolve_device, resolve_dtype
     from ...formats.checkpoint import load_checkpoint

@@ -30,7 +30,7 @@ def run(
     import typer
 
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.native import new_session
+    from ...engine.engines import new_session
     from ...engine.sampling import choose_seed
     from ...engine.threads import ThreadGovernor
     from ...formats.tokenizer import decodable, end_of_text_id
@@ -123,7 +123,7 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
 
 def make_sampler(settings: GenerationSettings, seed: int, decodable: list[bool], model):
     """The sampler of a request's settings and seed, for the engine running `model`."""
-    from ...engine.native import torch_generator
+    from ...engine.engines import torch_generator
     from ...engine.sampling import Penalties, Sampler
 
     penalties = Penalties(settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty,

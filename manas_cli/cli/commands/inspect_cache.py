@@ -12,7 +12,7 @@ DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool,
         model_options: ModelOptions) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.native import new_session
+    from ...engine.engines import new_session
     from ...engine.sampling import Sampler
     from ...engine.session import cache_report
     from ..render import cache_view, json_line, stderr_console, token_progress

@@ -1,11 +1,15 @@
 """The model that ships in checkpoints/: it loads, matches its model card, and meets the quality bar."""
 
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_fixtures import MANAS, cli_env
+from conftest import needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.engine.quantize import quantize_model
 from manas_cli.training import evaluate
@@ -93,3 +97,22 @@ def test_shipped_model_with_int4_weights_loses_at_most_0_05_nats_per_char(held_o
     loss = held_out_loss_per_char(model)
     print(f"{source}: {loss:.4f} nats/char against float32's {float_loss_per_char:.4f}")
     assert loss <= float_loss_per_char + INT4_MARGIN_NATS_PER_CHAR
+
+
+def model_card_samples() -> list[tuple[list[str], str]]:
+    """The model card's samples: each command's arguments and the text shown under it."""
+    card = MODEL_CARD.read_text(encoding="utf-8")
+    found = re.findall(r"^`manas (generate [^`]+)`\n\n```text\n(.*?)\n```", card, flags=re.S | re.M)
+    return [(shlex.split(command), text) for command, text in found]
+
+
+@needs_compiler
+def test_the_model_cards_samples_are_what_their_commands_print():
+    """Seeded sampling on the native engine (the card's) is Philox keyed on seed, row and position: the same text
+    on every run, and on every machine whose core computes the same logits."""
+    samples = model_card_samples()
+    assert len(samples) == 3
+    for args, text in samples:
+        done = subprocess.run([*MANAS, *args, "-c", str(CHECKPOINT)], capture_output=True, env=cli_env(), timeout=300)
+        assert done.returncode == 0, done.stderr.decode()
+        assert done.stdout.decode("utf-8").rstrip("\n") == text

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from manas_cli.formats.bpe import train_bpe
-from manas_cli.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.header import Checkpoint
 from manas_cli.engine.generation import generate_reference, prompt_batch
 from manas_cli.engine.model import GPT, GPTConfig
 from manas_cli.engine.engines import choose_engine

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_model
-from manas_cli.formats.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.header import read_metadata
 from manas_cli.files import atomic_write
 from manas_cli.errors import CheckpointError, ManasError
 from manas_cli.formats.tokenizer import build_encoding, end_of_text_id

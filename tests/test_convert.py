@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from manas_cli.formats.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.header import read_metadata
 from manas_cli.engine.generation import generate
 from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.tokenizer import bpe_spec, decode_ranks, end_of_text_id

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, generate, learned, manas, rope  # noqa: F401 (fixtures)
-from manas_cli.formats.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.header import read_metadata
 from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.tokenizer import encode_ranks
 

@@ -14,7 +14,8 @@ import pytest
 import tiktoken.load
 import torch
 
-from manas_cli.formats.checkpoint import load_checkpoint, read_metadata
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.formats.header import read_metadata
 from manas_cli.engine.generation import generate
 from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.tokenizer import end_of_text_id

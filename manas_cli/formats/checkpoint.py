@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import tiktoken
 import torch
 from safetensors.torch import save
 
@@ -13,14 +12,15 @@ from ..engine.config import stored_names
 from ..engine.model import GPT
 from ..engine.quantize import QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization
 from ..files import atomic_write
-from .header import (  # noqa: F401 (re-exported: the checkpoint's whole interface is importable from here)
-    FORMAT, FORMAT_VERSION, Checkpoint, QUANTIZED_FORMAT_VERSION, TIED, Header, MappedCheckpoint, TensorEntry, check_vocabulary,
-    companion_name, is_pytorch_file, not_finite, open_checkpoint, read_header, read_metadata, stored_tensors,
+from .header import (
+    FORMAT, FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, TIED, Checkpoint, MappedCheckpoint, check_vocabulary,
+    companion_name, not_finite, open_checkpoint,
 )
 from .tokenizer import build_encoding
 
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
                 "I8": torch.int8, "U8": torch.uint8}
+
 
 def save_checkpoint(
     path: str | Path, model: GPT, tokenizer_spec: dict, extra_metadata: dict[str, str] | None = None, *,

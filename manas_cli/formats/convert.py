@@ -76,7 +76,7 @@ def check_source(src: Path) -> None:
 def _refuse_manas_checkpoint(src: Path) -> None:
     from safetensors import safe_open
 
-    from .checkpoint import FORMAT
+    from .header import FORMAT
 
     try:
         with safe_open(src, framework="pt") as f:

@@ -11,7 +11,7 @@ import torch
 
 from ..engine.model import GPT, GPTConfig
 from ..errors import CheckpointError
-from .checkpoint import TIED
+from .header import TIED
 from .importing import TIED_HEAD, check_tied_head, make_config, typed_field
 
 MODEL_TYPE = "gpt2"

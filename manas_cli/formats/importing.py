@@ -16,7 +16,7 @@ import torch
 from ..engine.config import GPTConfig, parameter_shapes
 from ..engine.model import GPT
 from ..errors import CheckpointError, InputError, TokenizerError, first_line
-from .checkpoint import is_pytorch_file
+from .header import is_pytorch_file
 
 TIED_HEAD = "lm_head.weight"
 

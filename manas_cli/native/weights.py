@@ -22,7 +22,7 @@ class MappedWeights:
     def __init__(self, mapped: MappedCheckpoint, library: ctypes.CDLL) -> None:
         self.mapped, self.library = mapped, library
         self.quantization = mapped.header.quantization
-        self.kept: list = []  # the converted copies, alive as long as the pointers into them
+        self.kept: dict[tuple[str, bool], object] = {}  # the converted copies, alive as long as the pointers into them
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(mapped.mapping)) if len(mapped.mapping) else 0
 
     def vector(self, name: str):
@@ -57,6 +57,8 @@ class MappedWeights:
     def _converted(self, name: str, bfloat16: bool) -> int:
         """The address of tensor `name` as float32 (or bfloat16): in the mapping where it is stored so, aligned;
         else converted into a copy. Refused, naming it, when a value is not finite in that type."""
+        if (name, bfloat16) in self.kept:  # the tied embedding is the float output layer too: one copy
+            return ctypes.addressof(self.kept[name, bfloat16])
         entry = self.mapped.header.tensors[name]
         count = self.mapped.data(name).nbytes // ITEMSIZES[entry.dtype]  # data() checks the size
         if not bfloat16 and entry.dtype == "F32" and self.mapped.aligned(name):
@@ -66,7 +68,7 @@ class MappedWeights:
         converted = ((c_uint16 if bfloat16 else c_float) * count)()
         if self.library.manas_convert(self._address(name), STORED[entry.dtype], count, bfloat16, converted) >= 0:
             raise not_finite(self.mapped.path, name, "bfloat16" if bfloat16 else "float32")
-        self.kept.append(converted)
+        self.kept[name, bfloat16] = converted
         return ctypes.addressof(converted)
 
     def _bfloat16s(self, name: str):

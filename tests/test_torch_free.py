@@ -245,3 +245,19 @@ def test_a_seeded_sample_is_the_same_alone_or_beside_others(rope):
 
     three = texts("--num-samples", "3")
     assert three[0] == texts()[0] and len(set(three)) > 1
+
+
+def test_serve_on_the_native_engine_never_imports_torch(rope):
+    server = subprocess.Popen([*MANAS, "serve", "-c", str(rope.path), *RUN_OPTIONS, "--port", "0"],
+                              stderr=subprocess.PIPE, text=True, env={**cli_env(), "PYTHONPROFILEIMPORTTIME": "1"})
+    lines = []
+    for line in server.stderr:  # the import lines, then the ready line
+        lines.append(line)
+        if line.startswith("manas serve:"):
+            break
+    server.send_signal(2)
+    lines += server.stderr.readlines()
+    assert server.wait(timeout=60) == 0 and any(line.startswith("manas serve:") and "native engine" in line
+                                                for line in lines)
+    modules = [line.split("|")[-1].strip() for line in lines if line.startswith("import time")]
+    assert modules and not [module for module in modules if module.split(".")[0] == "torch"]

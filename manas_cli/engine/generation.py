@@ -1,5 +1,5 @@
 """Generation that stays exact past the context window, and the crop-and-recompute reference it must equal. Free
-of torch: token ids are lists, and each engine's session and sampling state (native.py) do the arithmetic."""
+of torch: token ids are lists, and each engine's session and sampling state (engines.py) do the arithmetic."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
 NativeGPT stands where generation, batching and scoring take a model: it has the config, the full causal forward
 (`model(rows)`, for the crop-and-recompute reference and for scoring) and, through NativeSession, a KV cache with
 CacheSession's interface; NativeSampling draws each row's token in the core. Its weights are the mapped checkpoint
-file's bytes (native/weights.py), or a torch model's tensors: this module never imports torch itself, so the CPU
-path of a run without torch starts in milliseconds. The core computes each position's row with the same kernels
+file's bytes (native/weights.py), or a torch model's tensors: this module never imports torch itself, so a run on
+the CPU never waits for torch to load. The core computes each position's row with the same kernels
 and the same order of arithmetic whether it is decoded alone, prefilled among a prompt's rows or decoded beside
 other requests, so on this engine cached == recompute and batched == alone hold bit for bit.
 """

@@ -12,6 +12,7 @@ startup-score `manas score` of Tiny Shakespeare's last 10%, and `manas bench -n 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import statistics
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from goal_llama_cpp import LLAMA_CPP_DIR
-from harness import DATA, MANAS, ROOT, Unavailable, realtime, run_goals, timed
+from harness import DATA, MANAS, ROOT, Unavailable, interleaved, realtime, run_goals, timed
 
 PROMPT = "ROMEO:"
 
@@ -56,14 +57,9 @@ def first_byte(command: list[str]) -> dict[str, float]:
 
 
 def take_turns(commands: dict[str, list[str]], runs: int, measure=first_byte) -> dict[str, dict[str, float]]:
-    """Each command once per round, a warm-up round first (the page cache, the core's library); the medians."""
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name in commands}
-    for round_ in range(runs + 1):
-        for name, command in commands.items():
-            figures = measure(command)
-            if round_:
-                samples[name].append(figures)
-    return {name: {key: statistics.median(s[key] for s in taken) for key in taken[0]} for name, taken in samples.items()}
+    """Each command once per round (harness.interleaved: a warm-up round first, for the page cache and the core's
+    library); the medians."""
+    return interleaved({name: (None, functools.partial(measure, command)) for name, command in commands.items()}, runs)
 
 
 def shipped_gguf(folder: Path) -> Path:

@@ -48,13 +48,15 @@ def median_rate(runs: int, measure) -> float:
 
 
 def interleaved(variants: dict, runs: int) -> dict[str, dict[str, float]]:
-    """variants: name -> (threads, measure), measure() -> {figure: value}. The variants take turns, round after
-    round, so that a change in the machine's load falls on all of them alike; the first round only warms up (first
-    calls are several times slower). The median of each figure."""
+    """variants: name -> (threads, measure), measure() -> {figure: value}; threads None for a measure that runs a
+    process of its own. The variants take turns, round after round, so that a change in the machine's load falls on
+    all of them alike; the first round only warms up (first calls are several times slower). The median of each
+    figure."""
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for round_ in range(runs + 1):
         for name, (threads, measure) in variants.items():
-            torch.set_num_threads(threads)
+            if threads is not None:
+                torch.set_num_threads(threads)
             figures = measure()
             if round_:
                 samples[name].append(figures)

@@ -97,12 +97,7 @@ def generate_batched(
         if decoding:
             logits = decode_sessions(model, [row.window[-1] for row in decoding], [row.session for row in decoding])
             for index, row in enumerate(decoding):
-                made[row] = row.take(row_logits(logits, index), "decode", started)
+                made[row] = row.take(logits[index : index + 1], "decode", started)
         yield [made[row] for row in rows]
         rows = [row for row in rows if not (made[row].last or finished(row.request.key))]
 
-
-def row_logits(logits, index: int):
-    """Row `index` of a batched step's logits, as one row's logits: a tensor's (1, 1, vocab) slice, or the core's
-    Logits starting at that row."""
-    return logits[index : index + 1] if hasattr(logits, "dim") else logits.slice(index)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .native import NativeGPT, NativeSampling, NativeSession, decode_rows, torch_weights_name
+from .native import NativeGPT, NativeSampling, NativeSession, decode_rows, native_unsupported, torch_weights_name
 from .sampling import Sampler
 
 
@@ -115,16 +115,6 @@ class EngineChoice:
         from .quantize import weights_bytes
 
         return weights_bytes(self.model)
-
-
-def native_unsupported(model) -> str | None:
-    """Why the core cannot run this torch model, or None: it runs float32, int8 and int4 weights on the CPU."""
-    weights = model.token_embedding.weight
-    if weights.device.type != "cpu":
-        return f"the model is on {weights.device.type.upper() if weights.device.type == 'cuda' else weights.device}"
-    if str(weights.dtype) != "torch.float32":
-        return f"the core runs float32, int8 and int4 weights, not {str(weights.dtype).removeprefix('torch.')}"
-    return None
 
 
 def open_native(source, threads: int) -> EngineChoice:

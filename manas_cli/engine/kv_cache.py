@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .model import GPT, CausalSelfAttention, RotaryAttention
-from .session import allocation_description, check_decode_rows, check_prefill_rows
+from .session import allocation_description, decode_tokens, prefill_rows
 
 
 class LayerCache:
@@ -77,10 +77,7 @@ class CacheSession:
     def prefill(self, token_ids: torch.Tensor | list[list[int]]) -> torch.Tensor:
         """Reset the cache, run the prompt (B, T ≤ block_size) causally; logits of its last position (B, 1, vocab)."""
         self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
-        token_ids = self._ids(token_ids)
-        if token_ids.dim() != 2 or token_ids.dtype != torch.long:
-            raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
-        check_prefill_rows(token_ids.tolist(), self.block_size)
+        token_ids = self._ids(token_ids, prefill_rows(token_ids, self.block_size))
         layers = [self._new_layer() for _ in self.model.blocks]
         logits = self._run(token_ids, 0, layers)  # an exception here leaves the session empty
         self.layers, self.batch_size = layers, token_ids.size(0)
@@ -89,15 +86,13 @@ class CacheSession:
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """Append one position per row ((B, 1) ids, or a list of B) and return its logits (B, 1, vocab)."""
-        token_ids = self._ids(token_ids if hasattr(token_ids, "dim") else [[token] for token in token_ids])
-        if token_ids.dim() != 2 or token_ids.size(1) != 1:
-            raise ValueError(f"decode takes ({self.batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
-        check_decode_rows(token_ids[:, 0].tolist(), self.positions, self.batch_size, self.block_size)
-        return self._run(token_ids, self.positions, self.layers)
+        tokens = decode_tokens(token_ids, self.positions, self.batch_size, self.block_size)
+        return self._run(self._ids(token_ids, [[token] for token in tokens]), self.positions, self.layers)
 
-    def _ids(self, rows: torch.Tensor | list[list[int]]) -> torch.Tensor:
-        if isinstance(rows, torch.Tensor):
-            return rows
+    def _ids(self, given: torch.Tensor | list, rows: list[list[int]]) -> torch.Tensor:
+        """The ids as a tensor on the model's device: the one given, or one made of its checked rows."""
+        if isinstance(given, torch.Tensor):
+            return given
         return torch.tensor(rows, dtype=torch.long, device=self.model.token_embedding.weight.device)
 
     def _run(self, token_ids: torch.Tensor, start_pos: int, layers: list) -> torch.Tensor:
@@ -124,7 +119,7 @@ class CacheSession:
 
 
 def decode_torch_rows(model: GPT, tokens: list[int], sessions: list[CacheSession]) -> torch.Tensor:
-    """One new token for each row of several sessions at once (native.decode_sessions), each at its own
+    """One new token for each row of several sessions at once (engines.decode_sessions), each at its own
     position over its own cache; the logits (R, 1, vocab)."""
     ids = torch.tensor([[token] for token in tokens], dtype=torch.long, device=model.token_embedding.weight.device)
     return model.decode_rows(ids, [s.positions for s in sessions], [s.layers for s in sessions])

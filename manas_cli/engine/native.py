@@ -19,7 +19,7 @@ from ctypes import c_float, c_int32, c_uint8
 from ..errors import NumericalError
 from ..native.binding import ManasCache, ManasDraw, ManasSampler, bind
 from .config import GPTConfig, parameter_shapes
-from .session import allocation_description, check_decode_rows, check_prefill_rows
+from .session import allocation_description, decode_tokens, prefill_rows
 from .sampling import Sampler, logits_error
 
 
@@ -35,9 +35,12 @@ class Logits:
         """The address of row `index`."""
         return ctypes.addressof(self.buffer) + 4 * (self.first + index) * self.vocab
 
-    def slice(self, index: int) -> Logits:
-        """Row `index` alone."""
-        return Logits(1, self.vocab, self.buffer, self.first + index)
+    def __getitem__(self, rows: slice) -> Logits:
+        """Rows start .. stop − 1, as a tensor's rows slice (batching takes each row's logits so, on either engine)."""
+        start, stop, step = rows.indices(self.rows)
+        if step != 1:
+            raise ValueError("logits rows are sliced in order, one by one")
+        return Logits(stop - start, self.vocab, self.buffer, self.first + start)
 
     def torch(self):
         import torch
@@ -164,8 +167,18 @@ class NativeGPT:
 
 def check_torch_model(model) -> None:
     embedding = model.token_embedding.weight
-    if embedding.device.type != "cpu" or str(embedding.dtype) != "torch.float32":
+    if native_unsupported(model) is not None:
         raise ValueError(f"the native core runs float32 weights on the CPU, not {embedding.dtype} on {embedding.device}")
+
+
+def native_unsupported(model) -> str | None:
+    """Why the core cannot run this torch model, or None: it runs float32, int8 and int4 weights on the CPU."""
+    weights = model.token_embedding.weight
+    if weights.device.type != "cpu":
+        return f"the model is on {weights.device.type.upper() if weights.device.type == 'cuda' else weights.device}"
+    if str(weights.dtype) != "torch.float32":
+        return f"the core runs float32, int8 and int4 weights, not {str(weights.dtype).removeprefix('torch.')}"
+    return None
 
 
 def torch_weights_name(model) -> str:
@@ -212,13 +225,14 @@ class NativeSession:
         count = batch_size * self.model.config.n_layer * size * self.position_floats
         k, v = (c_float * count)(), (c_float * count)()
         if self.positions:
-            self._copy_positions(k, size), self._copy_positions(v, size, keys=False)
+            self._copy_positions(self.k, k, size)
+            self._copy_positions(self.v, v, size)
         self.k, self.v, self.size = k, v, size
         self._caches = [self._row_cache(row) for row in range(batch_size)]
 
-    def _copy_positions(self, into, size: int, keys: bool = True) -> None:
-        """The cached positions of every row and layer into a buffer of `size` positions per layer."""
-        old, span = (self.k if keys else self.v), 4 * self.positions * self.position_floats
+    def _copy_positions(self, old, into, size: int) -> None:
+        """The cached positions of every row and layer of `old` into a buffer of `size` positions per layer."""
+        span = 4 * self.positions * self.position_floats
         for block in range(self.batch_size * self.model.config.n_layer):  # (row, layer) pairs, in memory order
             ctypes.memmove(ctypes.addressof(into) + 4 * block * size * self.position_floats,
                            ctypes.addressof(old) + 4 * block * self.size * self.position_floats, span)
@@ -235,8 +249,7 @@ class NativeSession:
         """CacheSession.prefill: reset, run the prompt's rows (B, T ≤ block_size); the logits of each row's last
         position: Logits (B, vocab), or a (B, 1, vocab) tensor for a tensor."""
         self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
-        rows = _rows(token_ids)
-        check_prefill_rows(rows, self.block_size)
+        rows = prefill_rows(token_ids, self.block_size)
         B, T = len(rows), len(rows[0])
         try:
             self.allocate(B, T)
@@ -270,12 +283,7 @@ class NativeSession:
 
     def decode(self, token_ids):
         """CacheSession.decode: append one position per row (a list of B ids, or a (B, 1) tensor); its logits."""
-        tokens = token_ids
-        if hasattr(token_ids, "tolist"):  # a (B, 1) tensor
-            if token_ids.dim() != 2 or token_ids.size(1) != 1:
-                raise ValueError(f"decode takes ({self.batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
-            tokens = token_ids[:, 0].tolist()
-        check_decode_rows(tokens, self.positions, self.batch_size, self.block_size)
+        tokens = decode_tokens(token_ids, self.positions, self.batch_size, self.block_size)
         logits = decode_rows(self.model, tokens, [self])
         return logits if tokens is token_ids else logits.torch()[:, None]
 
@@ -316,15 +324,6 @@ class _LayerView:
         self.k, self.v = k, v
 
 
-def _rows(token_ids) -> list[list[int]]:
-    """A prefill's rows: lists as they are, a (B, T) LongTensor's as lists."""
-    if not hasattr(token_ids, "tolist"):
-        return token_ids
-    if token_ids.dim() != 2 or str(token_ids.dtype) != "torch.int64":
-        raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
-    return token_ids.tolist()
-
-
 def decode_rows(model: NativeGPT, tokens: list[int], sessions: list[NativeSession]) -> Logits:
     """One new token for each row of several sessions at once, tokens in the sessions' row order, each at its
     own position over its own cache; their logits (R, vocab)."""
@@ -357,7 +356,7 @@ class NativeSampling:
                                      sampler.min_p or 0.0, p.repetition, p.last_n, p.frequency, p.presence,
                                      sampler.seed, logprobs)
         self.counts = [(c_int32 * self.drawable)() for _ in range(rows)] if p.counts_needed else None
-        self.last_n = 0 if p.repetition == 1.0 else p.last_n  # the window's tokens the core needs: none, or these
+        self.last_n = p.last_n if p.context_needed else 0  # the window's tokens the core needs: these, or none
         self.scratch = ctypes.create_string_buffer(self.library.manas_sample_scratch_bytes(self.drawable))
         self.draw = ManasDraw()
 

@@ -16,6 +16,28 @@ def allocation_description(allocation: str) -> str:
     return ALLOCATIONS[allocation]
 
 
+def prefill_rows(token_ids, block_size: int) -> list[list[int]]:
+    """A prefill's rows of token ids, checked: lists as they are, a (B, T) LongTensor's as lists."""
+    rows = token_ids
+    if hasattr(token_ids, "tolist"):  # a tensor (this module never imports torch)
+        if token_ids.dim() != 2 or str(token_ids.dtype) != "torch.int64":
+            raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
+        rows = token_ids.tolist()
+    check_prefill_rows(rows, block_size)
+    return rows
+
+
+def decode_tokens(token_ids, positions: int, batch_size: int, block_size: int) -> list[int]:
+    """A decode step's token per row, checked: a list of B ids as it is, a (B, 1) tensor's as a list."""
+    tokens = token_ids
+    if hasattr(token_ids, "tolist"):
+        if token_ids.dim() != 2 or token_ids.size(1) != 1:
+            raise ValueError(f"decode takes ({batch_size}, 1) token ids, got {tuple(token_ids.shape)}")
+        tokens = token_ids[:, 0].tolist()
+    check_decode_rows(tokens, positions, batch_size, block_size)
+    return tokens
+
+
 def check_prefill_rows(rows: list[list[int]], block_size: int) -> None:
     """A prefill takes B ≥ 1 rows of the same T, 1 ≤ T ≤ block_size, token ids."""
     if not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows):

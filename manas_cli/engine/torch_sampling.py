@@ -113,8 +113,8 @@ class TorchSampling:
         """The next id of each row, and the log-probabilities if asked. position: the text's position the logits
         (B, 1, vocab) follow (0 is the first token), for the error when they are not finite."""
         context = torch.tensor(windows, device=self.device) if self.sampler.penalties.context_needed else None
-        adjusted = self.sampler.adjust(check_logits(logits[:, -1:], position)[:, -1], context, self.counts)
-        next_ids = self.sampler.draw(adjusted)
+        adjusted = adjust(self.sampler, check_logits(logits[:, -1:], position)[:, -1], context, self.counts)
+        next_ids = draw(self.sampler, adjusted)
         if self.counts is not None:
             self.counts.scatter_add_(1, next_ids, torch.ones_like(next_ids, dtype=self.counts.dtype))
         top = top_logprobs(adjusted, next_ids, self.logprobs) if self.logprobs else None

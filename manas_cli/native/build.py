@@ -2,8 +2,9 @@
 
 Nothing is compiled at install time: `pip install` needs no compiler. The first run that wants the core compiles
 core.c (`$CC`, else `cc`) into a per-user cache folder, `$XDG_CACHE_HOME/manas` else `~/.cache/manas`, under a
-name keyed by a hash of the source, the flags, the compiler (its file and modification time) and the CPU's features, so an upgrade of
-any of them builds afresh and two machines sharing a home folder never load each other's code. A shared library
+name keyed by a hash of the source, the flags, the compiler (its file and modification time) and the CPU's
+features, so an upgrade of any of them builds afresh and two machines sharing a home folder never load each
+other's code. A shared library
 is code: one is loaded only from a folder the user owns and no one else can write, and only if the user owns it
 and no one else can write it. A folder that fails those checks is refused with one notice, and the core is built
 in a private temporary folder for this process instead.

@@ -22,6 +22,8 @@ from .config import GPTConfig, parameter_shapes
 from .session import allocation_description, decode_tokens, prefill_rows
 from .sampling import Sampler, logits_error
 
+INT32_MAX = 2**31 - 1
+
 
 class Logits:
     """Rows of float32 logits in memory the core writes: (rows, vocab), from row `first` of `buffer`.
@@ -345,16 +347,19 @@ class NativeSampling:
     requests were batched."""
 
     def __init__(self, model: NativeGPT, sampler: Sampler, rows: int, logprobs: int) -> None:
-        self.library, self.logprobs = model.library, logprobs
-        self.vocab = model.config.vocab_size
+        self.library, self.vocab = model.library, model.config.vocab_size
         decodable = sampler.decodable
         self.drawable = self.vocab if decodable is None else min(len(decodable), self.vocab)
         everything = decodable is None or all(decodable[: self.drawable])
         self.mask = None if everything else (c_uint8 * self.drawable)(*decodable[: self.drawable])
+        # The core's counts are 32-bit: each setting as what it means there (top-k of the whole vocabulary is no
+        # filter; a penalty window longer than any context is the whole context; no more alternatives than ids).
+        top_k = sampler.top_k if sampler.top_k and sampler.top_k < self.drawable else 0
+        self.logprobs = min(logprobs, self.drawable)
         p = sampler.penalties
-        self.settings = ManasSampler(sampler.temperature, sampler.top_k or 0, 1.0 if sampler.top_p is None else sampler.top_p,
-                                     sampler.min_p or 0.0, p.repetition, p.last_n, p.frequency, p.presence,
-                                     sampler.seed, logprobs)
+        self.settings = ManasSampler(sampler.temperature, top_k, 1.0 if sampler.top_p is None else sampler.top_p,
+                                     sampler.min_p or 0.0, p.repetition, min(p.last_n, INT32_MAX), p.frequency,
+                                     p.presence, sampler.seed, self.logprobs)
         self.counts = [(c_int32 * self.drawable)() for _ in range(rows)] if p.counts_needed else None
         self.last_n = p.last_n if p.context_needed else 0  # the window's tokens the core needs: these, or none
         self.scratch = ctypes.create_string_buffer(self.library.manas_sample_scratch_bytes(self.drawable))

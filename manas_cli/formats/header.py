@@ -66,6 +66,12 @@ class TensorEntry:
     start: int
     end: int
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its shape and dtype imply (read_safetensors_header admits only dtypes in ITEMSIZES' terms
+        through check_tensors)."""
+        return math.prod(self.shape) * ITEMSIZES[self.dtype]
+
 
 @dataclass
 class Header:
@@ -174,6 +180,8 @@ def check_tensors(tensors: dict[str, TensorEntry], expected: Iterator[tuple[str,
             raise CheckpointError(f"{path}: tensor {name} has shape {list(entry.shape)}, the config needs {list(shape)}")
         if entry.dtype not in allowed:
             raise CheckpointError(f"{path}: tensor {name} is {entry.dtype}; it must be {_dtype_rule(allowed)}")
+        if entry.end - entry.start != (nbytes := entry.nbytes):
+            raise _unreadable(path, f"tensor {name} has {entry.end - entry.start} bytes of data, its shape needs {nbytes}")
         seen.add(name)
     if unexpected := sorted(set(tensors) - seen):
         raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]} (not part of this config's model)")
@@ -277,14 +285,13 @@ class MappedCheckpoint:
     them, as training does, changes only its own copy of those pages, never the file)."""
 
     def __init__(self, path: Path, header: Header, mapping: mmap.mmap) -> None:
+        if len(mapping) < max((entry.end for entry in header.tensors.values()), default=0):
+            raise CheckpointError(f"{path}: the file changed while it was read (it is shorter than its header says)")
         self.path, self.header, self.mapping = path, header, mapping
 
     def data(self, name: str) -> memoryview:
-        """The bytes of tensor `name`, which must be as many as its shape and dtype need."""
+        """The bytes of tensor `name`: as many as its shape and dtype need (check_tensors saw to it)."""
         entry = self.header.tensors[name]
-        nbytes = math.prod(entry.shape) * ITEMSIZES[entry.dtype]
-        if entry.end - entry.start != nbytes:
-            raise _unreadable(self.path, f"tensor {name} has {entry.end - entry.start} bytes of data, its shape needs {nbytes}")
         return memoryview(self.mapping)[entry.start : entry.end]
 
     def aligned(self, name: str) -> bool:

@@ -10,7 +10,7 @@ WEIGHTS_F32, WEIGHTS_INT8, WEIGHTS_INT4 = 0, 1, 2
 
 
 class ManasLinear(ctypes.Structure):
-    _fields_ = [("kind", c_int32), ("n_in", c_int32), ("n_out", c_int32), ("weight", c_void_p),
+    _fields_ = [("kind", c_int32), ("n_in", c_int32), ("n_out", c_int32), ("group", c_int32), ("weight", c_void_p),
                 ("scales", POINTER(c_uint16)), ("zeros", POINTER(c_uint16)), ("bias", POINTER(c_float))]
 
 

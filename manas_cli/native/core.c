@@ -24,20 +24,21 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 1
-#define MAX_THREADS 64
+#define MANAS_ABI_VERSION 2
+#define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
 /* ---- the model, as Python lays it out (native/binding.py mirrors these structs) ---- */
 
 enum { WEIGHTS_F32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2 };
-#define INT4_GROUP 32      /* values per scale/zero group along a row (quantize.py's INT4_GROUP_SIZE) */
+#define INT4_BLOCK 32      /* int4 columns read as one block: 16 bytes, each column pair's low nibble first */
 #define INT4_MIDDLE 8      /* the code a group's zero stands for */
 
 typedef struct {
     int32_t kind, n_in, n_out;
+    int32_t group;           /* int4: values per scale/zero group along a row, even, dividing n_in (else unused) */
     const void *weight;      /* float32 (out, in); int8 (out, in); int4: uint8 (out, in/2), column 2i low nibble */
-    const uint16_t *scales;  /* bfloat16: one per row (int8), one per group (int4) */
-    const uint16_t *zeros;   /* bfloat16, one per group (int4): the value of code 8 */
+    const uint16_t *scales;  /* bfloat16: one per row (int8); int4 (out, in/group) */
+    const uint16_t *zeros;   /* bfloat16, int4 (out, in/group): the value of code 8 */
     const float *bias;       /* (out,) or NULL */
 } ManasLinear;
 
@@ -323,11 +324,26 @@ static inline Lanes nibble_lanes(const uint8_t *p, int high) {
 }
 #endif
 
+/* The index of the scale and zero of column i of int4 weight row o. */
+static inline size_t int4_group(const ManasLinear *linear, size_t o, size_t i) {
+    return o * (size_t)(linear->n_in / linear->group) + i / (size_t)linear->group;
+}
+
+/* The value int4 code q of group g stands for, as quantize.py's dequantize_groups computes it. */
+static inline float int4_value(const ManasLinear *linear, size_t g, float q) {
+    return (q - (float)INT4_MIDDLE) * bf16_to_float(linear->scales[g]) + bf16_to_float(linear->zeros[g]);
+}
+
+/* How many whole chunks of LANES values a row of n is read in: the rest, its tail, is read value by value. An
+   int4 row is read in whole blocks of INT4_BLOCK (two chunks each), whatever its group size. */
+static inline int whole_chunks(int kind, int n) { return kind == WEIGHTS_INT4 ? n / INT4_BLOCK * 2 : n / LANES; }
+
 /* Chunks c .. c + step − 1 of weight row o as float32 lanes (chunk c: values 16c .. 16c + 15 in the order the
    products use), step 1 for float32 and int8, 2 for int4: float32 as stored; int8 codes as they are (the row's
    scale multiplies the sum, in finish); int4 dequantized as quantize.py's dequantize_groups, zero + (code − 8) ×
-   scale, a group of 32 at a time: its 16 bytes' low nibbles (the group's even columns) are chunk c, their high
-   nibbles (its odd columns) chunk c + 1, and x is reordered to match (int4_input). */
+   scale, a block of 32 columns at a time: its 16 bytes' low nibbles (the block's even columns) are chunk c,
+   their high nibbles (its odd columns) chunk c + 1, and x is reordered to match (int4_input). A block lies in one
+   group when the group size is a multiple of 32 (one scale for all lanes); else each lane takes its own. */
 static inline __attribute__((always_inline)) void weight_lanes(int kind, const ManasLinear *linear, int o, int c,
                                                                Lanes *chunks) {
     size_t n = (size_t)linear->n_in;
@@ -336,19 +352,33 @@ static inline __attribute__((always_inline)) void weight_lanes(int kind, const M
     } else if (kind == WEIGHTS_INT8) {
         chunks[0] = int8_lanes((const int8_t *)linear->weight + o * n + (size_t)c * LANES);
     } else {
-        size_t group = o * (n / INT4_GROUP) + (size_t)c / 2;
-        const uint8_t *bytes = (const uint8_t *)linear->weight + group * LANES;
-        float scale = bf16_to_float(linear->scales[group]), zero = bf16_to_float(linear->zeros[group]);
-        for (int half = 0; half < 2; half++)
+        size_t first = (size_t)c / 2 * INT4_BLOCK;  /* the block's first column */
+        const uint8_t *bytes = (const uint8_t *)linear->weight + (o * n + first) / 2;
+        int one_group = linear->group % INT4_BLOCK == 0;
+        Lanes scale, zero;
+        if (one_group) {
+            size_t g = int4_group(linear, o, first);
+            scale = (Lanes){0} + bf16_to_float(linear->scales[g]), zero = (Lanes){0} + bf16_to_float(linear->zeros[g]);
+        }
+        for (int half = 0; half < 2; half++) {
+            if (!one_group) {
+                for (int l = 0; l < LANES; l++) {
+                    size_t g = int4_group(linear, o, first + 2 * l + half);
+                    scale[l] = bf16_to_float(linear->scales[g]), zero[l] = bf16_to_float(linear->zeros[g]);
+                }
+            }
             chunks[half] = (nibble_lanes(bytes, half) - (float)INT4_MIDDLE) * scale + zero;
+        }
     }
 }
 
-/* Element i of weight row o, for the tail of a row that is not a multiple of LANES (float32 and int8 only:
-   int4 rows are whole groups). */
+/* Element i of weight row o, for the tail of a row past its whole chunks (int8: the code; int4: its value). */
 static inline float weight_at(int kind, const ManasLinear *linear, int o, int i) {
     size_t at = (size_t)o * linear->n_in + i;
-    return kind == WEIGHTS_F32 ? ((const float *)linear->weight)[at] : (float)((const int8_t *)linear->weight)[at];
+    if (kind == WEIGHTS_F32) return ((const float *)linear->weight)[at];
+    if (kind == WEIGHTS_INT8) return (float)((const int8_t *)linear->weight)[at];
+    uint8_t byte = ((const uint8_t *)linear->weight)[at / 2];  /* rows are even, so column i is byte at/2's */
+    return int4_value(linear, int4_group(linear, o, i), (float)(i % 2 ? byte >> 4 : byte & 15));
 }
 
 /* out[r][o] = x[r] · w[o0 + o] for r < RT, o < OT (compile-time sizes after inlining): each pair in the lane
@@ -356,7 +386,7 @@ static inline float weight_at(int kind, const ManasLinear *linear, int o, int i)
 static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT, const ManasLinear *linear,
                                                        const float *const *x, int o0, float out[TILE][TILE]) {
     Lanes lane[TILE][TILE] = {{{0}}};
-    int n = linear->n_in, chunks = n / LANES, step = kind == WEIGHTS_INT4 ? 2 : 1;
+    int n = linear->n_in, chunks = whole_chunks(kind, n), step = kind == WEIGHTS_INT4 ? 2 : 1;
     for (int c = 0; c < chunks; c += step) {
         Lanes ws[TILE][2];
         for (int o = 0; o < OT; o++) weight_lanes(kind, linear, o0 + o, c, ws[o]);
@@ -447,16 +477,17 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
 /* Rows o0 .. o0 + count − 1 of a quantized layer as float32, in the order of its chunks: the values weight_lanes
    gives, stored. */
 static void dequantize_tile(const ManasLinear *linear, int o0, int count, float *buffer) {
-    int n = linear->n_in, step = linear->kind == WEIGHTS_INT4 ? 2 : 1;
+    int n = linear->n_in, kind = linear->kind, step = kind == WEIGHTS_INT4 ? 2 : 1;
+    int chunks = whole_chunks(kind, n);
     for (int k = 0; k < count; k++) {
         float *row = buffer + (size_t)k * n;
-        for (int c = 0; c < n / LANES; c += step) {
-            Lanes chunks[2];
-            if (linear->kind == WEIGHTS_INT8) weight_lanes(WEIGHTS_INT8, linear, o0 + k, c, chunks);
-            else weight_lanes(WEIGHTS_INT4, linear, o0 + k, c, chunks);
-            memcpy(row + (size_t)c * LANES, chunks, step * sizeof(Lanes));
+        for (int c = 0; c < chunks; c += step) {
+            Lanes values[2];
+            if (kind == WEIGHTS_INT8) weight_lanes(WEIGHTS_INT8, linear, o0 + k, c, values);
+            else weight_lanes(WEIGHTS_INT4, linear, o0 + k, c, values);
+            memcpy(row + (size_t)c * LANES, values, step * sizeof(Lanes));
         }
-        for (int i = n / LANES * LANES; i < n; i++) row[i] = weight_at(WEIGHTS_INT8, linear, o0 + k, i);
+        for (int i = chunks * LANES; i < n; i++) row[i] = weight_at(kind, linear, o0 + k, i);
     }
 }
 
@@ -470,7 +501,7 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
             matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count);  /* one copy of the loops per kind */
         } else if (kind == WEIGHTS_INT4 && m->rows > TILE) {  /* a prefill: dequantize once for all its rows */
             dequantize_tile(m->linear, o0, count, buffer);
-            ManasLinear dequantized = {WEIGHTS_F32, m->linear->n_in, count, buffer, NULL, NULL, NULL};
+            ManasLinear dequantized = {.kind = WEIGHTS_F32, .n_in = m->linear->n_in, .n_out = count, .weight = buffer};
             matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count);
         } else if (kind == WEIGHTS_INT8) {
             matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count);
@@ -480,13 +511,14 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
     }
 }
 
-/* x with each group of 32 reordered to its even columns, then its odd ones: the order weight_lanes gives an
-   int4 row's codes in. */
+/* x with each whole block of 32 reordered to its even columns, then its odd ones, the tail as it is: the order
+   weight_lanes and weight_at give an int4 row's values in. */
 static void int4_input(int n, const float *x, float *out, int rows) {
+    int blocked = n / INT4_BLOCK * INT4_BLOCK;
     for (size_t r = 0; r < (size_t)rows; r++)
         for (int i = 0; i < n; i++) {
-            int j = i % INT4_GROUP;
-            out[r * n + i - j + (j % 2 ? INT4_GROUP / 2 : 0) + j / 2] = x[r * n + i];
+            int j = i % INT4_BLOCK;
+            out[r * n + (i < blocked ? i - j + (j % 2 ? INT4_BLOCK / 2 : 0) + j / 2 : i)] = x[r * n + i];
         }
 }
 
@@ -652,25 +684,11 @@ static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, i
 }
 
 /* Weight row o of a quantized layer as the float32 values dequantize_rows / dequantize_groups give: q × scale;
-   zero + (code − 8) × scale, column 2j of a group in byte j's low nibble, 2j + 1 in its high one. */
+   zero + (code − 8) × scale, column 2j in byte j's low nibble, 2j + 1 in its high one. */
 static void dequantize_row(const ManasLinear *linear, int o, float *out) {
-    size_t n = (size_t)linear->n_in;
-    if (linear->kind == WEIGHTS_INT8) {
-        const int8_t *codes = (const int8_t *)linear->weight + o * n;
-        float scale = bf16_to_float(linear->scales[o]);
-        for (size_t i = 0; i < n; i++) out[i] = (float)codes[i] * scale;
-        return;
-    }
-    const uint8_t *bytes = (const uint8_t *)linear->weight + o * n / 2;
-    for (size_t g = 0; g < n / INT4_GROUP; g++) {
-        size_t group = o * (n / INT4_GROUP) + g;
-        float scale = bf16_to_float(linear->scales[group]), zero = bf16_to_float(linear->zeros[group]);
-        for (int j = 0; j < INT4_GROUP / 2; j++) {
-            uint8_t byte = bytes[g * INT4_GROUP / 2 + j];
-            out[g * INT4_GROUP + 2 * j] = ((float)(byte & 15) - (float)INT4_MIDDLE) * scale + zero;
-            out[g * INT4_GROUP + 2 * j + 1] = ((float)(byte >> 4) - (float)INT4_MIDDLE) * scale + zero;
-        }
-    }
+    for (int i = 0; i < linear->n_in; i++)
+        out[i] = linear->kind == WEIGHTS_INT8 ? weight_at(WEIGHTS_INT8, linear, o, i) * bf16_to_float(linear->scales[o])
+                                              : weight_at(WEIGHTS_INT4, linear, o, i);
 }
 
 /* A token's embedding. A quantized checkpoint stores the tied matrix once, as the output layer's codes: without a
@@ -836,7 +854,7 @@ EXPORT int64_t manas_first_not_finite(const void *src, int64_t n) {
    2 its zeros (int4: the zero plus that reach), 0 neither. */
 EXPORT int manas_quantized_overflow(const ManasLinear *linear) {
     size_t groups = linear->kind == WEIGHTS_INT8 ? (size_t)linear->n_out
-                                                 : (size_t)linear->n_out * (linear->n_in / INT4_GROUP);
+                                                 : (size_t)linear->n_out * (linear->n_in / linear->group);
     float reach = linear->kind == WEIGHTS_INT8 ? 127.0f : (float)INT4_MIDDLE;
     int overflow = 0;
     for (size_t g = 0; g < groups && overflow < 1; g++)
@@ -1060,7 +1078,8 @@ EXPORT int manas_sample(const ManasSampler *s, const float *logits, int vocab, i
         }
     }
     out->token = token;
-    if (s->logprobs > 0) report_logprobs(n, a, s->logprobs > MAX_LOGPROBS ? MAX_LOGPROBS : s->logprobs, token, out);
+    int k = s->logprobs < n ? s->logprobs : n;  /* no more alternatives than ids */
+    if (k > 0) report_logprobs(n, a, k > MAX_LOGPROBS ? MAX_LOGPROBS : k, token, out);
     if (counts) counts[token]++;
     return 0;
 }

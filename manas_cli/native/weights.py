@@ -38,13 +38,14 @@ class MappedWeights:
         rows, columns = self.mapped.header.tensors[weight].shape
         bias = self.vector(f"{name}.bias")
         if not self.quantization:
-            return ManasLinear(WEIGHTS_F32, columns, rows, self._converted(weight, bfloat16=False), None, None, bias)
+            return ManasLinear(WEIGHTS_F32, columns, rows, 0, self._converted(weight, bfloat16=False), None, None, bias)
         scales = self._bfloat16s(companion_name(weight, "scales"))
         if self.quantization == "int8":
-            layer = ManasLinear(WEIGHTS_INT8, columns, rows, self._address(weight), scales, None, bias)
+            layer = ManasLinear(WEIGHTS_INT8, columns, rows, 0, self._address(weight), scales, None, bias)
         else:
             zeros = self._bfloat16s(companion_name(weight, "zeros"))
-            layer = ManasLinear(WEIGHTS_INT4, 2 * columns, rows, self._address(weight), scales, zeros, bias)
+            layer = ManasLinear(WEIGHTS_INT4, 2 * columns, rows, self.mapped.header.group_size, self._address(weight),
+                                scales, zeros, bias)
         if overflow := self.library.manas_quantized_overflow(ctypes.byref(layer)):
             raise not_finite(self.mapped.path, f"{stored}.{('scales', 'zeros')[overflow - 1]}", "float32")
         if name == "lm_head":
@@ -52,6 +53,8 @@ class MappedWeights:
         return layer
 
     def _address(self, name: str) -> int:
+        """Where tensor `name` starts in the mapping; its extent, every byte its shape implies, was checked with the
+        header (check_tensors), and the mapping covers it (MappedCheckpoint)."""
         return self._base + self.mapped.header.tensors[name].start
 
     def _converted(self, name: str, bfloat16: bool) -> int:
@@ -60,7 +63,7 @@ class MappedWeights:
         if (name, bfloat16) in self.kept:  # the tied embedding is the float output layer too: one copy
             return ctypes.addressof(self.kept[name, bfloat16])
         entry = self.mapped.header.tensors[name]
-        count = self.mapped.data(name).nbytes // ITEMSIZES[entry.dtype]  # data() checks the size
+        count = entry.nbytes // ITEMSIZES[entry.dtype]  # the byte extent checked with the header (check_tensors)
         if not bfloat16 and entry.dtype == "F32" and self.mapped.aligned(name):
             if self.library.manas_first_not_finite(self._address(name), count) >= 0:
                 raise not_finite(self.mapped.path, name, "float32")
@@ -106,11 +109,12 @@ class TorchWeights:
         bias = pointer(layer.bias)
         if isinstance(layer, self._quantized_type):
             kind = WEIGHTS_INT8 if isinstance(layer, Int8Linear) else WEIGHTS_INT4
-            zeros = pointer(layer.zeros, c_uint16) if kind == WEIGHTS_INT4 else None
-            return ManasLinear(kind, layer.in_features, layer.out_features, layer.weight.data_ptr(),
+            zeros, group = (pointer(layer.zeros, c_uint16), layer.group_size) if kind == WEIGHTS_INT4 else (None, 0)
+            return ManasLinear(kind, layer.in_features, layer.out_features, group, layer.weight.data_ptr(),
                                pointer(layer.scales, c_uint16), zeros, bias)
         pointer(layer.weight)  # checks the layout
-        return ManasLinear(WEIGHTS_F32, layer.in_features, layer.out_features, layer.weight.data_ptr(), None, None, bias)
+        return ManasLinear(WEIGHTS_F32, layer.in_features, layer.out_features, 0, layer.weight.data_ptr(), None, None,
+                           bias)
 
 
 def pointer(tensor, kind=c_float):

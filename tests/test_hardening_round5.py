@@ -8,8 +8,11 @@ import json
 import struct
 from pathlib import Path
 
+import openai
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
 from cli_fixtures import RUN_OPTIONS, checkpoints, manas, rope  # noqa: F401
 from conftest import make_model, needs_compiler
@@ -134,3 +137,51 @@ def test_threads_up_to_the_flags_limit_run_on_the_core(rope):
     assert run.ok().json()["engine"] == "native"
     over = manas("generate", "-c", rope.path, "--threads", "257", "-p", "ROMEO:", "-n", "5")
     assert over.returncode == 2 and "1 <= threads <= 256" in over.err
+
+
+# ---- item 6: one request's failure is its own -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loud_at_10(checkpoints, tmp_path_factory) -> Path:
+    """A learned-position model whose position 10 row is 3e38: a request that reaches position 10 has infinite
+    logits there, one that stops before it does not."""
+    source = checkpoints["learned-mha"].path
+    tensors, metadata = _read(source)
+    tensors["position_embedding.weight"][10] = 3e38
+    path = tmp_path_factory.mktemp("loud") / "loud.safetensors"
+    path.write_bytes(save(tensors, metadata=metadata))
+    return path
+
+
+def _read(path: Path):
+    with safe_open(path, framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
+
+
+def test_a_jsonl_request_whose_logits_overflow_gets_its_error_record_and_the_rest_go_on(loud_at_10):
+    lines = [{"prompt": "ab", "max_tokens": 4, "temperature": 0}, {"prompt": "ab", "max_tokens": 20},
+             {"prompt": "cd", "max_tokens": 4, "temperature": 0}, {"prompt": "ef", "max_tokens": 3}]
+    stdin = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    run = manas("generate", "-c", loud_at_10, *RUN_OPTIONS, "--jsonl", stdin=stdin)
+    records = run.json_lines()
+    assert run.returncode == 1 and [record["id"] for record in records] == [1, 2, 3, 4]
+    assert "NaN or infinite logits at position 10" in records[1]["error"] and records[1]["line"] == 2
+    assert [len(records[i]["tokens"]) for i in (0, 2, 3)] == [4, 4, 3]
+    assert "1 of 4 lines failed" in run.err and "Traceback" not in run.err
+
+
+def test_a_request_whose_logits_overflow_gets_an_error_and_the_server_goes_on(loud_at_10):
+    from test_serve import running_server
+
+    with running_server(loud_at_10, "--batch-size", "4") as live:
+        client = live.client()
+        with pytest.raises(openai.InternalServerError, match="position 10"):
+            client.completions.create(model=live.model, prompt="ab", max_tokens=20)
+        stream = client.completions.create(model=live.model, prompt="ab", max_tokens=20, stream=True, n=2)
+        with pytest.raises(openai.APIError, match="position 10"):
+            list(stream)
+        for _ in range(3):
+            answer = client.completions.create(model=live.model, prompt="ab", max_tokens=4, temperature=0)
+            assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
+        assert live.health()["status"] == "ok"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ..errors import NumericalError
 from .generation import kept_on_overflow
 from .engines import decode_sessions, new_session, sampling_state
 from .sampling import Sampler
@@ -40,8 +41,9 @@ class Token:
     kind: str  # "prefill", "re_prefill" or "decode"
     seconds: float  # the step that made it (a decode step makes every decoding row's token at once)
     logprobs: tuple[float, list[int], list[float]] | None
-    last: bool  # its budget is spent, or it is end-of-text
+    last: bool  # its budget is spent, or it is end-of-text, or it failed
     cache: object  # the row's cache (CacheSession or NativeSession), for what it holds once the request is done
+    error: str | None = None  # why this request failed (its logits were not finite); token is then -1
 
 
 class Row:
@@ -57,7 +59,10 @@ class Row:
     def take(self, logits, kind: str, started: float) -> Token:
         """Sample this row's next token from its logits (one row)."""
         position = len(self.request.prompt) - 1 + self.steps
-        (token,), top = self.state.sample(logits, [self.window], position)
+        try:
+            (token,), top = self.state.sample(logits, [self.window], position)
+        except NumericalError as exc:  # this request's numbers, not the engine's: the other rows go on
+            return Token(self.request.key, -1, kind, time.perf_counter() - started, None, True, self.session, str(exc))
         seconds = time.perf_counter() - started
         self.window = (self.window + [token])[-self.session.block_size :]
         self.steps += 1

@@ -212,12 +212,22 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
                                engine.weights, engine.name, line.settings)
         line.record = {"id": line.id, **record}
 
+    def fail(made) -> None:
+        """The request's error record: the others go on."""
+        for held in (streams, progress, seeds):
+            held.pop(made.key)
+        line = lines[made.key]
+        line.record = {"id": line.id, "line": made.key, "error": made.error}
+
     interruption = None
     # A request whose stream is gone was completed (a stop string may end it before its budget).
     steps = generate_batched(engine.model, take, batch_size, eot, overflow, finished=lambda key: key not in streams)
     try:
         for tokens in steps:
             for made in tokens:
+                if made.error is not None:
+                    fail(made)
+                    continue
                 stream = streams[made.key]
                 progress[made.key].update(made)
                 stream.feed(made.token, made.logprobs)

@@ -94,7 +94,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _health(self) -> None:
         scheduler = self.server.scheduler
-        self._json(200, {"status": "ok", "rows": scheduler.rows, "queued": scheduler.queued})
+        if failure := scheduler.failure:
+            self._json(503, {"status": "error", "error": failure})
+        else:
+            self._json(200, {"status": "ok", "rows": scheduler.rows, "queued": scheduler.queued})
 
     def _models(self) -> None:
         self._authorize()
@@ -108,8 +111,8 @@ class Handler(BaseHTTPRequestHandler):
     def _completions(self) -> None:
         self._authorize()
         request = parse_completion(parse_json(self._body()))
-        if self.server.scheduler.error is not None:
-            raise RequestError(f"the engine stopped: {self.server.scheduler.error}", status=500, kind="server_error")
+        if failure := self.server.scheduler.failure:
+            raise RequestError(failure, status=500, kind="server_error")
         try:
             prompts = [self.server.encode(prompt) for prompt in request.prompts]
         except ManasError as exc:  # a character outside a character-level vocabulary, an empty prompt
@@ -135,9 +138,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._stream(reply, events)
             else:
                 self._wait(events, len(choices))
-                if self.server.scheduler.error is not None:
-                    raise RequestError(f"the engine stopped: {self.server.scheduler.error}", status=500,
-                                       kind="server_error")
+                if failure := self.server.scheduler.failure or next((c.error for c in choices if c.error), None):
+                    raise RequestError(failure, status=500, kind="server_error")
                 self._json(200, reply.body())
         finally:
             for choice in choices:  # a client gone mid-answer frees its rows at the engine's next step
@@ -229,7 +231,10 @@ class Handler(BaseHTTPRequestHandler):
             if text is None:
                 ended += 1
                 choice = reply.choice(index)
-                self._event(reply.chunk(index, "", reply.finish_reason(choice), None))
+                if choice.error is not None:  # this choice failed; the others go on
+                    self._event(RequestError(choice.error, status=500, kind="server_error").body())
+                else:
+                    self._event(reply.chunk(index, "", reply.finish_reason(choice), None))
                 continue
             if text or entry is not None:
                 self._event(reply.chunk(index, text, None, reply.stream_logprobs(index, text, entry)))

@@ -36,6 +36,7 @@ class Choice:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
     ended: bool = False
+    error: str | None = None  # why the engine could not finish it (its logits were not finite)
     first_token_s: float | None = None  # time.monotonic() when the prefill's token was sampled
 
     @property
@@ -102,6 +103,15 @@ class Scheduler:
     def busy(self) -> int:
         return self.rows + self.queued
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread is no longer running, or None while it runs (or has not started)."""
+        if self.error is not None:
+            return f"the engine stopped: {self.error}"
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping.is_set():
+            return "the engine stopped"
+        return None
+
     def stop(self) -> None:
         """Take no more requests; end the engine thread once the batch is empty."""
         self._stopping.set()
@@ -165,7 +175,9 @@ class Scheduler:
     def _deliver(self, made) -> None:
         """A row's new token to its choice; a done choice leaves the batch (generate_batched asks _finished)."""
         choice = self._running[made.key]
-        if choice.cancelled:
+        if made.error is not None:
+            choice.error = made.error
+        if choice.cancelled or choice.error is not None:
             self._running.pop(made.key).end()
             return
         if choice.first_token_s is None:

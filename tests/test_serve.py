@@ -67,7 +67,7 @@ def running_server(checkpoint, *args: str):
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    with running_server(checkpoints["rope-gqa"].path, "--batch-size", "4", "--timeout", "2") as live:
+    with running_server(checkpoints["rope-gqa"].path, "--batch-size", "4", "--timeout", "2", "--max-tokens", "1000000") as live:
         yield live
 
 
@@ -162,7 +162,8 @@ def test_manas_own_sampling_fields_are_taken_as_extra_body(server, checkpoints):
     (dict(temperature=-1), "temperature", "temperature must be a finite number >= 0, got -1"),
     (dict(max_tokens=0), "max_tokens", "max_tokens must be an integer >= 1, got 0"),
     (dict(n=99), "n", "n must be an integer from 1 to 16, got 99"),
-    (dict(extra_body={"best_of": 2}), "best_of", "unknown field 'best_of'"),
+    (dict(extra_body={"best_of": 2}), "best_of", "best_of 2 is not supported: manas takes null or 1"),
+    (dict(extra_body={"logit_bias": {"50": 3}}), "logit_bias", "is not supported: manas takes null or {}"),
     (dict(top_p=1.5), "top_p", "top_p must be a number with 0 < top_p <= 1, got 1.5"),
 ])
 def test_a_bad_field_is_a_400_naming_it(server, options, param, message):
@@ -271,7 +272,7 @@ def test_the_key_may_come_from_the_environment(checkpoints, monkeypatch):
 
 
 def test_requests_past_the_queue_get_429_with_retry_after(checkpoints):
-    with running_server(checkpoints["rope-gqa"].path, "--batch-size", "1", "--max-queue", "1") as live:
+    with running_server(checkpoints["rope-gqa"].path, "--batch-size", "1", "--max-queue", "1", "--max-tokens", "3000") as live:
         statuses = []
 
         def ask() -> None:

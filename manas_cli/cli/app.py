@@ -332,7 +332,9 @@ def serve(
     batch_size: Annotated[int, typer.Option(min=1, max=256, help="Requests (choices) decoded together, each at its own position, as --jsonl's.")] = 16,
     max_queue: Annotated[int, typer.Option(min=1, help="Choices that may wait for a row; beyond, a request gets 429 with Retry-After.")] = 64,
     api_key: Annotated[Optional[str], typer.Option(envvar="MANAS_API_KEY", show_envvar=True, help="Require 'Authorization: Bearer KEY' on every request but /health.")] = None,
-    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a client may send or read nothing before it is dropped (a slow or stalled client holds no row).")] = 10.0,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a client may send or read nothing before it is dropped (a slow or stalled client holds no row); a request's headers and body must arrive whole within it too.")] = 10.0,
+    max_connections: Annotated[Optional[int], typer.Option(min=1, max=65536, help="Connections held at once, each with a thread; beyond, a new one gets 503 at once. Default: 32 per core, 64 to 512.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(min=1, help="The most tokens a choice may ask for (max_tokens); above it, 400 naming this limit. Default: 4 windows of the model, at least 1,024.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
     quantize: QuantizeOption = None,
     checkpoint: CheckpointOption = None,
@@ -357,7 +359,7 @@ def serve(
     from .commands import serve as command
 
     command.run(host=host, port=port, batch_size=batch_size, max_queued=max_queue, api_key=api_key, timeout_s=timeout,
-                verbose=verbose, model_options=model_options(checkpoint, device, dtype, threads, quantize,
+                verbose=verbose, max_connections=max_connections, max_tokens=max_tokens, model_options=model_options(checkpoint, device, dtype, threads, quantize,
                                                              Allocation.dynamic, engine))
 
 

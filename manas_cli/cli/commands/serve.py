@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import typer
 
 from ...errors import InputError
 from .common import ModelOptions, check_memory, encode_prompt, load_model
 
+DEFAULT_MAX_TOKENS_WINDOWS, MIN_MAX_TOKENS = 4, 1024  # a choice's default ceiling on new tokens: 4 windows, at least 1,024
 GRACE_S = 10.0  # after SIGINT/SIGTERM, what runs has this long to finish
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # the hosts that need no warning without a key
 
 
+def default_max_connections() -> int:
+    """32 connections a core, 64 to 512: each holds a thread while it is open."""
+    return max(64, min(512, 32 * (os.cpu_count() or 1)))
+
+
 def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str | None, timeout_s: float,
-        verbose: bool, model_options: ModelOptions) -> None:
+        verbose: bool, model_options: ModelOptions, max_connections: int | None = None,
+        max_tokens: int | None = None) -> None:
     from ..render import say, stderr_console
     from ..server.http import Server, serve
     from ..server.scheduler import Scheduler
 
+    if api_key is not None and not api_key.strip():
+        raise InputError("the API key (--api-key or $MANAS_API_KEY) is empty: give a key, or leave both unset to serve "
+                         "without one")
     console = stderr_console()
     checkpoint, _, engine = load_model(model_options, console)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
@@ -27,7 +38,8 @@ def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str 
     model_id = checkpoint.path.stem
     try:
         server = Server((host, port), scheduler, lambda text: encode_prompt(checkpoint, text, quiet), model_id,
-                        api_key, verbose, timeout_s)
+                        api_key, verbose, timeout_s, max_connections or default_max_connections(),
+                        max_tokens or max(MIN_MAX_TOKENS, DEFAULT_MAX_TOKENS_WINDOWS * checkpoint.model.config.block_size))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise InputError(f"cannot listen on {host}:{port}: the port is in use; choose another with --port") from None

@@ -19,7 +19,10 @@ FIELDS = {
     "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed": "seed",
     "logprobs": "logprobs", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
     "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "repeat_last_n": "repeat_last_n",
+    "best_of": None, "logit_bias": None,
 }
+# Fields clients send with their defaults (LangChain, llm): taken at these values, refused, by name, at any other.
+HARMLESS = {"best_of": (None, 1), "logit_bias": (None, {})}
 
 
 class RequestError(ValueError):
@@ -48,11 +51,25 @@ class Completion:
 
 def parse_json(body: bytes) -> object:
     try:
-        return json.loads(body.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
+        value = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
         raise RequestError(f"the body is not UTF-8 (byte {exc.start + 1}): send UTF-8 JSON") from None
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"the body is not JSON: {exc}") from None
+    if _has_lone_surrogate(value):
+        raise RequestError("the body holds a lone surrogate escape (\\ud800 to \\udfff unpaired): that is no "
+                           "character; send UTF-8 text")
+    return value
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """Whether any string in a parsed JSON value holds an unpaired surrogate (JSON's \\uD800 escapes allow one;
+    no text can be encoded from it)."""
+    if isinstance(value, str):
+        return not value.isascii() and any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(_has_lone_surrogate(v) for v in value)
 
 
 def _refuse_constant(name: str) -> float:
@@ -66,13 +83,18 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_completion(value: object) -> Completion:
-    """The request's fields, each checked by generate's own rule; RequestError names the first that is wrong."""
+def parse_completion(value: object, max_tokens: int) -> Completion:
+    """The request's fields, each checked by generate's own rule; RequestError names the first that is wrong.
+    max_tokens: the server's ceiling on a choice's tokens (serve --max-tokens)."""
     if not isinstance(value, dict):
         raise RequestError(f"the body must be a JSON object, not {type(value).__name__}")
     for name in value:
         if name not in FIELDS:
             raise RequestError(f"unknown field {name!r}: manas takes {', '.join(FIELDS)}", param=name)
+    for name, accepted in HARMLESS.items():
+        if value.get(name) not in accepted:
+            raise RequestError(f"{name} {json.dumps(value[name])[:40]} is not supported: manas takes "
+                               f"{' or '.join(json.dumps(a) for a in accepted)}", param=name)
     prompts = _prompts(value.get("prompt"))
     n = _integer(value, "n", 1, 1, MAX_CHOICES)
     if n * len(prompts) > MAX_CHOICES:
@@ -92,6 +114,9 @@ def parse_completion(value: object) -> Completion:
             checked[name] = check(name, setting)
         except ValueError as exc:
             raise RequestError(str(exc), param=next(f for f, s in FIELDS.items() if s == name)) from None
+    if checked["max_tokens"] > max_tokens:
+        raise RequestError(f"max_tokens {checked['max_tokens']:,} is over this server's limit of {max_tokens:,} "
+                           "(manas serve --max-tokens)", param="max_tokens")
     stream = _boolean(value, "stream")
     options = value.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:

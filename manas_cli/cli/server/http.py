@@ -5,6 +5,7 @@ server-sent events. Nothing a request sends names a file: the server reads and w
 from __future__ import annotations
 
 import hmac
+import io
 import queue
 import select
 import signal
@@ -22,7 +23,10 @@ from .api import (FINISH_REASONS, RequestError, choice_body, completion_body, le
 from .scheduler import Choice, QueueFull, Scheduler
 
 MAX_BODY_BYTES = 1 << 20
-CLIENT_TIMEOUT_S = 10.0  # a client that sends or reads nothing for this long is dropped (slowloris, a stalled reader)
+DRAIN_BYTES = 8 << 20  # a body left unread (refused before it was read) is read and dropped up to this, then the
+# connection closes: never parsed as the next request, and the client, still sending, gets to read the answer
+CLIENT_TIMEOUT_S = 10.0  # a client that sends or reads nothing for this long is dropped (slowloris, a stalled reader);
+# a request's line, headers and body must all arrive within it too, however slowly they trickle
 RETRY_AFTER_S = 1
 POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
 
@@ -35,19 +39,70 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 128  # socketserver's 5 resets the 6th of many clients connecting at once
 
     def __init__(self, address: tuple[str, int], scheduler: Scheduler, encode, model_id: str,
-                 api_key: str | None, verbose: bool, timeout_s: float = CLIENT_TIMEOUT_S) -> None:
-        self.timeout_s = timeout_s
+                 api_key: str | None, verbose: bool, timeout_s: float = CLIENT_TIMEOUT_S,
+                 max_connections: int = 256, max_tokens: int = 1024) -> None:
+        self.timeout_s, self.max_connections, self.max_tokens = timeout_s, max_connections, max_tokens
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
         self.scheduler, self.encode, self.model_id = scheduler, encode, model_id
         self.api_key, self.verbose = api_key, verbose
         self.created = int(time.time())
         self.active = 0  # requests being answered
+        self.connections = 0  # connections open, each with its thread
         self._lock = threading.Lock()
 
     def track(self, change: int) -> None:
         with self._lock:
             self.active += change
+
+    def process_request(self, request, client_address) -> None:
+        """A thread for the connection, or, past --max-connections, a 503 at once and no thread: a flood of idle
+        connections costs a socket each, not a thread each, and cannot lock out the clients already served."""
+        with self._lock:
+            admitted = self.connections < self.max_connections
+            self.connections += admitted
+        if admitted:
+            super().process_request(request, client_address)
+            return
+        body = json_line(RequestError(f"the server holds {self.max_connections} connections already: retry in "
+                                      f"{RETRY_AFTER_S} s", status=503, kind="server_error").body()).encode() + b"\n"
+        try:
+            request.settimeout(0)
+            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                            % (RETRY_AFTER_S, len(body), body))
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self.connections -= 1
+
+
+class DeadlineReader(io.RawIOBase):
+    """A connection's bytes, each read bounded by what is left of the request's deadline: one byte every few
+    seconds (slowloris) never resets it, as a per-read timeout would."""
+
+    def __init__(self, connection: socket.socket, timeout_s: float) -> None:
+        self.connection, self.timeout_s = connection, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the request did not arrive in time")
+        self.connection.settimeout(min(left, self.timeout_s))
+        try:
+            return self.connection.recv_into(buffer)
+        finally:
+            self.connection.settimeout(self.timeout_s)  # writes keep the per-write timeout
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -57,11 +112,35 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.timeout_s  # every read and write of the connection
         super().setup()
+        self.reader = DeadlineReader(self.connection, self.server.timeout_s)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self) -> None:
+        """One request, which must arrive whole (line, headers, body) within the timeout from now."""
+        self.reader.deadline = time.monotonic() + self.server.timeout_s
+        self._unread = 0  # body bytes the request declared and no one has read
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        """http.server's parsing, then the body's declared length: one, in digits, or the request is refused."""
+        if not super().parse_request():
+            return False
+        lengths = set(self.headers.get_all("Content-Length") or ())
+        if len(lengths) > 1 or any(not (n.isascii() and n.isdigit()) for n in lengths):
+            self.close_connection = True
+            self._answer(lambda: _refuse(f"Content-Length must be one count in digits, got {sorted(lengths)}", 400))
+            return False
+        self._unread = int(next(iter(lengths), "0"))
+        return True
 
     # ---- routing ----
 
     def do_GET(self) -> None:
-        self._answer({"/health": self._health, "/v1/models": self._models}.get(self.path.split("?")[0]))
+        path = self.path.split("?")[0]
+        if path.startswith("/v1/models/"):
+            self._answer(lambda: self._model(path.removeprefix("/v1/models/")))
+        else:
+            self._answer({"/health": self._health, "/v1/models": self._models}.get(path))
 
     def do_POST(self) -> None:
         routes = {"/v1/completions": self._completions, "/v1/chat/completions": self._chat}
@@ -77,10 +156,16 @@ class Handler(BaseHTTPRequestHandler):
                                    "and POST /v1/completions", status=404, code="not_found")
             route()
         except RequestError as exc:
-            self._json(exc.status, exc.body(), {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else {})
+            if self._unread:  # a body no one read is never parsed as the next request
+                self.close_connection = True
+            self._json(exc.status, exc.body(),
+                       {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else {})
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             self.close_connection = True
         finally:
+            if self._unread:
+                self.close_connection = True
+                self._drain()
             self.server.track(-1)
             if self.server.verbose:  # the first token's time is the server's clock (CLOCK_MONOTONIC, system-wide)
                 first = f" · first token at {self._first_token_s:.6f}" if self._first_token_s is not None else ""
@@ -101,8 +186,18 @@ class Handler(BaseHTTPRequestHandler):
 
     def _models(self) -> None:
         self._authorize()
-        self._json(200, {"object": "list", "data": [{"id": self.server.model_id, "object": "model",
-                                                     "created": self.server.created, "owned_by": "manas"}]})
+        self._json(200, {"object": "list", "data": [self._model_object()]})
+
+    def _model(self, name: str) -> None:
+        """GET /v1/models/{id} (the openai client's models.retrieve)."""
+        self._authorize()
+        if name != self.server.model_id:
+            raise RequestError(f"no model {name!r}: this server serves {self.server.model_id!r}", param="model",
+                               status=404, code="model_not_found")
+        self._json(200, self._model_object())
+
+    def _model_object(self) -> dict:
+        return {"id": self.server.model_id, "object": "model", "created": self.server.created, "owned_by": "manas"}
 
     def _chat(self) -> None:
         raise RequestError("manas serves a base model, which has no chat template: send the text to continue to "
@@ -110,7 +205,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _completions(self) -> None:
         self._authorize()
-        request = parse_completion(parse_json(self._body()))
+        request = parse_completion(parse_json(self._body()), self.server.max_tokens)
         if failure := self.server.scheduler.failure:
             raise RequestError(failure, status=500, kind="server_error")
         try:
@@ -138,8 +233,10 @@ class Handler(BaseHTTPRequestHandler):
                 self._stream(reply, events)
             else:
                 self._wait(events, len(choices))
-                if failure := self.server.scheduler.failure or next((c.error for c in choices if c.error), None):
+                if failure := self.server.scheduler.failure:
                     raise RequestError(failure, status=500, kind="server_error")
+                if failed := next((c for c in choices if c.error), None):
+                    raise RequestError(failed.error, status=failed.error_status, kind="server_error")
                 self._json(200, reply.body())
         finally:
             for choice in choices:  # a client gone mid-answer frees its rows at the engine's next step
@@ -165,18 +262,28 @@ class Handler(BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise RequestError("send the body with a Content-Length, not chunked", status=411)
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        length = self.headers.get("Content-Length")  # parse_request checked it is one count in digits
+        if length is None:
             self.close_connection = True
             raise RequestError("a POST needs a Content-Length header", status=411)
         if int(length) > MAX_BODY_BYTES:
-            self.close_connection = True  # the body is not read: the connection cannot be reused
             raise RequestError(f"the body is {int(length):,} bytes: at most {MAX_BODY_BYTES:,}", status=413)
         body = self.rfile.read(int(length))
+        self._unread = 0
         if len(body) < int(length):
             self.close_connection = True
             raise RequestError(f"the body ended after {len(body)} of its {length} bytes")
         return body
+
+    def _drain(self) -> None:
+        """Read and drop the body no one read (up to DRAIN_BYTES, within the request's deadline), so that the
+        client, which may still be sending it, reads the answer before the connection closes."""
+        left, self._unread = min(self._unread, DRAIN_BYTES), 0
+        try:
+            while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
+                left -= len(chunk)
+        except OSError:
+            pass
 
     # ---- answering ----
 
@@ -231,8 +338,8 @@ class Handler(BaseHTTPRequestHandler):
             if text is None:
                 ended += 1
                 choice = reply.choice(index)
-                if choice.error is not None:  # this choice failed; the others go on
-                    self._event(RequestError(choice.error, status=500, kind="server_error").body())
+                if choice.error is not None:  # this choice failed or was cut; the others go on
+                    self._event(RequestError(choice.error, status=choice.error_status, kind="server_error").body())
                 else:
                     self._event(reply.chunk(index, "", reply.finish_reason(choice), None))
                 continue
@@ -296,16 +403,17 @@ def serve(server: Server, grace_s: float, on_ready) -> None:
     grace_s, cancel the rest, and return. A second signal during the grace period propagates (exit 130)."""
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     server.scheduler.start()
-    thread.start()
     try:
-        on_ready()  # inside: a signal right after the ready line is the graceful stop too
+        on_ready()  # before the port accepts (it listens already: a client waits in the backlog); inside the try: a
+        thread.start()  # signal right after the ready line is the graceful stop too
         while thread.is_alive():
             thread.join(0.5)
     except KeyboardInterrupt:
         pass
     handlers = {number: signal.signal(number, _interrupt_now) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.shutdown()  # no new connections; the handlers already running go on
+        if thread.ident is not None:  # (a signal may come between the ready line and the start)
+            server.shutdown()  # no new connections; the handlers already running go on
         server.scheduler.stop()
         deadline = time.monotonic() + grace_s
         while (server.active or server.scheduler.busy) and time.monotonic() < deadline:
@@ -316,6 +424,10 @@ def serve(server: Server, grace_s: float, on_ready) -> None:
     finally:
         for number, handler in handlers.items():
             signal.signal(number, handler)
+
+
+def _refuse(message: str, status: int) -> None:
+    raise RequestError(message, status=status)
 
 
 def _interrupt_now(signum: int, frame) -> None:

@@ -36,7 +36,8 @@ class Choice:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
     ended: bool = False
-    error: str | None = None  # why the engine could not finish it (its logits were not finite)
+    error: str | None = None  # why the engine could not finish it (its logits were not finite, a shutdown)
+    error_status: int = 500
     first_token_s: float | None = None  # time.monotonic() when the prefill's token was sampled
 
     @property
@@ -117,15 +118,22 @@ class Scheduler:
         self._stopping.set()
 
     def cancel_all(self) -> None:
+        """Cut every choice (a shutdown's deadline): each is answered as cut, never as finished."""
         for choice in list(self._running.values()):
-            choice.cancelled = True
+            self._cut(choice)
         while True:
             try:
                 choice = self._waiting.get_nowait()
             except queue.Empty:
                 break
-            choice.cancelled = True
+            self._cut(choice)
             choice.end()
+
+    @staticmethod
+    def _cut(choice: Choice) -> None:
+        if not choice.stream.finished and choice.error is None:
+            choice.error, choice.error_status = "the server shut down before this choice finished", 503
+        choice.cancelled = True
 
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)

@@ -5,7 +5,11 @@ refuse or run the same files alike."""
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import struct
+import threading
+import time
 from pathlib import Path
 
 import openai
@@ -185,3 +189,143 @@ def test_a_request_whose_logits_overflow_gets_an_error_and_the_server_goes_on(lo
             answer = client.completions.create(model=live.model, prompt="ab", max_tokens=4, temperature=0)
             assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
         assert live.health()["status"] == "ok"
+
+
+# ---- items 7 to 11: the server --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(checkpoints):
+    from test_serve import running_server
+
+    with running_server(checkpoints["rope-gqa"].path, "--api-key", "k", "--timeout", "2", "--max-connections", "8",
+                        "--max-tokens", "64") as server:
+        yield server
+
+
+def exchange(live, data: bytes, wait_s: float = 5.0) -> bytes:
+    """Raw bytes to the server on one connection, and all it answers until it closes or goes quiet."""
+    with socket.create_connection((live.host, live.port), timeout=wait_s) as connection:
+        connection.sendall(data)
+        answer = b""
+        try:
+            while chunk := connection.recv(65536):
+                answer += chunk
+        except socket.timeout:
+            pass
+    return answer
+
+
+POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer k\r\n"
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n\r\n"
+
+
+@pytest.mark.parametrize("first", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",  # 401
+    b"POST /nowhere HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Length: %d\r\n\r\n",  # 404
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: %d\r\n\r\n",  # 415
+    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n",  # a GET's body
+])
+def test_a_body_the_server_never_reads_is_never_taken_for_the_next_request(live, first):
+    answer = exchange(live, first % len(SMUGGLED) + SMUGGLED)
+    assert answer.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in answer, answer
+    assert b'"object": "list"' not in answer
+
+
+def test_two_different_content_lengths_or_one_not_in_digits_are_a_400_and_a_close(live):
+    body = b'{"prompt": "a", "max_tokens": 1}'
+    for lengths in (b"Content-Length: %d\r\nContent-Length: 5\r\n" % len(body), "Content-Length: ²\r\n".encode()):
+        answer = exchange(live, POST + lengths + b"\r\n" + body + SMUGGLED)
+        assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1 ") == 1, answer
+        assert b"Content-Length must be one count in digits" in answer
+
+
+def test_a_client_still_sending_an_oversized_body_reads_its_413(live):
+    body = b"x" * (2 << 20)
+    answer = exchange(live, POST + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+
+
+def test_a_trickling_request_is_dropped_at_its_deadline_and_connections_are_capped(live):
+    trickles = []
+    for _ in range(8):  # the cap: each sends a header byte every second, never the end of its headers
+        trickle = socket.create_connection((live.host, live.port), timeout=10)
+        trickle.sendall(b"GET /health HTTP/1.1\r\n")
+        trickles.append(trickle)
+    time.sleep(0.5)
+    over = exchange(live, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert over.startswith(b"HTTP/1.1 503 ") and b"8 connections" in over, over
+    started = time.monotonic()
+    for second in range(8):
+        for trickle in trickles:
+            try:
+                trickle.sendall(b"X")
+            except OSError:
+                pass
+        time.sleep(1)
+    for trickle in trickles:  # each was closed at the request's 2 s deadline, trickling or not
+        assert trickle.recv(100) == b""
+        trickle.close()
+    assert time.monotonic() - started < 30
+    assert live.health()["status"] == "ok"
+
+
+def test_max_tokens_over_the_servers_limit_is_a_400_naming_it(live):
+    client = live.client(api_key="k")
+    with pytest.raises(openai.BadRequestError, match="over this server's limit of 64 .manas serve --max-tokens"):
+        client.completions.create(model=live.model, prompt="a", max_tokens=65)
+    assert client.completions.create(model=live.model, prompt="a", max_tokens=64).usage.completion_tokens <= 64
+
+
+def test_the_defaults_clients_send_and_models_retrieve(live):
+    client = live.client(api_key="k")
+    answer = client.completions.create(model=live.model, prompt="a", max_tokens=3, best_of=1, logit_bias={})
+    assert answer.usage.completion_tokens == 3
+    assert client.models.retrieve(live.model).id == live.model
+    with pytest.raises(openai.NotFoundError, match="no model 'other'"):
+        client.models.retrieve("other")
+
+
+def test_a_lone_surrogate_prompt_is_a_400(live):
+    body = b'{"prompt": "\\ud800", "echo": true, "max_tokens": 2}'
+    answer = exchange(live, POST + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"lone surrogate" in answer, answer
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_an_empty_api_key_is_refused(rope, how):
+    args = ("--api-key", "") if how == "flag" else ()
+    run = manas("serve", "-c", rope.path, "--port", "0", *args, **({"MANAS_API_KEY": ""} if how != "flag" else {}))
+    assert_one_error(run, "API key", "empty")
+
+
+def test_a_request_cut_at_shutdown_is_never_answered_as_finished(checkpoints):
+    from test_serve import running_server
+
+    with running_server(checkpoints["rope-gqa"].path, "--max-tokens", "1000000") as server:
+        results = {}
+
+        def ask(stream: bool) -> None:
+            client = server.client()
+            try:
+                if stream:
+                    results[stream] = [chunk for chunk in client.completions.create(
+                        model=server.model, prompt="ROMEO:", max_tokens=1_000_000, temperature=0, stream=True)]
+                else:
+                    results[stream] = client.completions.create(model=server.model, prompt="ROMEO:",
+                                                                max_tokens=10**6, temperature=0)
+            except openai.APIError as exc:
+                results[stream] = exc
+
+        threads = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+        for thread in threads:
+            thread.start()
+        while server.health()["rows"] < 2:
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
+        assert server.process.wait(60) == 0
+    assert isinstance(results[False], openai.APIStatusError) and results[False].status_code == 503
+    assert isinstance(results[True], openai.APIError) and "shut down" in str(results[True])

@@ -27,6 +27,8 @@ def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str 
     from ..server.http import Server, serve
     from ..server.scheduler import Scheduler
 
+    if api_key is None and os.environ.get("MANAS_API_KEY") == "":  # typer takes an empty variable for an unset one
+        api_key = ""
     if api_key is not None and not api_key.strip():
         raise InputError("the API key (--api-key or $MANAS_API_KEY) is empty: give a key, or leave both unset to serve "
                          "without one")

@@ -150,6 +150,8 @@ class Handler(BaseHTTPRequestHandler):
         self.server.track(1)
         started = time.monotonic()
         self._status, self._first_token_s = 0, None
+        if self._unread and self.command != "POST":  # a body no route reads: the connection ends with the answer
+            self.close_connection = True
         try:
             if route is None:
                 raise RequestError(f"no route {self.command} {self.path}: manas serves GET /health, GET /v1/models "

@@ -470,16 +470,18 @@ def test_convert_refuses_with_one_clear_error_line(tmp_path, case):
     assert after == before  # nothing written, nothing overwritten
 
 
-def test_without_tokenizer_file_or_tiktoken_cache_convert_says_how_to_provide_one(tmp_path):
-    save_nanogpt_checkpoint(tmp_path / "ckpt.pt", nanogpt_state(bias=False, vocab_size=SMALL_VOCAB))
+def test_without_tokenizer_file_or_tiktoken_cache_convert_uses_the_shipped_gpt2_ranks(tmp_path):
+    """Issue 32, item 14: GPT-2's ranks ship inside the package, so the named encoding needs no download."""
+    save_nanogpt_checkpoint(tmp_path / "ckpt.pt", nanogpt_state(bias=False))
     (tmp_path / "cache").mkdir()
-    # an empty tiktoken cache, and a proxy that refuses every connection: the download fails fast, here and online
+    # an empty tiktoken cache, and a proxy that refuses every connection: a download would fail, here and online
     offline = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "cache"), "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
 
     result = run_manas("convert", tmp_path / "ckpt.pt", "--out", tmp_path / "out.safetensors", env=offline)
-
-    assert_refused(result, "GPT-2's tokenizer is not in tiktoken's cache and cannot be downloaded here")
-    assert "--tokenizer-file PATH (a .tiktoken file such as gpt2.tiktoken)" in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert load_checkpoint(tmp_path / "out.safetensors").tokenizer_spec == {"kind": "tiktoken", "encoding": "gpt2"}
+    run = run_manas("generate", "-c", tmp_path / "out.safetensors", "Hello", "-n", "3", "--device", "cpu", env=offline)
+    assert run.returncode == 0, run.stderr
 
 
 def test_force_replaces_an_existing_destination(tmp_path):

@@ -329,3 +329,16 @@ def test_a_request_cut_at_shutdown_is_never_answered_as_finished(checkpoints):
         assert server.process.wait(60) == 0
     assert isinstance(results[False], openai.APIStatusError) and results[False].status_code == 503
     assert isinstance(results[True], openai.APIError) and "shut down" in str(results[True])
+
+
+# ---- item 14: the new user's habits ---------------------------------------------------------------------------
+
+
+def test_a_positional_prompt_is_dash_p_and_dash_m_is_dash_c(rope):
+    by_flag = manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "8", "-t", "0").ok()
+    by_position = manas("generate", "-m", rope.path, *RUN_OPTIONS, "ROMEO:", "-n", "8", "-t", "0").ok()
+    assert by_position.out == by_flag.out != ""
+    both = manas("generate", "-c", rope.path, *RUN_OPTIONS, "ROMEO:", "-p", "JULIET:")
+    assert both.returncode == 2 and "give the prompt once" in both.err
+    unquoted = manas("generate", "-c", rope.path, *RUN_OPTIONS, "ROMEO:", "and", "JULIET:")
+    assert unquoted.returncode == 2 and "quote it" in unquoted.err and "-p" in unquoted.err

@@ -86,7 +86,7 @@ def _stops_not_empty(values: Optional[list[str]]) -> Optional[list[str]]:
 
 CheckpointOption = Annotated[
     Optional[Path],
-    typer.Option("--checkpoint", "-c", help="Model file (.safetensors). Default: $MANAS_CHECKPOINT, else the model shipped with manas."),
+    typer.Option("--checkpoint", "-c", "-m", help="Model file (.safetensors); -m as in llama.cpp, llm and ollama. Default: $MANAS_CHECKPOINT, else the model shipped with manas."),
 ]
 DeviceOption = Annotated[Device, typer.Option(help="auto: CUDA when available, else the CPU.")]
 DTypeOption = Annotated[DType, typer.Option(help="auto: float32 on the CPU, bfloat16 on CUDA.")]
@@ -149,6 +149,7 @@ def root(
 
 @app.command()
 def generate(
+    prompt_argument: Annotated[Optional[str], typer.Argument(metavar="[PROMPT]", help="The prompt, as -p gives it (quote it: one argument).", show_default=False)] = None,
     prompt: PromptOption = None,
     prompt_file: PromptFileOption = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")] = 200,
@@ -197,6 +198,10 @@ def generate(
     if quiet and stats:
         raise typer.BadParameter("--quiet prints nothing but the text, and --stats asks for stats: choose one",
                                  param_hint="'--stats'")
+    if prompt_argument is not None:
+        if prompt is not None:
+            raise typer.BadParameter("give the prompt once: as an argument or with -p, not both", param_hint="'PROMPT'")
+        prompt = prompt_argument
     settings = GenerationSettings(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
@@ -555,7 +560,10 @@ def main() -> None:
         print(exc.format_message(), file=sys.stderr)
         sys.exit(2)
     except ClickException as exc:
-        _fail(exc.format_message(), exc.exit_code, debug)
+        message = exc.format_message()
+        if message.startswith("Got unexpected extra argument"):  # `manas generate ROMEO: and JULIET:`
+            message += ": a prompt is one argument, so quote it (manas generate \"ROMEO: and JULIET:\") or give it with -p"
+        _fail(message, exc.exit_code, debug)
     except (KeyboardInterrupt, Abort) as exc:
         _fail("terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted", interrupt_exit_code(exc), debug)
     except BrokenPipeError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import functools
 import json
 import os
 import re
@@ -220,10 +221,26 @@ def checked_spec(spec: dict, source: str | Path) -> dict:
     return spec
 
 
+SHIPPED_GPT2 = Path(__file__).resolve().parents[1] / "data" / "gpt2.tiktoken"  # data/SOURCES.md
+
+
+@functools.cache
+def shipped_gpt2() -> tiktoken.Encoding:
+    """tiktoken's named gpt2 encoding (r50k_base's ranks and pattern, <|endoftext|> 50256) from the ranks the
+    package ships: offline, with no download and no cache."""
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=load_tiktoken_bpe(str(SHIPPED_GPT2)),
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+
+
 def build_encoding(spec: dict) -> tiktoken.Encoding:
     """A tiktoken.Encoding from {"kind": "tiktoken", "encoding": name} or an embedded {"kind": "bpe", ...}, the
     embedded form fully validated (see check_bpe): every id from 0 to the largest names exactly one token."""
     kind = spec.get("kind")
+    if kind == "tiktoken" and spec.get("encoding") == "gpt2":
+        return shipped_gpt2()
     if kind == "tiktoken":
         name = spec.get("encoding")
         try:

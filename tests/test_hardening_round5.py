@@ -5,9 +5,13 @@ refuse or run the same files alike."""
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
 import signal
 import socket
 import struct
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from cli_fixtures import RUN_OPTIONS, checkpoints, manas, rope  # noqa: F401
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas, rope  # noqa: F401
 from conftest import make_model, needs_compiler
 from test_native import dequantized_reference
 from manas_cli.engine.quantize import Int4Linear, Int8Linear, quantizable, quantize_groups, quantize_rows
@@ -342,3 +346,81 @@ def test_a_positional_prompt_is_dash_p_and_dash_m_is_dash_c(rope):
     assert both.returncode == 2 and "give the prompt once" in both.err
     unquoted = manas("generate", "-c", rope.path, *RUN_OPTIONS, "ROMEO:", "and", "JULIET:")
     assert unquoted.returncode == 2 and "quote it" in unquoted.err and "-p" in unquoted.err
+
+
+# ---- item 4: a library built by a compiler that assumes no NaN is never used -----------------------------------
+
+
+@needs_compiler
+def test_a_core_built_with_fast_math_fails_its_self_test_and_torch_runs_with_a_notice(rope, tmp_path):
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which(os.environ.get("CC") or "cc")} -ffast-math "$@"\n')
+    wrapper.chmod(0o755)
+    run = manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "5", "-t", "0", "--json",
+                CC=str(wrapper), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    assert run.ok().json()["engine"] == "torch"
+    assert "failed its self-test (a NaN went unseen" in run.err and run.err.count("\n") == 1, run.err
+    assert not list((tmp_path / "cache" / "manas").glob("*.so"))
+
+
+# ---- item 12: a checkpoint rewritten under a running process ----------------------------------------------------
+
+
+def test_a_checkpoint_copied_over_while_it_runs_never_kills_the_process(checkpoints, tmp_path):
+    path = tmp_path / "model.safetensors"
+    shutil.copy(checkpoints["rope-gqa"].path, path)
+    process = subprocess.Popen([*MANAS, "generate", "-c", path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "3000", "-t", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    assert process.stdout.read(1)  # it runs
+    with open(path, "r+b") as f:  # `cp` over it: truncated in place, then rewritten shorter
+        f.truncate(0)
+        f.write(b"\0" * 1000)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode in (0, 1), err
+    assert process.returncode == 0 or err.decode().startswith("error: ")
+
+
+# ---- item 5: a bounded fuzz of the header and extents (also run under the sanitizers by .ci/run) --------------
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["float32", "int8", "int4"])
+def test_mutated_headers_are_refused_or_run_never_read_out_of_bounds(native_library, tmp_path, kind):
+    from manas_cli.errors import ManasError
+
+    source = tmp_path / "source.safetensors"
+    if kind == "float32":
+        save_checkpoint(source, make_model("rope", "gqa", vocab_size=264, n_embd=16), BYTE_SPEC)
+    else:
+        quantized_file(source, kind, 16, n_embd=16)
+    data = source.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    original, body = json.loads(data[8 : 8 + length]), data[8 + length :]
+    names = sorted(name for name in original if name != "__metadata__")
+    generator = __import__("random").Random(kind)
+    target, outcomes = tmp_path / "mutant.safetensors", set()
+    for _ in range(700):
+        header = json.loads(json.dumps(original))
+        for _ in range(generator.randint(1, 3)):
+            entry = header[generator.choice(names)]
+            what = generator.randrange(5)
+            if what == 0:
+                entry["data_offsets"][generator.randrange(2)] += generator.choice([-4096, -17, -1, 1, 3, 4096])
+            elif what == 1 and entry["shape"]:
+                entry["shape"][generator.randrange(len(entry["shape"]))] += generator.choice([-1, 1, 16])
+            elif what == 2:
+                entry["dtype"] = generator.choice(["F32", "F16", "BF16", "F64", "I8", "U8", "I32"])
+            elif what == 3:
+                header["__metadata__"]["group_size"] = str(generator.choice([2, 4, 8, 16, 32, 3, 0]))
+            else:
+                entry["shape"] = entry["shape"][::-1]
+        encoded = json.dumps(header).encode()
+        target.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body[: len(body) - generator.choice([0, 0, 1, 64])])
+        try:
+            model = NativeGPT(open_checkpoint(target), native_library)
+            logits = model.last_logits([[1, 2, 3]])
+            outcomes.add("ran" if all(math.isfinite(v) for v in logits.buffer) else "ran, not finite")
+        except ManasError as exc:
+            assert str(exc).startswith(str(target)), exc
+            outcomes.add("refused")
+    assert "refused" in outcomes

@@ -147,6 +147,7 @@ def choose_engine(name: str, model, threads: int, unavailable=None) -> EngineCho
         try:
             return open_native(model, threads)
         except NativeUnavailable as exc:
-            reason, detail = exc.reason, exc.detail
-    notice = f"the native engine cannot run: {reason}; the torch engine runs instead" if name == "native" else None
+            unavailable, reason, detail = exc, exc.reason, exc.detail
+    told = name == "native" or (unavailable is not None and unavailable.notify)
+    notice = f"the native engine cannot run: {reason}; the torch engine runs instead" if told else None
     return EngineChoice(model, "torch", weights, device, notice, detail)

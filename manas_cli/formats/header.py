@@ -281,8 +281,9 @@ class Checkpoint:
 
 
 class MappedCheckpoint:
-    """A checked header and its file mapped copy-on-write: each tensor's bytes in place (a process that writes to
-    them, as training does, changes only its own copy of those pages, never the file)."""
+    """A checked header and its file's bytes: mapped copy-on-write, each tensor's bytes in place (a process that
+    writes to them, as training does, changes only its own copy of those pages, never the file), or, for a file of
+    up to READ_WHOLE_BYTES, read into memory."""
 
     def __init__(self, path: Path, header: Header, mapping: mmap.mmap) -> None:
         if len(mapping) < max((entry.end for entry in header.tensors.values()), default=0):
@@ -308,8 +309,27 @@ def open_checkpoint(path: str | Path) -> MappedCheckpoint:
     path = _existing_file(path)
     with _open(path) as f:
         header = read_header(f, path)
+        size = os.fstat(f.fileno()).st_size
         try:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapping = _read_whole(f, size, path) if size <= READ_WHOLE_BYTES else \
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot map it into memory ({first_line(exc)})") from None
     return MappedCheckpoint(path, header, mapping)
+
+
+# A file up to this size is read into memory rather than mapped: a mapped file that another program truncates or
+# rewrites in place (`cp` over it) kills the process that maps it with SIGBUS at the next page it touches, while a
+# read costs a few milliseconds at this size. Larger files stay mapped (FORMAT.md, "Reading a checkpoint").
+READ_WHOLE_BYTES = 256 << 20
+
+
+def _read_whole(f: BinaryIO, size: int, path: Path) -> bytearray:
+    data = bytearray(size)
+    with memoryview(data) as view:
+        done = 0
+        while done < size and (count := os.preadv(f.fileno(), [view[done:]], done)):
+            done += count
+    if done != size:
+        raise CheckpointError(f"{path}: the file changed while it was read (it is shorter than it was)")
+    return data

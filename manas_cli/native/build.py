@@ -37,9 +37,10 @@ COMPILE_TIMEOUT_S = 120
 class NativeUnavailable(Exception):
     """The core cannot run here; `reason` says why in a few words, `detail` is the compiler's own message."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", notify: bool = False) -> None:
         super().__init__(reason)
         self.reason, self.detail = reason, detail
+        self.notify = notify  # say so even when the engine was not asked for by name (a library that failed its test)
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,32 @@ def _build_in(cc: str, target: Path, notice: str | None) -> Built:
         if intact(target, digest):
             return Built(load(target), target, None, notice)
         compile_s = compile_library(cc, target)
+        library = load(target)
+        if failure := self_test(library):  # kept (its digest written) only once it has passed
+            target.unlink()
+            raise NativeUnavailable(f"the freshly built core failed its self-test ({failure}; does $CC add "
+                                    "-ffast-math?), so it was deleted", notify=True)
         write_digest(target, digest)
-    return Built(load(target), target, compile_s, notice)
+    return Built(library, target, compile_s, notice)
+
+
+def self_test(library: ctypes.CDLL) -> str | None:
+    """What a newly built library gets wrong of a few known answers, or None: Philox4x32-10's first known-answer
+    vector (Random123's; integer arithmetic the compiler must keep), and NaN and infinity found where they are (a
+    compiler told to assume no NaN, as -ffast-math does, compiles the core's finiteness checks away)."""
+    from ctypes import c_float, c_uint32
+
+    out = (c_uint32 * 4)()
+    library.manas_philox((c_uint32 * 4)(0, 0, 0, 0), (c_uint32 * 2)(0, 0), out)
+    if list(out) != [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]:
+        return "Philox's known answer differs"
+    values = (c_float * 4)(0.0, 1.0, float("nan"), float("inf"))
+    library.manas_first_not_finite.restype = ctypes.c_int64
+    if library.manas_first_not_finite(values, ctypes.c_int64(4)) != 2:
+        return "a NaN went unseen"
+    if library.manas_first_not_finite(ctypes.byref(values, 4 * 3), ctypes.c_int64(1)) != 0:
+        return "an infinity went unseen"
+    return None
 
 
 def intact(target: Path, digest: Path) -> bool:

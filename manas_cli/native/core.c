@@ -551,7 +551,7 @@ static inline float exponential(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)k + 127) << 23;
+    int32_t bits = (k == k ? (int32_t)k + 127 : 127) << 23;  /* a NaN x stays NaN (p is), never an integer */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;

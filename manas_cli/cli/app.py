@@ -364,7 +364,8 @@ def serve(
     from .commands import serve as command
 
     command.run(host=host, port=port, batch_size=batch_size, max_queued=max_queue, api_key=api_key, timeout_s=timeout,
-                verbose=verbose, max_connections=max_connections, max_tokens=max_tokens, model_options=model_options(checkpoint, device, dtype, threads, quantize,
+                verbose=verbose, max_connections=max_connections, max_tokens=max_tokens,
+                model_options=model_options(checkpoint, device, dtype, threads, quantize,
                                                              Allocation.dynamic, engine))
 
 
@@ -562,7 +563,7 @@ def main() -> None:
     except ClickException as exc:
         message = exc.format_message()
         if message.startswith("Got unexpected extra argument"):  # `manas generate ROMEO: and JULIET:`
-            message += ": a prompt is one argument, so quote it (manas generate \"ROMEO: and JULIET:\") or give it with -p"
+            message += ': a prompt is one argument, so quote it (manas generate "ROMEO: and JULIET:") or use -p TEXT'
         _fail(message, exc.exit_code, debug)
     except (KeyboardInterrupt, Abort) as exc:
         _fail("terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted", interrupt_exit_code(exc), debug)

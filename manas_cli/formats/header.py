@@ -181,7 +181,8 @@ def check_tensors(tensors: dict[str, TensorEntry], expected: Iterator[tuple[str,
         if entry.dtype not in allowed:
             raise CheckpointError(f"{path}: tensor {name} is {entry.dtype}; it must be {_dtype_rule(allowed)}")
         if entry.end - entry.start != (nbytes := entry.nbytes):
-            raise _unreadable(path, f"tensor {name} has {entry.end - entry.start} bytes of data, its shape needs {nbytes}")
+            raise _unreadable(path, f"tensor {name} has {entry.end - entry.start} bytes of data, "
+                                    f"its shape needs {nbytes}")
         seen.add(name)
     if unexpected := sorted(set(tensors) - seen):
         raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]} (not part of this config's model)")

@@ -10,9 +10,14 @@ import typer
 from ...errors import InputError
 from .common import ModelOptions, check_memory, encode_prompt, load_model
 
-DEFAULT_MAX_TOKENS_WINDOWS, MIN_MAX_TOKENS = 4, 1024  # a choice's default ceiling on new tokens: 4 windows, at least 1,024
+# A choice's default ceiling on new tokens (serve --max-tokens): 4 windows, at least 1,024.
+DEFAULT_MAX_TOKENS_WINDOWS, MIN_MAX_TOKENS = 4, 1024
 GRACE_S = 10.0  # after SIGINT/SIGTERM, what runs has this long to finish
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # the hosts that need no warning without a key
+
+
+def default_max_tokens(block_size: int) -> int:
+    return max(MIN_MAX_TOKENS, DEFAULT_MAX_TOKENS_WINDOWS * block_size)
 
 
 def default_max_connections() -> int:
@@ -41,7 +46,7 @@ def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str 
     try:
         server = Server((host, port), scheduler, lambda text: encode_prompt(checkpoint, text, quiet), model_id,
                         api_key, verbose, timeout_s, max_connections or default_max_connections(),
-                        max_tokens or max(MIN_MAX_TOKENS, DEFAULT_MAX_TOKENS_WINDOWS * checkpoint.model.config.block_size))
+                        max_tokens or default_max_tokens(checkpoint.model.config.block_size))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise InputError(f"cannot listen on {host}:{port}: the port is in use; choose another with --port") from None

@@ -324,9 +324,10 @@ static inline Lanes nibble_lanes(const uint8_t *p, int high) {
 }
 #endif
 
-/* The index of the scale and zero of column i of int4 weight row o. */
+/* The index of the scale and zero of column i of int4 weight row o: groups tile the rows (group divides n_in), so
+   it is the flat column's group, one division. */
 static inline size_t int4_group(const ManasLinear *linear, size_t o, size_t i) {
-    return o * (size_t)(linear->n_in / linear->group) + i / (size_t)linear->group;
+    return (o * (size_t)linear->n_in + i) / (size_t)linear->group;
 }
 
 /* The value int4 code q of group g stands for, as quantize.py's dequantize_groups computes it. */

@@ -129,10 +129,9 @@ class Scheduler:
             self._cut(choice)
             choice.end()
 
-    @staticmethod
-    def _cut(choice: Choice) -> None:
-        if not choice.stream.finished and choice.error is None:
-            choice.error, choice.error_status = "the server shut down before this choice finished", 503
+    def _cut(self, choice: Choice) -> None:
+        if not choice.stream.finished and choice.error is None:  # an engine that died says so, a shutdown so
+            choice.error, choice.error_status = self.failure or "the server shut down before this choice finished", 503
         choice.cancelled = True
 
     def join(self, timeout: float | None = None) -> bool:

@@ -104,12 +104,11 @@ needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason=NO_COMPILER)
 def native_library():
     """The native core, built (or found in the cache) as the CLI builds it. Only a machine with no C compiler at
     all skips the native tests; a compiler that fails on core.c fails them."""
-    from manas_cli.native.binding import declare
     from manas_cli.native.build import build
 
     if not HAS_COMPILER:
         pytest.skip(NO_COMPILER)
-    return declare(build().library)
+    return build().library
 
 
 ENGINES = ("torch", "native")

@@ -26,6 +26,7 @@ import torch
 from cli_fixtures import (  # noqa: F401 (checkpoints and rope are fixtures)
     BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli_env, generate, manas, rope,
 )
+from conftest import needs_compiler
 from manas_cli.formats.checkpoint import save_checkpoint
 from manas_cli.engine.model import GPT, GPTConfig
 from manas_cli.formats.tokenizer import bpe_spec
@@ -428,3 +429,15 @@ def test_a_resize_mid_run_redraws_the_region_whole_and_leaves_no_stale_row(rope,
     stream.feed(data[start:])
     final = [row.rstrip() for row in emulator.display if row.strip()]
     assert not any(re.match(r"\d+/8000 tokens", row) for row in final) and STATS_LINE.fullmatch(" ".join(final))
+
+
+@needs_compiler
+def test_a_first_run_on_a_terminal_says_it_is_compiling_the_core_before_it_does(rope, tmp_path):
+    cache = tmp_path / "cache"
+    run = on_terminal(rope.path, *SINGLE, "-n", "4", "--engine", "native", XDG_CACHE_HOME=str(cache))
+    rows = screen(run.stderr)
+    compiling = [i for i, row in enumerate(rows) if row.startswith("compiling the native core")]
+    compiled = [i for i, row in enumerate(rows) if row.startswith("compiled the native core in")]
+    assert len(compiling) == 1 and len(compiled) == 1 and compiling[0] < compiled[0], rows
+    again = on_terminal(rope.path, *SINGLE, "-n", "5", "--engine", "native", XDG_CACHE_HOME=str(cache))
+    assert "compiling" not in "\n".join(screen(again.stderr))

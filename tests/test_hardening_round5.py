@@ -335,6 +335,25 @@ def test_a_request_cut_at_shutdown_is_never_answered_as_finished(checkpoints):
     assert isinstance(results[True], openai.APIError) and "shut down" in str(results[True])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_frees_its_rows_streamed_or_not(checkpoints, stream):
+    from test_serve import running_server
+
+    with running_server(checkpoints["rope-gqa"].path, "--max-tokens", "1000000") as server:
+        body = json.dumps({"prompt": "ROMEO:", "max_tokens": 10**6, "n": 2, "stream": stream}).encode()
+        connection = socket.create_connection((server.host, server.port), timeout=10)
+        connection.sendall(POST.replace(b"Authorization: Bearer k\r\n", b"")
+                           + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        while server.health()["rows"] < 2:
+            time.sleep(0.05)
+        connection.close()
+        for _ in range(200):  # freed at the engine's next look, within a second or so; 20 s before calling it a hang
+            if server.health()["rows"] == 0:
+                break
+            time.sleep(0.1)
+        assert server.health()["rows"] == 0
+
+
 # ---- item 14: the new user's habits ---------------------------------------------------------------------------
 
 

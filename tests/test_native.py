@@ -4,11 +4,14 @@ batched == alone bit for bit, and its build: cached per user, refused folders, n
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import stat
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,16 +204,38 @@ def test_two_first_runs_at_once_both_succeed_and_one_compiles(tmp_path):
 
 
 @needs_compiler
-def test_a_cache_folder_others_can_write_is_refused_for_a_private_one(tmp_path):
+@pytest.mark.parametrize("which", ["the folder", "its parent"])
+def test_a_cache_folder_others_can_write_is_refused_for_one_private_folder_reused(tmp_path, which):
     folder = tmp_path / "cache" / "manas"
-    folder.mkdir(parents=True)
-    folder.chmod(0o777)
-    result = run_generate("--json", env=fresh_cache_env(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert f"{folder} can be written by other users: the native core is built in a private temporary folder " \
-           "instead" in result.stderr
-    assert json.loads(result.stdout)["engine"] == "native"
+    folder.mkdir(parents=True, mode=0o700)
+    (folder if which == "the folder" else folder.parent).chmod(0o777)
+    env = private_tmp_env(tmp_path)
+    fallback = Path(env["TMPDIR"]) / f"manas-native-{os.getuid()}"
+    reason = "can be written by other users" if which == "the folder" else \
+        f"is inside {folder.parent}, which can be written by other users"
+    runs = [run_generate("--json", env=env) for _ in range(2)]
+    for result in runs:
+        assert result.returncode == 0, result.stderr
+        assert f"{folder} {reason}: the native core is built in {fallback} instead" in result.stderr
+        assert json.loads(result.stdout)["engine"] == "native"
+    assert "compiled the native core" in runs[0].stderr and "compiled" not in runs[1].stderr  # the same folder, reused
+    assert len(list(fallback.glob("core-*.so"))) == 1 and stat.S_IMODE(fallback.stat().st_mode) == 0o700
     assert not list(folder.glob("core-*.so"))  # nothing written where another user could replace it
+
+
+@needs_compiler
+def test_a_sticky_folder_above_the_cache_is_trusted_like_tmp(tmp_path):
+    (tmp_path / "cache").mkdir(mode=0o1777)
+    (tmp_path / "cache").chmod(0o1777)
+    result = run_generate("--json", env=fresh_cache_env(tmp_path))
+    assert result.returncode == 0 and "instead" not in result.stderr, result.stderr
+    assert len(list((tmp_path / "cache" / "manas").glob("core-*.so"))) == 1
+
+
+def private_tmp_env(tmp_path: Path) -> dict:
+    """fresh_cache_env with the system's temporary folder (where the fallback folder lives) inside tmp_path."""
+    (tmp_path / "tmp").mkdir(mode=0o700)
+    return fresh_cache_env(tmp_path, TMPDIR=str(tmp_path / "tmp"))
 
 
 @needs_compiler
@@ -227,10 +252,10 @@ def test_a_truncated_cached_library_is_rebuilt(tmp_path):
 
 @needs_compiler
 @pytest.mark.skipif(os.getuid() == 0, reason="root writes into a read-only folder all the same")
-def test_a_cache_folder_that_cannot_be_written_gives_a_private_one(tmp_path):
+def test_a_cache_folder_that_cannot_be_written_gives_the_private_one(tmp_path):
     folder = tmp_path / "cache" / "manas"
     folder.mkdir(parents=True, mode=0o500)
-    result = run_generate("--json", env=fresh_cache_env(tmp_path))
+    result = run_generate("--json", env=private_tmp_env(tmp_path))
     assert result.returncode == 0, result.stderr
     assert f"{folder} cannot be written" in result.stderr
     assert json.loads(result.stdout)["engine"] == "native"
@@ -240,13 +265,104 @@ def test_unsafe_reason_names_what_is_wrong(tmp_path):
     open_to_all = tmp_path / "open-folder"
     open_to_all.mkdir()
     open_to_all.chmod(0o775)
-    assert build.unsafe_reason(open_to_all) == "can be written by other users"
+    assert build.unsafe_reason(open_to_all.lstat()) == "can be written by other users"
     link = tmp_path / "link"
     link.symlink_to(open_to_all)
-    assert build.unsafe_reason(link) == "is a symbolic link"
+    assert build.unsafe_reason(link.lstat()) == "is a symbolic link"
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
-    assert build.unsafe_reason(private) is None
+    assert build.unsafe_reason(private.lstat()) is None
+
+
+def cached_names(tmp_path: Path) -> tuple[Path, Path]:
+    """Where a run with fresh_cache_env(tmp_path) keeps the library and its digest (the folder made private)."""
+    folder = tmp_path / "cache" / "manas"
+    folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+    library = folder / build.library_name(build.compiler())
+    return library, library.with_name(library.name + ".sha256")
+
+
+@needs_compiler
+@pytest.mark.parametrize("planted", ["library", "digest"])
+def test_a_fifo_named_as_the_library_or_its_digest_is_never_waited_on(tmp_path, planted):
+    env = fresh_cache_env(tmp_path)
+    library, digest = cached_names(tmp_path)
+    if planted == "digest":
+        assert run_generate(env=env).returncode == 0
+        digest.unlink()
+    os.mkfifo(library if planted == "library" else digest, 0o600)
+    result = run_generate("--json", env=env)  # a blocking open would hang until the timeout
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("compiled the native core in") == 1 and json.loads(result.stdout)["engine"] == "native"
+    assert stat.S_ISREG(library.stat().st_mode) and stat.S_ISREG(digest.stat().st_mode)
+
+
+@needs_compiler
+def test_a_cached_library_lacking_an_entry_point_is_rebuilt(tmp_path):
+    library, digest = cached_names(tmp_path)
+    forged = tmp_path / "forged.c"
+    forged.write_text(f"int manas_abi_version(void) {{ return {build.ABI_VERSION}; }}\n")
+    subprocess.run([build.compiler(), "-shared", "-fPIC", "-o", str(library), str(forged)], check=True)
+    digest.write_text(hashlib.sha256(library.read_bytes()).hexdigest() + "\n")
+    result = run_generate("--json", env=fresh_cache_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("compiled the native core in") == 1 and json.loads(result.stdout)["engine"] == "native"
+
+
+@needs_compiler
+def test_temporaries_a_killed_build_left_are_removed(tmp_path):
+    library, _ = cached_names(tmp_path)
+    stale = [library.with_name(f".build-{library.name}-x1y2.so"), library.with_name(f".digest-{library.name}-z3")]
+    for path in stale:
+        path.write_bytes(b"half")
+    result = run_generate(env=fresh_cache_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert not any(path.exists() for path in stale)
+
+
+@needs_compiler
+def test_the_library_is_loaded_from_the_descriptor_that_was_checked(tmp_path):
+    """Whatever replaces the file after it was opened and checked, the checked file is what loads."""
+    checked = tmp_path / "core.so"
+    shutil.copyfile(build.build().path, checked)
+    opened = os.open(checked, os.O_RDONLY)
+    fd = os.dup2(opened, 900)  # a descriptor no earlier load named: the loader answers a name it holds from memory
+    os.close(opened)
+    try:
+        swapped = tmp_path / "swapped.c"
+        swapped.write_text(f"int manas_abi_version(void) {{ return {build.ABI_VERSION}; }}\n")
+        subprocess.run([build.compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "swapped.so"), str(swapped)],
+                       check=True)
+        os.replace(tmp_path / "swapped.so", checked)
+        library = build.load(fd, checked)  # the swapped library lacks the entry points: it would be refused
+    finally:
+        os.close(fd)
+    assert build.self_test(library) is None
+
+
+def test_a_hung_compiler_is_stopped_with_everything_it_started(tmp_path, monkeypatch):
+    pid_file = tmp_path / "child.pid"
+    cc = fake_compiler(tmp_path, f'sleep 300 & echo $! > {pid_file}; wait')
+    monkeypatch.setattr(build, "COMPILE_TIMEOUT_S", 2)
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(build.NativeUnavailable, match="was still running after 2 s, so it was stopped"):
+        build.compile_library(str(cc), folder / "core-test.so")
+    child = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is sent; the process ends a moment later
+        if not alive(child):
+            break
+        time.sleep(0.1)
+    assert not alive(child)
+    assert not list(folder.iterdir())  # its temporary removed
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie that no one has reaped yet does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def test_without_a_compiler_torch_runs_and_only_asking_for_native_says_so(tmp_path):
@@ -317,7 +433,7 @@ def test_an_unknown_engine_is_refused_naming_the_choices(tmp_path):
 
 def test_the_library_exports_only_its_prefixed_entry_points(native_library):
     """Every other symbol is static: nothing can bind to a libc function of the same name (glibc's `step`)."""
-    path = Path(native_library._name)
+    path = build.build().path
     nm = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True)
     if nm.returncode:
         pytest.skip("no nm to list the library's symbols")

@@ -117,19 +117,18 @@ class EngineChoice:
         return weights_bytes(self.model)
 
 
-def open_native(source, threads: int) -> EngineChoice:
-    """The core built (or loaded from its cache) running `source` (a MappedCheckpoint or a torch GPT); raises
-    native.build.NativeUnavailable when it cannot build or load here."""
-    from ..native.binding import declare
+def open_native(source, threads: int, on_compile=None) -> EngineChoice:
+    """The core built (or loaded from its cache; on_compile() called before a compile starts) running `source` (a
+    MappedCheckpoint or a torch GPT); raises native.build.NativeUnavailable when it cannot build or load here."""
     from ..native.build import build
 
-    built = build()
-    model = NativeGPT(source, declare(built.library), threads)
+    built = build(on_compile)
+    model = NativeGPT(source, built.library, threads)
     return EngineChoice(model, "native", model.weights, "cpu", built.notice, compile_s=built.compile_s,
                         library=str(built.path))
 
 
-def choose_engine(name: str, model, threads: int, unavailable=None) -> EngineChoice:
+def choose_engine(name: str, model, threads: int, unavailable=None, on_compile=None) -> EngineChoice:
     """For a torch model: `auto`, the native core when it can run the model and builds here, else torch;
     `native`, the same, with a notice when torch runs instead; `torch`, torch. `unavailable`: the reason the core
     already failed to build in this process (NativeUnavailable), not to try again."""
@@ -145,7 +144,7 @@ def choose_engine(name: str, model, threads: int, unavailable=None) -> EngineCho
         reason, detail = unavailable.reason, unavailable.detail
     elif reason is None:
         try:
-            return open_native(model, threads)
+            return open_native(model, threads, on_compile)
         except NativeUnavailable as exc:
             unavailable, reason, detail = exc, exc.reason, exc.detail
     told = name == "native" or (unavailable is not None and unavailable.notify)

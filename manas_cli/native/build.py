@@ -4,10 +4,14 @@ Nothing is compiled at install time: `pip install` needs no compiler. The first 
 core.c (`$CC`, else `cc`) into a per-user cache folder, `$XDG_CACHE_HOME/manas` else `~/.cache/manas`, under a
 name keyed by a hash of the source, the flags, the compiler (its file and modification time) and the CPU's
 features, so an upgrade of any of them builds afresh and two machines sharing a home folder never load each
-other's code. A shared library
-is code: one is loaded only from a folder the user owns and no one else can write, and only if the user owns it
-and no one else can write it. A folder that fails those checks is refused with one notice, and the core is built
-in a private temporary folder for this process instead.
+other's code.
+
+A shared library is code. One is loaded only from a folder the user owns and no one else can write, below folders
+no one else can rename it out of (every ancestor owned by the user or root and writable by no one else, sticky
+folders such as /tmp aside: ssh's StrictModes rule), only if it is a regular file the user owns and no one else can
+write, and only from the file descriptor that was checked and hashed, so nothing can be swapped in between. A cache
+folder that fails those checks is refused with one notice, and the core is built in one private folder per user in
+the system's temporary folder instead, reused by every later run.
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from .binding import declare
 
 SOURCE = Path(__file__).with_name("core.c")
 # -ffp-contract=off: every multiply and add as written, so the core's order of arithmetic is its source's
@@ -31,7 +40,8 @@ SOURCE = Path(__file__).with_name("core.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden")
 LIBRARIES = ("-lm",)
 ABI_VERSION = 2  # core.c's MANAS_ABI_VERSION: a library of another version is never used
-COMPILE_TIMEOUT_S = 120
+COMPILE_TIMEOUT_S = 60  # the core compiles in 1-5 s; a compiler still running after this has hung
+DIGEST_BYTES = 65  # a SHA-256 in hex and a newline: a digest file is never read further
 
 
 class NativeUnavailable(Exception):
@@ -45,7 +55,7 @@ class NativeUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Built:
-    library: ctypes.CDLL
+    library: ctypes.CDLL  # its entry points declared (binding.declare)
     path: Path
     compile_s: float | None  # seconds this process spent compiling it, None when it was cached
     notice: str | None  # a cache folder refused, and why
@@ -54,6 +64,11 @@ class Built:
 def cache_folder() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "manas"
+
+
+def fallback_folder() -> Path:
+    """The one folder per user the core is built in when the cache folder cannot be trusted or written."""
+    return Path(tempfile.gettempdir()) / f"manas-native-{os.getuid()}"
 
 
 def compiler() -> str:
@@ -90,9 +105,8 @@ def library_name(cc: str) -> str:
     return f"core-{key.hexdigest()[:24]}.so"
 
 
-def unsafe_reason(path: Path) -> str | None:
-    """Why a folder or file must not be trusted with code: not ours, or writable by others."""
-    info = path.lstat()
+def unsafe_reason(info: os.stat_result) -> str | None:
+    """Why a folder or file (its lstat or fstat) must not be trusted with code: not ours, or writable by others."""
     if stat.S_ISLNK(info.st_mode):
         return "is a symbolic link"
     if info.st_uid != os.getuid():
@@ -102,28 +116,108 @@ def unsafe_reason(path: Path) -> str | None:
     return None
 
 
-def private_folder(folder: Path) -> tuple[Path, str | None]:
-    """folder, created for the user alone if missing, or a fresh temporary one when it cannot be trusted."""
+def unsafe_ancestor(folder: Path) -> str | None:
+    """Why a folder above `folder` (as written, and once links are resolved) would let another user rename or
+    replace it, or None: one not owned by the user or root, or writable by others without the sticky bit."""
+    absolute = Path(os.path.abspath(folder))
+    for parent in dict.fromkeys([*absolute.parents, *Path(os.path.realpath(absolute)).parents]):
+        info = parent.stat()
+        if info.st_uid not in (0, os.getuid()):
+            return f"{parent}, which is not owned by you or root"
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            return f"{parent}, which can be written by other users"
+    return None
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why `folder` (created for the user alone if missing) cannot hold the core, in words after its name."""
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        reason = unsafe_reason(folder)
+        if (reason := unsafe_reason(folder.lstat())) is not None:
+            return reason
+        if (ancestor := unsafe_ancestor(folder)) is not None:
+            return f"is inside {ancestor}"
+        return None
     except OSError as exc:
-        reason = f"cannot be created ({exc.strerror})"
-    if reason is None:
+        return f"cannot be created ({exc.strerror or exc})"
+
+
+def private_folder(folder: Path) -> tuple[Path, str | None]:
+    """folder, or the user's fallback folder when folder cannot be trusted (with the notice that says why)."""
+    if (reason := folder_problem(folder)) is None:
         return folder, None
-    return Path(tempfile.mkdtemp(prefix="manas-native-")), f"{folder} {reason}: the native core is built in a private temporary folder instead"
+    return fallback(f"{folder} {reason}")
+
+
+def fallback(why: str) -> tuple[Path, str]:
+    folder = fallback_folder()
+    if (reason := folder_problem(folder)) is not None:
+        raise NativeUnavailable(f"{why}, and {folder} {reason}")
+    return folder, f"{why}: the native core is built in {folder} instead"
+
+
+def open_trusted(path: Path) -> int | None:
+    """A descriptor of `path` if it is a regular file the user owns and no one else can write, else None. Opened
+    without blocking and without following a link, so a FIFO or a link planted under the name is never waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or unsafe_reason(info) is not None:
+        os.close(fd)
+        return None
+    return fd
+
+
+def read_all(fd: int, limit: int | None = None) -> bytes:
+    with os.fdopen(os.dup(fd), "rb") as f:
+        return f.read(limit if limit is not None else -1)
+
+
+@contextmanager
+def locked(target: Path) -> Iterator[None]:
+    """The target's lock held, and its temporaries that a killed or failed run left behind removed (only a run
+    holding the lock creates them, so any found now are stale)."""
+    lock = target.with_name(f"{target.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NativeUnavailable(f"{lock} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for stale in (*target.parent.glob(f".build-{target.name}-*"), *target.parent.glob(f".digest-{target.name}-*")):
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)
+
+
+def run_compiler(command: list[str]) -> subprocess.CompletedProcess:
+    """command run in its own process group, all of which is killed if it outlives COMPILE_TIMEOUT_S (a compiler
+    driver that hangs leaves no child behind)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=COMPILE_TIMEOUT_S)
+    except BaseException:  # the timeout, or ^C while compiling
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def compile_library(cc: str, target: Path) -> float:
     """Compile core.c into target atomically (a temporary name, then a rename); the seconds it took."""
     started = time.perf_counter()
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".build-{target.name}-", suffix=".so")
     os.close(fd)
     try:
         try:
-            result = subprocess.run([cc, *FLAGS, "-o", temporary, str(SOURCE), *LIBRARIES],
-                                    capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as exc:
+            result = run_compiler([cc, *FLAGS, "-o", temporary, str(SOURCE), *LIBRARIES])
+        except subprocess.TimeoutExpired:
+            raise NativeUnavailable(f"the C compiler {cc} was still running after {COMPILE_TIMEOUT_S} s, so it "
+                                    "was stopped") from None
+        except OSError as exc:
             raise NativeUnavailable(f"the C compiler {cc} failed", str(exc)) from None
         if result.returncode:
             raise NativeUnavailable(f"the C compiler {cc} failed on the native core", result.stderr)
@@ -134,47 +228,93 @@ def compile_library(cc: str, target: Path) -> float:
     return time.perf_counter() - started
 
 
-def load(path: Path) -> ctypes.CDLL:
+def load(fd: int, path: Path) -> ctypes.CDLL:
+    """The library open on `fd`, loaded through the descriptor itself (Linux's /proc/self/fd) and declared; a
+    library of another version, or one missing an entry point, is refused and unloaded (the dynamic loader answers
+    a name it holds with what it holds, so a refused library left loaded would shadow its rebuild)."""
+    name = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
     try:
-        library = ctypes.CDLL(str(path))
+        library = ctypes.CDLL(name)
     except OSError as exc:
         raise NativeUnavailable("the native core does not load", str(exc)) from None
-    if library.manas_abi_version() != ABI_VERSION:
-        raise NativeUnavailable("the native core's library is of another version")
-    return library
+    try:
+        if library.manas_abi_version() != ABI_VERSION:
+            raise NativeUnavailable("the native core's library is of another version")
+        return declare(library)
+    except (AttributeError, NativeUnavailable) as exc:
+        unload(library)
+        if isinstance(exc, NativeUnavailable):
+            raise
+        raise NativeUnavailable("the native core's library lacks an entry point", str(exc)) from None
 
 
-def build() -> Built:
+def unload(library: ctypes.CDLL) -> None:
+    import _ctypes
+
+    _ctypes.dlclose(library._handle)
+
+
+def build(on_compile: Callable[[], None] | None = None) -> Built:
     """The loaded core, compiled first if this source, compiler and CPU have no library in the cache yet, or the
-    cached one does not load (truncated, corrupted): it is then rebuilt. Concurrent first runs take turns on a
-    lock: one compiles, the others load what it built. A cache folder that cannot be written is replaced by a
-    private temporary one, with a notice."""
+    cached one is not the one compiled (truncated, corrupted, replaced) or does not load: it is then rebuilt.
+    Concurrent first runs take turns on a lock: one compiles, the others load what it built. on_compile() is
+    called just before a compile starts (to say so on a terminal). A cache folder that cannot be trusted or
+    written is replaced by the user's fallback folder, with a notice."""
     cc = compiler()
     name = library_name(cc)
     folder, notice = private_folder(cache_folder())
     try:
-        return _build_in(cc, folder / name, notice)
+        return _build_in(cc, folder / name, notice, on_compile)
     except OSError as exc:  # the folder is ours but not writable (a read-only home, a full disk)
-        private = Path(tempfile.mkdtemp(prefix="manas-native-"))
-        notice = f"{folder} cannot be written ({exc.strerror or exc}): the native core is built in a private " \
-                 "temporary folder instead"
-        return _build_in(cc, private / name, notice)
+        if folder == fallback_folder():
+            raise NativeUnavailable(f"{folder} cannot be written ({exc.strerror or exc})") from None
+        folder, notice = fallback(f"{folder} cannot be written ({exc.strerror or exc})")
+        return _build_in(cc, folder / name, notice, on_compile)
 
 
-def _build_in(cc: str, target: Path, notice: str | None) -> Built:
+def _build_in(cc: str, target: Path, notice: str | None, on_compile: Callable[[], None] | None) -> Built:
     digest = target.with_name(f"{target.name}.sha256")
-    with open(target.parent / f"{target.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if intact(target, digest):
-            return Built(load(target), target, None, notice)
+    with locked(target):
+        if (library := cached(target, digest)) is not None:
+            return Built(library, target, None, notice)
+        if on_compile is not None:
+            on_compile()
         compile_s = compile_library(cc, target)
-        library = load(target)
+        fd = open_trusted(target)
+        if fd is None:
+            raise NativeUnavailable(f"{target} changed as it was built")
+        try:
+            code = read_all(fd)
+            library = load(fd, target)
+        finally:
+            os.close(fd)
         if failure := self_test(library):  # kept (its digest written) only once it has passed
+            unload(library)
             target.unlink()
             raise NativeUnavailable(f"the freshly built core failed its self-test ({failure}; does $CC add "
                                     "-ffast-math?), so it was deleted", notify=True)
-        write_digest(target, digest)
+        write_digest(target, digest, hashlib.sha256(code).hexdigest())
     return Built(library, target, compile_s, notice)
+
+
+def cached(target: Path, digest: Path) -> ctypes.CDLL | None:
+    """The cached library, loaded, if it is the one compiled byte for byte (loading a truncated or corrupted shared
+    library kills the process with SIGBUS before any error could be caught) and it loads; else None: rebuild it."""
+    fd, digest_fd = open_trusted(target), open_trusted(digest)
+    try:
+        if fd is None or digest_fd is None:
+            return None
+        expected = read_all(digest_fd, DIGEST_BYTES).decode("ascii", errors="replace").strip()
+        if hashlib.sha256(read_all(fd)).hexdigest() != expected:
+            return None
+        try:
+            return load(fd, target)
+        except NativeUnavailable:
+            return None
+    finally:
+        for open_fd in (fd, digest_fd):
+            if open_fd is not None:
+                os.close(open_fd)
 
 
 def self_test(library: ctypes.CDLL) -> str | None:
@@ -188,27 +328,15 @@ def self_test(library: ctypes.CDLL) -> str | None:
     if list(out) != [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]:
         return "Philox's known answer differs"
     values = (c_float * 4)(0.0, 1.0, float("nan"), float("inf"))
-    library.manas_first_not_finite.restype = ctypes.c_int64
-    if library.manas_first_not_finite(values, ctypes.c_int64(4)) != 2:
+    if library.manas_first_not_finite(values, 4) != 2:
         return "a NaN went unseen"
-    if library.manas_first_not_finite(ctypes.byref(values, 4 * 3), ctypes.c_int64(1)) != 0:
+    if library.manas_first_not_finite(ctypes.byref(values, 4 * 3), 1) != 0:
         return "an infinity went unseen"
     return None
 
 
-def intact(target: Path, digest: Path) -> bool:
-    """Whether the cached library is the one compiled, byte for byte: loading a truncated or corrupted shared
-    library kills the process (SIGBUS) before any error could be caught, so it is checked first, and rebuilt."""
-    try:
-        if unsafe_reason(target) or unsafe_reason(digest):
-            return False
-        return hashlib.sha256(target.read_bytes()).hexdigest() == digest.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return False
-
-
-def write_digest(target: Path, digest: Path) -> None:
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".digest-")
+def write_digest(target: Path, digest: Path, hexdigest: str) -> None:
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".digest-{target.name}-")
     with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(hashlib.sha256(target.read_bytes()).hexdigest() + "\n")
+        f.write(hexdigest + "\n")
     os.replace(temporary, digest)

@@ -126,7 +126,7 @@ def load_model(options: ModelOptions, console=None):
 
         mapped = _naming_the_environment(options, lambda: open_checkpoint(path))
         try:
-            engine = _naming_the_environment(options, lambda: open_native(mapped, threads.threads))
+            engine = _naming_the_environment(options, lambda: open_native(mapped, threads.threads, compiling(console)))
         except NativeUnavailable as exc:
             unavailable = exc  # torch runs it, without trying to build the core again
         else:
@@ -153,7 +153,7 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, co
     checkpoint = _naming_the_environment(options, lambda: load_checkpoint(path, device=device, dtype=dtype))
     if options.quantize is not None:
         quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
-    engine = choose_engine(options.engine, checkpoint.model, threads.threads, unavailable)
+    engine = choose_engine(options.engine, checkpoint.model, threads.threads, unavailable, compiling(console))
     if engine.name == "native":
         torch.set_num_threads(1)  # the core computes and samples: torch's OpenMP workers would only spin beside it
     elif not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
@@ -179,6 +179,15 @@ def _naming_the_environment(options: ModelOptions, load):
         if options.checkpoint is None and os.environ.get(CHECKPOINT_ENV):  # the user may not remember setting it
             raise type(exc)(f"{exc} (the path comes from ${CHECKPOINT_ENV}: fix it, unset it, or pass --checkpoint)") from None
         raise
+
+
+def compiling(console):
+    """What to call as a compile of the core starts: a line on a terminal, so a first run's pause is explained."""
+    from ..render import say
+
+    if console is None or not console.is_terminal:
+        return None
+    return lambda: say(console, "compiling the native core (once per version of manas, compiler and CPU)...")
 
 
 def report_engine(console, engine, debug: bool) -> None:

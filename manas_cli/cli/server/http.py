@@ -303,16 +303,18 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _wait(self, events: queue.Queue, count: int) -> None:
-        """Until every choice is done; a client that hangs up meanwhile stops waiting (its rows are freed)."""
-        ended = 0
+        """Until every choice is done; a client that hangs up meanwhile stops waiting (its rows are freed). Looked
+        for every POLL_S whether tokens arrive or not: a busy request's events never leave the queue empty."""
+        ended, look_at = 0, time.monotonic() + POLL_S
         while ended < count:
             try:
-                event = events.get(timeout=POLL_S)
+                ended += events.get(timeout=POLL_S)[1] is None
             except queue.Empty:
+                pass
+            if time.monotonic() >= look_at:
                 if self._client_gone():
                     raise ConnectionResetError("the client hung up") from None
-                continue
-            ended += event[1] is None
+                look_at = time.monotonic() + POLL_S
 
     def _client_gone(self) -> bool:
         readable, _, _ = select.select([self.connection], [], [], 0)

@@ -13,18 +13,19 @@ import time
 
 import torch
 
+from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.engine.bench import run_once
 from manas_cli.formats.checkpoint import load_checkpoint
-from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.models import resolve_checkpoint
 from manas_cli.engine.generation import generate
-from manas_cli.engine.kv_cache import CacheSession
-from manas_cli.engine.model import use_decode_layout
+from manas_cli.torch_engine.kv_cache import CacheSession
+from manas_cli.torch_engine.model import use_decode_layout
 from manas_cli.engine.sampling import Sampler
 
 
 def decode(model, tokens: int, allocation: str):
     prompt = torch.zeros(1, 8, dtype=torch.long)
-    steps = list(generate(model, prompt, Sampler(temperature=0.0), tokens, session=CacheSession(model, allocation)))
+    steps = list(generate(TorchEngine(model), prompt, Sampler(temperature=0.0), tokens, session=CacheSession(model, allocation)))
     stats = run_once(iter(steps), 8, 1)
     return [s.tokens for s in steps], stats.decode_tokens_per_s
 

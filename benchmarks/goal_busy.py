@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from harness import MANAS, gpt2_checkpoint, run_goals
-from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.models import resolve_checkpoint
 
 def bench_decode_rate(checkpoint: Path, tokens: int, threads: list[str]) -> tuple[float, int]:
     """A whole `manas bench` process's decode tokens/s and thread count: the default thread rule runs at start."""

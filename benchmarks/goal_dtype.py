@@ -8,9 +8,9 @@ import copy
 import torch
 
 from harness import GPT2_NEW_TOKENS, GPT2_PROMPT_TOKENS, gpt2_pair, interleaved, run_goals, speeds
-from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.models import resolve_checkpoint
 from manas_cli.engine.bench import bench_prompt
-from manas_cli.engine.model import use_decode_layout
+from manas_cli.torch_engine.model import use_decode_layout
 from manas_cli.formats.checkpoint import load_checkpoint
 
 def goal_dtypes(runs: int) -> dict:

@@ -10,7 +10,7 @@ from harness import (
     GPT2_NEW_TOKENS, GPT2_PROMPT_TOKENS, gpt2_pair, hf_decode_rate, manas_decode_rate, median_rate, run_goals, timed,
 )
 from manas_cli.engine.bench import bench_prompt
-from manas_cli.engine.model import use_decode_layout
+from manas_cli.torch_engine.model import use_decode_layout
 
 def read_bandwidth_bytes_per_s(gib: float = 1.0) -> float:
     """Streaming read bandwidth: the best of a few sums over a buffer far larger than the caches."""

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from harness import GPT2_NEW_TOKENS, GPT2_PROMPT_TOKENS, MANAS, Unavailable, gpt2_checkpoint, realtime, run_goals
-from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.models import resolve_checkpoint
 
 LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "manas-llamacpp")) / "build" / "bin"
 

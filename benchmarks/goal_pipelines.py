@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from harness import DATA, GREEDY, MANAS, gpt2_checkpoint, median_rate, run_goals
-from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.torch_engine.engine import TorchEngine
+from manas_cli.models import resolve_checkpoint
 from manas_cli.engine.bench import bench_prompt
-from manas_cli.engine.model import GPT, use_decode_layout
+from manas_cli.torch_engine.model import GPT, use_decode_layout
 from manas_cli.formats.checkpoint import load_checkpoint
 
 def pipeline_prompts(count: int, seed: int = 0) -> list[str]:
@@ -57,7 +58,7 @@ def batched_decode_rate(model: GPT, batch: int, new_tokens: int) -> float:
     prompt = bench_prompt(model, 64, 1)[0].tolist()
     requests = iter([Request(i, prompt, GREEDY, new_tokens) for i in range(batch)])
     decoded, seconds = 0, 0.0
-    for tokens in generate_batched(model, lambda wait: next(requests, None), batch):
+    for tokens in generate_batched(TorchEngine(model), lambda wait: next(requests, None), batch):
         if tokens[0].kind == "decode":
             decoded, seconds = decoded + len(tokens), seconds + tokens[0].seconds
     return decoded / seconds

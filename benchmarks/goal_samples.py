@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness import GREEDY, median_rate, run_goals, shipped_model, timed
+from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.engine.bench import run_once
 from manas_cli.engine.generation import generate
 
@@ -13,7 +14,7 @@ def goal_batched_samples(threads: int, runs: int) -> dict:
     prompt = torch.zeros(1, 16, dtype=torch.long)
 
     def seconds(batch: int) -> float:
-        return timed(lambda: run_once(generate(model, prompt.repeat(batch, 1), GREEDY, 200), 16, batch))
+        return timed(lambda: run_once(generate(TorchEngine(model), prompt.repeat(batch, 1), GREEDY, 200), 16, batch))
 
     one = median_rate(runs, lambda: seconds(1))
     eight = median_rate(runs, lambda: seconds(8))

@@ -18,7 +18,7 @@ import threading
 import time
 
 from harness import MANAS, run_goals
-from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.models import resolve_checkpoint
 
 READY = re.compile(r"manas serve: http://127\.0\.0\.1:(\d+)/v1")
 

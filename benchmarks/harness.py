@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.engine.bench import run_once
 from manas_cli.engine.generation import generate
-from manas_cli.engine.kv_cache import CacheSession
-from manas_cli.engine.model import GPT, use_decode_layout
+from manas_cli.torch_engine.kv_cache import CacheSession
+from manas_cli.torch_engine.model import GPT, use_decode_layout
 from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.checkpoint import load_checkpoint
-from manas_cli.cli.commands.common import resolve_checkpoint
+from manas_cli.models import resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"  # GPT-2's ranks and Tiny Shakespeare's opening, carried with the tests
@@ -116,7 +117,7 @@ def gpt2_pair():
 def gpt2_checkpoint(folder: Path) -> Path:
     """A GPT-2-124M-shaped manas checkpoint with random weights and GPT-2's tokenizer, written once into folder."""
     from manas_cli.formats.checkpoint import save_checkpoint
-    from manas_cli.engine.model import GPTConfig
+    from manas_cli.torch_engine.model import GPTConfig
     from manas_cli.formats.tokenizer import spec_from_tiktoken_file
 
     path = folder / "gpt2-random.safetensors"
@@ -130,7 +131,7 @@ def gpt2_checkpoint(folder: Path) -> Path:
 
 def manas_decode_rate(model: GPT, prompt: torch.Tensor, new_tokens: int, allocation: str) -> float:
     session = CacheSession(model, allocation)
-    return run_once(generate(model, prompt, GREEDY, new_tokens, session=session), prompt.size(1), prompt.size(0)).decode_tokens_per_s
+    return run_once(generate(TorchEngine(model), prompt, GREEDY, new_tokens, session=session), prompt.size(1), prompt.size(0)).decode_tokens_per_s
 
 
 def hf_decode_rate(hf, prompt: torch.Tensor, new_tokens: int) -> float:
@@ -146,21 +147,21 @@ def hf_decode_rate(hf, prompt: torch.Tensor, new_tokens: int) -> float:
 
 def speeds(model: GPT, prompt: torch.Tensor, new_tokens: int) -> dict[str, float]:
     """Prefill and cached decode tokens/s of one greedy generation."""
-    stats = run_once(generate(model, prompt, GREEDY, new_tokens), prompt.size(1), prompt.size(0))
+    stats = run_once(generate(TorchEngine(model), prompt, GREEDY, new_tokens), prompt.size(1), prompt.size(0))
     return {"prefill": stats.prefill_tokens_per_s, "decode": stats.decode_tokens_per_s}
 
 
 def greedy_tokens(model: GPT, prompt: torch.Tensor, new_tokens: int) -> list[int]:
-    return [step.tokens[0] for step in generate(model, prompt, GREEDY, new_tokens)]
+    return [step.tokens[0] for step in generate(TorchEngine(model), prompt, GREEDY, new_tokens)]
 
 
 def int8_copier():
     """A function making an int8 copy of a float model in its plain layout (int8 layers keep their own layout,
     as in the CLI); asked for before any model is built, so that a checkout without int8 skips at once."""
     try:
-        from manas_cli.engine.quantize import quantize_model
+        from manas_cli.torch_engine.quantize import quantize_model
     except ImportError:
-        raise Unavailable("int8 weights (manas_cli.engine.quantize, issue 10) are not in this checkout") from None
+        raise Unavailable("int8 weights (manas_cli.torch_engine.quantize, issue 10) are not in this checkout") from None
     return lambda model: quantize_model(copy.deepcopy(model))
 
 

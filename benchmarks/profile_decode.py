@@ -12,9 +12,9 @@ import argparse
 import torch
 
 from manas_cli.formats.checkpoint import load_checkpoint
-from manas_cli.cli.commands.common import resolve_checkpoint
-from manas_cli.engine.kv_cache import CacheSession
-from manas_cli.engine.model import GPT, GPTConfig, use_decode_layout
+from manas_cli.models import resolve_checkpoint
+from manas_cli.torch_engine.kv_cache import CacheSession
+from manas_cli.torch_engine.model import GPT, GPTConfig, use_decode_layout
 
 GPT2_124M = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 
@@ -32,7 +32,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_checkpoint(resolve_checkpoint(None)).model if args.shipped else GPT(GPT2_124M).eval()
     if args.weights in ("int8", "int4"):
-        from manas_cli.engine.quantize import quantize_model
+        from manas_cli.torch_engine.quantize import quantize_model
 
         quantize_model(model, args.weights)  # quantized layers keep their own layout, as in the CLI
     else:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .engine.model import GPT
+from .torch_engine.model import GPT
 from .errors import InputError, TrainingError
 from .formats.checkpoint import save_checkpoint
 

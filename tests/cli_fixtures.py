@@ -21,10 +21,9 @@ from manas_cli.formats.bpe import train_bpe
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import Checkpoint
 from manas_cli.engine.generation import generate_reference, prompt_batch
-from manas_cli.engine.model import GPT, GPTConfig
-from manas_cli.engine.engines import choose_engine
-from manas_cli.engine.quantize import quantize_model
-from manas_cli.engine.engines import torch_generator
+from manas_cli.torch_engine.model import GPT, GPTConfig
+from manas_cli.models import choose_engine
+from manas_cli.torch_engine.quantize import quantize_model
 from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.tokenizer import bpe_spec, build_encoding, end_of_text_id
 
@@ -58,8 +57,8 @@ class TinyCheckpoint:
 
     @cached_property
     def runner(self):
-        """The model as the CLI's default `--engine auto` runs it here: the native core where it builds."""
-        return choose_engine("auto", self.loaded.model, 1).model
+        """The engine the CLI's default `--engine auto` runs here: the native core where it builds."""
+        return choose_engine("auto", self.loaded.model, 1).engine
 
     @property
     def encoding(self):
@@ -77,13 +76,13 @@ class TinyCheckpoint:
                   top_p: float | None = None, seed: int | None = None, num_samples: int = 1) -> list[list[int]]:
         """Each sample's new tokens from crop-and-recompute generation (end-of-text ends a sample and is not one of
         its tokens), sampled with the generator the CLI seeds for --seed."""
-        model = self.runner
-        generator = torch_generator(model, seed) if seed is not None else None
+        engine = self.runner
+        generator = engine.generator(seed) if seed is not None else None
         sampler = Sampler(temperature, top_k, top_p, generator, seed=seed or 0)
         prompt_ids = prompt_batch(self.prompt_ids(prompt), num_samples)
         samples: list[list[int]] = [[] for _ in range(num_samples)]
         ended = [False] * num_samples
-        for step in generate_reference(model, prompt_ids, sampler, max_tokens, self.eot_id):
+        for step in generate_reference(engine, prompt_ids, sampler, max_tokens, self.eot_id):
             for row, token in enumerate(step.tokens):
                 ended[row] = ended[row] or token == self.eot_id
                 if not ended[row]:

@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from manas_cli.engine.model import GPT, GPTConfig
+from manas_cli.native.engine import NativeEngine
+from manas_cli.native.model import Logits, NativeGPT
+from manas_cli.native.session import NativeSession
+from manas_cli.torch_engine.engine import TorchEngine
+from manas_cli.torch_engine.model import GPT, GPTConfig
 from manas_cli.formats.tokenizer import bpe_spec
 
 # One thread for the whole session: the suite is tiny, CI has 2 cores, and a background job may hold the rest.
@@ -123,11 +127,66 @@ def engine(request) -> str:
 
 @pytest.fixture
 def run_on(engine, request):
-    """The model as `engine` runs it: itself on torch, the C core over its own tensors on native. Tests that take
-    it hold on both engines."""
+    """The model as `engine` runs it (an engines.Engine): torch, or the C core over the model's own tensors. Tests
+    that take it hold on both engines."""
     if engine == "torch":
-        return lambda model: model
-    from manas_cli.engine.native import NativeGPT
-
+        return engine_of
     library = request.getfixturevalue("native_library")
-    return lambda model, threads=1: NativeGPT(model, library, threads)
+    return lambda model, threads=1: NativeEngine(native_model(model, library, threads))
+
+
+def engine_of(model):
+    """The engine running `model`: an Engine as it is, a torch GPT on the torch engine (the tests' own switch; the
+    library's callers open engines with manas_cli.models)."""
+    return model if hasattr(model, "new_session") else TorchEngine(model)
+
+
+def sample(sampler, logits: torch.Tensor) -> torch.Tensor:
+    """The torch engine's draw from logits (B, vocab): next token ids (B, 1)."""
+    from manas_cli.torch_engine.sampling import adjust, draw
+
+    return draw(sampler, adjust(sampler, logits))
+
+
+def native_model(source, library, threads: int = 1) -> NativeGPT:
+    """The core over a torch GPT's tensors, or over a mapped checkpoint's bytes (formats.header.open_checkpoint)."""
+    from manas_cli.formats.mapped_weights import MappedWeights
+    from manas_cli.torch_engine.native_weights import TorchWeights
+
+    weights = TorchWeights(source) if isinstance(source, GPT) else MappedWeights(source, library)
+    return NativeGPT(weights, library, threads)
+
+
+def all_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """What GPT.forward gives without targets, the logits of every position, (B, T, vocab), from either engine (or
+    a torch GPT or NativeGPT as such), each row from position 0."""
+    model = getattr(model, "model", model)  # an engine's model
+    if isinstance(model, GPT):
+        with torch.inference_mode():
+            return model(ids)
+    rows = ids.tolist()
+    return logits_view(NativeEngine(model).logits_from(rows, 0)).view(len(rows), len(rows[0]), -1)
+
+
+def logits_view(logits: Logits) -> torch.Tensor:
+    """The core's logits as a (rows, vocab) tensor over its own memory (writable)."""
+    whole = torch.frombuffer(logits.buffer, dtype=torch.float32).view(-1, logits.vocab)
+    return whole[logits.first : logits.first + logits.rows]
+
+
+def step_logits(logits) -> torch.Tensor:
+    """A session's prefill or decode logits as a (B, 1, vocab) tensor, from either engine."""
+    return logits_view(logits)[:, None] if isinstance(logits, Logits) else logits
+
+
+def cache_layers(session) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the cached K and V as (B, n_kv_head, positions, head_size) tensors, from either engine's session."""
+    if not isinstance(session, NativeSession):
+        return [(layer.k, layer.v) for layer in session.layers]
+    if session.k is None:
+        return []
+    config = session.model.config
+    shape = (session.batch_size, config.n_layer, session.size, config.n_kv_head, config.head_size)
+    k, v = (torch.frombuffer(buffer, dtype=torch.float32).view(shape) for buffer in (session.k, session.v))
+    return [(k[:, i, : session.positions].transpose(1, 2), v[:, i, : session.positions].transpose(1, 2))
+            for i in range(config.n_layer)]

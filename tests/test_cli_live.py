@@ -28,7 +28,7 @@ from cli_fixtures import (  # noqa: F401 (checkpoints and rope are fixtures)
 )
 from conftest import needs_compiler
 from manas_cli.formats.checkpoint import save_checkpoint
-from manas_cli.engine.model import GPT, GPTConfig
+from manas_cli.torch_engine.model import GPT, GPTConfig
 from manas_cli.formats.tokenizer import bpe_spec
 
 COLUMNS, ROWS = 160, 50  # wide enough for the stats line on one row

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import engine_of
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import read_metadata
 from manas_cli.engine.generation import generate
@@ -112,7 +113,7 @@ def hf_greedy(model, prompt: torch.Tensor, new_tokens: int) -> list[int]:
 
 
 def manas_greedy(model, prompt: torch.Tensor, new_tokens: int) -> list[int]:
-    return [step.tokens[0] for step in generate(model, prompt, Sampler(temperature=0.0), new_tokens)]
+    return [step.tokens[0] for step in generate(engine_of(model), prompt, Sampler(temperature=0.0), new_tokens)]
 
 
 @pytest.mark.parametrize(

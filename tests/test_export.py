@@ -13,7 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # every load below must come from the export
 import pytest
 import torch
 
-from conftest import make_model
+from conftest import engine_of, make_model
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.nanogpt import character_spec
 from manas_cli.engine.generation import generate
@@ -81,7 +81,7 @@ def test_export_loads_in_transformers_with_identical_logits_and_greedy_text(tmp_
     assert hf_tokenizer(prompt_text)["input_ids"] == prompt_ids
     prompt = torch.tensor([prompt_ids])
     eot = hf_tokenizer.eos_token_id
-    manas_ids = [s.tokens[0] for s in generate(model, prompt, Sampler(temperature=0.0), 64, eot_id=eot)]
+    manas_ids = [s.tokens[0] for s in generate(engine_of(model), prompt, Sampler(temperature=0.0), 64, eot_id=eot)]
     with torch.no_grad():
         hf_ids = hf_model.generate(prompt, do_sample=False, max_new_tokens=64, pad_token_id=eot)[0, len(prompt_ids) :]
     assert hf_ids.tolist() == manas_ids

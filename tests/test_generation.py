@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from conftest import BLOCK_SIZE, make_model
+from conftest import BLOCK_SIZE, engine_of, make_model, sample
 from manas_cli.engine.generation import GenerationStats, crop_window, generate, generate_reference
-from manas_cli.engine.kv_cache import CacheSession
-from manas_cli.engine.model import use_decode_layout
-from manas_cli.engine.engines import new_session
-from manas_cli.engine.quantize import Int4Linear, Int8Linear, quantize_model
+from manas_cli.torch_engine.kv_cache import CacheSession
+from manas_cli.torch_engine.model import use_decode_layout
+from manas_cli.torch_engine.quantize import Int4Linear, Int8Linear, quantize_model
 from manas_cli.engine.sampling import Penalties, Sampler
+from manas_cli.torch_engine.sampling import probabilities
 
 NEW_TOKENS = 5 * BLOCK_SIZE // 2  # 2.5 × block_size: the window overflows many times
 SAMPLERS = {
@@ -44,8 +44,8 @@ def tokens_of(steps) -> list[list[int]]:
 def test_cached_generation_equals_crop_and_recompute_past_block_size(tiny_model, batch, sampler, run_on):
     model = run_on(tiny_model)
     ids = prompt(batch)
-    cached = list(generate(model, ids, make_sampler(sampler), NEW_TOKENS))
-    reference = list(generate_reference(model, ids, make_sampler(sampler), NEW_TOKENS))
+    cached = list(generate(engine_of(model), ids, make_sampler(sampler), NEW_TOKENS))
+    reference = list(generate_reference(engine_of(model), ids, make_sampler(sampler), NEW_TOKENS))
     assert tokens_of(cached) == tokens_of(reference)
     assert len(cached) == NEW_TOKENS and all(len(step.tokens) == batch for step in cached)
     kinds = {step.kind for step in cached}
@@ -73,8 +73,8 @@ def test_every_fast_path_equals_crop_and_recompute_within_and_past_the_window(ti
         assert fast.lm_head.weight is fast.token_embedding.weight
     ids = prompt(batch)
     session = CacheSession(fast, allocation)
-    cached = list(generate(fast, ids, make_sampler(sampler), NEW_TOKENS, session=session))
-    reference = list(generate_reference(tiny_model, ids, make_sampler(sampler), NEW_TOKENS))
+    cached = list(generate(engine_of(fast), ids, make_sampler(sampler), NEW_TOKENS, session=session))
+    reference = list(generate_reference(engine_of(tiny_model), ids, make_sampler(sampler), NEW_TOKENS))
     assert tokens_of(cached) == tokens_of(reference)
     assert {step.kind for step in cached} == {"prefill", "decode", "re_prefill"}
 
@@ -115,8 +115,8 @@ def test_quantized_cached_generation_equals_its_own_crop_and_recompute_past_the_
     The native core reads the stored codes whichever torch product the layers would use, and is exact."""
     model = run_on(quantized_model(tiny_model, path))
     ids = prompt(batch)
-    cached = list(generate(model, ids, make_sampler(sampler), NEW_TOKENS, session=new_session(model, allocation)))
-    reference = list(generate_reference(model, ids, make_sampler(sampler), NEW_TOKENS))
+    cached = list(generate(engine_of(model), ids, make_sampler(sampler), NEW_TOKENS, session=engine_of(model).new_session(allocation)))
+    reference = list(generate_reference(engine_of(model), ids, make_sampler(sampler), NEW_TOKENS))
     if tokens_of(cached) != tokens_of(reference) and sampler != "greedy" and engine == "torch":
         assert not decode_is_bitwise_the_full_window(tiny_model, ids)  # otherwise the difference is quantization's
         pytest.xfail("this CPU's float32 attention over the cache differs in its last bits from the full window's; "
@@ -129,7 +129,7 @@ def test_quantized_cached_generation_equals_its_own_crop_and_recompute_past_the_
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_kernel_and_dequantized_products_give_the_same_tokens(tiny_model, sampler, kind):
     runs = [
-        tokens_of(generate(quantized_model(tiny_model, path), prompt(3), make_sampler(sampler), NEW_TOKENS))
+        tokens_of(generate(engine_of(quantized_model(tiny_model, path)), prompt(3), make_sampler(sampler), NEW_TOKENS))
         for path in (f"{kind}-kernel", f"{kind}-dequantize")
     ]
     assert runs[0] == runs[1]
@@ -151,7 +151,7 @@ def test_static_cache_reports_its_preallocated_window_as_storage():
 def test_seeded_sampling_draws_differ_between_seeds_and_repeat_with_the_same_seed():
     """The equality above means something only if sampling is random and the seed pins it."""
     model = make_model("rope", "gqa")
-    runs = [tokens_of(generate(model, prompt(1), make_sampler("top-k", seed), NEW_TOKENS)) for seed in (1, 1, 2)]
+    runs = [tokens_of(generate(engine_of(model), prompt(1), make_sampler("top-k", seed), NEW_TOKENS)) for seed in (1, 1, 2)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -160,8 +160,8 @@ def test_seeded_sampling_draws_differ_between_seeds_and_repeat_with_the_same_see
 def test_prompt_longer_than_block_size_is_cropped_like_the_reference(position_encoding):
     model = make_model(position_encoding, "gqa")
     ids = prompt(2, length=BLOCK_SIZE + 7)
-    cached = list(generate(model, ids, make_sampler("top-p"), BLOCK_SIZE))
-    assert tokens_of(cached) == tokens_of(generate_reference(model, ids, make_sampler("top-p"), BLOCK_SIZE))
+    cached = list(generate(engine_of(model), ids, make_sampler("top-p"), BLOCK_SIZE))
+    assert tokens_of(cached) == tokens_of(generate_reference(engine_of(model), ids, make_sampler("top-p"), BLOCK_SIZE))
     assert cached[0].positions == BLOCK_SIZE
 
 
@@ -180,7 +180,7 @@ def expected_kinds(prompt_length: int, new_tokens: int, keep: int) -> list[str]:
 
 @pytest.mark.parametrize(("overflow", "keep"), [("recompute", BLOCK_SIZE), ("shift", BLOCK_SIZE // 2)])
 def test_overflow_policy_re_prefills_the_window_when_the_cache_is_full(overflow, keep):
-    steps = list(generate(make_model("rope", "mqa"), prompt(1), make_sampler("greedy"), NEW_TOKENS, overflow=overflow))
+    steps = list(generate(engine_of(make_model("rope", "mqa")), prompt(1), make_sampler("greedy"), NEW_TOKENS, overflow=overflow))
     assert [step.kind for step in steps] == expected_kinds(5, NEW_TOKENS, keep)
 
 
@@ -191,7 +191,7 @@ def test_each_greedy_token_is_the_full_models_choice_over_the_positions_it_repor
     re-prefill of half the window, its cached decodes equal the full forward over that many last tokens."""
     model = make_model(position_encoding, "gqa")
     sequence = prompt(3)
-    steps = list(generate(model, sequence, make_sampler("greedy"), NEW_TOKENS, overflow=overflow))
+    steps = list(generate(engine_of(model), sequence, make_sampler("greedy"), NEW_TOKENS, overflow=overflow))
     with torch.no_grad():
         for step in steps:
             window = sequence[:, -step.positions :]
@@ -208,7 +208,7 @@ def test_generation_stats_count_steps_and_re_prefills(overflow):
     prompt_length = 5
     stats = GenerationStats(prompt_tokens=prompt_length, batch_size=2, re_prefill_positions=[])
     steps = []
-    for step in generate(model, prompt(2, prompt_length), make_sampler("top-k"), NEW_TOKENS, overflow=overflow):
+    for step in generate(engine_of(model), prompt(2, prompt_length), make_sampler("top-k"), NEW_TOKENS, overflow=overflow):
         stats.update(step)
         steps.append(step)
     kinds = expected_kinds(prompt_length, NEW_TOKENS, BLOCK_SIZE if overflow == "recompute" else BLOCK_SIZE // 2)
@@ -228,7 +228,7 @@ def test_shift_re_prefills_less_often_than_recompute():
     counts = {}
     for overflow in ("recompute", "shift"):
         stats = GenerationStats(prompt_tokens=5)
-        for step in generate(model, prompt(1), make_sampler("greedy"), NEW_TOKENS, overflow=overflow):
+        for step in generate(engine_of(model), prompt(1), make_sampler("greedy"), NEW_TOKENS, overflow=overflow):
             stats.update(step)
         counts[overflow] = stats.re_prefills
     assert 0 < counts["shift"] < counts["recompute"]
@@ -237,18 +237,18 @@ def test_shift_re_prefills_less_often_than_recompute():
 def test_generation_stops_once_every_row_has_produced_end_of_text():
     model = make_model("rope", "gqa")
     ids = prompt(1)
-    unbounded = [step.tokens[0] for step in generate(model, ids, make_sampler("greedy"), NEW_TOKENS)]
+    unbounded = [step.tokens[0] for step in generate(engine_of(model), ids, make_sampler("greedy"), NEW_TOKENS)]
     eot = unbounded[6]
     stop_after = unbounded.index(eot) + 1
     for engine in (generate, generate_reference):
-        steps = list(engine(model, ids, make_sampler("greedy"), NEW_TOKENS, eot_id=eot))
+        steps = list(engine(engine_of(model), ids, make_sampler("greedy"), NEW_TOKENS, eot_id=eot))
         assert [step.tokens[0] for step in steps] == unbounded[:stop_after]
 
 
 def test_rows_keep_decoding_until_the_last_row_ends():
     model = make_model("learned", "mha", seed=1)
     ids = prompt(3)
-    unbounded = tokens_of(generate(model, ids, make_sampler("greedy"), NEW_TOKENS))
+    unbounded = tokens_of(generate(engine_of(model), ids, make_sampler("greedy"), NEW_TOKENS))
     in_every_row = set.intersection(*({step[row] for step in unbounded} for row in range(3)))
     # the shared token whose rows end at the most different steps
     first = {
@@ -257,17 +257,17 @@ def test_rows_keep_decoding_until_the_last_row_ends():
     eot = max(first, key=lambda token: max(first[token]) - min(first[token]))
     assert min(first[eot]) < max(first[eot]) < NEW_TOKENS - 1
     for engine in (generate, generate_reference):
-        steps = tokens_of(engine(model, ids, make_sampler("greedy"), NEW_TOKENS, eot_id=eot))
+        steps = tokens_of(engine(engine_of(model), ids, make_sampler("greedy"), NEW_TOKENS, eot_id=eot))
         assert steps == unbounded[: max(first[eot]) + 1]
 
 
 def test_generation_refuses_an_unknown_overflow_policy_and_an_empty_prompt():
     model = make_model()
     with pytest.raises(ValueError, match="overflow must be one of recompute, shift"):
-        next(generate(model, prompt(1), make_sampler("greedy"), 3, overflow="wrap"))
+        next(generate(engine_of(model), prompt(1), make_sampler("greedy"), 3, overflow="wrap"))
     for engine in (generate, generate_reference):
         with pytest.raises(ValueError, match="non-empty"):
-            next(engine(model, torch.zeros(1, 0, dtype=torch.long), make_sampler("greedy"), 3))
+            next(engine(engine_of(model), torch.zeros(1, 0, dtype=torch.long), make_sampler("greedy"), 3))
 
 
 def test_crop_window_keeps_the_last_block_size_tokens():
@@ -288,17 +288,17 @@ def test_sampler_never_draws_ids_the_tokenizer_cannot_decode(options):
     logits[:, 3] = 50.0  # a hole in the ids
     decodable = torch.tensor([True] * 3 + [False] + [True] * 4)
     sampler = Sampler(**options, generator=torch.Generator().manual_seed(0), decodable=decodable)
-    drawn = sampler(logits).flatten()
+    drawn = sample(sampler, logits).flatten()
     assert all((drawn < 8) & (drawn != 3))
 
 
 def test_temperature_zero_is_argmax():
-    assert Sampler(temperature=0.0)(LOGITS).tolist() == [[5], [5]]
+    assert sample(Sampler(temperature=0.0), LOGITS).tolist() == [[5], [5]]
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
 def test_top_k_keeps_exactly_the_k_most_likely_tokens(top_k):
-    probs = Sampler(temperature=1.0, top_k=top_k).probabilities(LOGITS)
+    probs = probabilities(Sampler(temperature=1.0, top_k=top_k), LOGITS)
     kept = probs > 0
     assert kept.sum(-1).tolist() == [top_k, top_k]
     assert torch.equal(kept, torch.zeros_like(kept).scatter(-1, LOGITS.topk(top_k).indices, True))
@@ -308,7 +308,7 @@ def test_top_k_keeps_exactly_the_k_most_likely_tokens(top_k):
 @pytest.mark.parametrize(("top_p", "kept"), [(0.01, 1), (0.6, 2), (0.8, 3), (1.0, 6)])
 def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_p(top_p, kept):
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.2, 0.15, 0.04, 0.06]]))
-    probs = Sampler(temperature=1.0, top_p=top_p).probabilities(logits)
+    probs = probabilities(Sampler(temperature=1.0, top_p=top_p), logits)
     assert int((probs > 0).sum()) == kept
     sorted_kept = torch.tensor([0.5, 0.2, 0.15, 0.06, 0.05, 0.04])[:kept]
     assert sorted(probs[probs > 0].tolist(), reverse=True) == pytest.approx(sorted_kept.tolist(), rel=1e-5)
@@ -317,7 +317,7 @@ def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_p(top_p, kept):
 def test_top_p_sampling_never_draws_a_dropped_token():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.05, 0.05]]))
     sampler = Sampler(temperature=1.0, top_p=0.85, generator=torch.Generator().manual_seed(0))
-    drawn = {int(sampler(logits)) for _ in range(200)}
+    drawn = {int(sample(sampler, logits)) for _ in range(200)}
     assert drawn == {0, 1}
 
 

@@ -22,7 +22,7 @@ from cli_fixtures import BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli_env, l
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.formats.gpt2 import gpt2_name
 from manas_cli.engine.config import parameter_shapes
-from manas_cli.engine.model import GPT, GPTConfig
+from manas_cli.torch_engine.model import GPT, GPTConfig
 from manas_cli.formats.tokenizer import bpe_spec, encode_ranks
 
 ADDRESS_SPACE = 3 << 30  # far below what any of the refused claims would allocate

@@ -23,10 +23,10 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas, rope  # noqa: F401
-from conftest import make_model, needs_compiler
+from conftest import all_logits, make_model, native_model, needs_compiler
 from test_native import dequantized_reference
-from manas_cli.engine.quantize import Int4Linear, Int8Linear, quantizable, quantize_groups, quantize_rows
-from manas_cli.engine.native import NativeGPT
+from manas_cli.torch_engine.quantize import Int4Linear, Int8Linear, quantizable, quantize_groups, quantize_rows
+from manas_cli.native.engine import NativeEngine
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import open_checkpoint
 from manas_cli.formats.tokenizer import bpe_spec
@@ -107,10 +107,10 @@ def test_int4_of_any_group_size_runs_on_the_core(native_library, tmp_path, n_emb
     ids = torch.randint(264, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         expected = dequantized_reference(model)(ids)
-    got = NativeGPT(model, native_library)(ids)
+    got = all_logits(native_model(model, native_library), ids)
     assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    assert torch.equal(NativeGPT(open_checkpoint(path), native_library)(ids), got)
+    assert torch.equal(all_logits(native_model(open_checkpoint(path), native_library), ids), got)
     run = run_model(path, "native", "-n", "40", "-t", "0", "--json").ok().json()
     assert run["engine"] == "native" and run["generated_tokens"] > 0
 
@@ -354,6 +354,29 @@ def test_a_client_that_hangs_up_frees_its_rows_streamed_or_not(checkpoints, stre
         assert server.health()["rows"] == 0
 
 
+def test_the_ready_line_is_out_whenever_the_server_answers(rope):
+    """Quick start/stop cycles: once /health answers, the ready line has been printed (it once went missing)."""
+    for _ in range(3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        process = subprocess.Popen([*MANAS, "serve", "-c", str(rope.path), "--port", str(port), *RUN_OPTIONS],
+                                   stderr=subprocess.PIPE, text=True, env=cli_env())
+        try:
+            for _ in range(600):  # until it answers; a minute before calling it a hang
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+                        connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                        if connection.recv(100).startswith(b"HTTP/1.1 200"):
+                            break
+                except OSError:
+                    time.sleep(0.1)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            _, err = process.communicate(timeout=60)
+        assert f"http://127.0.0.1:{port}/v1" in err, err
+
+
 # ---- item 14: the new user's habits ---------------------------------------------------------------------------
 
 
@@ -436,8 +459,8 @@ def test_mutated_headers_are_refused_or_run_never_read_out_of_bounds(native_libr
         encoded = json.dumps(header).encode()
         target.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body[: len(body) - generator.choice([0, 0, 1, 64])])
         try:
-            model = NativeGPT(open_checkpoint(target), native_library)
-            logits = model.last_logits([[1, 2, 3]])
+            engine = NativeEngine(native_model(open_checkpoint(target), native_library))
+            logits = engine.last_logits([[1, 2, 3]])
             outcomes.add("ran" if all(math.isfinite(v) for v in logits.buffer) else "ran, not finite")
         except ManasError as exc:
             assert str(exc).startswith(str(target)), exc

@@ -16,7 +16,9 @@ import torch
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, generate, learned, manas, rope  # noqa: F401 (fixtures)
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import read_metadata
+from conftest import sample
 from manas_cli.engine.sampling import Sampler
+from manas_cli.torch_engine.sampling import probabilities
 from manas_cli.formats.tokenizer import encode_ranks
 
 TINY_SHAPE = (
@@ -246,18 +248,18 @@ def test_tiny_temperature_or_top_p_generates_the_greedy_text(rope, flags):
 
 def test_a_temperature_too_small_to_divide_by_is_greedy_row_by_row():
     logits = torch.tensor([[1e-39, 3e-39, 2e-39], [1.0, -2.0, 3.0]])  # / 1e-38: [0.1, 0.3, 0.2] and an overflow
-    probs = Sampler(temperature=1e-38).probabilities(logits)
+    probs = probabilities(Sampler(temperature=1e-38), logits)
     torch.testing.assert_close(probs[0], torch.softmax(torch.tensor([0.1, 0.3, 0.2]), -1))
     assert probs[1].tolist() == [0.0, 0.0, 1.0]
     sampler = Sampler(temperature=1e-45, generator=torch.Generator().manual_seed(0))
-    assert sampler(torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).mul(30)).squeeze(1).tolist() == \
+    assert sample(sampler, torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).mul(30)).squeeze(1).tolist() == \
         torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).argmax(-1).tolist()
 
 
 def test_a_top_p_below_the_top_probability_keeps_the_top_token():
     logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 4.9, 0.0]])
     for top_p in (1e-50, 1e-8, 0.1):
-        probs = Sampler(temperature=1.0, top_p=top_p).probabilities(logits)
+        probs = probabilities(Sampler(temperature=1.0, top_p=top_p), logits)
         assert (probs > 0).sum(-1).tolist() == [1, 1] and probs.argmax(-1).tolist() == [1, 0]
 
 

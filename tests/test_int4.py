@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from cli_fixtures import RUN_OPTIONS, TinyCheckpoint, checkpoints, generate, learned, manas, rope  # noqa: F401
 from conftest import make_model
 from manas_cli.formats.checkpoint import save_checkpoint
-from manas_cli.engine.quantize import (
+from manas_cli.torch_engine.quantize import (
     INT4_GROUP_SIZE, Int4Linear, dequantize_groups, pack_codes, quantize_groups, quantize_model, unpack_codes,
     weights_bytes, weights_name,
 )

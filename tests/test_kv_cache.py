@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import BLOCK_SIZE, make_model, tiny_config
-from manas_cli.engine.kv_cache import CacheSession
-from manas_cli.engine.model import CausalSelfAttention, RotaryAttention
-from manas_cli.engine.engines import new_session
+from conftest import BLOCK_SIZE, all_logits, make_model, step_logits, tiny_config
+from manas_cli.torch_engine.kv_cache import CacheSession
+from manas_cli.torch_engine.model import CausalSelfAttention, RotaryAttention
 
 FLOAT32_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 
@@ -23,22 +22,22 @@ def test_prefill_and_decode_logits_equal_the_full_forward_last_position(tiny_mod
     """Through the first fill, and through re-prefills of the cropped window past block_size: within float32
     rounding on torch, bit for bit on the native core."""
     model = run_on(tiny_model)
-    session = new_session(model)
+    session = model.new_session()
     sequence = random_ids(batch, 5)
     next_ids = random_ids(batch, 3 * BLOCK_SIZE, seed=1)  # teacher-forced continuation
     with torch.no_grad():
-        logits = session.prefill(sequence)
+        logits = step_logits(session.prefill(sequence))
         for column in range(next_ids.size(1)):
-            expected = model(sequence[:, -BLOCK_SIZE:])[:, -1:]
+            expected = all_logits(model, sequence[:, -BLOCK_SIZE:])[:, -1:]
             assert logits.shape == (batch, 1, tiny_model.config.vocab_size)
             if engine == "native":
                 assert torch.equal(logits, expected)
             torch.testing.assert_close(logits, expected, **FLOAT32_TOLERANCE)
             sequence = torch.cat((sequence, next_ids[:, column : column + 1]), dim=1)
             if session.positions == BLOCK_SIZE:
-                logits = session.prefill(sequence[:, -BLOCK_SIZE:])
+                logits = step_logits(session.prefill(sequence[:, -BLOCK_SIZE:]))
             else:
-                logits = session.decode(sequence[:, -1:])
+                logits = step_logits(session.decode(sequence[:, -1:]))
             assert session.positions == min(sequence.size(1), BLOCK_SIZE)
 
 
@@ -96,7 +95,7 @@ def test_session_refuses_a_model_that_does_not_match_its_config(broken_model, me
 @pytest.fixture
 def session(run_on):
     """A session of each engine: both refuse alike and account alike."""
-    return new_session(run_on(make_model("rope", "gqa")))
+    return run_on(make_model("rope", "gqa")).new_session()
 
 
 def test_decode_before_any_prefill_is_refused(session):

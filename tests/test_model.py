@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HEAD_LAYOUTS, complex_rotate, make_model, tiny_config
-from manas_cli.engine.model import GPT, CausalSelfAttention, GPTConfig, RotaryAttention
+from manas_cli.torch_engine.model import GPT, CausalSelfAttention, GPTConfig, RotaryAttention
 
 
 def layer_norm(x: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:

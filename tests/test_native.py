@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 
 from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
-from conftest import BLOCK_SIZE, make_model, needs_compiler
-from manas_cli.engine.native import NativeGPT, NativeSession, decode_rows
-from manas_cli.engine.model import GPT, use_decode_layout
-from manas_cli.engine.quantize import is_quantized, quantizable, quantize_model
+from conftest import BLOCK_SIZE, all_logits, make_model, native_model, needs_compiler, step_logits
+from manas_cli.native.session import NativeSession, decode_rows
+from manas_cli.torch_engine.model import GPT, use_decode_layout
+from manas_cli.torch_engine.quantize import is_quantized, quantizable, quantize_model
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.native import build
 
@@ -78,7 +78,7 @@ def test_native_logits_equal_the_torch_models_within_float32_rounding(native_lib
     ids = random_ids(2, BLOCK_SIZE)
     with torch.inference_mode():
         expected = dequantized_reference(model)(ids)
-    got = NativeGPT(model, native_library)(ids)
+    got = all_logits(native_model(model, native_library), ids)
     assert got.shape == expected.shape
     assert relative_error(got, expected) <= 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
@@ -92,23 +92,23 @@ def test_native_quantized_logits_stay_near_the_torch_engines_bfloat16_activation
     ids = random_ids(2, BLOCK_SIZE)
     with torch.inference_mode():
         torch_engine = model(ids)
-    assert relative_error(NativeGPT(model, native_library)(ids), torch_engine) <= 2**-5
+    assert relative_error(all_logits(native_model(model, native_library), ids), torch_engine) <= 2**-5
 
 
 @pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=configuration_id)
 def test_a_cached_decode_step_is_bit_for_bit_the_full_windows_position(native_library, configuration):
     """Through a prefill, decode steps to the full window, and a re-prefill of the cropped window."""
-    native = NativeGPT(configured_model(*configuration), native_library)
+    native = native_model(configured_model(*configuration), native_library)
     sequence = random_ids(2, 3 * BLOCK_SIZE // 2, seed=1)
     session = NativeSession(native)
-    logits = session.prefill(sequence[:, :3])
+    logits = step_logits(session.prefill(sequence[:, :3]))
     for end in range(3, sequence.size(1)):
         window = sequence[:, :end][:, -BLOCK_SIZE:]
-        assert torch.equal(logits[:, 0], native(window)[:, -1])
+        assert torch.equal(logits[:, 0], all_logits(native, window)[:, -1])
         if session.positions == BLOCK_SIZE:
-            logits = session.prefill(sequence[:, : end + 1][:, -BLOCK_SIZE:])
+            logits = step_logits(session.prefill(sequence[:, : end + 1][:, -BLOCK_SIZE:]))
         else:
-            logits = session.decode(sequence[:, end : end + 1])
+            logits = step_logits(session.decode(sequence[:, end : end + 1]))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -117,16 +117,16 @@ def test_rows_decoded_together_equal_each_row_alone_bit_for_bit(native_library, 
     """Continuous batching's step: sessions at different positions in one call give each session's own logits,
     on any number of threads."""
     model = configured_model("rope", "gqa", True, "tanh", weights)
-    native = NativeGPT(model, native_library, threads)
+    native = native_model(model, native_library, threads)
     prompts = [random_ids(1, length, seed=length) for length in (2, 5, 9, 13)]
     together = [NativeSession(native) for _ in prompts]
-    alone = [NativeSession(NativeGPT(model, native_library, 1)) for _ in prompts]
+    alone = [NativeSession(native_model(model, native_library, 1)) for _ in prompts]
     for session, solo, prompt in zip(together, alone, prompts):
-        assert torch.equal(session.prefill(prompt), solo.prefill(prompt))
+        assert torch.equal(step_logits(session.prefill(prompt)), step_logits(solo.prefill(prompt)))
     nexts = random_ids(len(prompts), 1, seed=99)
-    logits = decode_rows(native, nexts[:, 0].tolist(), together).torch()[:, None]
+    logits = step_logits(decode_rows(native, nexts[:, 0].tolist(), together))
     for row, (session, solo) in enumerate(zip(together, alone)):
-        assert torch.equal(logits[row], solo.decode(nexts[row : row + 1])[0])
+        assert torch.equal(logits[row], step_logits(solo.decode(nexts[row : row + 1]))[0])
         assert session.positions == solo.positions
 
 
@@ -135,7 +135,7 @@ def test_the_shipped_model_on_the_core_matches_torch_over_its_whole_window(nativ
     ids = random_ids(1, model.config.block_size)
     with torch.inference_mode():
         expected = model(ids)
-    got = NativeGPT(model, native_library, 2)(ids)
+    got = all_logits(native_model(model, native_library, 2), ids)
     assert relative_error(got, expected) <= 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
@@ -143,12 +143,12 @@ def test_the_shipped_model_on_the_core_matches_torch_over_its_whole_window(nativ
 def test_the_core_reads_the_torch_models_own_memory(native_library):
     """No copy: a change to the torch model's weights is what the core computes with next."""
     model = make_model("rope", "gqa")
-    native = NativeGPT(model, native_library)
+    native = native_model(model, native_library)
     ids = random_ids(1, 4)
-    before = native(ids)
+    before = all_logits(native, ids)
     with torch.no_grad():
         model.blocks[0].ffn.up.weight.mul_(2)
-    after = native(ids)
+    after = all_logits(native, ids)
     assert not torch.equal(before, after)
     with torch.inference_mode():
         assert relative_error(after, model(ids)) <= 1e-4
@@ -156,9 +156,9 @@ def test_the_core_reads_the_torch_models_own_memory(native_library):
 
 def test_the_core_refuses_weights_it_does_not_run(native_library):
     with pytest.raises(ValueError, match="float32 weights on the CPU, not torch.bfloat16"):
-        NativeGPT(make_model("rope").to(torch.bfloat16), native_library)
+        native_model(make_model("rope").to(torch.bfloat16), native_library)
     with pytest.raises(ValueError, match="contiguous"):
-        NativeGPT(use_decode_layout(make_model("rope")), native_library)
+        native_model(use_decode_layout(make_model("rope")), native_library)
 
 
 # ---- the build ----
@@ -482,7 +482,7 @@ def test_native_and_torch_score_the_same_text_alike(shakespeare_held_out, tmp_pa
 @needs_compiler
 def test_torch_is_given_one_thread_when_the_core_runs():
     """torch only samples beside the core: its OpenMP workers must not spin on the core's cores."""
-    code = ("import torch, sys; from manas_cli.cli.commands.common import ModelOptions, load_model; "
+    code = ("import torch, sys; from manas_cli.models import ModelOptions; from manas_cli.cli.commands.common import load_model; "
             "_, _, engine = load_model(ModelOptions(threads=2)); print(engine.name, torch.get_num_threads(), "
             "engine.model.threads)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=300)

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from cli_fixtures import (  # noqa: F401 (fixtures)
     BLOCK_SIZE, MANAS, RUN_OPTIONS, TinyCheckpoint, checkpoints, cli_env, learned, manas, rope,
 )
-from manas_cli.cli.commands.generate import make_sampler
+from conftest import engine_of
 from manas_cli.engine.generation import generate_reference, prompt_batch
-from manas_cli.engine.sampling import choose_seed
+from manas_cli.engine.sampling import choose_seed, make_sampler
 from manas_cli.cli.settings import GenerationSettings, with_overrides
 from manas_cli.formats.tokenizer import decodable
 
@@ -33,7 +33,7 @@ def reference_tokens(checkpoint: TinyCheckpoint, prompt: str, settings: Generati
                      engine: str = "auto") -> list[int]:
     """The request alone, as crop-and-recompute (which `manas generate` equals, token for token) computes it on
     the engine the CLI runs, up to end-of-text or the token that completes a stop string."""
-    model = checkpoint.loaded.model if engine == "torch" else checkpoint.runner
+    model = engine_of(checkpoint.loaded.model) if engine == "torch" else checkpoint.runner
     encoding = checkpoint.encoding
     sampler = make_sampler(settings, choose_seed(settings.seed), decodable(encoding), model)
     ids = encoding.encode_ordinary(prompt)[-model.config.block_size:] or [checkpoint.eot_id]

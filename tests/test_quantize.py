@@ -12,10 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import load, load_file, save
 
 from cli_fixtures import RUN_OPTIONS, TinyCheckpoint, checkpoints, generate, learned, manas, rope  # noqa: F401
-from conftest import make_model
+from conftest import engine_of, make_model
 from manas_cli.engine.generation import generate as generate_tokens
-from manas_cli.engine.model import GPT, GPTConfig, use_decode_layout
-from manas_cli.engine.quantize import (
+from manas_cli.torch_engine.model import GPT, GPTConfig, use_decode_layout
+from manas_cli.torch_engine.quantize import (
     INT8_MAX, Int8Linear, dequantize_rows, quantize_model, quantize_rows, weights_bytes, weights_name,
 )
 from manas_cli.engine.sampling import Sampler
@@ -128,7 +128,7 @@ def gpt2_quantization_error(kind: str) -> tuple[float, float, int]:
         logits, quantized_logits = float_model(prompt), quantized(prompt)
     relative = ((quantized_logits - logits).abs().max() / logits.abs().max()).item()
     top1 = (quantized_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    greedy = [[step.tokens[0] for step in generate_tokens(m, prompt, Sampler(0.0), 64)] for m in (float_model, quantized)]
+    greedy = [[step.tokens[0] for step in generate_tokens(engine_of(m), prompt, Sampler(0.0), 64)] for m in (float_model, quantized)]
     agreeing = sum(a == b for a, b in zip(*greedy))
     print(f"{kind}: largest logit difference {relative:.2%} of the largest logit; top-1 agrees at {top1:.0%} of the "
           f"prompt's positions; {agreeing}/64 greedy tokens agree")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import complex_rotate, make_model
-from manas_cli.engine.rotary import rope_tables, rotate_pairs
+from manas_cli.torch_engine.rotary import rope_tables, rotate_pairs
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

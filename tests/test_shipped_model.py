@@ -11,7 +11,7 @@ import torch
 from cli_fixtures import MANAS, cli_env
 from conftest import needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.engine.quantize import quantize_model
+from manas_cli.torch_engine.quantize import quantize_model
 from manas_cli.training import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import save
 
 from cli_fixtures import MANAS, RUN_OPTIONS, cli_env, checkpoints, rope  # noqa: F401 (fixtures)
-from conftest import make_model, needs_compiler
-from manas_cli.engine.native import Logits, NativeGPT, NativeSampling
+from conftest import all_logits, logits_view, make_model, native_model, needs_compiler
+from manas_cli.native.model import Logits
+from manas_cli.native.sampling import NativeSampling
 from manas_cli.engine.sampling import Penalties, Sampler
-from manas_cli.engine.torch_sampling import adjust, probabilities, top_logprobs
+from manas_cli.torch_engine.sampling import adjust, probabilities, top_logprobs
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import open_checkpoint
 
@@ -65,7 +66,7 @@ def test_importtime_shows_no_torch_on_the_native_path(rope):
     done = subprocess.run([*MANAS, "generate", "-p", "ROMEO:", "-n", "3", "-t", "0", "-c", rope.path, *RUN_OPTIONS],
                           capture_output=True, env={**cli_env(), "PYTHONPROFILEIMPORTTIME": "1"}, timeout=300)
     modules = [line.split("|")[-1].strip() for line in done.stderr.decode().splitlines() if line.startswith("import time")]
-    assert done.returncode == 0 and "manas_cli.engine.native" in modules
+    assert done.returncode == 0 and "manas_cli.native.engine" in modules
     assert not [module for module in modules if module.split(".")[0] in ("torch", "numpy", "safetensors")]
 
 
@@ -73,7 +74,7 @@ def test_importtime_shows_no_torch_on_the_native_path(rope):
 
 
 def logits_of(model, ids: list[list[int]]) -> torch.Tensor:
-    return model(torch.tensor(ids)) if not isinstance(model, NativeGPT) else model(ids).torch()
+    return all_logits(model, torch.tensor(ids)).view(-1, model.config.vocab_size)
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
@@ -84,13 +85,13 @@ def test_the_core_on_the_mapped_file_equals_the_core_on_the_torch_loaded_model(t
     path = tmp_path / f"{weights}.safetensors"
     model = make_model("learned", "gqa", bias=True)
     if weights != "float32":
-        from manas_cli.engine.quantize import quantize_model
+        from manas_cli.torch_engine.quantize import quantize_model
 
         quantize_model(model, weights)
     save_checkpoint(path, model, tiny_bpe_spec)
     ids = [[1, 5, 9, 33, 2, 7], [3, 3, 3, 8, 200, 12]]
-    mapped = NativeGPT(open_checkpoint(path), native_library)
-    loaded = NativeGPT(load_checkpoint(path).model, native_library)
+    mapped = native_model(open_checkpoint(path), native_library)
+    loaded = native_model(load_checkpoint(path).model, native_library)
     assert torch.equal(logits_of(mapped, ids), logits_of(loaded, ids))
 
 
@@ -119,8 +120,8 @@ def test_a_file_of_any_float_type_or_alignment_runs_as_its_float32_values(tmp_pa
     assert open_checkpoint(odd).header.tensors["final_norm.weight"].start % 4 != 0
     ids = [[4, 8, 15, 16, 23, 42]]
     as_float32 = load_checkpoint(odd, dtype=torch.float32).model  # torch casts at load, as the CLI asks it to
-    core = logits_of(NativeGPT(open_checkpoint(odd), native_library), ids)
-    assert torch.equal(core, logits_of(NativeGPT(as_float32, native_library), ids))
+    core = logits_of(native_model(open_checkpoint(odd), native_library), ids)
+    assert torch.equal(core, logits_of(native_model(as_float32, native_library), ids))
     assert (core - logits_of(as_float32, ids)).abs().max() < 1e-4
 
 
@@ -131,14 +132,14 @@ VOCAB = 300
 
 @pytest.fixture(scope="module")
 def tiny_native(native_library):
-    return NativeGPT(make_model("rope", "gqa"), native_library)
+    return native_model(make_model("rope", "gqa"), native_library)
 
 
 def core_draws(native, sampler: Sampler, rows: torch.Tensor, windows: list[list[int]], position: int = 0,
                logprobs: int = 0, state: NativeSampling | None = None):
     state = state or NativeSampling(native, sampler, rows.size(0), logprobs)
     logits = Logits(rows.size(0), rows.size(1))
-    logits.torch().copy_(rows)
+    logits_view(logits).copy_(rows)
     return state.sample(logits, windows, position)
 
 
@@ -226,6 +227,14 @@ def test_the_generator_is_philox_4x32_10(native_library, counter, key, expected)
     out = (ctypes.c_uint32 * 4)()
     native_library.manas_philox((ctypes.c_uint32 * 4)(*counter), (ctypes.c_uint32 * 2)(*key), out)
     assert tuple(out) == expected
+
+
+def test_logprobs_beyond_the_drawable_ids_name_each_of_them_once(tiny_native):
+    """Twenty alternatives asked of six drawable ids: the six, never a padding of id 0."""
+    sampler = Sampler(temperature=0.0, decodable=[True] * 6)
+    rows = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
+    _, [(_, ids, logprobs)] = core_draws(tiny_native, sampler, rows, [[1]], logprobs=20)
+    assert sorted(ids) == list(range(6)) and len(logprobs) == 6
 
 
 def test_uniform_numbers_are_in_the_unit_interval_and_spread(native_library):

@@ -14,6 +14,7 @@ import pytest
 import tiktoken.load
 import torch
 
+from conftest import engine_of
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.formats.header import read_metadata
 from manas_cli.engine.generation import generate
@@ -73,7 +74,7 @@ def test_trained_checkpoint_loads_and_generates_text(trained):
     assert checkpoint.tokenizer_spec["kind"] == "bpe"
     prompt = torch.tensor([checkpoint.encoding.encode_ordinary("ROMEO:")])
     sampler = Sampler(temperature=1.0, top_k=50, generator=torch.Generator().manual_seed(0))
-    steps = list(generate(checkpoint.model, prompt, sampler, 40))  # 2.5 windows of 16: overflows too
+    steps = list(generate(engine_of(checkpoint.model), prompt, sampler, 40))  # 2.5 windows of 16: overflows too
     tokens = [step.tokens[0] for step in steps]
     assert len(tokens) == 40
     assert all(0 <= token < checkpoint.model.config.vocab_size for token in tokens)

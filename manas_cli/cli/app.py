@@ -118,7 +118,7 @@ CacheOption = Annotated[
 def model_options(checkpoint: Optional[Path], device: Enum, dtype: Enum, threads: Optional[int],
                   quantize: Optional[Enum], cache: Enum, engine: Enum):
     """The flags generate, bench and inspect-cache share, as the commands take them."""
-    from .commands.common import ModelOptions
+    from ..models import ModelOptions
 
     return ModelOptions(checkpoint=checkpoint, device=device.value, dtype=dtype.value, threads=threads,
                         quantize=quantize.value if quantize else None, cache=cache.value, engine=engine.value,

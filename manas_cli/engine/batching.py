@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import NumericalError
 from .generation import kept_on_overflow
-from .engines import decode_sessions, new_session, sampling_state
+from .engines import Engine
 from .sampling import Sampler
 from .session import prefill_due
 
@@ -49,11 +49,11 @@ class Token:
 class Row:
     """A request in the batch: its cache, its token window and its sampling state, as generate keeps them."""
 
-    def __init__(self, model, request: Request, eot_id: int | None) -> None:
+    def __init__(self, engine: Engine, request: Request, eot_id: int | None) -> None:
         self.request, self.eot_id = request, eot_id
-        self.session = new_session(model)
-        self.window = request.prompt[-model.config.block_size :]
-        self.state = sampling_state(model, request.sampler, 1, request.logprobs)
+        self.session = engine.new_session()
+        self.window = request.prompt[-engine.config.block_size :]
+        self.state = engine.sampling_state(request.sampler, 1, request.logprobs)
         self.steps = 0
 
     def take(self, logits, kind: str, started: float) -> Token:
@@ -71,7 +71,7 @@ class Row:
 
 
 def generate_batched(
-    model,
+    engine: Engine,
     take: Callable[[bool], Request | None],
     batch_size: int,
     eot_id: int | None = None,
@@ -84,11 +84,11 @@ def generate_batched(
     when none has come yet. Requests are taken as rows free up, waiting only when no row is decoding, so a request
     is never held back for one that has not arrived. finished(key) lets the caller end a request early (a stop
     string), checked after each step."""
-    keep = kept_on_overflow(overflow, model.config.block_size)
+    keep = kept_on_overflow(overflow, engine.config.block_size)
     rows: list[Row] = []
     while True:
         while len(rows) < batch_size and (request := take(not rows)) is not None:
-            rows.append(Row(model, request, eot_id))
+            rows.append(Row(engine, request, eot_id))
         if not rows:
             return
         started = time.perf_counter()
@@ -100,7 +100,7 @@ def generate_batched(
             else:
                 made[row] = row.take(due[1], due[0], started)
         if decoding:
-            logits = decode_sessions(model, [row.window[-1] for row in decoding], [row.session for row in decoding])
+            logits = engine.decode_rows([row.window[-1] for row in decoding], [row.session for row in decoding])
             for index, row in enumerate(decoding):
                 made[row] = row.take(logits[index : index + 1], "decode", started)
         yield [made[row] for row in rows]

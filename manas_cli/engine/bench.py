@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import random
-import resource
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .generation import GenerationStats, Step, generate, generate_reference
-from .engines import new_session
+from .engines import Engine
 from .sampling import Sampler
 
 
@@ -43,10 +42,10 @@ class BenchResult:
         return self.measurements[1].mean / self.measurements[2].mean
 
 
-def bench_prompt(model, prompt_tokens: int, batch: int, seed: int = 0) -> list[list[int]]:
+def bench_prompt(engine: Engine, prompt_tokens: int, batch: int, seed: int = 0) -> list[list[int]]:
     """A reproducible random prompt: speed does not depend on which tokens they are."""
     draw = random.Random(seed)
-    ids = [draw.randrange(model.config.vocab_size) for _ in range(prompt_tokens)]
+    ids = [draw.randrange(engine.config.vocab_size) for _ in range(prompt_tokens)]
     return [list(ids) for _ in range(batch)]
 
 
@@ -65,7 +64,7 @@ def run_once(steps: Iterator[Step], prompt_tokens: int, batch: int) -> Generatio
 
 
 def run_bench(
-    model,
+    engine: Engine,
     prompt_tokens: int,
     new_tokens: int,
     repeat: int,
@@ -77,13 +76,13 @@ def run_bench(
 ) -> BenchResult:
     """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each. on_step is
     called after every generated token with what is running (a progress bar)."""
-    prompt_tokens = min(prompt_tokens, model.config.block_size)  # the prefill crops a longer prompt to the window
-    prompt = bench_prompt(model, prompt_tokens, batch)
+    prompt_tokens = min(prompt_tokens, engine.config.block_size)  # the prefill crops a longer prompt to the window
+    prompt = bench_prompt(engine, prompt_tokens, batch)
     greedy = Sampler(temperature=0.0)
-    session = new_session(model, allocation, capacity=min(model.config.block_size, prompt_tokens + new_tokens))
-    runs = {"cached": lambda: generate(model, prompt, greedy, new_tokens, overflow=overflow, session=session)}
+    session = engine.new_session(allocation, capacity=min(engine.config.block_size, prompt_tokens + new_tokens))
+    runs = {"cached": lambda: generate(engine, prompt, greedy, new_tokens, overflow=overflow, session=session)}
     if baseline:
-        runs["baseline"] = lambda: generate_reference(model, prompt, greedy, new_tokens)
+        runs["baseline"] = lambda: generate_reference(engine, prompt, greedy, new_tokens)
     results: dict[str, list[GenerationStats]] = {}
     for name, make_steps in runs.items():
         run_once(reporting(make_steps(), on_step, f"warming up {name}"), prompt_tokens, batch)  # first calls are slower
@@ -102,21 +101,21 @@ def run_bench(
         ttft_s=statistics.median(s.ttft_s for s in cached),
         re_prefills=cached[-1].re_prefills,
         cache_bytes=session.storage()["storage_bytes"],
-        peak_memory_bytes=peak_memory_bytes(model),
+        peak_memory_bytes=engine.peak_memory_bytes(),
     )
 
 
-def sweep(model, prompt_tokens: int, new_tokens: int, buckets: int,
+def sweep(engine: Engine, prompt_tokens: int, new_tokens: int, buckets: int,
           on_token: Callable[[], None] = lambda: None) -> list[dict]:
     """Decode speed against context position, in `buckets` spans: shows what re-prefills cost. on_token is called
     after each token (a progress bar)."""
-    prompt = bench_prompt(model, prompt_tokens, 1)
+    prompt = bench_prompt(engine, prompt_tokens, 1)
     greedy = Sampler(temperature=0.0)
-    run_once(generate(model, prompt, greedy, min(new_tokens, 16)), prompt_tokens, 1)  # warm-up
+    run_once(generate(engine, prompt, greedy, min(new_tokens, 16)), prompt_tokens, 1)  # warm-up
     span = max(1, (prompt_tokens + new_tokens) // buckets)
     rows: dict[int, dict] = {}
     position = len(prompt[0])
-    for step in generate(model, prompt, greedy, new_tokens):
+    for step in generate(engine, prompt, greedy, new_tokens):
         on_token()
         position += 1
         if step.kind == "prefill":
@@ -129,13 +128,3 @@ def sweep(model, prompt_tokens: int, new_tokens: int, buckets: int,
     for row in rows.values():
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
     return list(rows.values())
-
-
-def peak_memory_bytes(model) -> int:
-    """Peak GPU memory allocated on CUDA; peak resident memory of the whole process on the CPU."""
-    embedding = getattr(model, "token_embedding", None)  # a torch model; the native engine runs on the CPU
-    if embedding is not None and embedding.weight.device.type == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_allocated(embedding.weight.device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

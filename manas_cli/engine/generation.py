@@ -1,5 +1,5 @@
 """Generation that stays exact past the context window, and the crop-and-recompute reference it must equal. Free
-of torch: token ids are lists, and each engine's session and sampling state (engines.py) do the arithmetic."""
+of torch: token ids are lists, and each engine's session and sampling state (engines.Engine) do the arithmetic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .engines import last_logits, new_session, sampling_state
+from .engines import Engine
 from .sampling import Sampler
 from .session import prefill_due
 
@@ -52,7 +52,7 @@ def kept_on_overflow(overflow: str, block_size: int) -> int:
 
 
 def generate(
-    model,
+    engine: Engine,
     prompt,
     sampler: Sampler,
     max_new_tokens: int,
@@ -62,19 +62,19 @@ def generate(
     logprobs: int = 0,
 ) -> Iterator[Step]:
     """Yield max_new_tokens steps (fewer if every row has produced eot_id) from a KV cache, on either engine
-    (a torch GPT or a NativeGPT; prompt: (B, T) token ids, lists or a tensor).
+    (prompt: (B, T) token ids, lists or a tensor).
 
     overflow="recompute": when the cache is full, prefill the last block_size tokens, so every token equals
     crop-and-recompute's. overflow="shift": prefill only the last block_size // 2, buying that many cached decode
     steps at the price of exactness (the model then sees a shorter context than the reference does).
     logprobs=N adds each token's log-probability and the N most likely alternatives to every step.
     """
-    keep = kept_on_overflow(overflow, model.config.block_size)
+    keep = kept_on_overflow(overflow, engine.config.block_size)
     rows = token_rows(prompt)
-    session = session or new_session(model)
-    block_size = model.config.block_size
+    session = session or engine.new_session()
+    block_size = engine.config.block_size
     windows = crop_window(rows, block_size)
-    state = sampling_state(model, sampler, len(rows), logprobs)
+    state = engine.sampling_state(sampler, len(rows), logprobs)
     finished = [False] * len(rows)
     for step in range(max_new_tokens):
         started = time.perf_counter()
@@ -89,17 +89,17 @@ def generate(
             return
 
 
-def generate_reference(model, prompt, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None,
+def generate_reference(engine: Engine, prompt, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None,
                        logprobs: int = 0) -> Iterator[Step]:
     """nanoGPT's crop-and-recompute sampling: the full model over the last block_size tokens at every step."""
     rows = token_rows(prompt)
-    block_size = model.config.block_size
+    block_size = engine.config.block_size
     windows = crop_window(rows, block_size)
-    state = sampling_state(model, sampler, len(rows), logprobs)
+    state = engine.sampling_state(sampler, len(rows), logprobs)
     finished = [False] * len(rows)
     for step in range(max_new_tokens):
         started = time.perf_counter()
-        tokens, top = state.sample(last_logits(model, windows), windows, len(rows[0]) - 1 + step)
+        tokens, top = state.sample(engine.last_logits(windows), windows, len(rows[0]) - 1 + step)
         seconds = time.perf_counter() - started
         positions = len(windows[0])
         windows = [(window + [token])[-block_size:] for window, token in zip(windows, tokens)]

@@ -18,13 +18,9 @@ def run_bytes(config: GPTConfig, rows: int, positions: int, itemsize: int) -> in
     return rows * ((cache + activations) * itemsize + 2 * config.vocab_size * 4)
 
 
-def available_bytes(device: str) -> int | None:
-    """Free memory on the device ("cpu", "cuda", "cuda:1"): CUDA's free bytes; on the CPU the smaller of
-    MemAvailable and what the process's address-space limit (ulimit -v) leaves. None when neither can be read."""
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.mem_get_info(torch.device(device))[0]
+def cpu_available_bytes() -> int | None:
+    """Free memory on the CPU: the smaller of MemAvailable and what the process's address-space limit (ulimit -v)
+    leaves; None when neither can be read."""
     limits = [_meminfo_bytes("/proc/meminfo", "MemAvailable")]
     address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
     if address_space != resource.RLIM_INFINITY:
@@ -34,9 +30,11 @@ def available_bytes(device: str) -> int | None:
     return min(known) if known else None
 
 
-def check_fits(config: GPTConfig, device: str, itemsize: int, rows: int, positions: int, lower: str) -> None:
-    """Refuse, before allocating, a run that needs more memory than the device has; `lower` names what to lower."""
-    needed, available = run_bytes(config, rows, positions, itemsize), available_bytes(device)
+def check_fits(engine, rows: int, positions: int, lower: str) -> None:
+    """Refuse, before allocating, a run that needs more memory than the engine's device has (Engine's
+    free_memory_bytes); `lower` names what to lower."""
+    needed = run_bytes(engine.config, rows, positions, engine.activation_bytes)
+    available = engine.free_memory_bytes()
     if available is not None and needed > available:
         raise InputError(
             f"this run needs about {_gib(needed)} ({rows:,} × {positions:,} positions of KV cache and activations) "

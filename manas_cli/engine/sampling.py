@@ -1,6 +1,6 @@
 """How last-position logits become next tokens: penalties against repetition, then greedy, or temperature,
 top-k, top-p and min-p sampling. This module holds the settings and their rules, free of torch; the native core
-samples with them (core.c, "sampling"), torch_sampling.py does on the torch engine."""
+samples with them (core.c, "sampling"), torch_engine/sampling.py does on the torch engine."""
 
 from __future__ import annotations
 
@@ -75,25 +75,15 @@ class Sampler:
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
-    # The torch engine's sampling, by torch_sampling.py (imported only when the torch engine samples):
-    def __call__(self, logits, context=None, counts=None):
-        """logits (B, vocab) -> next token ids (B, 1); context and counts feed the penalties (see adjust)."""
-        return self.draw(self.adjust(logits, context, counts))
 
-    def adjust(self, logits, context=None, counts=None):
-        from .torch_sampling import adjust
-
-        return adjust(self, logits, context, counts)
-
-    def draw(self, logits):
-        from .torch_sampling import draw
-
-        return draw(self, logits)
-
-    def probabilities(self, logits):
-        from .torch_sampling import probabilities
-
-        return probabilities(self, logits)
+def make_sampler(settings, seed: int, decodable: Sequence[bool] | None, engine) -> Sampler:
+    """The sampler of a request's settings (cli/settings.py's GenerationSettings: temperature, top_k, top_p, min_p
+    and the penalties) and seed, for `engine` (engines.Engine), which gives the generator it draws with."""
+    penalties = Penalties(settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty,
+                          settings.presence_penalty)
+    generator = engine.generator(seed) if settings.temperature > 0 else None
+    return Sampler(settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p,
+                   penalties, seed)
 
 
 def logits_error(position: int, dtype: str) -> str:

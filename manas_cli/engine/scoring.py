@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .engines import window_nats
+from .engines import Engine
 
 
 @dataclass(frozen=True)
@@ -46,15 +46,15 @@ def windows(length: int, block_size: int, stride: int) -> list[tuple[int, int, i
     return spans
 
 
-def score(model, ids: list[int], characters: int, stride: int,
+def score(engine: Engine, ids: list[int], characters: int, stride: int,
           on_window: Callable[[int], None] = lambda tokens: None) -> Score:
-    """The model's (a torch GPT's or a NativeGPT's) loss on the token ids of a text of `characters` characters;
+    """The model's loss on the token ids of a text of `characters` characters;
     on_window(tokens scored) after each window (a progress bar). stride must be between 1 and block_size."""
     if len(ids) < 2:
         raise ValueError("a text of fewer than 2 tokens has nothing to score")
     nats, scored = 0.0, 0
-    for begin, end, targets in windows(len(ids), model.config.block_size, stride):
-        nats += window_nats(model, ids[begin:end], targets, begin)
+    for begin, end, targets in windows(len(ids), engine.config.block_size, stride):
+        nats += engine.window_nats(ids[begin:end], targets, begin)
         scored += targets
         on_window(targets)
     return Score(nats, scored, characters)

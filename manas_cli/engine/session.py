@@ -10,6 +10,13 @@ ALLOCATIONS = {
 }
 
 
+def grown_size(needed: int, held: int, capacity: int, reserve: bool) -> int:
+    """The positions a cache holding `held` allocates when it needs `needed`: all of `capacity` at once when it
+    reserves (static), else twice what it holds (or what it needs, if more), never past the capacity: growing
+    copies the cache once per doubling, and at most half of what is allocated is unused."""
+    return capacity if reserve else min(capacity, max(needed, 2 * held))
+
+
 def allocation_description(allocation: str) -> str:
     if allocation not in ALLOCATIONS:
         raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")

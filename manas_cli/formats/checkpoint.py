@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save
 
 from ..engine.config import stored_names
-from ..engine.model import GPT
-from ..engine.quantize import QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization
+from ..torch_engine.model import GPT
+from ..torch_engine.quantize import QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization
 from ..files import atomic_write
 from .header import (
     FORMAT, FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, TIED, Checkpoint, MappedCheckpoint, check_vocabulary,

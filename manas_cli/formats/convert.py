@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.model import GPT, GPTConfig
+from ..torch_engine.model import GPT, GPTConfig
 from ..errors import CheckpointError, InputError, TokenizerError
 from ..files import check_output_file
 from .huggingface import (

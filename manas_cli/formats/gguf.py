@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.model import GPT, GPTConfig
-from ..engine.quantize import dequantize_model
+from ..torch_engine.model import GPT, GPTConfig
+from ..torch_engine.quantize import dequantize_model
 from ..errors import CheckpointError, MissingDependencyError, first_line
 from ..files import atomic_write, check_output_file
 from . import starcoder2

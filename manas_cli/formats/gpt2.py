@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.model import GPT, GPTConfig
+from ..torch_engine.model import GPT, GPTConfig
 from ..errors import CheckpointError
 from .header import TIED
 from .importing import TIED_HEAD, check_tied_head, make_config, typed_field

@@ -18,8 +18,8 @@ from pathlib import Path
 import tiktoken
 import torch
 
-from ..engine.model import GPT, GPTConfig
-from ..engine.quantize import dequantize_model
+from ..torch_engine.model import GPT, GPTConfig
+from ..torch_engine.quantize import dequantize_model
 from ..errors import CheckpointError, InputError, TokenizerError, first_line
 from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
 from . import gpt2, starcoder2

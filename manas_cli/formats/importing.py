@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import GPTConfig, parameter_shapes
-from ..engine.model import GPT
+from ..torch_engine.model import GPT
 from ..errors import CheckpointError, InputError, TokenizerError, first_line
 from .header import is_pytorch_file
 

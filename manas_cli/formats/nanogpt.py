@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engine.model import GPT, GPTConfig
+from ..torch_engine.model import GPT, GPTConfig
 from ..errors import CheckpointError, TokenizerError
 from .gpt2 import gpt2_state_to_manas
 from .importing import build_model, make_config, typed_field

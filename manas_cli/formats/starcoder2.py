@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.model import GPT, GPTConfig
+from ..torch_engine.model import GPT, GPTConfig
 from ..errors import CheckpointError
 from .importing import make_config, typed_field
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .common import ModelOptions, check_memory, load_model, require_stdout
+from ...models import ModelOptions
+from .common import check_memory, load_model, require_stdout
 
 DEFAULT_PROMPT_TOKENS = 128
 DEFAULT_MAX_TOKENS = 256
@@ -65,13 +66,13 @@ def run(
     }
     steps = (repeat + 1) * tokens * (2 if baseline else 1)  # each test's warm-up run and its timed runs
     with token_progress(console, steps, "warming up") as advance:
-        result = run_bench(engine.model, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow,
+        result = run_bench(engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow,
                            on_step=advance)
     sweep_rows = None
     if sweep:
         sweep_tokens = block_size + block_size // 2
         with token_progress(console, sweep_tokens, "sweeping decode speed across the window") as advance:
-            sweep_rows = sweep_positions(engine.model, min(prompt_tokens, block_size // 8), sweep_tokens, 12,
+            sweep_rows = sweep_positions(engine, min(prompt_tokens, block_size // 8), sweep_tokens, 12,
                                          on_token=advance)
     report = {
         "model": info,

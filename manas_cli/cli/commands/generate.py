@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ...errors import interrupt_exit_code
 from ..settings import GenerationSettings
-from .common import ModelOptions, check_memory, encode_prompt, load_model, read_prompt, require_stdout
+from ...models import ModelOptions
+from .common import check_memory, encode_prompt, load_model, read_prompt, require_stdout
 
 # Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
 LATE_TOKENS = 32
@@ -30,8 +31,7 @@ def run(
     import typer
 
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.engines import new_session
-    from ...engine.sampling import choose_seed
+    from ...engine.sampling import choose_seed, make_sampler
     from ...engine.threads import ThreadGovernor
     from ...formats.tokenizer import decodable, end_of_text_id
     from ..live import LiveDisplay, piped, shares_terminal
@@ -51,15 +51,15 @@ def run(
     positions = min(block_size, len(ids) + max_tokens)
     check_memory(engine, batch, positions, "--num-samples")
     seed = choose_seed(settings.seed)
-    sampler = make_sampler(settings, seed, decodable(encoding), engine.model)
+    sampler = make_sampler(settings, seed, decodable(encoding), engine)
     eot = end_of_text_id(encoding)
     record = json_output or batch > 1  # a single streamed sample keeps none of its text
     streams = [TextStream(encoding, eot, settings.stop, record) for _ in range(batch)]
     shared = shares_terminal(sys.stdout, sys.stderr)
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
-    session = new_session(engine.model, model_options.cache, capacity=positions)
-    steps = generate(engine.model, prompt_batch(ids, batch), sampler, max_tokens, eot, overflow, session,
+    session = engine.new_session(model_options.cache, capacity=positions)
+    steps = generate(engine, prompt_batch(ids, batch), sampler, max_tokens, eot, overflow, session,
                      settings.logprobs)
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
@@ -119,18 +119,6 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
     for row, stream in enumerate(streams):
         out.text(row, stream.finish("interrupted" if interruption is not None else "length"))
     return interruption
-
-
-def make_sampler(settings: GenerationSettings, seed: int, decodable: list[bool], model):
-    """The sampler of a request's settings and seed, for the engine running `model`."""
-    from ...engine.engines import torch_generator
-    from ...engine.sampling import Penalties, Sampler
-
-    penalties = Penalties(settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty,
-                          settings.presence_penalty)
-    generator = torch_generator(model, seed) if settings.temperature > 0 else None
-    return Sampler(settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p,
-                   penalties, seed)
 
 
 def sample_record(stream, stats, storage: dict, seed: int, weights: str, engine: str,

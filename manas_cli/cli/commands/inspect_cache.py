@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import ModelOptions, check_memory, encode_prompt, load_model, read_prompt, require_stdout
+from ...models import ModelOptions
+from .common import check_memory, encode_prompt, load_model, read_prompt, require_stdout
 
 DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 
@@ -12,7 +13,6 @@ DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool,
         model_options: ModelOptions) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.engines import new_session
     from ...engine.sampling import Sampler
     from ...engine.session import cache_report
     from ..render import cache_view, json_line, stderr_console, token_progress
@@ -25,13 +25,13 @@ def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_outpu
     ids = encode_prompt(checkpoint, text, console)
     positions = min(model.config.block_size, len(ids) + tokens)
     check_memory(engine, 1, positions, "--tokens")
-    session = new_session(engine.model, model_options.cache, capacity=positions)
+    session = engine.new_session(model_options.cache, capacity=positions)
     stats = GenerationStats(prompt_tokens=len(ids), re_prefill_positions=[])
     if tokens == 0:
         session.prefill(prompt_batch(ids, 1))
     else:
         # The prompt's prefill yields the first new token; the remaining tokens decode from the cache.
-        steps = generate(engine.model, prompt_batch(ids, 1), Sampler(temperature=0.0), tokens + 1,
+        steps = generate(engine, prompt_batch(ids, 1), Sampler(temperature=0.0), tokens + 1,
                          session=session)
         with token_progress(console, tokens + 1, "decoding") as advance:
             for step in steps:

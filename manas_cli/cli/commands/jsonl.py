@@ -16,7 +16,8 @@ from typing import BinaryIO
 
 from ...errors import InputError, ManasError, interrupt_exit_code
 from ..settings import GenerationSettings, with_overrides
-from .common import ModelOptions, check_memory, encode_prompt, load_model, require_stdout
+from ...models import ModelOptions
+from .common import check_memory, encode_prompt, load_model, require_stdout
 
 
 @dataclass
@@ -148,7 +149,8 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
     from ...formats.tokenizer import decodable, end_of_text_id
     from ..render import json_line, say, stderr_console
     from ..streaming import TextStream
-    from .generate import make_sampler, sample_record
+    from ...engine.sampling import make_sampler
+    from .generate import sample_record
 
     require_stdout()
     console = stderr_console(quiet=quiet)
@@ -190,7 +192,7 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
             seeds[number] = choose_seed(settings.seed)
             streams[number] = TextStream(encoding, eot, settings.stop, record=True)
             progress[number] = GenerationStats(prompt_tokens=len(ids))
-            return Request(number, ids, make_sampler(settings, seeds[number], allowed, engine.model), settings.max_tokens,
+            return Request(number, ids, make_sampler(settings, seeds[number], allowed, engine), settings.max_tokens,
                            settings.logprobs)
         return None
 
@@ -221,7 +223,7 @@ def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: i
 
     interruption = None
     # A request whose stream is gone was completed (a stop string may end it before its budget).
-    steps = generate_batched(engine.model, take, batch_size, eot, overflow, finished=lambda key: key not in streams)
+    steps = generate_batched(engine, take, batch_size, eot, overflow, finished=lambda key: key not in streams)
     try:
         for tokens in steps:
             for made in tokens:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...files import check_output_file
-from .common import quantize_checkpoint
+from ...models import quantize_checkpoint
 
 
 def run(*, checkpoint: Path, out: Path, kind: str, force: bool) -> None:

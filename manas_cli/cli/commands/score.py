@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 
 from ...errors import InputError
-from .common import ModelOptions, load_model, read_stdin, read_text_file, require_stdout
+from ...models import ModelOptions
+from .common import load_model, read_stdin, read_text_file, require_stdout
 
 
 def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_options: ModelOptions) -> None:
@@ -30,7 +31,7 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
     if len(ids) < 2:
         raise InputError(f"the text is {len(ids)} token long: scoring needs at least 2")
     with token_progress(console, len(ids) - 1, "scoring") as advance:
-        result = score(engine.model, ids, len(text), stride, on_window=lambda tokens: advance(tokens=tokens))
+        result = score(engine, ids, len(text), stride, on_window=lambda tokens: advance(tokens=tokens))
     report = {
         "nats_per_token": result.nats_per_token,
         "nats_per_char": result.nats_per_char,

@@ -8,7 +8,8 @@ import os
 import typer
 
 from ...errors import InputError
-from .common import ModelOptions, check_memory, encode_prompt, load_model
+from ...models import ModelOptions
+from .common import check_memory, encode_prompt, load_model
 
 # A choice's default ceiling on new tokens (serve --max-tokens): 4 windows, at least 1,024.
 DEFAULT_MAX_TOKENS_WINDOWS, MIN_MAX_TOKENS = 4, 1024
@@ -41,7 +42,7 @@ def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str 
     checkpoint, _, engine = load_model(model_options, console)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
     quiet = stderr_console(quiet=True)  # a request's prompt notices are not the server's to print
-    scheduler = Scheduler(engine.model, checkpoint, batch_size, max_queued)
+    scheduler = Scheduler(engine, checkpoint, batch_size, max_queued)
     model_id = checkpoint.path.stem
     try:
         server = Server((host, port), scheduler, lambda text: encode_prompt(checkpoint, text, quiet), model_id,

@@ -53,7 +53,7 @@ def run(
 
     import torch
 
-    from ...engine.runtime import resolve_device
+    from ...torch_engine.runtime import resolve_device
     from ...engine.threads import choose_threads
     from ...formats.tokenizer import build_encoding, encode_long_text
     from ...training import TrainSettings, make_dataset, train
@@ -110,7 +110,7 @@ def write_ranks(spec: dict, out: Path, force: bool, console) -> None:
 def new_model(spec: dict, shape: ModelShape, seed: int):
     import torch
 
-    from ...engine.model import GPT, GPTConfig
+    from ...torch_engine.model import GPT, GPTConfig
     from ...formats.tokenizer import build_encoding, vocabulary_size
 
     try:
@@ -127,7 +127,7 @@ def new_model(spec: dict, shape: ModelShape, seed: int):
 
 def resumed_model(out: Path, device):
     """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
-    from ...engine.quantize import is_quantized, quantization
+    from ...torch_engine.quantize import is_quantized, quantization
     from ...formats.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(out, device=device)

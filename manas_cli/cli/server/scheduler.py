@@ -58,10 +58,10 @@ class Scheduler:
     """Runs generate_batched on its own thread. submit() queues choices; each choice's events carry its text as
     it is released, then None once it is done (budget, end-of-text, stop string, or cancelled)."""
 
-    def __init__(self, model, checkpoint, batch_size: int, max_queued: int, overflow: str = "recompute") -> None:
+    def __init__(self, engine, checkpoint, batch_size: int, max_queued: int, overflow: str = "recompute") -> None:
         from ...formats.tokenizer import decodable, end_of_text_id
 
-        self.model, self.checkpoint = model, checkpoint
+        self.engine, self.checkpoint = engine, checkpoint
         self.batch_size, self.max_queued, self.overflow = batch_size, max_queued, overflow
         self.eot = end_of_text_id(checkpoint.encoding)
         self._allowed = decodable(checkpoint.encoding)
@@ -141,7 +141,7 @@ class Scheduler:
     def _take(self, wait: bool):
         """generate_batched's take: the next waiting choice as a Request; waiting only when no row decodes."""
         from ...engine.batching import Request
-        from ..commands.generate import make_sampler
+        from ...engine.sampling import make_sampler
 
         while True:
             try:
@@ -155,7 +155,7 @@ class Scheduler:
                 continue
             key = next(self._keys)
             self._running[key] = choice
-            sampler = make_sampler(choice.settings, choice.seed, self._allowed, self.model)
+            sampler = make_sampler(choice.settings, choice.seed, self._allowed, self.engine)
             return Request(key, choice.prompt_ids, sampler, choice.settings.max_tokens, choice.settings.logprobs)
 
     def _finished(self, key: int) -> bool:
@@ -165,7 +165,7 @@ class Scheduler:
     def _run(self) -> None:
         from ...engine.batching import generate_batched
 
-        steps = generate_batched(self.model, self._take, self.batch_size, self.eot, self.overflow, self._finished)
+        steps = generate_batched(self.engine, self._take, self.batch_size, self.eot, self.overflow, self._finished)
         try:
             for tokens in steps:
                 for made in tokens:

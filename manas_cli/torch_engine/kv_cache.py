@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .model import GPT, CausalSelfAttention, RotaryAttention
-from .session import allocation_description, decode_tokens, prefill_rows
+from ..engine.session import allocation_description, decode_tokens, grown_size, prefill_rows
 
 
 class LayerCache:
@@ -40,7 +40,7 @@ class LayerCache:
         return self.k, self.v
 
     def _grow(self, k: torch.Tensor, v: torch.Tensor, needed: int) -> None:
-        size = self.capacity if self.reserve else min(self.capacity, max(needed, 2 * self.length))
+        size = grown_size(needed, self.length, self.capacity, self.reserve)
         batch, heads, _, head_size = k.shape
         k_buffer, v_buffer = k.new_empty(batch, heads, size, head_size), v.new_empty(batch, heads, size, head_size)
         if self.length:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import INT4_GROUP_SIZE, stored_names
+from ..engine.config import INT4_GROUP_SIZE, stored_names
 from .model import GPT, GPTConfig
 
 INT8_MAX = 127  # symmetric: -127 … 127, so a row's largest magnitude maps to ±127 exactly

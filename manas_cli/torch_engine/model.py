@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import GPTConfig, parameter_shapes
+from ..engine.config import GPTConfig, parameter_shapes
 from .rotary import rope_tables, rotate_pairs
 
 

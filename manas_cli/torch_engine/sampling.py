@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import NumericalError
-from .sampling import Penalties, Sampler, logits_error
+from ..engine.sampling import Penalties, Sampler, logits_error
 
 
 def penalize(penalties: Penalties, logits: torch.Tensor, context: torch.Tensor | None,

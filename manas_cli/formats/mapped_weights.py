@@ -1,16 +1,17 @@
-"""Where the core's weights live: the mapped checkpoint file itself (no torch), or a torch model's tensors.
-
-Either way binding.bind asks for each tensor by its module name: `vector(name)`, a float32 pointer (None where the
-model has no such tensor), and `linear(name)`, a ManasLinear of float32, int8 or int4 weights.
+"""A mapped checkpoint's tensors as the native core reads them (no torch): the loader native/model.py's NativeGPT
+is given. binding.bind asks for each tensor by its module name: `vector(name)`, a float32 pointer (None where the
+model has no such tensor), and `linear(name)`, a ManasLinear of float32, int8 or int4 weights
+(torch_engine/native_weights.py is the same loader over a torch model's tensors).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from ctypes import POINTER, c_float, c_uint16
 
-from ..formats.header import ITEMSIZES, MappedCheckpoint, companion_name, not_finite
-from .binding import WEIGHTS_F32, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear
+from ..native.binding import WEIGHTS_F32, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear
+from .header import ITEMSIZES, MappedCheckpoint, companion_name, not_finite
 
 STORED = {"F32": 0, "F16": 1, "BF16": 2, "F64": 3}  # core.c's STORED_* codes
 
@@ -21,9 +22,22 @@ class MappedWeights:
 
     def __init__(self, mapped: MappedCheckpoint, library: ctypes.CDLL) -> None:
         self.mapped, self.library = mapped, library
+        self.config = mapped.header.config
         self.quantization = mapped.header.quantization
+        self.name = self.quantization or "float32"
         self.kept: dict[tuple[str, bool], object] = {}  # the converted copies, alive as long as the pointers into them
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(mapped.mapping)) if len(mapped.mapping) else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors as the core holds them: float values 4 bytes each (mapped, or converted), codes as
+        stored, scales and zeros 2 (bfloat16)."""
+        total = 0
+        for name, entry in self.mapped.header.tensors.items():
+            count = math.prod(entry.shape)
+            companion = name.endswith((".scales", ".zeros"))
+            total += count * (1 if entry.dtype in ("I8", "U8") else 2 if companion else 4)
+        return total
 
     def vector(self, name: str):
         """A float tensor as float32; None when the file has none of that name (no bias; a quantized file's
@@ -84,43 +98,3 @@ class MappedWeights:
         row = (c_float * layer.n_in)()
         if not self.library.manas_dequantized_finite(ctypes.byref(layer), row):
             raise not_finite(self.mapped.path, "token_embedding.weight", "float32")
-
-
-class TorchWeights:
-    """A torch GPT's own tensors (float32 on the CPU, nn.Linear's (out, in) layout), and its int8/int4 layers'
-    stored codes, scales and zeros as they are in memory. Its token embedding is its own float table (a model
-    quantized in memory keeps the original rows there; one loaded from a file, the dequantized ones)."""
-
-    def __init__(self, model) -> None:
-        from ..engine.quantize import QuantizedLinear
-
-        self.model, self._quantized_type = model, QuantizedLinear
-
-    def vector(self, name: str):
-        module_name, _, attribute = name.rpartition(".")
-        if module_name == "position_embedding" and getattr(self.model, "position_embedding", None) is None:
-            return None
-        return pointer(getattr(self.model.get_submodule(module_name), attribute))
-
-    def linear(self, name: str) -> ManasLinear:
-        from ..engine.quantize import Int8Linear
-
-        layer = self.model.get_submodule(name)
-        bias = pointer(layer.bias)
-        if isinstance(layer, self._quantized_type):
-            kind = WEIGHTS_INT8 if isinstance(layer, Int8Linear) else WEIGHTS_INT4
-            zeros, group = (pointer(layer.zeros, c_uint16), layer.group_size) if kind == WEIGHTS_INT4 else (None, 0)
-            return ManasLinear(kind, layer.in_features, layer.out_features, group, layer.weight.data_ptr(),
-                               pointer(layer.scales, c_uint16), zeros, bias)
-        pointer(layer.weight)  # checks the layout
-        return ManasLinear(WEIGHTS_F32, layer.in_features, layer.out_features, 0, layer.weight.data_ptr(), None, None,
-                           bias)
-
-
-def pointer(tensor, kind=c_float):
-    """A tensor's memory as a C pointer; it must be contiguous in the layout core.c reads (nn.Linear's (out, in))."""
-    if tensor is None:
-        return None
-    if not tensor.is_contiguous():
-        raise ValueError(f"the native core reads contiguous tensors, got strides {tensor.stride()}")
-    return ctypes.cast(tensor.data_ptr(), POINTER(kind))

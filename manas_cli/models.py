@@ -1,0 +1,196 @@
+"""Opening a model: a checkpoint path (or none: $MANAS_CHECKPOINT, else the shipped model) and the model flags in,
+an engine out. The one call the CLI, the server and the benchmarks make; it is where the layers meet: formats
+reads the file, the engine that runs it is chosen here and given its weights."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from .engine.engines import ENGINES, Opened
+from .errors import InputError, ManasError
+
+CHECKPOINT_ENV = "MANAS_CHECKPOINT"
+DEFAULT_CHECKPOINT = "shakespeare.safetensors"
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The flags generate, bench, inspect-cache, score and serve share: which model, where, and how."""
+
+    checkpoint: Path | None = None  # None: $MANAS_CHECKPOINT, else the shipped model
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    quantize: str | None = None  # "int8" or "int4"
+    cache: str = "dynamic"  # the KV cache's allocation
+    engine: str = "auto"  # "auto", "native" or "torch"
+    debug: bool = False  # --debug: show the compiler's message when the native core does not build
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    checkpoint: object  # formats.header.Checkpoint or formats.checkpoint.Checkpoint: the model, its tokenizer, path
+    threads: object  # engine.threads.ThreadChoice: the count, and how it was chosen
+    opened: Opened  # the engine, and what to say about how it was chosen
+
+    @property
+    def engine(self):
+        return self.opened.engine
+
+
+def default_checkpoint_candidates() -> list[Path]:
+    """The shipped model: beside the package in a source checkout (editable install), or in the wheel's data."""
+    return [
+        Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_CHECKPOINT,
+        Path(sys.prefix) / "share" / "manas" / "checkpoints" / DEFAULT_CHECKPOINT,
+    ]
+
+
+def resolve_checkpoint(option: Path | None) -> Path:
+    if option is not None:
+        return option
+    if os.environ.get(CHECKPOINT_ENV):
+        return Path(os.environ[CHECKPOINT_ENV])
+    candidates = default_checkpoint_candidates()
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates)
+    raise InputError(f"no checkpoint given and none found (looked at ${CHECKPOINT_ENV}, {looked}): pass --checkpoint PATH")
+
+
+def checkpoint_file(path: Path) -> Path:
+    """path, unless it is a folder or a pipe: say so (opening a FIFO would block, and a checkpoint is read by seeking)."""
+    if path.is_dir():
+        raise InputError(f"checkpoint {path} is a folder, not a file: pass the .safetensors file inside it")
+    if path.exists() and not path.is_file():
+        raise InputError(f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that")
+    return path
+
+
+def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = None) -> LoadedModel:
+    """The checkpoint on the chosen device, dtype and thread count (and how that count was chosen), quantized if
+    asked, and the engine that runs it: the native core, or torch with its float weights laid out for decoding.
+    on_compile() is called when the native core is about to be compiled (once per source, compiler and CPU).
+
+    On the CPU in float32 the core runs the mapped file itself and torch is never imported; torch loads only
+    where it is needed: asked for, a GPU, a half-precision dtype, --quantize, or a core that does not build."""
+    from .engine.threads import choose_threads
+    from .native.build import NativeUnavailable
+
+    threads = choose_threads(options.threads)
+    path = _naming_the_environment(options, lambda: checkpoint_file(resolve_checkpoint(options.checkpoint)))
+    unavailable = None
+    if not torch_needed(options):
+        from .formats.header import Checkpoint, open_checkpoint
+        from .formats.mapped_weights import MappedWeights
+
+        mapped = _naming_the_environment(options, lambda: open_checkpoint(path))
+        weights = partial(MappedWeights, mapped)
+        try:
+            opened = _naming_the_environment(options, lambda: open_native(weights, threads.threads, on_compile))
+        except NativeUnavailable as exc:
+            unavailable = exc  # torch runs it, without trying to build the core again
+        else:
+            header = mapped.header
+            checkpoint = Checkpoint(opened.engine.model, header.encoding, header.tokenizer_spec, path, header.metadata)
+            return LoadedModel(checkpoint, threads, opened)
+    return _load_with_torch(options, path, threads, unavailable, on_compile)
+
+
+def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on_compile) -> LoadedModel:
+    import torch
+
+    from .formats.checkpoint import load_checkpoint
+    from .torch_engine.model import use_decode_layout
+    from .torch_engine.quantize import is_quantized
+    from .torch_engine.runtime import resolve_device, resolve_dtype
+
+    torch.set_num_threads(threads.threads)
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    checkpoint = _naming_the_environment(options, lambda: load_checkpoint(path, device=device, dtype=dtype))
+    if options.quantize is not None:
+        quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
+    opened = choose_engine(options.engine, checkpoint.model, threads.threads, unavailable, on_compile)
+    if opened.engine.name == "native":
+        torch.set_num_threads(1)  # the core computes and samples: torch's OpenMP workers would only spin beside it
+    elif not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
+        use_decode_layout(checkpoint.model)
+    return LoadedModel(checkpoint, threads, opened)
+
+
+def open_native(weights: Callable, threads: int, on_compile: Callable[[], None] | None = None) -> Opened:
+    """The core built (or loaded from its cache; on_compile() called before a compile starts) running the model
+    whose tensors weights(library) points it at (formats/mapped_weights.py, torch_engine/native_weights.py);
+    raises native.build.NativeUnavailable when it cannot build or load here."""
+    from .native.build import build
+    from .native.engine import NativeEngine
+    from .native.model import NativeGPT
+
+    built = build(on_compile)
+    engine = NativeEngine(NativeGPT(weights(built.library), built.library, threads))
+    return Opened(engine, built.notice, compile_s=built.compile_s, library=str(built.path))
+
+
+def choose_engine(name: str, model, threads: int, unavailable=None, on_compile=None) -> Opened:
+    """For a torch model: `auto`, the native core when it can run the model and builds here, else torch;
+    `native`, the same, with a notice when torch runs instead; `torch`, torch. `unavailable`: the reason the core
+    already failed to build in this process (NativeUnavailable), not to try again."""
+    from .native.build import NativeUnavailable
+    from .torch_engine.engine import TorchEngine
+    from .torch_engine.native_weights import TorchWeights, native_unsupported
+
+    if name not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {name!r}")
+    if name == "torch":
+        return Opened(TorchEngine(model))
+    reason, detail = native_unsupported(model), ""
+    if reason is None and unavailable is not None:
+        reason, detail = unavailable.reason, unavailable.detail
+    elif reason is None:
+        try:
+            return open_native(lambda library: TorchWeights(model), threads, on_compile)
+        except NativeUnavailable as exc:
+            unavailable, reason, detail = exc, exc.reason, exc.detail
+    told = name == "native" or (unavailable is not None and unavailable.notify)
+    notice = f"the native engine cannot run: {reason}; the torch engine runs instead" if told else None
+    return Opened(TorchEngine(model), notice, detail)
+
+
+def torch_needed(options: ModelOptions) -> bool:
+    """Whether the run needs torch before its model loads: the torch engine asked for, a GPU (or a machine that
+    may have one: CUDA's or ROCm's device files), a half-precision dtype, or --quantize."""
+    gpu = options.device not in ("auto", "cpu") or (options.device == "auto" and any(
+        os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")))
+    return options.engine == "torch" or gpu or options.dtype not in ("auto", "float32") or options.quantize is not None
+
+
+def _naming_the_environment(options: ModelOptions, load):
+    """load(), whose error says where the path came from when it is $MANAS_CHECKPOINT's."""
+    try:
+        return load()
+    except ManasError as exc:
+        if options.checkpoint is None and os.environ.get(CHECKPOINT_ENV):  # the user may not remember setting it
+            raise type(exc)(f"{exc} (the path comes from ${CHECKPOINT_ENV}: fix it, unset it, or pass --checkpoint)") from None
+        raise
+
+
+def quantize_checkpoint(checkpoint, kind: str, hint: str) -> None:
+    """Quantize a loaded float checkpoint's model to int8 or int4, refusing one that is quantized already, or whose
+    width int4's groups do not divide."""
+    from .torch_engine.quantize import check_quantizable, quantization, quantize_model, quantized_tensor_names
+
+    if stored := quantized_tensor_names(checkpoint.model):
+        raise InputError(f"{checkpoint.path} is already quantized: its tensor {stored[0]} is "
+                         f"{quantization(checkpoint.model)} ({hint})")
+    try:
+        check_quantizable(checkpoint.model.config, kind)
+    except ValueError as exc:
+        raise InputError(f"{checkpoint.path}: {exc}") from None
+    quantize_model(checkpoint.model, kind)

@@ -1,0 +1,93 @@
+"""The native engine's model: the C core (core.c) runs the forward pass over rows (token, position, cache), one
+call per step, on weights a loader points it at (formats/mapped_weights.py: the checkpoint file's own bytes;
+torch_engine/native_weights.py: a torch model's tensors). This module never imports torch, so a run on the CPU
+never waits for torch to load."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from ctypes import c_float, c_int32
+
+from ..engine.config import GPTConfig, parameter_shapes
+from .binding import ManasCache, bind
+
+
+class Logits:
+    """Rows of float32 logits in memory the core writes: (rows, vocab), from row `first` of `buffer`."""
+
+    def __init__(self, rows: int, vocab: int, buffer=None, first: int = 0) -> None:
+        self.rows, self.vocab, self.first = rows, vocab, first
+        self.buffer = (c_float * (rows * vocab))() if buffer is None else buffer
+
+    def row(self, index: int) -> int:
+        """The address of row `index`."""
+        return ctypes.addressof(self.buffer) + 4 * (self.first + index) * self.vocab
+
+    def __getitem__(self, rows: slice) -> Logits:
+        """Rows start .. stop − 1, as a tensor's rows slice (batching takes each row's logits so, on either engine)."""
+        start, stop, step = rows.indices(self.rows)
+        if step != 1:
+            raise ValueError("logits rows are sliced in order, one by one")
+        return Logits(stop - start, self.vocab, self.buffer, self.first + start)
+
+
+class NativeGPT:
+    """A float32, int8 or int4 GPT run by the core. `weights`: where its tensors are, as binding.bind asks for
+    them (vector(name), linear(name)), with the model's `config`, its weight type `name` and `nbytes`, the bytes
+    the core reads."""
+
+    def __init__(self, weights, library: ctypes.CDLL, threads: int = 1) -> None:
+        self._pool = None  # first: __del__ closes it
+        self.config: GPTConfig = weights.config
+        self.weights, self.weights_bytes = weights.name, weights.nbytes
+        self.library = library
+        self.bound = bind(self.config, weights)
+        self._alive = weights  # the tensors and converted copies the bound pointers point into
+        self._scratch = ctypes.create_string_buffer(0)
+        self._scratch_rows = -1
+        self.set_threads(threads)
+
+    def set_threads(self, threads: int) -> None:
+        if self._pool is not None and self.threads == threads:
+            return
+        pool = self.library.manas_pool_new(threads)
+        if not pool:
+            raise MemoryError(f"the native core could not start {threads} threads")
+        self.close()
+        self._pool, self._threads = pool, threads
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self.library.manas_pool_free(self._pool)
+            self._pool = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(shape) for _, shape in parameter_shapes(self.config))
+
+    def run(self, tokens: list[int], positions: list[int], caches: list, logit_rows: list[int]) -> Logits:
+        """The core's forward pass over rows (token, position, cache); the logits of logit_rows, (len, vocab)."""
+        rows, vocab = len(tokens), self.config.vocab_size
+        if any(not 0 <= token < vocab for token in tokens):
+            raise IndexError(f"token ids must be in [0, {vocab})")
+        if rows > self._scratch_rows:  # sized for the most rows yet: a decode step asks for no new memory
+            needed = self.library.manas_scratch_bytes(ctypes.byref(self.bound), rows, self.threads)
+            self._scratch, self._scratch_rows = ctypes.create_string_buffer(needed), rows
+        logits = Logits(len(logit_rows), vocab)
+        status = self.library.manas_forward(
+            ctypes.byref(self.bound), self._pool, rows, int32s(tokens), int32s(positions),
+            (ManasCache * rows)(*caches), len(logit_rows), int32s(logit_rows), logits.buffer, self._scratch)
+        if status:
+            raise RuntimeError(f"the native core failed with status {status}")
+        return logits
+
+
+def int32s(values: list[int]):
+    return (c_int32 * len(values))(*values)

@@ -1,0 +1,139 @@
+"""The native engine's KV cache: CacheSession's interface (torch_engine/kv_cache.py) over buffers the core
+reads and writes."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from ctypes import c_float
+
+from ..engine.session import allocation_description, decode_tokens, grown_size, prefill_rows
+from .binding import ManasCache
+from .model import Logits, NativeGPT
+
+# The rows of one forward call in a prefill of many prompts (bench --batch, --num-samples): each call's scratch
+# (activations of every row) then stays a few megabytes however many prompts there are; the results are the same.
+PREFILL_ROWS = 4096
+
+
+class NativeSession:
+    """CacheSession's interface over the core's caches: per batch row, K and V as (n_layer, capacity, n_kv_head,
+    head_size) float32, the layout core.c reads. "dynamic" grows the capacity by doubling (copying once per
+    doubling), "static" allocates `capacity` at once."""
+
+    def __init__(self, model: NativeGPT, allocation: str = "dynamic", capacity: int | None = None) -> None:
+        self.model = model
+        self.block_size = model.config.block_size
+        self.allocation = allocation_description(allocation)
+        self.reserve = allocation == "static"
+        self.capacity = self.block_size if capacity is None else min(capacity, self.block_size)
+        config = model.config
+        self.position_floats = config.n_kv_head * config.head_size  # one layer's key (or value) at one position
+        self.reset()
+
+    def reset(self) -> None:
+        self.k = self.v = None
+        self.size = self.positions = self.batch_size = 0
+
+    def allocate(self, batch_size: int, needed: int) -> None:
+        """Room for `needed` positions of every row, the cached ones kept."""
+        if needed > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; {needed} were asked for")
+        if self.k is not None and needed <= self.size:
+            return
+        size = grown_size(needed, self.positions, self.capacity, self.reserve)
+        count = batch_size * self.model.config.n_layer * size * self.position_floats
+        k, v = (c_float * count)(), (c_float * count)()
+        if self.positions:
+            self._copy_positions(self.k, k, size)
+            self._copy_positions(self.v, v, size)
+        self.k, self.v, self.size = k, v, size
+        self._caches = [self._row_cache(row) for row in range(batch_size)]
+
+    def _copy_positions(self, old, into, size: int) -> None:
+        """The cached positions of every row and layer of `old` into a buffer of `size` positions per layer."""
+        span = 4 * self.positions * self.position_floats
+        for block in range(self.batch_size * self.model.config.n_layer):  # (row, layer) pairs, in memory order
+            ctypes.memmove(ctypes.addressof(into) + 4 * block * size * self.position_floats,
+                           ctypes.addressof(old) + 4 * block * self.size * self.position_floats, span)
+
+    def cache(self, row: int) -> ManasCache:
+        return self._caches[row]
+
+    def _row_cache(self, row: int) -> ManasCache:
+        offset = 4 * row * self.model.config.n_layer * self.size * self.position_floats
+        return ManasCache(ctypes.cast(ctypes.addressof(self.k) + offset, ctypes.POINTER(c_float)),
+                          ctypes.cast(ctypes.addressof(self.v) + offset, ctypes.POINTER(c_float)), self.size)
+
+    def prefill(self, token_ids):
+        """CacheSession.prefill: reset, run the prompt's rows (B, T ≤ block_size: lists, or a tensor's); the logits
+        of each row's last position, Logits (B, vocab)."""
+        self.reset()  # first: a refused prefill must not leave the previous request's cache to decode from
+        rows = prefill_rows(token_ids, self.block_size)
+        B, T = len(rows), len(rows[0])
+        try:
+            self.allocate(B, T)
+            logits = self.run_prompts(rows, T - 1)
+        except BaseException:
+            self.reset()
+            raise
+        self.positions, self.batch_size = T, B
+        return logits
+
+    def run_prompts(self, ids: list[list[int]], logits_from: int) -> Logits:
+        """Each batch row's tokens from position 0 into its cache; the logits of each row's positions logits_from
+        .. T − 1, (B·(T − logits_from), vocab): all of them for scoring, the last for a prefill."""
+        B, T = len(ids), len(ids[0])
+        step = max(1, PREFILL_ROWS // T)  # whole prompts per call: a prompt's positions attend to its earlier ones
+        groups = [range(first, min(B, first + step)) for first in range(0, B, step)]
+        parts = [self._run_group(ids, group, logits_from) for group in groups]
+        if len(parts) == 1:
+            return parts[0]
+        logits = Logits(B * (T - logits_from), self.model.config.vocab_size)
+        for group, part in zip(groups, parts):
+            ctypes.memmove(logits.row(group.start * (T - logits_from)), part.buffer, ctypes.sizeof(part.buffer))
+        return logits
+
+    def _run_group(self, ids: list[list[int]], group: range, logits_from: int) -> Logits:
+        T = len(ids[0])
+        caches = [cache for b in group for cache in [self.cache(b)] * T]
+        logit_rows = [b * T + t for b in range(len(group)) for t in range(logits_from, T)]
+        return self.model.run([token for b in group for token in ids[b]], list(range(T)) * len(group), caches,
+                              logit_rows)
+
+    def decode(self, token_ids):
+        """CacheSession.decode: append one position per row (a list of B ids, or a (B, 1) tensor's); their logits,
+        Logits (B, vocab)."""
+        tokens = decode_tokens(token_ids, self.positions, self.batch_size, self.block_size)
+        return decode_rows(self.model, tokens, [self])
+
+    def storage(self) -> dict:
+        logical = 2 * self.batch_size * self.model.config.n_layer * self.positions * self.position_floats * 4
+        return {
+            "positions": self.positions,
+            "logical_bytes": logical,
+            "storage_bytes": 0 if self.k is None else 2 * ctypes.sizeof(self.k),
+            "dtype": "float32" if self.positions else None,
+            "allocation": self.allocation,
+        }
+
+    def layer_shapes(self) -> list[tuple[list[int], list[int], int]]:
+        """Per layer: K's and V's shapes as CacheSession's layers hold them, (B, n_kv_head, positions, head_size),
+        and their bytes."""
+        config = self.model.config
+        shape = [self.batch_size, config.n_kv_head, self.positions, config.head_size]
+        return [(shape, shape, 2 * 4 * math.prod(shape))] * (config.n_layer if self.k is not None else 0)
+
+
+def decode_rows(model: NativeGPT, tokens: list[int], sessions: list[NativeSession]) -> Logits:
+    """One new token for each row of several sessions at once, tokens in the sessions' row order, each at its
+    own position over its own cache; their logits (R, vocab)."""
+    caches, positions = [], []
+    for session in sessions:
+        session.allocate(session.batch_size, session.positions + 1)
+        caches += [session.cache(b) for b in range(session.batch_size)]
+        positions += [session.positions] * session.batch_size
+    logits = model.run(tokens, positions, caches, list(range(len(positions))))
+    for session in sessions:
+        session.positions += 1
+    return logits

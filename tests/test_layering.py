@@ -1,0 +1,85 @@
+"""The tree's layers, read from the imports themselves (every import statement, at the top of a module or inside a
+function): the engines (engine/, native/, torch_engine/) import neither formats/ nor the CLI, formats/ never
+imports the CLI, and no torch import is reachable from the torch-free modules (engine/ and native/), which is what
+lets the native path of every command start without torch."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import manas_cli
+
+PACKAGE = Path(manas_cli.__file__).resolve().parent
+ENGINES = ("manas_cli.engine", "manas_cli.native", "manas_cli.torch_engine")
+TORCH_FREE = ("manas_cli.engine", "manas_cli.native")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """Every module `module` imports, relative imports resolved: `from .x import y` counts x, and x.y where that
+    is a module."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            source = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(source)
+            found.update(f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in MODULES)
+    return frozenset(found)
+
+
+def reachable(module: str) -> set[str]:
+    """The modules an import of `module` may load, through manas_cli's own modules."""
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        for name in imports(current):
+            if name not in seen:
+                seen.add(name)
+                if name in MODULES:
+                    todo.append(name)
+    return seen
+
+
+def within(name: str, layers: tuple[str, ...]) -> bool:
+    return any(name == layer or name.startswith(layer + ".") for layer in layers)
+
+
+def test_the_layers_hold_real_modules():
+    """A guard for the tests below: the layers they name exist and import what they should."""
+    assert all(any(within(name, (layer,)) for name in MODULES) for layer in ENGINES)
+    assert "manas_cli.torch_engine.model" in reachable("manas_cli.torch_engine.engine")
+    assert "torch" in reachable("manas_cli.torch_engine.engine")
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if within(name, ENGINES)])
+def test_an_engine_module_imports_neither_formats_nor_the_cli(module):
+    above = [name for name in imports(module) if within(name, ("manas_cli.formats", "manas_cli.cli", "manas_cli.models"))]
+    assert not above, f"{module} imports {above}: the engine layer must not reach up"
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if within(name, ("manas_cli.formats",))])
+def test_a_format_module_never_imports_the_cli(module):
+    assert not [name for name in imports(module) if within(name, ("manas_cli.cli",))]
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if within(name, TORCH_FREE)])
+def test_no_torch_import_is_reachable_from_a_torch_free_module(module):
+    torch = sorted(name for name in reachable(module) if within(name, ("torch", "manas_cli.torch_engine")))
+    assert not torch, f"{module} can import {torch}"

@@ -3,6 +3,7 @@ Kept free of heavy imports: the CLI checks flags before torch loads."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -75,3 +76,21 @@ def _integer(value: object) -> bool:
 
 def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def strict_json(text: str) -> object:
+    """JSON as the standard defines it, for --jsonl's lines and the server's bodies: NaN and Infinity (which
+    Python's reader takes) are refused, and so is a number no float holds (1e400); a record or answer that echoed
+    either would not be JSON. ValueError (or RecursionError, for nesting too deep) says what is wrong."""
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value

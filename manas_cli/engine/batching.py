@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..errors import NumericalError
-from .generation import kept_on_overflow
+from .generation import overflow_keep, slide
 from .engines import Engine
 from .sampling import Sampler
-from .session import prefill_due
+from .session import prefill_if_due
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Row:
         except NumericalError as exc:  # this request's numbers, not the engine's: the other rows go on
             return Token(self.request.key, -1, kind, time.perf_counter() - started, None, True, self.session, str(exc))
         seconds = time.perf_counter() - started
-        self.window = (self.window + [token])[-self.session.block_size :]
+        self.window = slide(self.window, token, self.session.block_size)
         self.steps += 1
         last = self.steps == self.request.max_tokens or token == self.eot_id
         return Token(self.request.key, token, kind, seconds, top[0] if top else None, last, self.session)
@@ -84,7 +84,7 @@ def generate_batched(
     when none has come yet. Requests are taken as rows free up, waiting only when no row is decoding, so a request
     is never held back for one that has not arrived. finished(key) lets the caller end a request early (a stop
     string), checked after each step."""
-    keep = kept_on_overflow(overflow, engine.config.block_size)
+    keep = overflow_keep(overflow, engine.config.block_size)
     rows: list[Row] = []
     while True:
         while len(rows) < batch_size and (request := take(not rows)) is not None:
@@ -94,7 +94,7 @@ def generate_batched(
         started = time.perf_counter()
         made, decoding = {}, []
         for row in rows:
-            due = prefill_due(row.session, [row.window], row.steps == 0, keep)
+            due = prefill_if_due(row.session, [row.window], row.steps == 0, keep)
             if due is None:
                 decoding.append(row)
             else:

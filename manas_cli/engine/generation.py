@@ -4,12 +4,12 @@ of torch: token ids are lists, and each engine's session and sampling state (eng
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .engines import Engine
 from .sampling import Sampler
-from .session import prefill_due
+from .session import prefill_if_due
 
 OVERFLOW_POLICIES = ("recompute", "shift")
 
@@ -45,10 +45,21 @@ def token_rows(prompt) -> list[list[int]]:
     return rows
 
 
-def kept_on_overflow(overflow: str, block_size: int) -> int:
+def slide(window: list[int], token: int, block_size: int) -> list[int]:
+    """The window once `token` follows it: only its last block_size tokens can ever be seen again (a sequence of
+    every token would make each step O(length))."""
+    return (window + [token])[-block_size:]
+
+
+def overflow_keep(overflow: str, block_size: int) -> int:
+    """How many of the window's last tokens a full cache re-prefills under the overflow policy."""
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
     return block_size if overflow == "recompute" else max(1, block_size // 2)
+
+
+# A step's forward pass: (first step?, the rows' windows) -> (Step.kind, the logits, the positions attended over).
+Forward = Callable[[bool, list[list[int]]], tuple[str, object, int]]
 
 
 def generate(
@@ -69,29 +80,31 @@ def generate(
     steps at the price of exactness (the model then sees a shorter context than the reference does).
     logprobs=N adds each token's log-probability and the N most likely alternatives to every step.
     """
-    keep = kept_on_overflow(overflow, engine.config.block_size)
-    rows = token_rows(prompt)
+    keep = overflow_keep(overflow, engine.config.block_size)
     session = session or engine.new_session()
-    block_size = engine.config.block_size
-    windows = crop_window(rows, block_size)
-    state = engine.sampling_state(sampler, len(rows), logprobs)
-    finished = [False] * len(rows)
-    for step in range(max_new_tokens):
-        started = time.perf_counter()
-        kind, logits = (prefill_due(session, windows, step == 0, keep)
+
+    def cached(first: bool, windows: list[list[int]]) -> tuple[str, object, int]:
+        kind, logits = (prefill_if_due(session, windows, first, keep)
                         or ("decode", session.decode([window[-1] for window in windows])))
-        tokens, top = state.sample(logits, windows, len(rows[0]) - 1 + step)
-        seconds = time.perf_counter() - started
-        # Only the window can ever be seen again: a sequence of every token would make each step O(length).
-        windows = [(window + [token])[-block_size:] for window, token in zip(windows, tokens)]
-        yield Step(tokens, kind, session.positions, seconds, top)
-        if _all_finished(finished, tokens, eot_id):
-            return
+        return kind, logits, session.positions
+
+    yield from _sampled(engine, prompt, sampler, max_new_tokens, eot_id, logprobs, cached)
 
 
 def generate_reference(engine: Engine, prompt, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None,
                        logprobs: int = 0) -> Iterator[Step]:
     """nanoGPT's crop-and-recompute sampling: the full model over the last block_size tokens at every step."""
+
+    def full(first: bool, windows: list[list[int]]) -> tuple[str, object, int]:
+        return "full", engine.last_logits(windows), len(windows[0])
+
+    yield from _sampled(engine, prompt, sampler, max_new_tokens, eot_id, logprobs, full)
+
+
+def _sampled(engine: Engine, prompt, sampler: Sampler, max_new_tokens: int, eot_id: int | None, logprobs: int,
+             forward: Forward) -> Iterator[Step]:
+    """The loop both generators share: forward, sample each row's token, slide its window, until the budget is
+    spent or every row has ended."""
     rows = token_rows(prompt)
     block_size = engine.config.block_size
     windows = crop_window(rows, block_size)
@@ -99,11 +112,11 @@ def generate_reference(engine: Engine, prompt, sampler: Sampler, max_new_tokens:
     finished = [False] * len(rows)
     for step in range(max_new_tokens):
         started = time.perf_counter()
-        tokens, top = state.sample(engine.last_logits(windows), windows, len(rows[0]) - 1 + step)
+        kind, logits, positions = forward(step == 0, windows)
+        tokens, top = state.sample(logits, windows, len(rows[0]) - 1 + step)
         seconds = time.perf_counter() - started
-        positions = len(windows[0])
-        windows = [(window + [token])[-block_size:] for window, token in zip(windows, tokens)]
-        yield Step(tokens, "full", positions, seconds, top)
+        windows = [slide(window, token, block_size) for window, token in zip(windows, tokens)]
+        yield Step(tokens, kind, positions, seconds, top)
         if _all_finished(finished, tokens, eot_id):
             return
 

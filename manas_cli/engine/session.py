@@ -63,10 +63,10 @@ def check_decode_rows(tokens: list[int], positions: int, batch_size: int, block_
         raise ValueError(f"the cache is full ({block_size} positions): prefill the cropped window instead")
 
 
-def prefill_due(session, windows: list[list[int]], first: bool, keep: int):
-    """The window rule, in one place: the prompt's window is prefilled; a full cache re-prefills the last `keep`
-    tokens of the window (all of it in recompute mode, half in shift mode); otherwise None: decode from the cache.
-    Returns (kind, logits) for a prefill."""
+def prefill_if_due(session, windows: list[list[int]], first: bool, keep: int):
+    """The window rule, in one place: prefills the prompt's window on the first step, and the last `keep` tokens
+    of the window once the cache is full (all of it in recompute mode, half in shift mode), returning (kind,
+    logits); otherwise runs nothing and returns None: the step decodes from the cache."""
     if first:
         return "prefill", session.prefill(windows)
     if session.positions >= session.block_size:

@@ -4,8 +4,6 @@ in input order, decoded together by continuous batching."""
 from __future__ import annotations
 
 import io
-import json
-import math
 import queue
 import sys
 import threading
@@ -15,7 +13,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ...errors import InputError, ManasError, interrupt_exit_code
-from ..settings import GenerationSettings, with_overrides
+from ..settings import GenerationSettings, strict_json, with_overrides
 from ...models import ModelOptions
 from .common import check_memory, encode_prompt, load_model, require_stdout
 
@@ -35,7 +33,7 @@ class Line:
 def parse_line(number: int, text: str, defaults: GenerationSettings) -> Line:
     """A line's request: `prompt`, optionally `id`, and any setting by its name; the flags give the defaults."""
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        value = strict_json(text)
     except (ValueError, RecursionError) as exc:
         return Line(number, number, error=f"not JSON: {exc}")
     if not isinstance(value, dict):
@@ -49,18 +47,6 @@ def parse_line(number: int, text: str, defaults: GenerationSettings) -> Line:
     except ValueError as exc:
         return Line(number, key, error=str(exc))
     return Line(number, key, settings, prompt)
-
-
-def _refuse_constant(name: str) -> float:
-    """NaN and Infinity are not JSON (Python's reader takes them): a record that echoed one would not be either."""
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400: valid JSON that no float holds
-        raise ValueError(f"{text} is out of a float's range")
-    return value
 
 
 # A line longer than this is refused with an error record and skipped, so endless input without a newline cannot

@@ -4,10 +4,9 @@ response and stream-chunk shapes. Pure functions of JSON values: no sockets, no 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
-from ..settings import GenerationSettings, check
+from ..settings import GenerationSettings, check, strict_json
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts per request
@@ -51,7 +50,7 @@ class Completion:
 
 def parse_json(body: bytes) -> object:
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
+        value = strict_json(body.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise RequestError(f"the body is not UTF-8 (byte {exc.start + 1}): send UTF-8 JSON") from None
     except (ValueError, RecursionError) as exc:
@@ -70,17 +69,6 @@ def _has_lone_surrogate(value: object) -> bool:
     if isinstance(value, dict):
         return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
     return isinstance(value, list) and any(_has_lone_surrogate(v) for v in value)
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is out of a float's range")
-    return value
 
 
 def parse_completion(value: object, max_tokens: int) -> Completion:

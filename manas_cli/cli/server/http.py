@@ -20,7 +20,7 @@ from ...errors import ManasError
 from ..render import json_line
 from .api import (FINISH_REASONS, RequestError, choice_body, completion_body, legacy_logprobs, parse_completion,
                   parse_json, usage)
-from .scheduler import Choice, QueueFull, Scheduler
+from .scheduler import Choice, Ended, QueueFull, Scheduler
 
 MAX_BODY_BYTES = 1 << 20
 DRAIN_BYTES = 8 << 20  # a body left unread (refused before it was read) is read and dropped up to this, then the
@@ -308,7 +308,7 @@ class Handler(BaseHTTPRequestHandler):
         ended, look_at = 0, time.monotonic() + POLL_S
         while ended < count:
             try:
-                ended += events.get(timeout=POLL_S)[1] is None
+                ended += isinstance(events.get(timeout=POLL_S), Ended)
             except queue.Empty:
                 pass
             if time.monotonic() >= look_at:
@@ -338,17 +338,17 @@ class Handler(BaseHTTPRequestHandler):
                 self._event(reply.chunk(choice.index, reply.prompt_text(choice), None, None))
         ended = 0
         while ended < len(reply.choices):
-            index, text, entry = events.get()
-            if text is None:
+            event = events.get()
+            if isinstance(event, Ended):
                 ended += 1
-                choice = reply.choice(index)
+                choice = reply.choice(event.index)
                 if choice.error is not None:  # this choice failed or was cut; the others go on
                     self._event(RequestError(choice.error, status=choice.error_status, kind="server_error").body())
                 else:
-                    self._event(reply.chunk(index, "", reply.finish_reason(choice), None))
-                continue
-            if text or entry is not None:
-                self._event(reply.chunk(index, text, None, reply.stream_logprobs(index, text, entry)))
+                    self._event(reply.chunk(event.index, "", reply.finish_reason(choice), None))
+            elif event.text or event.entry is not None:
+                logprobs = reply.stream_logprobs(event.index, event.text, event.entry)
+                self._event(reply.chunk(event.index, event.text, None, logprobs))
         if reply.request.include_usage:
             self._event({**reply.chunk(0, "", None, None), "choices": [], "usage": reply.usage()})
         self.wfile.write(b"data: [DONE]\n\n")

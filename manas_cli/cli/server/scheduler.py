@@ -22,6 +22,23 @@ class QueueFull(Exception):
     """More requests are waiting than the server holds: the client should retry later."""
 
 
+@dataclass(frozen=True)
+class Released:
+    """Text a choice's tokens released (empty while a multi-byte character is incomplete), and the token's
+    logprob entry when the request asked for logprobs."""
+
+    index: int  # the choice's
+    text: str
+    entry: dict | None
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The last event of a choice, sent once, whatever ended it (see Choice.error)."""
+
+    index: int
+
+
 @dataclass
 class Choice:
     """One row of a request: its prompt and settings in, its text and tokens out, through `events`."""
@@ -31,8 +48,7 @@ class Choice:
     settings: GenerationSettings
     seed: int
     stream: TextStream
-    # (index, text released, its token's logprob entry or None) per token, then (index, None, None) once done;
-    # the choices of one request share their queue
+    # A Released per token, then one Ended; the choices of one request share their queue
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
     ended: bool = False
@@ -45,13 +61,13 @@ class Choice:
         return self.cancelled or self.stream.finished
 
     def send(self, text: str, entry: dict | None) -> None:
-        self.events.put((self.index, text, entry))
+        self.events.put(Released(self.index, text, entry))
 
     def end(self) -> None:
         """The last event of the choice, sent once whatever ended it."""
         if not self.ended:
             self.ended = True
-            self.events.put((self.index, None, None))
+            self.events.put(Ended(self.index))
 
 
 class Scheduler:

@@ -81,6 +81,8 @@ class LiveDisplay:
             return
         if error_type is None:
             self._drawing(self.frame)
+            if not self.active:  # that last frame found the terminal too small, and ended the display
+                return
         self._drawing(lambda: self._write(BEGIN_FRAME + self._erase() + SHOW_CURSOR + END_FRAME))
         self._rows = 0
         if error_type is not None:

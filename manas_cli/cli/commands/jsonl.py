@@ -125,111 +125,126 @@ def open_input(prompt_file: Path | None) -> BinaryIO:
         raise InputError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
 
 
+@dataclass
+class Running:
+    """A request being decoded: its text so far, its speed counters and its seed, for its record."""
+
+    stream: object  # streaming.TextStream
+    stats: object  # generation.GenerationStats
+    seed: int
+
+
+class JsonlBatch:
+    """--jsonl's reader and writer around generate_batched (as the server's Scheduler is): take() turns the next
+    input line into a Request, or writes its error record at once; each step's tokens are fed to their requests'
+    text; records are written in input order as soon as a line and every line before it are done."""
+
+    def __init__(self, reader: LineReader, defaults: GenerationSettings, checkpoint, engine, console) -> None:
+        from ...formats.tokenizer import decodable, end_of_text_id
+
+        self.reader, self.defaults, self.checkpoint, self.engine, self.console = reader, defaults, checkpoint, engine, console
+        self.eot, self.allowed = end_of_text_id(checkpoint.encoding), decodable(checkpoint.encoding)
+        self.lines: dict[int, Line] = {}  # by number, until written
+        self.order: list[int] = []  # the line numbers read, in order
+        self.running: dict[int, Running] = {}  # by line number
+        self.written = self.failed = 0
+
+    def take(self, wait: bool):
+        """The next request read (see generate_batched); a line that has none gets its error record at once."""
+        from ...engine.batching import Request
+        from ...engine.generation import GenerationStats
+        from ...engine.sampling import choose_seed
+        from ..streaming import TextStream
+
+        while (raw := self.reader.next(wait)) is not None:
+            line = parse_line(raw.number, raw.text, self.defaults) if raw.error is None else \
+                Line(raw.number, raw.number, error=raw.error)
+            self.lines[line.number] = line
+            self.order.append(line.number)
+            if line.error is None:
+                try:
+                    ids = encode_prompt(self.checkpoint, line.prompt, self.console)
+                except ManasError as exc:  # a character outside a character vocabulary
+                    line.error = str(exc)
+            if line.error is not None:
+                line.record = {"id": line.id, "line": line.number, "error": line.error}
+                self.flush()
+                continue
+            settings, seed = line.settings, choose_seed(line.settings.seed)
+            stream = TextStream(self.checkpoint.encoding, self.eot, settings.stop, record=True)
+            self.running[line.number] = Running(stream, GenerationStats(prompt_tokens=len(ids)), seed)
+            return Request.of(line.number, ids, settings, seed, self.allowed, self.engine)
+        return None
+
+    def finished(self, key: int) -> bool:
+        """Whether the request has ended before its budget (a stop string): its record is made."""
+        return key not in self.running
+
+    def feed(self, tokens: list) -> None:
+        """One step's tokens (batching.Token) to their requests; then the records that are due."""
+        for made in tokens:
+            if made.error is not None:
+                self.fail(made)
+                continue
+            running = self.running[made.key]
+            running.stats.update(made)
+            running.stream.feed(made.token, made.logprobs)
+            if made.last or running.stream.finished:
+                self.complete(made)
+        self.flush()
+
+    def complete(self, made) -> None:
+        """The request's record: ended by its budget, unless end-of-text or a stop string ended it first."""
+        from .generate import sample_record
+
+        running, line = self.running.pop(made.key), self.lines[made.key]
+        running.stream.finish("length")
+        record = sample_record(running.stream, running.stats, made.cache.storage(), running.seed,
+                               self.engine.weights, self.engine.name, line.settings)
+        line.record = {"id": line.id, **record}
+
+    def fail(self, made) -> None:
+        """The request's error record: the others go on."""
+        del self.running[made.key]
+        line = self.lines[made.key]
+        line.record = {"id": line.id, "line": made.key, "error": made.error}
+
+    def flush(self) -> None:
+        """Write every record whose line, and all before it, is done."""
+        from ..render import json_line
+
+        while self.written < len(self.order) and self.lines[self.order[self.written]].record is not None:
+            line = self.lines.pop(self.order[self.written])
+            self.failed += "error" in line.record
+            sys.stdout.write(json_line(line.record) + "\n")
+            self.written += 1
+        sys.stdout.flush()
+
+
 def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: int, overflow: str, stats: bool | None,
         quiet: bool, model_options: ModelOptions) -> None:
     import typer
 
-    from ...engine.batching import Request, generate_batched
-    from ...engine.generation import GenerationStats
-    from ...engine.sampling import choose_seed
-    from ...formats.tokenizer import decodable, end_of_text_id
-    from ..render import json_line, say, stderr_console
-    from ..streaming import TextStream
-    from ...engine.sampling import make_sampler
-    from .generate import sample_record
+    from ...engine.batching import generate_batched
+    from ..render import say, stderr_console
 
     require_stdout()
     console = stderr_console(quiet=quiet)
     show_stats = not quiet and (stats if stats is not None else sys.stderr.isatty())
     source = open_input(prompt_file)
     checkpoint, _, engine = load_model(model_options, console)
-    model, encoding = checkpoint.model, checkpoint.encoding
-    check_memory(engine, batch_size, model.config.block_size, "--batch-size")
-    eot, allowed = end_of_text_id(encoding), decodable(encoding)
-    lines: dict[int, Line] = {}  # by number, until written
-    order: list[int] = []  # the line numbers read, in order
-    streams: dict[int, TextStream] = {}
-    progress: dict[int, GenerationStats] = {}
-    seeds: dict[int, int] = {}
-    written = failed = 0
-
-    reader = LineReader(source)
-
-    def take(wait: bool) -> Request | None:
-        """The next request read (see generate_batched); a line that has none gets its error record at once."""
-        while (raw := reader.next(wait)) is not None:
-            number = raw.number
-            if raw.error is None:
-                line = parse_line(number, raw.text, defaults)
-            else:
-                line = Line(number, number, error=raw.error)
-            lines[number] = line
-            order.append(number)
-            if line.error is None:
-                try:
-                    ids = encode_prompt(checkpoint, line.prompt, console)
-                except ManasError as exc:  # a character outside a character vocabulary
-                    line.error = str(exc)
-            if line.error is not None:
-                line.record = {"id": line.id, "line": number, "error": line.error}
-                flush()
-                continue
-            settings = line.settings
-            seeds[number] = choose_seed(settings.seed)
-            streams[number] = TextStream(encoding, eot, settings.stop, record=True)
-            progress[number] = GenerationStats(prompt_tokens=len(ids))
-            return Request(number, ids, make_sampler(settings, seeds[number], allowed, engine), settings.max_tokens,
-                           settings.logprobs)
-        return None
-
-    def flush() -> None:
-        """Write every record whose line, and all before it, is done."""
-        nonlocal written, failed
-        while written < len(order) and lines[order[written]].record is not None:
-            line = lines.pop(order[written])
-            failed += "error" in line.record
-            sys.stdout.write(json_line(line.record) + "\n")
-            written += 1
-        sys.stdout.flush()
-
-    def complete(made) -> None:
-        """The request's record: ended by its budget, unless end-of-text or a stop string ended it first."""
-        stream, line = streams.pop(made.key), lines[made.key]
-        stream.finish("length")
-        record = sample_record(stream, progress.pop(made.key), made.cache.storage(), seeds.pop(made.key),
-                               engine.weights, engine.name, line.settings)
-        line.record = {"id": line.id, **record}
-
-    def fail(made) -> None:
-        """The request's error record: the others go on."""
-        for held in (streams, progress, seeds):
-            held.pop(made.key)
-        line = lines[made.key]
-        line.record = {"id": line.id, "line": made.key, "error": made.error}
-
-    interruption = None
-    # A request whose stream is gone was completed (a stop string may end it before its budget).
-    steps = generate_batched(engine, take, batch_size, eot, overflow, finished=lambda key: key not in streams)
+    check_memory(engine, batch_size, engine.config.block_size, "--batch-size")
+    batch = JsonlBatch(LineReader(source), defaults, checkpoint, engine, console)
+    steps = generate_batched(engine, batch.take, batch_size, batch.eot, overflow, finished=batch.finished)
     try:
         for tokens in steps:
-            for made in tokens:
-                if made.error is not None:
-                    fail(made)
-                    continue
-                stream = streams[made.key]
-                progress[made.key].update(made)
-                stream.feed(made.token, made.logprobs)
-                if made.last or stream.finished:
-                    complete(made)
-            flush()
+            batch.feed(tokens)
     except KeyboardInterrupt as exc:
-        interruption = exc
+        raise typer.Exit(interrupt_exit_code(exc)) from None
     finally:
         steps.close()
-    if interruption is not None:
-        raise typer.Exit(interrupt_exit_code(interruption))
     if show_stats:
-        say(console, f"{written:,} requests, {failed:,} failed · batch size {batch_size}")
-    if failed:
-        console.print(f"error: {failed} of {written} lines failed (their records have an 'error' field)")
+        say(console, f"{batch.written:,} requests, {batch.failed:,} failed · batch size {batch_size}")
+    if batch.failed:
+        console.print(f"error: {batch.failed} of {batch.written} lines failed (their records have an 'error' field)")
         raise typer.Exit(1)

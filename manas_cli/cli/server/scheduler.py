@@ -157,7 +157,6 @@ class Scheduler:
     def _take(self, wait: bool):
         """generate_batched's take: the next waiting choice as a Request; waiting only when no row decodes."""
         from ...engine.batching import Request
-        from ...engine.sampling import make_sampler
 
         while True:
             try:
@@ -171,8 +170,7 @@ class Scheduler:
                 continue
             key = next(self._keys)
             self._running[key] = choice
-            sampler = make_sampler(choice.settings, choice.seed, self._allowed, self.engine)
-            return Request(key, choice.prompt_ids, sampler, choice.settings.max_tokens, choice.settings.logprobs)
+            return Request.of(key, choice.prompt_ids, choice.settings, choice.seed, self._allowed, self.engine)
 
     def _finished(self, key: int) -> bool:
         choice = self._running.get(key)  # _deliver lets go of a choice once it is done

@@ -115,7 +115,7 @@ def test_debug_shows_the_traceback_before_the_error_line(bad_files):
 HELP_WITHOUT_TORCH = """
 import sys
 sys.argv = ["manas", *sys.argv[1:], "--help"]
-from manas_cli.cli.app import main
+from manas_cli.cli.process import main
 try:
     main()
 except SystemExit as exit:

@@ -3,11 +3,8 @@ so `manas --help` answers without loading torch."""
 
 from __future__ import annotations
 
-import errno
-import os
-import signal
-import sys
-import warnings
+import functools
+import inspect
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,8 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..engine.threads import MAX_THREADS, THREADS_ENV
-from ..errors import ManasError, Terminated, interrupt_exit_code
-from ..files import remove_unfinished
+from ..models import ModelOptions
 from .settings import GenerationSettings
 
 app = typer.Typer(
@@ -115,17 +111,49 @@ CacheOption = Annotated[
 ]
 
 
-def model_options(checkpoint: Optional[Path], device: Enum, dtype: Enum, threads: Optional[int],
-                  quantize: Optional[Enum], cache: Enum, engine: Enum):
-    """The flags generate, bench and inspect-cache share, as the commands take them."""
+# The model flags, declared once: name -> (its annotation, its default). takes_model_flags adds them to a command.
+MODEL_FLAGS = {
+    "cache": (CacheOption, Allocation.dynamic),
+    "quantize": (QuantizeOption, None),
+    "checkpoint": (CheckpointOption, None),
+    "device": (DeviceOption, Device.auto),
+    "dtype": (DTypeOption, DType.auto),
+    "threads": (ThreadsOption, None),
+    "engine": (EngineOption, Engine.auto),
+}
+
+
+def takes_model_flags(cache: bool = True):
+    """A command decorator: the model flags (MODEL_FLAGS; without --cache where the command's caches are its own)
+    added after the command's own, and given to it as one `model_options: ModelOptions`."""
+    names = [name for name in MODEL_FLAGS if cache or name != "cache"]
+
+    def decorate(command):
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "model_options"]
+        flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=MODEL_FLAGS[name][0],
+                                   default=MODEL_FLAGS[name][1]) for name in names]
+
+        @functools.wraps(command)
+        def with_model_options(**values):
+            options = model_options_of(**{name: values.pop(name) for name in names})
+            return command(**values, model_options=options)
+
+        with_model_options.__signature__ = inspect.Signature([*own, *flags])
+        return with_model_options
+
+    return decorate
+
+
+def model_options_of(checkpoint: Optional[Path], device: Enum, dtype: Enum, threads: Optional[int],
+                  quantize: Optional[Enum], engine: Enum, cache: Enum = Allocation.dynamic):
+    """The model flags as the library takes them (models.ModelOptions); --debug is the run's (process.main)."""
+    from typer._click.globals import get_current_context
+
     from ..models import ModelOptions
 
     return ModelOptions(checkpoint=checkpoint, device=device.value, dtype=dtype.value, threads=threads,
                         quantize=quantize.value if quantize else None, cache=cache.value, engine=engine.value,
-                        debug=_debug)
-
-
-_debug = False  # --debug, which root() receives before any command runs
+                        debug=bool(get_current_context().obj))
 
 
 def _show_version(value: bool) -> None:
@@ -143,11 +171,11 @@ def root(
     version: Annotated[bool, typer.Option("--version", "-V", callback=_show_version, is_eager=True, help="Print the version and exit.")] = False,
 ) -> None:
     """Fast text generation from small GPT checkpoints, with a KV cache you can inspect."""
-    global _debug
-    _debug = debug
+    # --debug is read once, by process.main, wherever it stands; it is declared here to be shown and accepted.
 
 
 @app.command()
+@takes_model_flags()
 def generate(
     prompt_argument: Annotated[Optional[str], typer.Argument(metavar="[PROMPT]", help="The prompt, as -p gives it (quote it: one argument).", show_default=False)] = None,
     prompt: PromptOption = None,
@@ -172,13 +200,8 @@ def generate(
     stats: Annotated[Optional[bool], typer.Option("--stats/--no-stats", help="Speed and cache stats on stderr (default: when stderr is a terminal).", show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
     json_output: JsonOption = False,
-    cache: CacheOption = Allocation.dynamic,
-    quantize: QuantizeOption = None,
-    checkpoint: CheckpointOption = None,
-    device: DeviceOption = Device.auto,
-    dtype: DTypeOption = DType.auto,
-    threads: ThreadsOption = None,
-    engine: EngineOption = Engine.auto,
+    *,
+    model_options: ModelOptions,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout as it is produced.
 
@@ -214,7 +237,7 @@ def generate(
             raise typer.BadParameter("--jsonl reads its prompts as JSON lines (stdin or --prompt-file): it takes no "
                                      "--prompt, --echo or --num-samples", param_hint="'--jsonl'")
         pipeline.run(prompt_file=prompt_file, defaults=settings, batch_size=batch_size, overflow=overflow.value,
-                     stats=stats, quiet=quiet, model_options=model_options(checkpoint, device, dtype, threads, quantize, cache, engine))
+                     stats=stats, quiet=quiet, model_options=model_options)
         return
     if logprobs and not json_output:
         raise typer.BadParameter("log-probabilities are written in the --json record: add --json",
@@ -222,11 +245,12 @@ def generate(
     command.run(
         prompt=prompt, prompt_file=prompt_file, settings=settings, num_samples=num_samples, echo=echo,
         overflow=overflow.value, stats=stats, quiet=quiet, json_output=json_output,
-        model_options=model_options(checkpoint, device, dtype, threads, quantize, cache, engine),
+        model_options=model_options,
     )
 
 
 @app.command()
+@takes_model_flags()
 def bench(
     tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=1, help="New tokens to decode per run (tgN). Default: what fits in the window after the prompt, at most 256, so the figure is the cached path's (a longer run re-prefills past the window: see --overflow, --sweep).", show_default=False)] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="Prompt length for the prefill test (ppP), at most block_size. Default: 128, or half the window if that is less.", show_default=False)] = None,
@@ -236,13 +260,8 @@ def bench(
     overflow: Annotated[Overflow, typer.Option(help="Past the window (prompt + tokens > block_size): 'recompute' re-prefills at every step, exactly as crop-and-recompute; 'shift' re-prefills half the window, then decodes from the cache.")] = Overflow.recompute,
     sweep: Annotated[bool, typer.Option("--sweep", help="Also chart decode speed against context position, through one overflow.")] = False,
     json_output: JsonOption = False,
-    cache: CacheOption = Allocation.dynamic,
-    quantize: QuantizeOption = None,
-    checkpoint: CheckpointOption = None,
-    device: DeviceOption = Device.auto,
-    dtype: DTypeOption = DType.auto,
-    threads: ThreadsOption = None,
-    engine: EngineOption = Engine.auto,
+    *,
+    model_options: ModelOptions,
 ) -> None:
     """Measure prefill and decode speed, and the KV cache's speed-up over crop-and-recompute.
 
@@ -261,23 +280,19 @@ def bench(
     command.run(
         tokens=tokens, prompt_tokens=prompt_tokens, repeat=repeat, batch=batch, baseline=baseline,
         overflow=overflow.value, sweep=sweep, json_output=json_output,
-        model_options=model_options(checkpoint, device, dtype, threads, quantize, cache, engine),
+        model_options=model_options,
     )
 
 
 @app.command("inspect-cache")
+@takes_model_flags()
 def inspect_cache(
     prompt: PromptOption = None,
     prompt_file: PromptFileOption = None,
     tokens: Annotated[int, typer.Option("--tokens", "-n", min=0, help="Greedy tokens to decode after the prompt.")] = 0,
     json_output: JsonOption = False,
-    cache: CacheOption = Allocation.dynamic,
-    quantize: QuantizeOption = None,
-    checkpoint: CheckpointOption = None,
-    device: DeviceOption = Device.auto,
-    dtype: DTypeOption = DType.auto,
-    threads: ThreadsOption = None,
-    engine: EngineOption = Engine.auto,
+    *,
+    model_options: ModelOptions,
 ) -> None:
     """Prefill a prompt (and decode --tokens more), then show what the KV cache holds.
 
@@ -295,20 +310,17 @@ def inspect_cache(
     from .commands import inspect_cache as command
 
     command.run(prompt=prompt, prompt_file=prompt_file, tokens=tokens, json_output=json_output,
-                model_options=model_options(checkpoint, device, dtype, threads, quantize, cache, engine))
+                model_options=model_options)
 
 
 @app.command()
+@takes_model_flags(cache=False)
 def score(
     text_file: Annotated[Optional[Path], typer.Argument(help="UTF-8 text to score; '-' or none reads standard input.")] = None,
     stride: Annotated[Optional[int], typer.Option(help="Tokens each window advances by (default: half the window); every token is scored once, after up to block_size - stride tokens of context.")] = None,
     json_output: JsonOption = False,
-    quantize: QuantizeOption = None,
-    checkpoint: CheckpointOption = None,
-    device: DeviceOption = Device.auto,
-    dtype: DTypeOption = DType.auto,
-    threads: ThreadsOption = None,
-    engine: EngineOption = Engine.auto,
+    *,
+    model_options: ModelOptions,
 ) -> None:
     """Score a text with a model: its loss in nats per token and per character, and its perplexity.
 
@@ -327,10 +339,11 @@ def score(
     from .commands import score as command
 
     command.run(text_file=text_file, stride=stride, json_output=json_output,
-                model_options=model_options(checkpoint, device, dtype, threads, quantize, Allocation.dynamic, engine))
+                model_options=model_options)
 
 
 @app.command()
+@takes_model_flags(cache=False)
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on. Another than loopback without --api-key prints a warning: anyone who reaches the port can use the model.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on; 0 takes a free one (the ready line says which).")] = 8080,
@@ -341,12 +354,8 @@ def serve(
     max_connections: Annotated[Optional[int], typer.Option(min=1, max=65536, help="Connections held at once, each with a thread; beyond, a new one gets 503 at once. Default: 32 per core, 64 to 512.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(min=1, help="The most tokens a choice may ask for (max_tokens); above it, 400 naming this limit. Default: 4 windows of the model, at least 1,024.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
-    quantize: QuantizeOption = None,
-    checkpoint: CheckpointOption = None,
-    device: DeviceOption = Device.auto,
-    dtype: DTypeOption = DType.auto,
-    threads: ThreadsOption = None,
-    engine: EngineOption = Engine.auto,
+    *,
+    model_options: ModelOptions,
 ) -> None:
     """Serve OpenAI's completions API on a local port: any client that speaks it can use the model.
 
@@ -365,8 +374,7 @@ def serve(
 
     command.run(host=host, port=port, batch_size=batch_size, max_queued=max_queue, api_key=api_key, timeout_s=timeout,
                 verbose=verbose, max_connections=max_connections, max_tokens=max_tokens,
-                model_options=model_options(checkpoint, device, dtype, threads, quantize,
-                                                             Allocation.dynamic, engine))
+                model_options=model_options)
 
 
 @app.command(no_args_is_help=True)
@@ -536,150 +544,3 @@ def summarize_commands() -> None:
 
 
 summarize_commands()
-
-
-def main() -> None:
-    """Entry point: run the app, turning every expected failure into one `error:` line and an exit code."""
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError
-    from typer.exceptions import Abort, Exit
-
-    args, debug = without_debug(sys.argv[1:])
-    _keep_stderr_descriptor()
-    # torch's CPU wheel runs without NumPy (manas needs none) but warns about it at every start: noise on stderr
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    signal.signal(signal.SIGINT, _raise_interrupted)
-    signal.signal(signal.SIGTERM, _raise_interrupted)
-    command = typer.main.get_command(app)
-    try:
-        # Not command.main(standalone_mode=False): typer's main returns an Exit's code instead of raising it (so
-        # `typer.Exit(130)` after Ctrl-C ended with 0) and turns a closed pipe into sys.exit(1).
-        with command.make_context("manas", args) as ctx:
-            command.invoke(ctx)
-    except Exit as exc:
-        sys.exit(exc.exit_code)
-    except NoArgsIsHelpError as exc:
-        print(exc.format_message(), file=sys.stderr)
-        sys.exit(2)
-    except ClickException as exc:
-        message = exc.format_message()
-        if message.startswith("Got unexpected extra argument"):  # `manas generate ROMEO: and JULIET:`
-            message += ': a prompt is one argument, so quote it (manas generate "ROMEO: and JULIET:") or use -p TEXT'
-        _fail(message, exc.exit_code, debug)
-    except (KeyboardInterrupt, Abort) as exc:
-        _fail("terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted", interrupt_exit_code(exc), debug)
-    except BrokenPipeError:
-        _quiet_broken_pipe()
-    except ManasError as exc:
-        _fail(str(exc), 1, debug)
-    except (MemoryError, RuntimeError) as exc:
-        if _out_of_memory(exc):
-            _fail(f"out of memory: {out_of_memory_advice(args)}",
-                  1, debug)
-        _fail_unexpected(exc, debug)
-    except OSError as exc:
-        if exc.errno not in OS_ERRORS:
-            _fail_unexpected(exc, debug)
-        what, advice = OS_ERRORS[exc.errno]
-        _fail(f"{exc.filename or 'a file'}: {what} ({exc.strerror}): {advice}", 1, debug)
-    except Exception as exc:
-        _fail_unexpected(exc, debug)
-    finally:
-        _cleaning_up.append(0)  # the command is over: let no signal cut this clean-up short
-        remove_unfinished()
-
-
-# What each command can lower when memory runs out (its own flags only).
-OUT_OF_MEMORY_ADVICE = {
-    "generate": "lower --num-samples, --batch-size or --max-tokens, or use a smaller model or --quantize int8 or int4",
-    "bench": "lower --batch, --tokens or --prompt-tokens, or use a smaller model or --quantize int8 or int4",
-    "inspect-cache": "lower --tokens, or use a smaller model or --quantize int8 or int4",
-    "score": "score a shorter text, or use a smaller model or --quantize int8 or int4",
-    "train": "lower --batch-size, --block-size, --n-embd or --n-layer, or train on a shorter text",
-    None: "use a smaller model, or free some memory",
-}
-
-def out_of_memory_advice(args: list[str]) -> str:
-    """What the command that ran (its name is the first argument that names one) can do about it."""
-    name = next((arg for arg in args if arg in OUT_OF_MEMORY_ADVICE), None)
-    return OUT_OF_MEMORY_ADVICE[name]
-
-
-# Failures of the system that a user can act on: (what happened, what to do).
-OS_ERRORS = {
-    errno.ENOSPC: ("the disk is full", "free some space, or write to another disk"),
-    errno.EDQUOT: ("the disk quota is used up", "free some space, or write to another disk"),
-    errno.ENAMETOOLONG: ("a file name is too long", "choose a shorter name (255 bytes at most)"),
-    errno.EROFS: ("the file system is read-only", "write somewhere else"),
-    errno.EACCES: ("permission denied", "check the file's and its folder's permissions, or write somewhere else"),
-    errno.EIO: ("an input/output error", "check the disk or the device"),
-    errno.EFBIG: ("the file would be larger than this process may write", "raise the limit (ulimit -f), or write a "
-                  "smaller file"),
-}
-
-# Options whose next argument is a value that may itself read "--debug" (a prompt, a stop text).
-TEXT_OPTIONS = ("-p", "--prompt", "--stop")
-
-
-def without_debug(args: list[str]) -> tuple[list[str], bool]:
-    """The arguments without --debug, wherever it stands (before or after the command's name), and whether it was
-    there. The root option is given back in front, where click expects it."""
-    kept = [arg for index, arg in enumerate(args)
-            if arg != "--debug" or (index > 0 and args[index - 1] in TEXT_OPTIONS)]
-    debug = len(kept) < len(args)
-    return (["--debug", *kept] if debug else kept), debug
-
-
-def _keep_stderr_descriptor() -> None:
-    """With stderr closed (`2>&-`), run as usual and say nothing: /dev/null takes descriptor 2. Python's None for
-    sys.stderr would send print(file=sys.stderr) to stdout, into the text or JSON, and the next file opened would
-    become descriptor 2 and receive whatever a library writes there (a Rust panic, libgomp)."""
-    try:
-        os.fstat(2)
-    except OSError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        if devnull != 2:  # descriptor 1 was closed too, and took it
-            os.dup2(devnull, 2)
-            os.close(devnull)
-        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Python's MemoryError, or torch's allocators failing (its CPU allocator's RuntimeError, CUDA's OutOfMemoryError)."""
-    return isinstance(exc, MemoryError) or "DefaultCPUAllocator" in str(exc) or "out of memory" in str(exc)
-
-
-def _raise_interrupted(signum: int, frame) -> None:
-    """Ctrl-C, and SIGTERM like it, unwinds so that the clean-up runs: temporary files removed, the text so far and
-    the stats printed, the cursor shown. A second signal (a second Ctrl-C, one that `timeout` forwards) must not
-    cut that short: from the first on, the handler does nothing. (Not SIG_IGN: a signal already pending when the
-    handler changes makes Python print a traceback.)"""
-    if _cleaning_up:
-        return
-    _cleaning_up.append(signum)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
-_cleaning_up: list[int] = []  # the signal that started the clean-up, once one has
-
-
-def _fail(message: str, code: int, debug: bool) -> None:
-    """One `error:` line on stderr (the traceback before it with --debug), then exit."""
-    from .render import error_line
-
-    if debug:
-        import traceback
-
-        traceback.print_exc()
-    print(error_line(message), file=sys.stderr)
-    sys.exit(code)
-
-
-def _fail_unexpected(exc: BaseException, debug: bool) -> None:
-    _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
-
-
-def _quiet_broken_pipe() -> None:
-    """The reader went away (`| head`): exit quietly, and keep Python from complaining at shutdown."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    sys.exit(141)

@@ -1,0 +1,165 @@
+"""The process around the command line: signals, the errors a user can act on turned into one `error:` line and an
+exit code, out-of-memory advice, a closed stderr repaired, and --debug, read once wherever it stands. The Typer app
+(app.py) declares the commands; main() runs it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import warnings
+
+import typer
+
+from ..errors import ManasError, Terminated, interrupt_exit_code
+from ..files import remove_unfinished
+from .app import app
+
+
+def main() -> None:
+    """Entry point: run the app, turning every expected failure into one `error:` line and an exit code."""
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    from typer.exceptions import Abort, Exit
+
+    args, debug = without_debug(sys.argv[1:])
+    _keep_stderr_descriptor()
+    # torch's CPU wheel runs without NumPy (manas needs none) but warns about it at every start: noise on stderr
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    command = typer.main.get_command(app)
+    try:
+        # Not command.main(standalone_mode=False): typer's main returns an Exit's code instead of raising it (so
+        # `typer.Exit(130)` after Ctrl-C ended with 0) and turns a closed pipe into sys.exit(1). The context's obj is
+        # --debug, for the commands (app.model_options).
+        with command.make_context("manas", args, obj=debug) as ctx:
+            command.invoke(ctx)
+    except Exit as exc:
+        sys.exit(exc.exit_code)
+    except NoArgsIsHelpError as exc:
+        print(exc.format_message(), file=sys.stderr)
+        sys.exit(2)
+    except ClickException as exc:
+        message = exc.format_message()
+        if message.startswith("Got unexpected extra argument"):  # `manas generate ROMEO: and JULIET:`
+            message += ': a prompt is one argument, so quote it (manas generate "ROMEO: and JULIET:") or use -p TEXT'
+        _fail(message, exc.exit_code, debug)
+    except (KeyboardInterrupt, Abort) as exc:
+        _fail("terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted", interrupt_exit_code(exc), debug)
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+    except ManasError as exc:
+        _fail(str(exc), 1, debug)
+    except (MemoryError, RuntimeError) as exc:
+        if _out_of_memory(exc):
+            _fail(f"out of memory: {out_of_memory_advice(args)}",
+                  1, debug)
+        _fail_unexpected(exc, debug)
+    except OSError as exc:
+        if exc.errno not in OS_ERRORS:
+            _fail_unexpected(exc, debug)
+        what, advice = OS_ERRORS[exc.errno]
+        _fail(f"{exc.filename or 'a file'}: {what} ({exc.strerror}): {advice}", 1, debug)
+    except Exception as exc:
+        _fail_unexpected(exc, debug)
+    finally:
+        _cleaning_up.append(0)  # the command is over: let no signal cut this clean-up short
+        remove_unfinished()
+
+
+# What each command can lower when memory runs out (its own flags only).
+OUT_OF_MEMORY_ADVICE = {
+    "generate": "lower --num-samples, --batch-size or --max-tokens, or use a smaller model or --quantize int8 or int4",
+    "bench": "lower --batch, --tokens or --prompt-tokens, or use a smaller model or --quantize int8 or int4",
+    "inspect-cache": "lower --tokens, or use a smaller model or --quantize int8 or int4",
+    "score": "score a shorter text, or use a smaller model or --quantize int8 or int4",
+    "train": "lower --batch-size, --block-size, --n-embd or --n-layer, or train on a shorter text",
+    None: "use a smaller model, or free some memory",
+}
+
+def out_of_memory_advice(args: list[str]) -> str:
+    """What the command that ran (its name is the first argument that names one) can do about it."""
+    name = next((arg for arg in args if arg in OUT_OF_MEMORY_ADVICE), None)
+    return OUT_OF_MEMORY_ADVICE[name]
+
+
+# Failures of the system that a user can act on: (what happened, what to do).
+OS_ERRORS = {
+    errno.ENOSPC: ("the disk is full", "free some space, or write to another disk"),
+    errno.EDQUOT: ("the disk quota is used up", "free some space, or write to another disk"),
+    errno.ENAMETOOLONG: ("a file name is too long", "choose a shorter name (255 bytes at most)"),
+    errno.EROFS: ("the file system is read-only", "write somewhere else"),
+    errno.EACCES: ("permission denied", "check the file's and its folder's permissions, or write somewhere else"),
+    errno.EIO: ("an input/output error", "check the disk or the device"),
+    errno.EFBIG: ("the file would be larger than this process may write", "raise the limit (ulimit -f), or write a "
+                  "smaller file"),
+}
+
+# Options whose next argument is a value that may itself read "--debug" (a prompt, a stop text).
+TEXT_OPTIONS = ("-p", "--prompt", "--stop")
+
+
+def without_debug(args: list[str]) -> tuple[list[str], bool]:
+    """The arguments without --debug, wherever it stands (before or after the command's name), and whether it was
+    there. The root option is given back in front, where click expects it."""
+    kept = [arg for index, arg in enumerate(args)
+            if arg != "--debug" or (index > 0 and args[index - 1] in TEXT_OPTIONS)]
+    debug = len(kept) < len(args)
+    return (["--debug", *kept] if debug else kept), debug
+
+
+def _keep_stderr_descriptor() -> None:
+    """With stderr closed (`2>&-`), run as usual and say nothing: /dev/null takes descriptor 2. Python's None for
+    sys.stderr would send print(file=sys.stderr) to stdout, into the text or JSON, and the next file opened would
+    become descriptor 2 and receive whatever a library writes there (a Rust panic, libgomp)."""
+    try:
+        os.fstat(2)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != 2:  # descriptor 1 was closed too, and took it
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Python's MemoryError, or torch's allocators failing (its CPU allocator's RuntimeError, CUDA's OutOfMemoryError)."""
+    return isinstance(exc, MemoryError) or "DefaultCPUAllocator" in str(exc) or "out of memory" in str(exc)
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    """Ctrl-C, and SIGTERM like it, unwinds so that the clean-up runs: temporary files removed, the text so far and
+    the stats printed, the cursor shown. A second signal (a second Ctrl-C, one that `timeout` forwards) must not
+    cut that short: from the first on, the handler does nothing. (Not SIG_IGN: a signal already pending when the
+    handler changes makes Python print a traceback.)"""
+    if _cleaning_up:
+        return
+    _cleaning_up.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+_cleaning_up: list[int] = []  # the signal that started the clean-up, once one has
+
+
+def _fail(message: str, code: int, debug: bool) -> None:
+    """One `error:` line on stderr (the traceback before it with --debug), then exit."""
+    from .render import error_line
+
+    if debug:
+        import traceback
+
+        traceback.print_exc()
+    print(error_line(message), file=sys.stderr)
+    sys.exit(code)
+
+
+def _fail_unexpected(exc: BaseException, debug: bool) -> None:
+    _fail(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, debug)
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader went away (`| head`): exit quietly, and keep Python from complaining at shutdown."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(141)

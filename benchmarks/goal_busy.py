@@ -14,12 +14,31 @@ from pathlib import Path
 from harness import MANAS, gpt2_checkpoint, run_goals
 from manas_cli.models import resolve_checkpoint
 
+
 def bench_decode_rate(checkpoint: Path, tokens: int, threads: list[str]) -> tuple[float, int]:
     """A whole `manas bench` process's decode tokens/s and thread count: the default thread rule runs at start."""
     env = {name: value for name, value in os.environ.items() if name not in ("OMP_NUM_THREADS", "MANAS_THREADS")}
-    done = subprocess.run([*MANAS, "bench", "-c", str(checkpoint), "--tokens", str(tokens),
-                           "--prompt-tokens", "64", "--no-baseline", "--repeat", "2", "--json", *threads],
-                          capture_output=True, env=env, timeout=900, check=True)
+    done = subprocess.run(
+        [
+            *MANAS,
+            "bench",
+            "-c",
+            str(checkpoint),
+            "--tokens",
+            str(tokens),
+            "--prompt-tokens",
+            "64",
+            "--no-baseline",
+            "--repeat",
+            "2",
+            "--json",
+            *threads,
+        ],
+        capture_output=True,
+        env=env,
+        timeout=900,
+        check=True,
+    )
     report = json.loads(done.stdout)
     return report["tests"][1]["tokens_per_s_mean"], report["model"]["threads"]
 

@@ -8,16 +8,20 @@ import statistics
 import torch
 
 from harness import GREEDY, manas_decode_rate, median_rate, run_goals, shipped_model
-from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.engine.bench import run_once
 from manas_cli.engine.generation import generate, generate_reference
+from manas_cli.torch_engine.engine import TorchEngine
+
 
 def goal_cache_vs_recompute(threads: int, runs: int) -> dict:
     model = shipped_model(threads)
     new_tokens = model.config.block_size  # a 1-token prompt: every step stays within the window
     prompt = torch.zeros(1, 1, dtype=torch.long)
     cached = median_rate(runs, lambda: manas_decode_rate(model, prompt, new_tokens, "dynamic"))
-    baseline = median_rate(runs, lambda: run_once(generate_reference(TorchEngine(model), prompt, GREEDY, new_tokens), 1, 1).decode_tokens_per_s)
+    baseline = median_rate(
+        runs,
+        lambda: run_once(generate_reference(TorchEngine(model), prompt, GREEDY, new_tokens), 1, 1).decode_tokens_per_s,
+    )
     steps = [s for s in generate(TorchEngine(model), prompt, GREEDY, new_tokens) if s.kind == "decode"]
     quarter = len(steps) // 4
     first = statistics.median(s.seconds for s in steps[:quarter])

@@ -8,10 +8,11 @@ import copy
 import torch
 
 from harness import GPT2_NEW_TOKENS, GPT2_PROMPT_TOKENS, gpt2_pair, interleaved, run_goals, speeds
-from manas_cli.models import resolve_checkpoint
 from manas_cli.engine.bench import bench_prompt
-from manas_cli.torch_engine.model import use_decode_layout
 from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.models import resolve_checkpoint
+from manas_cli.torch_engine.model import use_decode_layout
+
 
 def goal_dtypes(runs: int) -> dict:
     """Half-precision weights (and activations) against float32, as `--dtype` runs them."""
@@ -28,14 +29,19 @@ def goal_dtypes(runs: int) -> dict:
             typed = use_decode_layout(copy.deepcopy(model).to(dtype))
             for threads in (1, 2):
                 variants[f"{case}_{str(dtype).removeprefix('torch.')}_{threads}_threads"] = (
-                    threads, lambda typed=typed, prompt=prompt, new_tokens=new_tokens: speeds(typed, prompt, new_tokens))
+                    threads,
+                    lambda typed=typed, prompt=prompt, new_tokens=new_tokens: speeds(typed, prompt, new_tokens),
+                )
     rates = interleaved(variants, runs)
     return {
         "tokens_per_s": rates,
         "over_float32": {
             f"{case}_{half}_{t}_threads_{figure}": rates[f"{case}_{half}_{t}_threads"][figure]
             / rates[f"{case}_float32_{t}_threads"][figure]
-            for case in cases for half in ("bfloat16", "float16") for t in (1, 2) for figure in ("prefill", "decode")
+            for case in cases
+            for half in ("bfloat16", "float16")
+            for t in (1, 2)
+            for figure in ("prefill", "decode")
         },
     }
 

@@ -7,10 +7,18 @@ from __future__ import annotations
 import torch
 
 from harness import (
-    GPT2_NEW_TOKENS, GPT2_PROMPT_TOKENS, gpt2_pair, hf_decode_rate, manas_decode_rate, median_rate, run_goals, timed,
+    GPT2_NEW_TOKENS,
+    GPT2_PROMPT_TOKENS,
+    gpt2_pair,
+    hf_decode_rate,
+    manas_decode_rate,
+    median_rate,
+    run_goals,
+    timed,
 )
 from manas_cli.engine.bench import bench_prompt
 from manas_cli.torch_engine.model import use_decode_layout
+
 
 def read_bandwidth_bytes_per_s(gib: float = 1.0) -> float:
     """Streaming read bandwidth: the best of a few sums over a buffer far larger than the caches."""
@@ -42,10 +50,14 @@ def goal_gpt2_vs_hf(threads: int, runs: int) -> dict:
     new_tokens = GPT2_NEW_TOKENS
     prompt = bench_prompt(manas, GPT2_PROMPT_TOKENS, 1)
     results = {"hf_generate": median_rate(runs, lambda: hf_decode_rate(hf, prompt, new_tokens))}
-    results["manas_plain_layout_dynamic"] = median_rate(runs, lambda: manas_decode_rate(manas, prompt, new_tokens, "dynamic"))
+    results["manas_plain_layout_dynamic"] = median_rate(
+        runs, lambda: manas_decode_rate(manas, prompt, new_tokens, "dynamic")
+    )
     use_decode_layout(manas)
     for allocation in ("dynamic", "static"):
-        results[f"manas_{allocation}"] = median_rate(runs, lambda: manas_decode_rate(manas, prompt, new_tokens, allocation))
+        results[f"manas_{allocation}"] = median_rate(
+            runs, lambda: manas_decode_rate(manas, prompt, new_tokens, allocation)
+        )
     weight_bytes = sum(p.numel() * p.element_size() for p in manas.parameters())
     weight_bytes -= manas.position_embedding.weight.numel() * 4  # one row read per token, not the table
     read_bandwidth = read_bandwidth_bytes_per_s()

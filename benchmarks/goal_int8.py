@@ -10,13 +10,22 @@ from __future__ import annotations
 import torch
 
 from harness import (
-    GPT2_NEW_TOKENS, GPT2_PROMPT_TOKENS, gpt2_pair, greedy_tokens, hf_decode_rate, int8_copier, interleaved, run_goals,
-    shipped_model, speeds,
+    GPT2_NEW_TOKENS,
+    GPT2_PROMPT_TOKENS,
+    gpt2_pair,
+    greedy_tokens,
+    hf_decode_rate,
+    int8_copier,
+    interleaved,
+    run_goals,
+    shipped_model,
+    speeds,
 )
-from manas_cli.models import resolve_checkpoint
 from manas_cli.engine.bench import bench_prompt
-from manas_cli.torch_engine.model import use_decode_layout
 from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.models import resolve_checkpoint
+from manas_cli.torch_engine.model import use_decode_layout
+
 
 def goal_int8_gpt2(runs: int) -> dict:
     int8_copy = int8_copier()
@@ -24,12 +33,15 @@ def goal_int8_gpt2(runs: int) -> dict:
     int8 = int8_copy(plain)
     manas = use_decode_layout(plain)
     prompt = bench_prompt(manas, GPT2_PROMPT_TOKENS, 1)
-    rates = interleaved({
-        "int8_1_thread": (1, lambda: speeds(int8, prompt, GPT2_NEW_TOKENS)),
-        "int8_2_threads": (2, lambda: speeds(int8, prompt, GPT2_NEW_TOKENS)),
-        "float32_1_thread": (1, lambda: speeds(manas, prompt, GPT2_NEW_TOKENS)),
-        "hf_float32_1_thread": (1, lambda: {"decode": hf_decode_rate(hf, prompt, GPT2_NEW_TOKENS)}),
-    }, runs)
+    rates = interleaved(
+        {
+            "int8_1_thread": (1, lambda: speeds(int8, prompt, GPT2_NEW_TOKENS)),
+            "int8_2_threads": (2, lambda: speeds(int8, prompt, GPT2_NEW_TOKENS)),
+            "float32_1_thread": (1, lambda: speeds(manas, prompt, GPT2_NEW_TOKENS)),
+            "hf_float32_1_thread": (1, lambda: {"decode": hf_decode_rate(hf, prompt, GPT2_NEW_TOKENS)}),
+        },
+        runs,
+    )
     decode = {name: figures["decode"] for name, figures in rates.items()}
     return {
         "decode_tokens_per_s": decode,
@@ -37,8 +49,10 @@ def goal_int8_gpt2(runs: int) -> dict:
         "int8_over_hf_1_thread": decode["int8_1_thread"] / decode["hf_float32_1_thread"],  # goal ≥ 3.5
         "int8_2_over_1_threads": decode["int8_2_threads"] / decode["int8_1_thread"],  # goal ≥ 1.6
         # llama.cpp q8_0 on the same weights, llama-bench -p 64 -n 256, measured on a Zen 4 host (issue 10)
-        "int8_over_llama_cpp_q8_0_zen4": {"1_thread": decode["int8_1_thread"] / 110.9,
-                                          "2_threads": decode["int8_2_threads"] / 164.7},
+        "int8_over_llama_cpp_q8_0_zen4": {
+            "1_thread": decode["int8_1_thread"] / 110.9,
+            "2_threads": decode["int8_2_threads"] / 164.7,
+        },
     }
 
 
@@ -46,8 +60,9 @@ def goal_float32_threads(runs: int) -> dict:
     _, plain = gpt2_pair()
     manas = use_decode_layout(plain)
     prompt = bench_prompt(manas, GPT2_PROMPT_TOKENS, 1)
-    rates = interleaved({f"{threads}_threads": (threads, lambda: speeds(manas, prompt, GPT2_NEW_TOKENS))
-                         for threads in (1, 2)}, runs)
+    rates = interleaved(
+        {f"{threads}_threads": (threads, lambda: speeds(manas, prompt, GPT2_NEW_TOKENS)) for threads in (1, 2)}, runs
+    )
     tokens = {}
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -73,8 +88,10 @@ def goal_int8_shipped(runs: int) -> dict:
     rates = interleaved(variants, runs)
     return {
         "tokens_per_s": rates,
-        "int8_over_float32_decode": {f"{t}_threads": rates[f"int8_{t}_threads"]["decode"]
-                                     / rates[f"float32_{t}_threads"]["decode"] for t in (1, 2)},
+        "int8_over_float32_decode": {
+            f"{t}_threads": rates[f"int8_{t}_threads"]["decode"] / rates[f"float32_{t}_threads"]["decode"]
+            for t in (1, 2)
+        },
     }
 
 
@@ -89,13 +106,16 @@ def goal_int8_prefill(runs: int) -> dict:
         for threads in (1, 2):
             for weights, model in (("float32", manas), ("int8", int8)):
                 variants[f"pp{prompt_tokens}_{weights}_{threads}_threads"] = (
-                    threads, lambda model=model, prompt=prompt: speeds(model, prompt, 1))
+                    threads,
+                    lambda model=model, prompt=prompt: speeds(model, prompt, 1),
+                )
     prefill = {name: figures["prefill"] for name, figures in interleaved(variants, runs).items()}
     return {
         "prefill_tokens_per_s": prefill,
         "int8_over_float32": {  # goal ≥ 0.8
             f"pp{p}_{t}_threads": prefill[f"pp{p}_int8_{t}_threads"] / prefill[f"pp{p}_float32_{t}_threads"]
-            for p in (64, 512) for t in (1, 2)
+            for p in (64, 512)
+            for t in (1, 2)
         },
     }
 

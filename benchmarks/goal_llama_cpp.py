@@ -25,42 +25,108 @@ LLAMA_CPP_TYPES = {"float32": "f32", "int8": "q8_0", "int4": "q4_0"}  # manas we
 def llama_cpp_files(checkpoint: Path, folder: Path) -> dict[str, Path]:
     """The checkpoint as GGUF files of llama.cpp's f32, q8_0 and q4_0, from manas's own export and llama-quantize."""
     if not (LLAMA_CPP_DIR / "llama-bench").is_file():
-        raise Unavailable(f"llama.cpp is not built in {LLAMA_CPP_DIR.parent.parent}: "
-                          "run `bash ../shared/tools/build-llamacpp.sh` (about 5 minutes)")
+        raise Unavailable(
+            f"llama.cpp is not built in {LLAMA_CPP_DIR.parent.parent}: "
+            "run `bash ../shared/tools/build-llamacpp.sh` (about 5 minutes)"
+        )
     files = {"f32": folder / f"{checkpoint.stem}-f32.gguf"}
-    subprocess.run([*MANAS, "export", str(checkpoint), "--format", "gguf", "--outtype",
-                    "f32", "--out", str(files["f32"]), "--force"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            *MANAS,
+            "export",
+            str(checkpoint),
+            "--format",
+            "gguf",
+            "--outtype",
+            "f32",
+            "--out",
+            str(files["f32"]),
+            "--force",
+        ],
+        check=True,
+        capture_output=True,
+    )
     for kind in ("q8_0", "q4_0"):
         files[kind] = folder / f"{checkpoint.stem}-{kind}.gguf"
-        subprocess.run([str(LLAMA_CPP_DIR / "llama-quantize"), str(files["f32"]), str(files[kind]), kind],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [str(LLAMA_CPP_DIR / "llama-quantize"), str(files["f32"]), str(files[kind]), kind],
+            check=True,
+            capture_output=True,
+        )
     return files
 
 
 def llama_cpp_rates(gguf: Path, prompt_tokens: int, new_tokens: int, threads: int) -> dict[str, float]:
     """llama-bench's prefill and decode tokens/s; --repack 0: its repacked path dies on CPUs with AMX."""
-    done = subprocess.run(realtime([str(LLAMA_CPP_DIR / "llama-bench"), "-m", str(gguf), "-p", str(prompt_tokens),
-                                    "-n", str(new_tokens), "-t", str(threads), "-r", "1", "--repack", "0",
-                                    "-o", "json"]), capture_output=True, check=True, timeout=900)
+    done = subprocess.run(
+        realtime(
+            [
+                str(LLAMA_CPP_DIR / "llama-bench"),
+                "-m",
+                str(gguf),
+                "-p",
+                str(prompt_tokens),
+                "-n",
+                str(new_tokens),
+                "-t",
+                str(threads),
+                "-r",
+                "1",
+                "--repack",
+                "0",
+                "-o",
+                "json",
+            ]
+        ),
+        capture_output=True,
+        check=True,
+        timeout=900,
+    )
     tests = json.loads(done.stdout)
-    return {"prefill": next(t["avg_ts"] for t in tests if t["n_prompt"]),
-            "decode": next(t["avg_ts"] for t in tests if t["n_gen"])}
+    return {
+        "prefill": next(t["avg_ts"] for t in tests if t["n_prompt"]),
+        "decode": next(t["avg_ts"] for t in tests if t["n_gen"]),
+    }
 
 
-def manas_bench_rates(checkpoint: Path, prompt_tokens: int, new_tokens: int, threads: int,
-                      weights: str, engine: str = "native") -> dict[str, float]:
+def manas_bench_rates(
+    checkpoint: Path, prompt_tokens: int, new_tokens: int, threads: int, weights: str, engine: str = "native"
+) -> dict[str, float]:
     """A whole `manas bench` process's prefill and decode tokens/s, as a user runs it."""
     quantize = [] if weights == "float32" else ["--quantize", weights]
-    done = subprocess.run(realtime([*MANAS, "bench", "-c", str(checkpoint), "--tokens",
-                                    str(new_tokens), "--prompt-tokens", str(prompt_tokens), "--no-baseline",
-                                    "--repeat", "1", "--threads", str(threads), "--json", "--engine", engine,
-                                    *quantize]),
-                          capture_output=True, check=True, timeout=900)
+    done = subprocess.run(
+        realtime(
+            [
+                *MANAS,
+                "bench",
+                "-c",
+                str(checkpoint),
+                "--tokens",
+                str(new_tokens),
+                "--prompt-tokens",
+                str(prompt_tokens),
+                "--no-baseline",
+                "--repeat",
+                "1",
+                "--threads",
+                str(threads),
+                "--json",
+                "--engine",
+                engine,
+                *quantize,
+            ]
+        ),
+        capture_output=True,
+        check=True,
+        timeout=900,
+    )
     prefill, decode = json.loads(done.stdout)["tests"]
     return {"prefill": prefill["tokens_per_s_mean"], "decode": decode["tokens_per_s_mean"]}
 
 
-def against_llama_cpp(checkpoint: Path, prompt_tokens: int, new_tokens: int, runs: int, torch_too: bool = False) -> dict:
+def against_llama_cpp(
+    checkpoint: Path, prompt_tokens: int, new_tokens: int, runs: int, torch_too: bool = False
+) -> dict:
     """manas float32, int8 and int4 (the native engine; with torch_too, the torch engine's as well) beside
     llama.cpp f32, q8_0 and q4_0 on the same weights, every command a whole process, all of them taking turns
     round after round (the first round warms up), on 1 and on 2 threads."""
@@ -72,23 +138,32 @@ def against_llama_cpp(checkpoint: Path, prompt_tokens: int, new_tokens: int, run
         for threads in (1, 2):
             for weights, peer in LLAMA_CPP_TYPES.items():
                 commands[f"manas_{weights}_{threads}t"] = lambda w=weights, t=threads: manas_bench_rates(
-                    checkpoint, prompt_tokens, new_tokens, t, w)
+                    checkpoint, prompt_tokens, new_tokens, t, w
+                )
                 commands[f"llama_cpp_{peer}_{threads}t"] = lambda p=peer, t=threads: llama_cpp_rates(
-                    gguf[p], prompt_tokens, new_tokens, t)
+                    gguf[p], prompt_tokens, new_tokens, t
+                )
                 if torch_too:
                     commands[f"manas_torch_{weights}_{threads}t"] = lambda w=weights, t=threads: manas_bench_rates(
-                        checkpoint, prompt_tokens, new_tokens, t, w, "torch")
+                        checkpoint, prompt_tokens, new_tokens, t, w, "torch"
+                    )
         samples = {name: [] for name in commands}
         for round_ in range(runs + 1):
             for name, measure in commands.items():
                 figures = measure()
                 if round_:
                     samples[name].append(figures)
-    rates = {name: {key: round(statistics.median(s[key] for s in taken), 1) for key in ("prefill", "decode")}
-             for name, taken in samples.items()}
-    ratios = {f"{weights}_over_{peer}_{threads}t": round(rates[f"manas_{weights}_{threads}t"]["decode"]
-                                                          / rates[f"llama_cpp_{peer}_{threads}t"]["decode"], 2)
-              for threads in (1, 2) for weights, peer in LLAMA_CPP_TYPES.items()}
+    rates = {
+        name: {key: round(statistics.median(s[key] for s in taken), 1) for key in ("prefill", "decode")}
+        for name, taken in samples.items()
+    }
+    ratios = {
+        f"{weights}_over_{peer}_{threads}t": round(
+            rates[f"manas_{weights}_{threads}t"]["decode"] / rates[f"llama_cpp_{peer}_{threads}t"]["decode"], 2
+        )
+        for threads in (1, 2)
+        for weights, peer in LLAMA_CPP_TYPES.items()
+    }
     return {"tokens_per_s": rates, "decode_ratio": ratios}
 
 
@@ -100,9 +175,11 @@ def goal_llama_cpp_gpt2(runs: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         result = against_llama_cpp(gpt2_checkpoint(Path(folder)), GPT2_PROMPT_TOKENS, GPT2_NEW_TOKENS, runs)
     rates = result["tokens_per_s"]
-    result["prefill_over_float32"] = {f"{weights}_{t}t": round(rates[f"manas_{weights}_{t}t"]["prefill"]
-                                                               / rates[f"manas_float32_{t}t"]["prefill"], 2)
-                                      for weights in ("int8", "int4") for t in (1, 2)}
+    result["prefill_over_float32"] = {
+        f"{weights}_{t}t": round(rates[f"manas_{weights}_{t}t"]["prefill"] / rates[f"manas_float32_{t}t"]["prefill"], 2)
+        for weights in ("int8", "int4")
+        for t in (1, 2)
+    }
     return result
 
 
@@ -111,9 +188,11 @@ def goal_llama_cpp_shipped(runs: int) -> dict:
     int8 and int4 ≥ 1.0× q8_0 decode, on 1 and on 2 threads."""
     result = against_llama_cpp(resolve_checkpoint(None), 64, 128, runs, torch_too=True)
     rates = result["tokens_per_s"]
-    result["quantized_over_q8_0"] = {f"{weights}_{t}t": round(rates[f"manas_{weights}_{t}t"]["decode"]
-                                                              / rates[f"llama_cpp_q8_0_{t}t"]["decode"], 2)
-                                     for weights in ("int8", "int4") for t in (1, 2)}
+    result["quantized_over_q8_0"] = {
+        f"{weights}_{t}t": round(rates[f"manas_{weights}_{t}t"]["decode"] / rates[f"llama_cpp_q8_0_{t}t"]["decode"], 2)
+        for weights in ("int8", "int4")
+        for t in (1, 2)
+    }
     return result
 
 

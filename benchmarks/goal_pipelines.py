@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from harness import DATA, GREEDY, MANAS, gpt2_checkpoint, median_rate, run_goals
-from manas_cli.torch_engine.engine import TorchEngine
-from manas_cli.models import resolve_checkpoint
 from manas_cli.engine.bench import bench_prompt
-from manas_cli.torch_engine.model import GPT, use_decode_layout
 from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.models import resolve_checkpoint
+from manas_cli.torch_engine.engine import TorchEngine
+from manas_cli.torch_engine.model import GPT, use_decode_layout
+
 
 def pipeline_prompts(count: int, seed: int = 0) -> list[str]:
     """count prompts of 5 to 60 tokens of the shipped model, cut from Tiny Shakespeare."""
@@ -46,9 +47,16 @@ def goal_pipelines(count: int = 100, new_tokens: int = 64) -> dict:
     batched = timed(*manas, "--jsonl", stdin=lines)
     one_row = timed(*manas, "--jsonl", "--batch-size", "1", stdin=lines)
     loop = sum(timed(*manas, "-p", prompt, "-n", str(new_tokens), "-t", "0") for prompt in prompts)
-    return {"prompts": count, "new_tokens": new_tokens, "shell_loop_s": round(loop, 1), "jsonl_s": round(batched, 2),
-            "jsonl_batch_1_s": round(one_row, 2), "vs_shell_loop": round(loop / batched, 1),
-            "vs_batch_1": round(one_row / batched, 2), "goal": "≥ 20× the shell loop, ≥ 3× --batch-size 1"}
+    return {
+        "prompts": count,
+        "new_tokens": new_tokens,
+        "shell_loop_s": round(loop, 1),
+        "jsonl_s": round(batched, 2),
+        "jsonl_batch_1_s": round(one_row, 2),
+        "vs_shell_loop": round(loop / batched, 1),
+        "vs_batch_1": round(one_row / batched, 2),
+        "goal": "≥ 20× the shell loop, ≥ 3× --batch-size 1",
+    }
 
 
 def batched_decode_rate(model: GPT, batch: int, new_tokens: int) -> float:
@@ -74,8 +82,10 @@ def goal_batch_sizes(runs: int) -> dict:
         models = {"gpt2-124M": (gpt2_checkpoint(Path(folder)), 32), "shipped": (resolve_checkpoint(None), 128)}
         for name, (path, new_tokens) in models.items():
             model = use_decode_layout(load_checkpoint(path).model)
-            rates = {batch: median_rate(runs, lambda: batched_decode_rate(model, batch, new_tokens))
-                     for batch in (1, 2, 4, 8, 16)}
+            rates = {
+                batch: median_rate(runs, lambda: batched_decode_rate(model, batch, new_tokens))
+                for batch in (1, 2, 4, 8, 16)
+            }
             result[name] = {f"batch_{batch}_tok_s": round(rate, 1) for batch, rate in rates.items()}
             result[name]["batch_8_vs_1"] = round(rates[8] / rates[1], 2)
     result["threads"] = torch.get_num_threads()

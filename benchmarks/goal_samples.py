@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from harness import GREEDY, median_rate, run_goals, shipped_model, timed
-from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.engine.bench import run_once
 from manas_cli.engine.generation import generate
+from manas_cli.torch_engine.engine import TorchEngine
+
 
 def goal_batched_samples(threads: int, runs: int) -> dict:
     model = shipped_model(threads)

@@ -48,13 +48,21 @@ def complete(port: int, body: dict) -> dict:
 
 def requests_of(count: int, tokens: int) -> list[dict]:
     names = ["ROMEO", "JULIET", "KING RICHARD", "QUEEN", "NURSE", "FRIAR", "MERCUTIO", "TYBALT"]
-    return [{"prompt": f"{names[i % len(names)]}:", "max_tokens": tokens, "temperature": 0.8, "seed": i}
-            for i in range(count)]
+    return [
+        {"prompt": f"{names[i % len(names)]}:", "max_tokens": tokens, "temperature": 0.8, "seed": i}
+        for i in range(count)
+    ]
 
 
 def alone_texts(requests: list[dict]) -> list[str]:
-    done = subprocess.run([*MANAS, "generate", "--jsonl"], input="".join(json.dumps(r) + "\n" for r in requests),
-                          capture_output=True, text=True, check=True, timeout=900)
+    done = subprocess.run(
+        [*MANAS, "generate", "--jsonl"],
+        input="".join(json.dumps(r) + "\n" for r in requests),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
     return [json.loads(line)["text"] for line in done.stdout.splitlines()]
 
 
@@ -94,17 +102,21 @@ def goal_throughput(process_flags: list[str]) -> dict:
         process.wait(60)
     expected = alone_texts(requests)
     texts = [answer["choices"][0]["text"] for answer in together]
-    return {"sequential_s": round(sequential_s, 2), "concurrent_s": round(concurrent_s, 2),
-            "speed_up": round(sequential_s / concurrent_s, 2),
-            "all_equal_generate_alone": texts == expected and [a["choices"][0]["text"] for a in one_by_one] == expected,
-            "goal": "≥ 10× and every answer equal"}
+    return {
+        "sequential_s": round(sequential_s, 2),
+        "concurrent_s": round(concurrent_s, 2),
+        "speed_up": round(sequential_s / concurrent_s, 2),
+        "all_equal_generate_alone": texts == expected and [a["choices"][0]["text"] for a in one_by_one] == expected,
+        "goal": "≥ 10× and every answer equal",
+    }
 
 
 def goal_first_token(process_flags: list[str], runs: int = 20) -> dict:
     """Each streamed request's first chunk, on the client's clock, against its first token's sampling, on the
     server's (the same clock)."""
-    process = subprocess.Popen([*MANAS, "serve", "--port", "0", "--verbose", *process_flags], stderr=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [*MANAS, "serve", "--port", "0", "--verbose", *process_flags], stderr=subprocess.PIPE, text=True
+    )
     port = int(next(found for line in process.stderr if (found := READY.search(line))).group(1))
     gaps = []
     try:
@@ -122,8 +134,11 @@ def goal_first_token(process_flags: list[str], runs: int = 20) -> dict:
         process.send_signal(signal.SIGTERM)
         process.wait(60)
     gaps.sort()
-    return {"median_extra_ms": round(1000 * gaps[len(gaps) // 2], 2), "worst_extra_ms": round(1000 * gaps[-1], 2),
-            "goal": "first token within 50 ms of the prefill's end"}
+    return {
+        "median_extra_ms": round(1000 * gaps[len(gaps) // 2], 2),
+        "worst_extra_ms": round(1000 * gaps[-1], 2),
+        "goal": "first token within 50 ms of the prefill's end",
+    }
 
 
 def rss_kib(pid: int) -> int:
@@ -178,10 +193,14 @@ def goal_soak(process_flags: list[str], total: int = 1000, clients: int = 32) ->
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(60)
-    return {"outcomes": outcomes, "server_alive_after": alive, "exit_code": code,
-            "rss_kib_at_100th_and_last": [rss.get(100), rss.get(total - 1)],
-            "rss_change": round(rss[total - 1] / rss[100] - 1, 3) if len(rss) == 2 else None,
-            "goal": "no crash, every well-formed answer right or 429, RSS within ±10%"}
+    return {
+        "outcomes": outcomes,
+        "server_alive_after": alive,
+        "exit_code": code,
+        "rss_kib_at_100th_and_last": [rss.get(100), rss.get(total - 1)],
+        "rss_change": round(rss[total - 1] / rss[100] - 1, 3) if len(rss) == 2 else None,
+        "goal": "no crash, every well-formed answer right or 429, RSS within ±10%",
+    }
 
 
 def goal_serve(args) -> dict:

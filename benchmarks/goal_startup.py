@@ -33,10 +33,16 @@ def goal_import_torch(runs: int) -> dict:
         return timed(lambda: subprocess.run(command, capture_output=True, check=True))
 
     import_torch = statistics.median(whole([sys.executable, "-c", "import torch"]) for _ in range(runs))
-    ttft = statistics.median(first_byte(MANAS + ["generate", "-p", PROMPT, "-n", "8", "--seed", "1"])["ttft_s"]
-                             for _ in range(runs))
+    ttft = statistics.median(
+        first_byte(MANAS + ["generate", "-p", PROMPT, "-n", "8", "--seed", "1"])["ttft_s"] for _ in range(runs)
+    )
     help_s = statistics.median(whole(MANAS + ["--help"]) for _ in range(runs))
-    return {"import_torch_s": import_torch, "ttft_s": ttft, "ttft_minus_import_torch_s": ttft - import_torch, "help_s": help_s}
+    return {
+        "import_torch_s": import_torch,
+        "ttft_s": ttft,
+        "ttft_minus_import_torch_s": ttft - import_torch,
+        "help_s": help_s,
+    }
 
 
 def first_byte(command: list[str]) -> dict[str, float]:
@@ -44,8 +50,11 @@ def first_byte(command: list[str]) -> dict[str, float]:
     GNU time reports it (the child's own: a forked child's counter would start at this harness's size)."""
     with tempfile.NamedTemporaryFile() as peak:
         started = time.perf_counter()
-        process = subprocess.Popen(["/usr/bin/time", "-o", peak.name, "-f", "%M", *realtime(command)],
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            ["/usr/bin/time", "-o", peak.name, "-f", "%M", *realtime(command)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         process.stdout.read(1)
         ttft = time.perf_counter() - started
         process.stdout.read()
@@ -64,11 +73,26 @@ def take_turns(commands: dict[str, list[str]], runs: int, measure=first_byte) ->
 
 def shipped_gguf(folder: Path) -> Path:
     if not (LLAMA_CPP_DIR / "llama-completion").is_file():
-        raise Unavailable(f"llama.cpp is not built in {LLAMA_CPP_DIR.parent.parent}: "
-                          "run `bash ../shared/tools/build-llamacpp.sh`")
+        raise Unavailable(
+            f"llama.cpp is not built in {LLAMA_CPP_DIR.parent.parent}: run `bash ../shared/tools/build-llamacpp.sh`"
+        )
     gguf = folder / "shipped-f32.gguf"
-    subprocess.run([*MANAS, "export", str(ROOT / "checkpoints" / "shakespeare.safetensors"), "--format", "gguf",
-                    "--outtype", "f32", "--out", str(gguf), "--force"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            *MANAS,
+            "export",
+            str(ROOT / "checkpoints" / "shakespeare.safetensors"),
+            "--format",
+            "gguf",
+            "--outtype",
+            "f32",
+            "--out",
+            str(gguf),
+            "--force",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return gguf
 
 
@@ -85,12 +109,26 @@ def goal_startup(runs: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         gguf = shipped_gguf(Path(folder))
         generate = [*MANAS, "generate", "-p", PROMPT, "-n", "100", "-t", "0"]
-        result = take_turns({
-            "manas_native": generate,
-            "manas_torch": [*generate, "--engine", "torch"],
-            "llama_completion": [str(LLAMA_CPP_DIR / "llama-completion"), "-m", str(gguf), "-p", PROMPT, "-n", "100",
-                                 "--temp", "0", "-no-cnv", "--no-warmup"],
-        }, max(runs, 5))
+        result = take_turns(
+            {
+                "manas_native": generate,
+                "manas_torch": [*generate, "--engine", "torch"],
+                "llama_completion": [
+                    str(LLAMA_CPP_DIR / "llama-completion"),
+                    "-m",
+                    str(gguf),
+                    "-p",
+                    PROMPT,
+                    "-n",
+                    "100",
+                    "--temp",
+                    "0",
+                    "-no-cnv",
+                    "--no-warmup",
+                ],
+            },
+            max(runs, 5),
+        )
     native, llama = result["manas_native"], result["llama_completion"]
     result["native_over_llama_cpp"] = native["seconds"] / llama["seconds"]
     result["goals"] = {
@@ -104,8 +142,13 @@ def goal_startup(runs: int) -> dict:
 
 def loop_seconds(engine: list[str]) -> dict[str, float]:
     script = f'for i in 1 2 3 4 5 6 7 8 9 10; do "$@" generate -p "ROMEO:" -n 30 {" ".join(engine)} >/dev/null; done'
-    return {"seconds": timed(lambda: subprocess.run(realtime(["bash", "-c", script, "loop", *MANAS]), check=True,
-                                                   stderr=subprocess.DEVNULL))}
+    return {
+        "seconds": timed(
+            lambda: subprocess.run(
+                realtime(["bash", "-c", script, "loop", *MANAS]), check=True, stderr=subprocess.DEVNULL
+            )
+        )
+    }
 
 
 def goal_loop(runs: int) -> dict:
@@ -117,15 +160,18 @@ def goal_loop(runs: int) -> dict:
 
 def imports_torch(command: list[str], stdin: Path | None) -> bool:
     with open(stdin or os.devnull, "rb") as source:
-        done = subprocess.run(command, stdin=source, capture_output=True, check=True,
-                              env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+        done = subprocess.run(
+            command, stdin=source, capture_output=True, check=True, env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+        )
     return any(line.split("|")[-1].strip() == "torch" for line in done.stderr.decode().splitlines())
 
 
 def goal_score_and_bench(runs: int) -> dict:
     compile_bytecode()
     shared = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-    text = shared.read_text(encoding="utf-8") if shared.is_file() else (DATA / "tinyshakespeare-held-out.txt").read_text()
+    text = (
+        shared.read_text(encoding="utf-8") if shared.is_file() else (DATA / "tinyshakespeare-held-out.txt").read_text()
+    )
     with tempfile.TemporaryDirectory() as folder:
         tail = Path(folder) / "last-tenth.txt"
         tail.write_text(text[-len(text) // 10 :], encoding="utf-8")

@@ -38,8 +38,17 @@ import goal_samples
 import goal_startup
 from harness import run_goals
 
-MODULES = (goal_gpt2_vs_hf, goal_cache, goal_startup, goal_samples, goal_int8, goal_dtype, goal_busy, goal_pipelines,
-           goal_llama_cpp)
+MODULES = (
+    goal_gpt2_vs_hf,
+    goal_cache,
+    goal_startup,
+    goal_samples,
+    goal_int8,
+    goal_dtype,
+    goal_busy,
+    goal_pipelines,
+    goal_llama_cpp,
+)
 GOALS = {name: goal for module in MODULES for name, goal in module.GOALS.items()}
 
 if __name__ == "__main__":

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.engine.bench import run_once
 from manas_cli.engine.generation import generate
-from manas_cli.torch_engine.kv_cache import CacheSession
-from manas_cli.torch_engine.model import GPT, use_decode_layout
 from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.models import resolve_checkpoint
+from manas_cli.torch_engine.engine import TorchEngine
+from manas_cli.torch_engine.kv_cache import CacheSession
+from manas_cli.torch_engine.model import GPT, use_decode_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"  # GPT-2's ranks and Tiny Shakespeare's opening, carried with the tests
@@ -61,7 +61,9 @@ def interleaved(variants: dict, runs: int) -> dict[str, dict[str, float]]:
             figures = measure()
             if round_:
                 samples[name].append(figures)
-    return {name: {key: statistics.median(s[key] for s in taken) for key in taken[0]} for name, taken in samples.items()}
+    return {
+        name: {key: statistics.median(s[key] for s in taken) for key in taken[0]} for name, taken in samples.items()
+    }
 
 
 def timed(fn) -> float:
@@ -117,8 +119,8 @@ def gpt2_pair():
 def gpt2_checkpoint(folder: Path) -> Path:
     """A GPT-2-124M-shaped manas checkpoint with random weights and GPT-2's tokenizer, written once into folder."""
     from manas_cli.formats.checkpoint import save_checkpoint
-    from manas_cli.torch_engine.model import GPTConfig
     from manas_cli.formats.tokenizer import spec_from_tiktoken_file
+    from manas_cli.torch_engine.model import GPTConfig
 
     path = folder / "gpt2-random.safetensors"
     if not path.exists():
@@ -131,7 +133,9 @@ def gpt2_checkpoint(folder: Path) -> Path:
 
 def manas_decode_rate(model: GPT, prompt: torch.Tensor, new_tokens: int, allocation: str) -> float:
     session = CacheSession(model, allocation)
-    return run_once(generate(TorchEngine(model), prompt, GREEDY, new_tokens, session=session), prompt.size(1), prompt.size(0)).decode_tokens_per_s
+    return run_once(
+        generate(TorchEngine(model), prompt, GREEDY, new_tokens, session=session), prompt.size(1), prompt.size(0)
+    ).decode_tokens_per_s
 
 
 def hf_decode_rate(hf, prompt: torch.Tensor, new_tokens: int) -> float:
@@ -139,8 +143,11 @@ def hf_decode_rate(hf, prompt: torch.Tensor, new_tokens: int) -> float:
 
     def seconds(max_new: int) -> float:
         with torch.inference_mode():
-            return timed(lambda: hf.generate(prompt, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                                              pad_token_id=0))
+            return timed(
+                lambda: hf.generate(
+                    prompt, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0
+                )
+            )
 
     return (new_tokens - 1) / (seconds(new_tokens) - seconds(1))
 

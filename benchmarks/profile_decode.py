@@ -50,7 +50,9 @@ def main() -> None:
     table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     print(table)
     total_ms = sum(e.self_cpu_time_total for e in profile.key_averages()) / 1000 / args.steps
-    print(f"{total_ms:.1f} ms of torch ops per decode step ({args.weights}, {args.threads} threads, {args.cache} cache)")
+    print(
+        f"{total_ms:.1f} ms of torch ops per decode step ({args.weights}, {args.threads} threads, {args.cache} cache)"
+    )
 
 
 if __name__ == "__main__":

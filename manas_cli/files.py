@@ -10,7 +10,6 @@ from pathlib import Path
 
 from .errors import InputError, OutputExistsError
 
-
 # Temporary files of writes in progress. A signal can land between creating one and the `try` that removes it, or
 # inside that clean-up itself; the CLI removes whatever is left here on its way out.
 _unfinished: set[str] = set()
@@ -54,8 +53,10 @@ def check_output_file(path: Path, overwrite: bool, *, inputs: tuple[Path | None,
     """Before any work: --out names a file (not a folder) in a folder that exists, is none of the files the command
     reads (even with overwrite), and is new unless overwrite, which replaces a regular file only."""
     if len(os.fsencode(path.name)) > NAME_MAX:
-        raise InputError(f"--out {path}: the file name is {len(os.fsencode(path.name))} bytes long, and a name may "
-                         f"have at most {NAME_MAX}: choose a shorter one")
+        raise InputError(
+            f"--out {path}: the file name is {len(os.fsencode(path.name))} bytes long, and a name may "
+            f"have at most {NAME_MAX}: choose a shorter one"
+        )
     if path.is_dir():
         raise InputError(f"--out {path} is a folder: name the file to write inside it")
     if not path.parent.is_dir():
@@ -70,7 +71,9 @@ def refuse_inputs(path: Path, inputs: tuple[Path | None, ...]) -> None:
     the name or a link to the file is caught too."""
     for source in inputs:
         if source is not None and _same_file(path, source):
-            raise InputError(f"--out {path} is the input file {source}, which the command reads: name another file to write")
+            raise InputError(
+                f"--out {path} is the input file {source}, which the command reads: name another file to write"
+            )
 
 
 def refuse_special(path: str | Path) -> None:
@@ -80,8 +83,12 @@ def refuse_special(path: str | Path) -> None:
     except OSError:  # nothing there (or a dangling link, which the new file replaces)
         return
     if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-        kind = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a pipe" if stat.S_ISFIFO(mode) else "a socket"
-        raise InputError(f"--out {path} is {kind}, not a regular file: --force replaces regular files only; name a file")
+        kind = (
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a pipe" if stat.S_ISFIFO(mode) else "a socket"
+        )
+        raise InputError(
+            f"--out {path} is {kind}, not a regular file: --force replaces regular files only; name a file"
+        )
 
 
 def claim_folder(staging: Path, path: Path) -> None:
@@ -92,8 +99,10 @@ def claim_folder(staging: Path, path: Path) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
             raise
-        raise OutputExistsError(f"{path} exists and is not empty (written by another process meanwhile?): "
-                                "pass --force to overwrite its files") from None
+        raise OutputExistsError(
+            f"{path} exists and is not empty (written by another process meanwhile?): "
+            "pass --force to overwrite its files"
+        ) from None
 
 
 def refuse_existing(path: str | Path, overwrite: bool) -> None:
@@ -141,7 +150,9 @@ def _claim(tmp: str, path: Path) -> None:
     try:
         os.link(tmp, path)
     except FileExistsError:
-        raise OutputExistsError(f"{path} exists (written by another process meanwhile?): pass --force to overwrite it") from None
+        raise OutputExistsError(
+            f"{path} exists (written by another process meanwhile?): pass --force to overwrite it"
+        ) from None
 
 
 def _new_file_mode() -> int:

@@ -61,7 +61,9 @@ def resolve_checkpoint(option: Path | None) -> Path:
         if candidate.is_file():
             return candidate
     looked = ", ".join(str(c) for c in candidates)
-    raise InputError(f"no checkpoint given and none found (looked at ${CHECKPOINT_ENV}, {looked}): pass --checkpoint PATH")
+    raise InputError(
+        f"no checkpoint given and none found (looked at ${CHECKPOINT_ENV}, {looked}): pass --checkpoint PATH"
+    )
 
 
 def checkpoint_file(path: Path) -> Path:
@@ -69,7 +71,9 @@ def checkpoint_file(path: Path) -> Path:
     if path.is_dir():
         raise InputError(f"checkpoint {path} is a folder, not a file: pass the .safetensors file inside it")
     if path.exists() and not path.is_file():
-        raise InputError(f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that")
+        raise InputError(
+            f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that"
+        )
     return path
 
 
@@ -166,8 +170,10 @@ def choose_engine(name: str, model, threads: int, unavailable=None, on_compile=N
 def torch_needed(options: ModelOptions) -> bool:
     """Whether the run needs torch before its model loads: the torch engine asked for, a GPU (or a machine that
     may have one: CUDA's or ROCm's device files), a half-precision dtype, or --quantize."""
-    gpu = options.device not in ("auto", "cpu") or (options.device == "auto" and any(
-        os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")))
+    gpu = options.device not in ("auto", "cpu") or (
+        options.device == "auto"
+        and any(os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))
+    )
     return options.engine == "torch" or gpu or options.dtype not in ("auto", "float32") or options.quantize is not None
 
 
@@ -177,7 +183,9 @@ def _naming_the_environment(options: ModelOptions, load):
         return load()
     except ManasError as exc:
         if options.checkpoint is None and os.environ.get(CHECKPOINT_ENV):  # the user may not remember setting it
-            raise type(exc)(f"{exc} (the path comes from ${CHECKPOINT_ENV}: fix it, unset it, or pass --checkpoint)") from None
+            raise type(exc)(
+                f"{exc} (the path comes from ${CHECKPOINT_ENV}: fix it, unset it, or pass --checkpoint)"
+            ) from None
         raise
 
 
@@ -187,8 +195,10 @@ def quantize_checkpoint(checkpoint, kind: str, hint: str) -> None:
     from .torch_engine.quantize import check_quantizable, quantization, quantize_model, quantized_tensor_names
 
     if stored := quantized_tensor_names(checkpoint.model):
-        raise InputError(f"{checkpoint.path} is already quantized: its tensor {stored[0]} is "
-                         f"{quantization(checkpoint.model)} ({hint})")
+        raise InputError(
+            f"{checkpoint.path} is already quantized: its tensor {stored[0]} is "
+            f"{quantization(checkpoint.model)} ({hint})"
+        )
     try:
         check_quantizable(checkpoint.model.config, kind)
     except ValueError as exc:

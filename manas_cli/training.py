@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .torch_engine.model import GPT
 from .errors import InputError, TrainingError
 from .formats.checkpoint import save_checkpoint
+from .torch_engine.model import GPT
 
 
 @dataclass(frozen=True)
@@ -156,11 +156,17 @@ def train(
         train_loss = check_finite(loss.item(), "training", done, out_path, best_step)
         elapsed = time.perf_counter() - started
         rate = (done - start_step) * tokens_per_step / elapsed
-        event = dict(step=done, train_loss=train_loss, tokens_per_s=rate, elapsed_s=elapsed,
-                     eta_s=(settings.steps - done) * tokens_per_step / rate)
+        event = dict(
+            step=done,
+            train_loss=train_loss,
+            tokens_per_s=rate,
+            elapsed_s=elapsed,
+            eta_s=(settings.steps - done) * tokens_per_step / rate,
+        )
         if done % settings.eval_every == 0 or done == settings.steps:
-            val_loss = check_finite(evaluate(model, data.val_ids, settings.eval_windows), "validation", done, out_path,
-                                    best_step)
+            val_loss = check_finite(
+                evaluate(model, data.val_ids, settings.eval_windows), "validation", done, out_path, best_step
+            )
             saved = val_loss < best_val_loss
             if saved:
                 best_val_loss, best_step = val_loss, done
@@ -175,6 +181,9 @@ def check_finite(loss: float, what: str, step: int, out_path: str | Path, best_s
     """The loss, or TrainingError when it is NaN or infinite: the weights are ruined, and training on is pointless."""
     if math.isfinite(loss):
         return loss
-    kept = f"{out_path} keeps the best checkpoint, of step {best_step}" if best_step is not None else \
-        f"nothing was written to {out_path}"
+    kept = (
+        f"{out_path} keeps the best checkpoint, of step {best_step}"
+        if best_step is not None
+        else f"nothing was written to {out_path}"
+    )
     raise TrainingError(f"the {what} loss became {loss} at step {step} (diverged: try a smaller --lr); {kept}")

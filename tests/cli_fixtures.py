@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from manas_cli.engine.generation import generate_reference, prompt_batch
+from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.bpe import train_bpe
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import Checkpoint
-from manas_cli.engine.generation import generate_reference, prompt_batch
-from manas_cli.torch_engine.model import GPT, GPTConfig
-from manas_cli.models import choose_engine
-from manas_cli.torch_engine.quantize import quantize_model
-from manas_cli.engine.sampling import Sampler
 from manas_cli.formats.tokenizer import bpe_spec, build_encoding, end_of_text_id
+from manas_cli.models import choose_engine
+from manas_cli.torch_engine.model import GPT, GPTConfig
+from manas_cli.torch_engine.quantize import quantize_model
 
 DATA = Path(__file__).resolve().parent / "data"  # public data carried with the tests (data/SOURCES.md)
 BLOCK_SIZE = 32
@@ -72,8 +72,16 @@ class TinyCheckpoint:
         """The prompt as the contract defines it: its last block_size tokens, or end-of-text when it is empty."""
         return self.encoding.encode_ordinary(text)[-BLOCK_SIZE:] or [self.eot_id]
 
-    def reference(self, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                  top_p: float | None = None, seed: int | None = None, num_samples: int = 1) -> list[list[int]]:
+    def reference(
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        num_samples: int = 1,
+    ) -> list[list[int]]:
         """Each sample's new tokens from crop-and-recompute generation (end-of-text ends a sample and is not one of
         its tokens), sampled with the generator the CLI seeds for --seed."""
         engine = self.runner
@@ -132,8 +140,15 @@ def build_checkpoints(folder: Path) -> dict[str, TinyCheckpoint]:
     folder.mkdir()
 
     def config(position_encoding: str, n_kv_head: int) -> GPTConfig:
-        return GPTConfig(vocab_size=encoding.n_vocab, block_size=BLOCK_SIZE, n_layer=2, n_head=4, n_kv_head=n_kv_head,
-                         n_embd=32, position_encoding=position_encoding)
+        return GPTConfig(
+            vocab_size=encoding.n_vocab,
+            block_size=BLOCK_SIZE,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=n_kv_head,
+            n_embd=32,
+            position_encoding=position_encoding,
+        )
 
     torch.manual_seed(0)
     ids = torch.tensor(encoding.encode_ordinary(text))
@@ -219,6 +234,7 @@ def manas(*args: str | Path, stdin: bytes = b"", fresh: bool = False, **env: str
     return _runs[key]
 
 
-def generate(checkpoint: TinyCheckpoint, *args: str | Path, stdin: bytes = b"", fresh: bool = False,
-             **env: str | None) -> Run:
+def generate(
+    checkpoint: TinyCheckpoint, *args: str | Path, stdin: bytes = b"", fresh: bool = False, **env: str | None
+) -> Run:
     return manas("generate", "-c", checkpoint.path, *RUN_OPTIONS, *args, stdin=stdin, fresh=fresh, **env)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from manas_cli.formats.tokenizer import bpe_spec
 from manas_cli.native.engine import NativeEngine
 from manas_cli.native.model import Logits, NativeGPT
 from manas_cli.native.session import NativeSession
 from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.torch_engine.model import GPT, GPTConfig
-from manas_cli.formats.tokenizer import bpe_spec
 
 # One thread for the whole session: the suite is tiny, CI has 2 cores, and a background job may hold the rest.
 torch.set_num_threads(1)
@@ -31,8 +31,13 @@ MODEL_VARIANTS = [(pe, layout) for pe in POSITION_ENCODINGS for layout in HEAD_L
 
 def tiny_config(position_encoding: str = "learned", layout: str = "mha", **overrides) -> GPTConfig:
     values = dict(
-        vocab_size=VOCAB_SIZE, block_size=BLOCK_SIZE, n_layer=2, n_head=N_HEAD, n_kv_head=HEAD_LAYOUTS[layout],
-        n_embd=32, position_encoding=position_encoding,
+        vocab_size=VOCAB_SIZE,
+        block_size=BLOCK_SIZE,
+        n_layer=2,
+        n_head=N_HEAD,
+        n_kv_head=HEAD_LAYOUTS[layout],
+        n_embd=32,
+        position_encoding=position_encoding,
     )
     values.update(overrides)
     return GPTConfig(**values)
@@ -188,5 +193,7 @@ def cache_layers(session) -> list[tuple[torch.Tensor, torch.Tensor]]:
     config = session.model.config
     shape = (session.batch_size, config.n_layer, session.size, config.n_kv_head, config.head_size)
     k, v = (torch.frombuffer(buffer, dtype=torch.float32).view(shape) for buffer in (session.k, session.v))
-    return [(k[:, i, : session.positions].transpose(1, 2), v[:, i, : session.positions].transpose(1, 2))
-            for i in range(config.n_layer)]
+    return [
+        (k[:, i, : session.positions].transpose(1, 2), v[:, i, : session.positions].transpose(1, 2))
+        for i in range(config.n_layer)
+    ]

@@ -11,7 +11,14 @@ import tiktoken
 import tiktoken.load
 
 from manas_cli.formats.bpe import train_bpe
-from manas_cli.formats.tokenizer import END_OF_TEXT, GPT2_PAT_STR, bpe_spec, build_encoding, encode_ranks, end_of_text_id
+from manas_cli.formats.tokenizer import (
+    END_OF_TEXT,
+    GPT2_PAT_STR,
+    bpe_spec,
+    build_encoding,
+    encode_ranks,
+    end_of_text_id,
+)
 
 VOCAB_SIZE = 300
 
@@ -38,8 +45,10 @@ def test_ranks_are_the_256_bytes_then_merges_in_the_order_learned(ranks):
     by_rank = sorted(ranks, key=ranks.get)
     for token in by_rank[256:]:
         # every merge joins two tokens that existed before it
-        assert any(token[:cut] in ranks and token[cut:] in ranks
-                   and max(ranks[token[:cut]], ranks[token[cut:]]) < ranks[token] for cut in range(1, len(token)))
+        assert any(
+            token[:cut] in ranks and token[cut:] in ranks and max(ranks[token[:cut]], ranks[token[cut:]]) < ranks[token]
+            for cut in range(1, len(token))
+        )
 
 
 def test_first_merge_is_the_most_frequent_adjacent_byte_pair(training_text, ranks):
@@ -62,8 +71,14 @@ def random_unicode(seed: int, length: int = 400) -> str:
     generator = random.Random(seed)
     points = []
     while len(points) < length:
-        point = generator.choice([generator.randrange(0x80), generator.randrange(0x800), generator.randrange(0x10000),
-                                  generator.randrange(0x110000)])
+        point = generator.choice(
+            [
+                generator.randrange(0x80),
+                generator.randrange(0x800),
+                generator.randrange(0x10000),
+                generator.randrange(0x110000),
+            ]
+        )
         if not 0xD800 <= point <= 0xDFFF:
             points.append(point)
     return "".join(map(chr, points))

@@ -18,8 +18,24 @@ from manas_cli.engine.threads import ThreadChoice, choose_threads, free_cores
 
 
 def bench_json(checkpoint, *args: str, **env: str | None) -> dict:
-    run = manas("bench", "-c", checkpoint.path, "--device", "cpu", "--tokens", "8", "--prompt-tokens", "4",
-                "--repeat", "2", "--no-baseline", "--json", *args, fresh=True, **env).ok()
+    run = manas(
+        "bench",
+        "-c",
+        checkpoint.path,
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+        "--prompt-tokens",
+        "4",
+        "--repeat",
+        "2",
+        "--no-baseline",
+        "--json",
+        *args,
+        fresh=True,
+        **env,
+    ).ok()
     return json.loads(run.out)
 
 
@@ -90,10 +106,13 @@ def test_debug_works_after_the_command_name_too(rope):
     assert manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "--debug", "-n", "2").ok()
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--stop", ""], "an empty stop text"),
-    (["-q", "--stats"], "--quiet prints nothing but the text"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--stop", ""], "an empty stop text"),
+        (["-q", "--stats"], "--quiet prints nothing but the text"),
+    ],
+)
 def test_contradictory_or_empty_flags_are_usage_errors(rope, args, fragment):
     run = manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "a", *args)
     assert run.returncode == 2 and fragment in run.err
@@ -114,7 +133,9 @@ def test_the_top_level_help_shows_each_commands_first_sentence_whole():
 def test_stats_after_a_ctrl_c_past_the_window_show_the_cache_as_it_was(rope):
     process = subprocess.Popen(
         [*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "1000000", "--stats"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     streamed = 0

@@ -13,10 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_model
+from manas_cli.errors import CheckpointError, ManasError
+from manas_cli.files import atomic_write
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import read_metadata
-from manas_cli.files import atomic_write
-from manas_cli.errors import CheckpointError, ManasError
 from manas_cli.formats.tokenizer import build_encoding, end_of_text_id
 
 
@@ -100,8 +100,10 @@ def valid_tensors_and_metadata(spec: dict, **config_overrides) -> tuple[dict, di
     model = make_model("learned", "gqa", **config_overrides)
     tensors = {name: t.contiguous() for name, t in model.state_dict().items() if name != "lm_head.weight"}
     metadata = {
-        "format": "manas-gpt", "format_version": "1",
-        "config": json.dumps(model.config.to_dict()), "tokenizer": json.dumps(spec),
+        "format": "manas-gpt",
+        "format_version": "1",
+        "config": json.dumps(model.config.to_dict()),
+        "tokenizer": json.dumps(spec),
     }
     return tensors, metadata
 
@@ -213,7 +215,10 @@ BAD_FILES = [
     (missing_tensor, r"missing tensor blocks\.1\.ffn\.down\.weight \(expected shape \[32, 128\]\)"),
     (unexpected_tensor, r"unexpected tensor blocks\.2\.ffn\.up\.weight"),
     (stored_lm_head, r"unexpected tensor lm_head\.weight"),
-    (wrongly_shaped_tensor, r"tensor blocks\.0\.attention\.qkv\.weight has shape \[96, 32\], the config needs \[64, 32\]"),
+    (
+        wrongly_shaped_tensor,
+        r"tensor blocks\.0\.attention\.qkv\.weight has shape \[96, 32\], the config needs \[64, 32\]",
+    ),
     (tokenizer_larger_than_vocab, "tokenizer has 268 tokens but the model's vocab_size is 260"),
     (invalid_config, r"invalid config: n_head \(4\) must be divisible by n_kv_head \(3\)"),
     (unknown_config_field, "invalid config: unknown config field.*n_experts"),

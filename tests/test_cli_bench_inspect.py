@@ -35,16 +35,27 @@ def test_bench_json_reports_the_model_and_each_test(checkpoints, name, batch):
     checkpoint = checkpoints[name]
     report = bench(checkpoint, *TINY_BENCH, "--batch", str(batch), "--json").json()
     parameters = checkpoint.loaded.model.num_parameters()
-    assert report["model"] == {"path": str(checkpoint.path), "parameters": parameters,
-                               "size_bytes": parameters * FLOAT32_BYTES, "block_size": BLOCK_SIZE, "device": "cpu",
-                               "dtype": "float32", "threads": 1, "threads_rule": "--threads", "weights": "float32",
-                               "weights_bytes": parameters * FLOAT32_BYTES, "engine": DEFAULT_ENGINE}
+    assert report["model"] == {
+        "path": str(checkpoint.path),
+        "parameters": parameters,
+        "size_bytes": parameters * FLOAT32_BYTES,
+        "block_size": BLOCK_SIZE,
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": 1,
+        "threads_rule": "--threads",
+        "weights": "float32",
+        "weights_bytes": parameters * FLOAT32_BYTES,
+        "engine": DEFAULT_ENGINE,
+    }
     tests = {test["name"]: test for test in report["tests"]}
     assert list(tests) == ["pp16", "tg20", "tg20 no-cache"]
     for test in tests.values():
         assert test["tokens_per_s_mean"] > 0
         assert test["tokens_per_s_std"] == 0.0  # one run
-    assert report["speedup"] == pytest.approx(tests["tg20"]["tokens_per_s_mean"] / tests["tg20 no-cache"]["tokens_per_s_mean"])
+    assert report["speedup"] == pytest.approx(
+        tests["tg20"]["tokens_per_s_mean"] / tests["tg20 no-cache"]["tokens_per_s_mean"]
+    )
     assert report["ttft_s"] > 0
     assert report["re_prefills"] == 16 + 20 - 1 - BLOCK_SIZE  # every step once the window is full
     assert report["cache_bytes"] == cache_bytes(name, BLOCK_SIZE, batch)
@@ -52,8 +63,19 @@ def test_bench_json_reports_the_model_and_each_test(checkpoints, name, batch):
 
 
 def test_bench_shift_overflow_re_prefills_half_windows_instead_of_every_step(rope):
-    report = bench(rope, "--tokens", "40", "--prompt-tokens", "16", "--repeat", "1", "--no-baseline",
-                   "--overflow", "shift", "--json").json()
+    report = bench(
+        rope,
+        "--tokens",
+        "40",
+        "--prompt-tokens",
+        "16",
+        "--repeat",
+        "1",
+        "--no-baseline",
+        "--overflow",
+        "shift",
+        "--json",
+    ).json()
     assert report["overflow"] == "shift"
     # 16 + 40 tokens: the window fills at 32, then every BLOCK_SIZE // 2 steps a re-prefill of half the window
     assert report["re_prefills"] == 2
@@ -83,15 +105,19 @@ def test_bench_prints_a_table_with_the_model_above_and_the_totals_below(rope, tm
     header, model, *table, totals = run.out.splitlines()
     assert header == str(long_path)
     assert model.startswith(f"{rope.loaded.model.num_parameters():,} parameters · ")
-    assert all(item in model for item in ("block_size 32", "cpu", "float32", "1 thread (--threads)", "batch 1", "1 run "))
+    assert all(
+        item in model for item in ("block_size 32", "cpu", "float32", "1 thread (--threads)", "batch 1", "1 run ")
+    )
     rows = {line.split("  ")[0]: line for line in table if line.startswith(("pp16 ", "tg20 "))}
     assert set(rows) == {"pp16", "tg20", "tg20 no-cache"}
     assert all(re.search(r" [\d,.]+$", row) and "±" not in row for row in rows.values())  # one run: no spread
     for total in ("time to first token", "cache speed-up", "re-prefills 3", "peak memory", "cache 8.0 KiB"):
         assert total in totals
     # no progress bar on a pipe; only the notice that this run passes the window
-    assert run.err.splitlines() == ["notice: 16 prompt tokens and 20 new ones pass the 32-token window: the decode "
-                                    "figure includes its re-prefills (see --overflow)"]
+    assert run.err.splitlines() == [
+        "notice: 16 prompt tokens and 20 new ones pass the 32-token window: the decode "
+        "figure includes its re-prefills (see --overflow)"
+    ]
 
 
 def test_bench_sweep_charts_decode_speed_through_an_overflow(rope):
@@ -124,8 +150,12 @@ def test_inspect_cache_json_describes_the_cache_after_prompt_and_decoding(checkp
     assert report["dtype"] == "float32"
     assert isinstance(report["allocation"], str) and report["allocation"]
     assert report["layers"] == [
-        {"layer": layer, "k_shape": [1, n_kv_head, positions, HEAD_SIZE], "v_shape": [1, n_kv_head, positions, HEAD_SIZE],
-         "bytes": cache_bytes(name, positions) // N_LAYER}
+        {
+            "layer": layer,
+            "k_shape": [1, n_kv_head, positions, HEAD_SIZE],
+            "v_shape": [1, n_kv_head, positions, HEAD_SIZE],
+            "bytes": cache_bytes(name, positions) // N_LAYER,
+        }
         for layer in range(N_LAYER)
     ]
     assert report["logical_bytes"] == cache_bytes(name, positions)

@@ -52,15 +52,31 @@ RUN_TIME_ERRORS = {
     "missing checkpoint": (("generate", "-c", "{missing}", "-p", "x"), b"", {}, ["{missing}"]),
     "corrupt checkpoint": (("generate", "-c", "{corrupt}", "-p", "x"), b"", {}, ["{corrupt}"]),
     "truncated checkpoint": (("inspect-cache", "-c", "{truncated}"), b"", {}, ["{truncated}"]),
-    "not a manas checkpoint": (("bench", "-c", "{foreign}", "--tokens", "2", "--repeat", "1"), b"", {},
-                               ["{foreign}", "not a manas checkpoint"]),
+    "not a manas checkpoint": (
+        ("bench", "-c", "{foreign}", "--tokens", "2", "--repeat", "1"),
+        b"",
+        {},
+        ["{foreign}", "not a manas checkpoint"],
+    ),
     "missing $MANAS_CHECKPOINT": (("generate", "-p", "x"), b"", {"MANAS_CHECKPOINT": "{missing}"}, ["{missing}"]),
-    "missing prompt file": (("generate", "-c", "{good}", "--prompt-file", "{missing_prompt}"), b"", {},
-                            ["{missing_prompt}"]),
-    "non-UTF-8 prompt file": (("inspect-cache", "-c", "{good}", "--prompt-file", "{latin1_prompt}"), b"", {},
-                              ["{latin1_prompt}", "UTF-8"]),
-    "invalid UTF-8 on stdin": (("generate", "-c", "{good}"), "ROMEO: café".encode("latin-1"), {},
-                               ["standard input", "UTF-8"]),
+    "missing prompt file": (
+        ("generate", "-c", "{good}", "--prompt-file", "{missing_prompt}"),
+        b"",
+        {},
+        ["{missing_prompt}"],
+    ),
+    "non-UTF-8 prompt file": (
+        ("inspect-cache", "-c", "{good}", "--prompt-file", "{latin1_prompt}"),
+        b"",
+        {},
+        ["{latin1_prompt}", "UTF-8"],
+    ),
+    "invalid UTF-8 on stdin": (
+        ("generate", "-c", "{good}"),
+        "ROMEO: café".encode("latin-1"),
+        {},
+        ["standard input", "UTF-8"],
+    ),
 }
 
 
@@ -90,8 +106,10 @@ USAGE_ERRORS = {
     "no threads": (("generate", "--threads", "0"), "--threads"),
     "bench of no tokens": (("bench", "--tokens", "0"), "--tokens"),
     "negative inspect-cache tokens": (("inspect-cache", "--tokens", "-1"), "--tokens"),
-    "both --prompt and --prompt-file": (("generate", "-c", "{good}", "-p", "x", "--prompt-file", "{missing_prompt}"),
-                                        "--prompt-file"),
+    "both --prompt and --prompt-file": (
+        ("generate", "-c", "{good}", "-p", "x", "--prompt-file", "{missing_prompt}"),
+        "--prompt-file",
+    ),
 }
 
 
@@ -127,8 +145,13 @@ COMMANDS = sorted(typer.main.get_command(app).commands)
 
 @pytest.mark.parametrize("command", ["", *COMMANDS], ids=["manas", *COMMANDS])
 def test_help_answers_with_examples_without_importing_torch(command):
-    done = subprocess.run([sys.executable, "-c", HELP_WITHOUT_TORCH, *filter(None, [command])],
-                          stdin=subprocess.DEVNULL, capture_output=True, env=cli_env(), timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_WITHOUT_TORCH, *filter(None, [command])],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env=cli_env(),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr.decode()
     help_text = done.stdout.decode()
     assert help_text.startswith(f"Usage: manas {command}".rstrip() + " ")
@@ -142,8 +165,10 @@ def test_every_issue_command_is_registered():
 
 # ---- no escape codes on a pipe -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("what", ["generate --stats", "bench", "bench --sweep", "inspect-cache", "usage error",
-                                  "run-time error"])
+
+@pytest.mark.parametrize(
+    "what", ["generate --stats", "bench", "bench --sweep", "inspect-cache", "usage error", "run-time error"]
+)
 def test_no_escape_codes_reach_a_pipe(rope, bad_files, what):
     """TERM says the terminal colours (cli_env), yet stdout and stderr are pipes: plain text only."""
     bench = ("bench", "-c", rope.path, *RUN_OPTIONS, "--tokens", "16", "--prompt-tokens", "16", "--repeat", "1")

@@ -10,20 +10,42 @@ import subprocess
 import pytest
 
 from cli_fixtures import (  # noqa: F401 (checkpoints, learned and rope are fixtures)
-    BLOCK_SIZE, LONG_PROMPT, MANAS, MULTIBYTE_PROMPT, RUN_OPTIONS, checkpoints, cli_env, generate, learned, manas, rope,
+    BLOCK_SIZE,
+    LONG_PROMPT,
+    MANAS,
+    MULTIBYTE_PROMPT,
+    RUN_OPTIONS,
+    checkpoints,
+    cli_env,
+    generate,
+    learned,
+    manas,
+    rope,
 )
 
 PAST_WINDOW = 5 * BLOCK_SIZE // 2  # 80 new tokens: the window overflows again and again
-CONTRACT_FIELDS = {"text", "tokens", "finish_reason", "prompt_tokens", "generated_tokens", "ttft_s",
-                   "prefill_tokens_per_s", "decode_tokens_per_s", "re_prefills", "cache"}
+CONTRACT_FIELDS = {
+    "text",
+    "tokens",
+    "finish_reason",
+    "prompt_tokens",
+    "generated_tokens",
+    "ttft_s",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "re_prefills",
+    "cache",
+}
 CACHE_FIELDS = {"positions", "logical_bytes", "storage_bytes", "dtype", "allocation"}
 # name -> (Sampler settings for the in-process reference, the same settings as CLI flags)
 SAMPLERS = {
     "greedy": (dict(temperature=0.0), ("-t", "0")),
     "top-k": (dict(temperature=1.0, top_k=8, seed=11), ("-t", "1.0", "--top-k", "8", "--seed", "11")),
     "top-p": (dict(temperature=0.9, top_p=0.7, seed=12), ("-t", "0.9", "--top-p", "0.7", "--seed", "12")),
-    "top-k-top-p": (dict(temperature=1.2, top_k=20, top_p=0.9, seed=13),
-                    ("-t", "1.2", "--top-k", "20", "--top-p", "0.9", "--seed", "13")),
+    "top-k-top-p": (
+        dict(temperature=1.2, top_k=20, top_p=0.9, seed=13),
+        ("-t", "1.2", "--top-k", "20", "--top-p", "0.9", "--seed", "13"),
+    ),
 }
 
 
@@ -138,8 +160,13 @@ RECOMPUTE_CASES = [("rope-gqa", sampler) for sampler in SAMPLERS] + [("learned-m
 
 def past_window(checkpoint, flags: tuple[str, ...], overflow: str = "recompute", fresh: bool = False) -> dict:
     """The JSON record of PAST_WINDOW tokens after 'ROMEO:'."""
-    return generate(checkpoint, "-p", "ROMEO:", "-n", str(PAST_WINDOW), *flags, "--overflow", overflow, "--json",
-                    fresh=fresh).ok().json()
+    return (
+        generate(
+            checkpoint, "-p", "ROMEO:", "-n", str(PAST_WINDOW), *flags, "--overflow", overflow, "--json", fresh=fresh
+        )
+        .ok()
+        .json()
+    )
 
 
 @pytest.mark.parametrize("name, sampler", RECOMPUTE_CASES)
@@ -158,16 +185,22 @@ def test_overflow_shift_follows_the_reference_until_the_window_fills_then_differ
     checkpoint = checkpoints[name]
     settings, flags = SAMPLERS["top-k-top-p"]
     with_logprobs = (*flags, "--logprobs", "1")
-    shift, recompute = past_window(checkpoint, with_logprobs, "shift"), past_window(checkpoint, with_logprobs, "recompute")
+    shift, recompute = (
+        past_window(checkpoint, with_logprobs, "shift"),
+        past_window(checkpoint, with_logprobs, "recompute"),
+    )
     reference = checkpoint.reference("ROMEO:", PAST_WINDOW, **settings)[0]
     before_overflow = BLOCK_SIZE - shift["prompt_tokens"] + 1  # tokens generated before the cache is first full
     assert len(shift["tokens"]) == PAST_WINDOW
     assert shift["tokens"][:before_overflow] == reference[:before_overflow]
     # Past it the model sees half a window: other probabilities (a confident tiny model may still draw the same tokens)
-    shift_logprobs, recompute_logprobs = ([entry["logprob"] for entry in record["logprobs"]] for record in (shift, recompute))
+    shift_logprobs, recompute_logprobs = (
+        [entry["logprob"] for entry in record["logprobs"]] for record in (shift, recompute)
+    )
     assert shift_logprobs[:before_overflow] == pytest.approx(recompute_logprobs[:before_overflow], abs=1e-4)
     assert shift["tokens"] != reference or shift_logprobs[before_overflow:] != pytest.approx(
-        recompute_logprobs[before_overflow:], abs=1e-4)
+        recompute_logprobs[before_overflow:], abs=1e-4
+    )
     # Half a window is re-prefilled, buying block_size/2 cached steps: far fewer re-prefills than recompute.
     assert 0 < shift["re_prefills"] <= PAST_WINDOW // (BLOCK_SIZE // 2) < recompute["re_prefills"]
 
@@ -256,12 +289,16 @@ STATS_LINE = re.compile(
 )
 
 
-@pytest.mark.parametrize("flags, stderr_lines", [
-    ((), ["notice"]),  # stderr is a pipe here: no stats by default
-    (("--stats",), ["notice", "stats"]),
-    (("--no-stats",), ["notice"]),
-    (("--quiet",), []),
-], ids=["default", "--stats", "--no-stats", "--quiet"])
+@pytest.mark.parametrize(
+    "flags, stderr_lines",
+    [
+        ((), ["notice"]),  # stderr is a pipe here: no stats by default
+        (("--stats",), ["notice", "stats"]),
+        (("--no-stats",), ["notice"]),
+        (("--quiet",), []),
+    ],
+    ids=["default", "--stats", "--no-stats", "--quiet"],
+)
 def test_stats_and_notices_go_to_stderr_as_asked_and_never_change_stdout(rope, flags, stderr_lines):
     record = generate(rope, "-p", LONG_PROMPT, "-n", "8", "-t", "0", "--json").ok().json()
     run = generate(rope, "-p", LONG_PROMPT, "-n", "8", "-t", "0", *flags).ok()
@@ -278,14 +315,29 @@ def test_stats_and_notices_go_to_stderr_as_asked_and_never_change_stdout(rope, f
 
 def test_manas_checkpoint_variable_selects_the_model(learned):
     with_flag = generate(learned, "-p", "ROMEO:", "-n", "12", "-t", "0", "--json").ok().json()
-    from_env = manas("generate", *RUN_OPTIONS, "-p", "ROMEO:", "-n", "12", "-t", "0", "--json",
-                     MANAS_CHECKPOINT=str(learned.path)).ok().json()
+    from_env = (
+        manas(
+            "generate",
+            *RUN_OPTIONS,
+            "-p",
+            "ROMEO:",
+            "-n",
+            "12",
+            "-t",
+            "0",
+            "--json",
+            MANAS_CHECKPOINT=str(learned.path),
+        )
+        .ok()
+        .json()
+    )
     assert from_env["tokens"] == with_flag["tokens"]
 
 
 def test_checkpoint_flag_wins_over_the_variable(learned, tmp_path):
-    run = generate(learned, "-p", "ROMEO:", "-n", "12", "-t", "0", "--json",
-                   MANAS_CHECKPOINT=str(tmp_path / "absent.safetensors")).ok()
+    run = generate(
+        learned, "-p", "ROMEO:", "-n", "12", "-t", "0", "--json", MANAS_CHECKPOINT=str(tmp_path / "absent.safetensors")
+    ).ok()
     assert run.json()["tokens"] == learned.reference("ROMEO:", 12)[0]
 
 
@@ -296,9 +348,15 @@ def start_generate(checkpoint, *args: str) -> subprocess.Popen:
     """Unbuffered pipes: what the test reads is exactly what left the process, nothing read ahead and lost. SIGINT
     is reset to its default in the child: a suite started in the background (`pytest &`) ignores it, Python then
     installs no KeyboardInterrupt handler, and the Ctrl-C tests would test nothing."""
-    return subprocess.Popen([*MANAS, "generate", "-c", str(checkpoint.path), *RUN_OPTIONS, *args], bufsize=0,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [*MANAS, "generate", "-c", str(checkpoint.path), *RUN_OPTIONS, *args],
+        bufsize=0,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def read_exactly(pipe, count: int) -> bytes:
@@ -325,11 +383,14 @@ def test_ctrl_c_keeps_the_text_so_far_prints_the_stats_and_exits_130(rope):
     assert printed and rope.encoding.decode(rope.reference("ROMEO:", generated)[0]).startswith(printed)
 
 
-@pytest.mark.parametrize("what, args", [
-    ("streamed tokens", ("-p", "ROMEO:", "-n", "2000", "-t", "0", "--overflow", "shift")),
-    # 200 KB of echo cannot fit in a pipe's buffer: the write must meet the closed pipe.
-    ("echoed prompt", ("--prompt-file", "{big_prompt}", "--echo", "-n", "1", "--quiet")),
-])
+@pytest.mark.parametrize(
+    "what, args",
+    [
+        ("streamed tokens", ("-p", "ROMEO:", "-n", "2000", "-t", "0", "--overflow", "shift")),
+        # 200 KB of echo cannot fit in a pipe's buffer: the write must meet the closed pipe.
+        ("echoed prompt", ("--prompt-file", "{big_prompt}", "--echo", "-n", "1", "--quiet")),
+    ],
+)
 def test_a_closed_pipe_ends_quietly(rope, tmp_path, what, args):
     big_prompt = tmp_path / "big.txt"
     big_prompt.write_text("Speak, speak. " * 15_000, encoding="utf-8")

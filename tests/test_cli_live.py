@@ -24,17 +24,26 @@ import pytest
 import torch
 
 from cli_fixtures import (  # noqa: F401 (checkpoints and rope are fixtures)
-    BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli_env, generate, manas, rope,
+    BLOCK_SIZE,
+    MANAS,
+    RUN_OPTIONS,
+    checkpoints,
+    cli_env,
+    generate,
+    manas,
+    rope,
 )
 from conftest import needs_compiler
 from manas_cli.formats.checkpoint import save_checkpoint
-from manas_cli.torch_engine.model import GPT, GPTConfig
 from manas_cli.formats.tokenizer import bpe_spec
+from manas_cli.torch_engine.model import GPT, GPTConfig
 
 COLUMNS, ROWS = 160, 50  # wide enough for the stats line on one row
 END_FRAME = "\x1b[?2026l"  # the live display draws each frame as one synchronized update, ended by this
-STATUS_ROW = re.compile(r"(\d+)/(\d+) tokens( × \d+)? · (- |[\d,.]+ )tok/s(?: per sample)? · re-prefills \d+ · "
-                        r"cache ▕.*▏ (\d+)/(\d+) · [\d,.]+ (B|KiB|MiB) logical, [\d,.]+ (B|KiB|MiB) allocated")
+STATUS_ROW = re.compile(
+    r"(\d+)/(\d+) tokens( × \d+)? · (- |[\d,.]+ )tok/s(?: per sample)? · re-prefills \d+ · "
+    r"cache ▕.*▏ (\d+)/(\d+) · [\d,.]+ (B|KiB|MiB) logical, [\d,.]+ (B|KiB|MiB) allocated"
+)
 STATS_LINE = re.compile(r"prompt \d+ tokens · generated \d+( × \d+ samples)? · ttft .* · re-prefills (\d+) · cache .*")
 NOTICE = "notice: the context window is full: each further token re-prefills all 32 positions"
 NOTICE_WHOLE = NOTICE + ", exactly as crop-and-recompute; --overflow shift is faster but no longer identical to it"
@@ -88,8 +97,13 @@ def on_terminal(*args: str | Path, stdout: str | Path = "terminal", columns: int
         received.insert(0, bytearray())
     file = stdout.open("wb") if isinstance(stdout, Path) else None
     out_target = file or {"terminal": slaves[-1], "same": err_slave, "pipe": subprocess.PIPE}[stdout]
-    process = subprocess.Popen([*MANAS, "generate", "-c", *args], stdin=subprocess.DEVNULL, stdout=out_target,
-                               stderr=err_slave, env=cli_env(**env))
+    process = subprocess.Popen(
+        [*MANAS, "generate", "-c", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=out_target,
+        stderr=err_slave,
+        env=cli_env(**env),
+    )
     if file:
         file.close()
     for slave in slaves:
@@ -200,11 +214,15 @@ def test_no_live_line_when_stdout_is_a_pipe_whose_reader_may_write_to_the_termin
     assert STATS_LINE.fullmatch(run.stderr.decode().removesuffix("\r\n"))
 
 
-@pytest.mark.parametrize("flags, env, expected", [
-    ((), {"TERM": "dumb"}, ["notice", "stats"]),
-    (("--no-stats",), {}, ["notice"]),
-    (("--quiet",), {}, []),
-], ids=["TERM=dumb", "--no-stats", "--quiet"])
+@pytest.mark.parametrize(
+    "flags, env, expected",
+    [
+        ((), {"TERM": "dumb"}, ["notice", "stats"]),
+        (("--no-stats",), {}, ["notice"]),
+        (("--quiet",), {}, []),
+    ],
+    ids=["TERM=dumb", "--no-stats", "--quiet"],
+)
 def test_no_live_line_on_a_dumb_terminal_without_stats_or_when_quiet(rope, flags, env, expected):
     run = on_terminal(rope.path, *SINGLE, "-n", "80", *flags, **env)
     assert b"\x1b" not in run.stderr  # no frame, no colour, no cursor movement
@@ -225,11 +243,15 @@ def test_no_live_line_on_a_dumb_terminal_without_stats_or_when_quiet(rope, flags
 # ---- the notice when recompute mode starts re-prefilling ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags, noticed", [
-    (("-n", "80"), True),
-    (("-n", N), False),  # re-prefills, but fewer than 32 tokens are left when they start
-    (("-n", "80", "--overflow", "shift"), False),
-], ids=["recompute-80", "recompute-50", "shift-80"])
+@pytest.mark.parametrize(
+    "flags, noticed",
+    [
+        (("-n", "80"), True),
+        (("-n", N), False),  # re-prefills, but fewer than 32 tokens are left when they start
+        (("-n", "80", "--overflow", "shift"), False),
+    ],
+    ids=["recompute-80", "recompute-50", "shift-80"],
+)
 def test_a_notice_says_why_recompute_mode_slows_once_the_window_is_full(rope, flags, noticed):
     run = on_terminal(rope.path, *SINGLE, *flags)
     final = screen(run.stderr)
@@ -238,14 +260,16 @@ def test_a_notice_says_why_recompute_mode_slows_once_the_window_is_full(rope, fl
     assert len(final) == (3 if noticed else 1)  # the notice, wrapped once, above the stats line
     if noticed:  # shown in the live region from the moment the window filled, then kept above the stats line
         shown = [" ".join(rows) for rows in frames(run.stderr)]
-        assert any(NOTICE in rows and "--overflow shift is faster but no longer identical to it" in rows
-                   for rows in shown)
+        assert any(
+            NOTICE in rows and "--overflow shift is faster but no longer identical to it" in rows for rows in shown
+        )
 
 
 def test_on_the_text_s_own_terminal_without_the_live_line_the_notice_waits_for_the_end_of_the_text(rope):
     piped = generate(rope, "-p", PROMPT, "-t", "0", "-n", "80").ok()
-    *text, notice_head, notice_tail = screen(on_terminal(rope.path, *SINGLE, "-n", "80", "--no-stats",
-                                                          stdout="same").stderr)
+    *text, notice_head, notice_tail = screen(
+        on_terminal(rope.path, *SINGLE, "-n", "80", "--no-stats", stdout="same").stderr
+    )
     assert text == decoded_rows(piped.out.removesuffix("\n"))
     notice = notice_head + " " + notice_tail  # wrapped at a word
     assert notice.startswith(NOTICE) and notice.endswith("no longer identical to it")
@@ -261,7 +285,7 @@ def test_inspect_cache_explains_the_re_prefills_it_reports(rope):
 
 
 def test_several_samples_grow_together_in_their_own_regions_then_print_as_today(rope):
-    texts = [record["text"] for record in generate(rope, *SAMPLES[len(RUN_OPTIONS):], "--json").ok().json_lines()]
+    texts = [record["text"] for record in generate(rope, *SAMPLES[len(RUN_OPTIONS) :], "--json").ok().json_lines()]
     run = on_terminal(rope.path, *SAMPLES)
     drawn = frames(run.stderr)
     assert drawn
@@ -278,7 +302,7 @@ def test_several_samples_grow_together_in_their_own_regions_then_print_as_today(
     headers = [index for index, row in enumerate(regions) if row.startswith("── sample ")]
     for text, start, end in zip(texts, headers, [*headers[1:], len(regions)]):
         shown = regions[start + 1 : end]
-        assert shown and shown == decoded_rows(text)[-len(shown):]
+        assert shown and shown == decoded_rows(text)[-len(shown) :]
     plain = on_terminal(rope.path, *SAMPLES, "--no-stats")
     assert run.stdout == plain.stdout  # stdout as today: each sample at the end, apart by a rule
     assert STATS_LINE.fullmatch(" ".join(screen(run.stderr)))  # the stats line alone, wrapped at words
@@ -314,16 +338,45 @@ def separators_checkpoint(tmp_path_factory):
 
 
 def test_generated_line_separators_stay_inside_one_json_line(separators_checkpoint):
-    run = manas("generate", "-c", separators_checkpoint, *RUN_OPTIONS, "-p", "x", "-n", "30", "-t", "1",
-                "--seed", "0", "--num-samples", "2", "--json").ok()
+    run = manas(
+        "generate",
+        "-c",
+        separators_checkpoint,
+        *RUN_OPTIONS,
+        "-p",
+        "x",
+        "-n",
+        "30",
+        "-t",
+        "1",
+        "--seed",
+        "0",
+        "--num-samples",
+        "2",
+        "--json",
+    ).ok()
     lines = run.out.splitlines()
     assert len(lines) == 2
     records = [json.loads(line) for line in lines]
     for record in records:
         assert len(record["text"]) == 30
         assert set(record["text"]) == set(LINE_SEPARATORS)  # the test really produced all three
-    text = manas("generate", "-c", separators_checkpoint, *RUN_OPTIONS, "-p", "x", "-n", "30", "-t", "1",
-                 "--seed", "0", "--num-samples", "2").ok()
+    text = manas(
+        "generate",
+        "-c",
+        separators_checkpoint,
+        *RUN_OPTIONS,
+        "-p",
+        "x",
+        "-n",
+        "30",
+        "-t",
+        "1",
+        "--seed",
+        "0",
+        "--num-samples",
+        "2",
+    ).ok()
     assert text.out == "\n\n".join(record["text"] for record in records) + "\n"  # text mode writes them raw
 
 
@@ -340,8 +393,9 @@ def test_inspect_cache_json_stays_one_line_when_the_path_holds_a_line_separator(
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])
 def test_version_prints_the_package_metadata_without_importing_torch(flag):
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "manas_cli", flag], capture_output=True,
-                          env=cli_env(), timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "manas_cli", flag], capture_output=True, env=cli_env(), timeout=60
+    )
     assert done.returncode == 0
     assert done.stdout.decode() == f"manas {version('manas-cli')}\n"
     imported = [line.split("|")[-1].strip() for line in done.stderr.decode().splitlines()]
@@ -398,9 +452,13 @@ def test_a_resize_mid_run_redraws_the_region_whole_and_leaves_no_stale_row(rope,
     """The terminal narrows from 160 to 60 columns while the region is up: manas gets SIGWINCH, clears the screen,
     and every frame after fits the new width; at the end no status row is left anywhere."""
     master, slave = open_terminal()
-    process = subprocess.Popen([*MANAS, "generate", "-c", rope.path, *SINGLE, "-n", "8000", "--overflow", "shift"],
-                               stdin=subprocess.DEVNULL, stdout=(tmp_path / "out.txt").open("wb"), stderr=slave,
-                               env=cli_env())
+    process = subprocess.Popen(
+        [*MANAS, "generate", "-c", rope.path, *SINGLE, "-n", "8000", "--overflow", "shift"],
+        stdin=subprocess.DEVNULL,
+        stdout=(tmp_path / "out.txt").open("wb"),
+        stderr=slave,
+        env=cli_env(),
+    )
     os.close(slave)
     received = bytearray()
     reader = threading.Thread(target=read_all, args=(master, received))

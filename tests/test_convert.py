@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import engine_of
-from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.formats.header import read_metadata
 from manas_cli.engine.generation import generate
 from manas_cli.engine.sampling import Sampler
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.header import read_metadata
 from manas_cli.formats.tokenizer import bpe_spec, decode_ranks, end_of_text_id
 
 torch.set_num_threads(1)
@@ -36,7 +36,10 @@ SMALL_VOCAB = 96  # for models whose conversion is refused before any tokenizer 
 def run_manas(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The real CLI, one thread (the machine's other core belongs to whoever else is running)."""
     return subprocess.run(
-        [*MANAS, *map(str, args)], capture_output=True, text=True, timeout=300,
+        [*MANAS, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
@@ -66,8 +69,15 @@ def tiny_hf_gpt2(activation: str = "gelu_new", vocab_size: int = GPT2_VOCAB, see
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=vocab_size, n_positions=96, n_embd=32, n_layer=2, n_head=4, activation_function=activation,
-        initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+        vocab_size=vocab_size,
+        n_positions=96,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        activation_function=activation,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     return GPT2LMHeadModel(config).eval()
 
@@ -251,8 +261,22 @@ def test_nanogpt_padded_vocabulary_converts_and_generates_only_real_tokens(tmp_p
     assert load_checkpoint(dst).model.config.vocab_size == 50304
 
     for temperature in ("0", "1"):
-        generated = run_manas("generate", "-c", dst, "-p", "Hello", "-n", "8", "-t", temperature, "--seed", "1",
-                              "--json", "--threads", "1")
+        generated = run_manas(
+            "generate",
+            "-c",
+            dst,
+            "-p",
+            "Hello",
+            "-n",
+            "8",
+            "-t",
+            temperature,
+            "--seed",
+            "1",
+            "--json",
+            "--threads",
+            "1",
+        )
         assert generated.returncode == 0, generated.stderr
         tokens = json.loads(generated.stdout)["tokens"]
         assert len(tokens) == 8 and max(tokens) < GPT2_VOCAB
@@ -264,7 +288,8 @@ def test_uncompiled_nanogpt_checkpoint_with_mask_buffers_converts(tmp_path):
     state = nanogpt_state(bias=True)
     T = NANOGPT_ARGS["block_size"]
     with_masks = state | {
-        f"transformer.h.{i}.attn.bias": torch.tril(torch.ones(T, T)).view(1, 1, T, T) for i in range(NANOGPT_ARGS["n_layer"])
+        f"transformer.h.{i}.attn.bias": torch.tril(torch.ones(T, T)).view(1, 1, T, T)
+        for i in range(NANOGPT_ARGS["n_layer"])
     }
     save_nanogpt_checkpoint(tmp_path / "ckpt.pt", with_masks, compiled=False)
     dst = tmp_path / "nano.safetensors"
@@ -305,7 +330,9 @@ def convert_character_model(tmp_path: Path, text: str) -> tuple[Path, dict]:
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps(meta))
     save_nanogpt_checkpoint(tmp_path / "ckpt.pt", nanogpt_state(bias=False, vocab_size=meta["vocab_size"]))
     dst = tmp_path / "char.safetensors"
-    assert_converted(run_manas("convert", tmp_path / "ckpt.pt", "--out", dst, "--tokenizer-meta", tmp_path / "meta.pkl"), dst)
+    assert_converted(
+        run_manas("convert", tmp_path / "ckpt.pt", "--out", dst, "--tokenizer-meta", tmp_path / "meta.pkl"), dst
+    )
     return dst, meta
 
 
@@ -354,7 +381,9 @@ def setup_malicious_checkpoint(tmp: Path) -> list:
 
 def setup_malicious_meta(tmp: Path) -> list:
     save_nanogpt_checkpoint(tmp / "ckpt.pt", nanogpt_state(bias=False, vocab_size=10))
-    (tmp / "meta.pkl").write_bytes(pickle.dumps({"stoi": {"a": 0}, "itos": {0: "a"}, "payload": RunsCode(tmp / "PWNED")}))
+    (tmp / "meta.pkl").write_bytes(
+        pickle.dumps({"stoi": {"a": 0}, "itos": {0: "a"}, "payload": RunsCode(tmp / "PWNED")})
+    )
     return ["convert", tmp / "ckpt.pt", "--out", tmp / "out.safetensors", "--tokenizer-meta", tmp / "meta.pkl"]
 
 
@@ -394,7 +423,14 @@ def setup_bias_flag_disagreeing_with_tensors(tmp: Path) -> list:
 
 def setup_bare_safetensors_without_config(tmp: Path) -> list:
     tiny_hf_gpt2(vocab_size=SMALL_VOCAB).save_pretrained(tmp / "hf")
-    return ["convert", tmp / "hf" / "model.safetensors", "--out", tmp / "out.safetensors", "--tokenizer-file", GPT2_RANKS]
+    return [
+        "convert",
+        tmp / "hf" / "model.safetensors",
+        "--out",
+        tmp / "out.safetensors",
+        "--tokenizer-file",
+        GPT2_RANKS,
+    ]
 
 
 def setup_hf_config_of(**changes) -> Callable[[Path], list]:
@@ -428,8 +464,16 @@ def setup_not_a_checkpoint(tmp: Path) -> list:
 def setup_two_tokenizers(tmp: Path) -> list:
     save_nanogpt_checkpoint(tmp / "ckpt.pt", nanogpt_state(bias=False, vocab_size=SMALL_VOCAB))
     (tmp / "meta.pkl").write_bytes(pickle.dumps(character_meta("abc")))
-    return ["convert", tmp / "ckpt.pt", "--out", tmp / "out.safetensors", "--tokenizer-file", GPT2_RANKS,
-            "--tokenizer-meta", tmp / "meta.pkl"]
+    return [
+        "convert",
+        tmp / "ckpt.pt",
+        "--out",
+        tmp / "out.safetensors",
+        "--tokenizer-file",
+        GPT2_RANKS,
+        "--tokenizer-meta",
+        tmp / "meta.pkl",
+    ]
 
 
 def setup_unknown_tokenizer(tmp: Path) -> list:
@@ -445,10 +489,16 @@ REFUSALS = {
     "multi-character-token": (setup_multi_character_meta, "token 'th' is not a single character"),
     "untied-lm-head": (setup_untied_head, "lm_head.weight differs from the token embedding"),
     "wrong-shape": (setup_model_args_disagreeing_with_tensors, "the config needs [96, 64]"),
-    "bias-flag-without-biases": (setup_bias_flag_disagreeing_with_tensors, "missing tensor for blocks.0.ln_attention.bias"),
+    "bias-flag-without-biases": (
+        setup_bias_flag_disagreeing_with_tensors,
+        "missing tensor for blocks.0.ln_attention.bias",
+    ),
     "bare-weights-without-config": (setup_bare_safetensors_without_config, "pass --config PATH"),
     "not-gpt2": (setup_hf_config_of(model_type="llama"), "model_type is 'llama'; convert reads GPT-2 models"),
-    "layer-scaled-attention": (setup_hf_config_of(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True has no manas equivalent"),
+    "layer-scaled-attention": (
+        setup_hf_config_of(scale_attn_by_inverse_layer_idx=True),
+        "scale_attn_by_inverse_layer_idx=True has no manas equivalent",
+    ),
     "relu": (setup_hf_config_of(activation_function="relu"), "activation_function 'relu' is not supported"),
     "folder-without-weights": (setup_folder_without_weights, "holds neither model.safetensors nor pytorch_model.bin"),
     "already-manas": (setup_manas_checkpoint_as_source, "is already a manas checkpoint"),
@@ -489,6 +539,8 @@ def test_force_replaces_an_existing_destination(tmp_path):
     save_nanogpt_checkpoint(tmp_path / "ckpt.pt", nanogpt_state(bias=False))
     dst = tmp_path / "out.safetensors"
     dst.write_bytes(b"an older file")
-    assert_converted(run_manas("convert", tmp_path / "ckpt.pt", "--out", dst, "--tokenizer-file", GPT2_RANKS, "--force"), dst)
+    assert_converted(
+        run_manas("convert", tmp_path / "ckpt.pt", "--out", dst, "--tokenizer-file", GPT2_RANKS, "--force"), dst
+    )
     assert load_checkpoint(dst).model.config.n_embd == NANOGPT_ARGS["n_embd"]
     assert decode_ranks(json.loads(read_metadata(dst)["tokenizer"])["ranks"])[b"Hello"] == 15496

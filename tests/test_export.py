@@ -14,16 +14,23 @@ import pytest
 import torch
 
 from conftest import engine_of, make_model
-from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.formats.nanogpt import character_spec
 from manas_cli.engine.generation import generate
 from manas_cli.engine.sampling import Sampler
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.nanogpt import character_spec
 from manas_cli.formats.tokenizer import bpe_spec, build_encoding, spec_from_tiktoken_file
 from test_convert import GPT2_RANKS, VARIED_TEXT, assert_refused, run_manas
 
 torch.set_num_threads(1)
 
-HF_FILES = ["config.json", "generation_config.json", "merges.txt", "model.safetensors", "tokenizer_config.json", "vocab.json"]
+HF_FILES = [
+    "config.json",
+    "generation_config.json",
+    "merges.txt",
+    "model.safetensors",
+    "tokenizer_config.json",
+    "vocab.json",
+]
 # The sha256 that tiktoken pins for OpenAI's original GPT-2 files (tiktoken_ext/openai_public.py).
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -135,7 +142,9 @@ def test_convert_records_tiktokens_named_gpt2_encoding_when_it_is_cached(tmp_pat
     assert result.returncode == 0, result.stderr
     back, original = load_checkpoint(tmp_path / "back.safetensors"), load_checkpoint(checkpoint)
     assert back.tokenizer_spec == {"kind": "tiktoken", "encoding": "gpt2"}
-    for (name, tensor), (other_name, other) in zip(back.model.state_dict().items(), original.model.state_dict().items()):
+    for (name, tensor), (other_name, other) in zip(
+        back.model.state_dict().items(), original.model.state_dict().items()
+    ):
         assert name == other_name and torch.equal(tensor, other)
 
     result = run_manas("export", tmp_path / "back.safetensors", "--out", tmp_path / "hf")
@@ -146,14 +155,18 @@ def test_convert_records_tiktokens_named_gpt2_encoding_when_it_is_cached(tmp_pat
 
 def shakespeare_character_spec(text: str) -> dict:
     chars = sorted(set(text))
-    return character_spec({"stoi": {c: i for i, c in enumerate(chars)}, "itos": dict(enumerate(chars))}, Path("meta.pkl"))
+    return character_spec(
+        {"stoi": {c: i for i, c in enumerate(chars)}, "itos": dict(enumerate(chars))}, Path("meta.pkl")
+    )
 
 
 def test_character_level_model_exports_with_a_tokenizer_that_encodes_each_character(tmp_path, shakespeare):
     text = shakespeare[:5000]  # plain ASCII, as nanoGPT's shakespeare_char
     spec = shakespeare_character_spec(text)
     vocab_size = build_encoding(spec).n_vocab
-    checkpoint, hf_model, tokenizer = export_round_trip(tmp_path, make_model(vocab_size=vocab_size, block_size=64), spec)
+    checkpoint, hf_model, tokenizer = export_round_trip(
+        tmp_path, make_model(vocab_size=vocab_size, block_size=64), spec
+    )
 
     ids = checkpoint.encoding.encode_ordinary(text)
     assert len(ids) == len(text)
@@ -218,7 +231,9 @@ def test_export_refuses_what_gpt2_cannot_compute_or_encode_exactly(tmp_path, cas
     build, message = REFUSALS[case]
     save_checkpoint(tmp_path / "model.safetensors", *build())
 
-    assert_refused(run_manas("export", tmp_path / "model.safetensors", "--format", "hf", "--out", tmp_path / "hf"), message)
+    assert_refused(
+        run_manas("export", tmp_path / "model.safetensors", "--format", "hf", "--out", tmp_path / "hf"), message
+    )
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # nothing written, no staging left
 
@@ -233,4 +248,3 @@ def test_export_of_a_file_that_is_not_a_manas_checkpoint_points_to_convert(tmp_p
     result = run_manas("export", folder / "model.safetensors", "--out", tmp_path / "hf")
     assert_refused(result, "not a manas checkpoint")
     assert "manas convert" in result.stderr
-

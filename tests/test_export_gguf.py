@@ -23,7 +23,11 @@ gguf = pytest.importorskip("gguf")
 torch.set_num_threads(1)
 
 # name → (position encoding, head layout, llama.cpp's architecture)
-VARIANTS = {"learned": ("learned", "mha", "gpt2"), "rope": ("rope", "gqa", "starcoder2"), "learned-gqa": ("learned", "gqa", "gpt2")}
+VARIANTS = {
+    "learned": ("learned", "mha", "gpt2"),
+    "rope": ("rope", "gqa", "starcoder2"),
+    "learned-gqa": ("learned", "gqa", "gpt2"),
+}
 ARCHITECTURES = {name: VARIANTS[name][2] for name in ("learned", "rope")}  # GPT-2's own layout, and manas' default
 BLOCK_SIZE = 64  # the prompt and 32 new tokens fit: llama.cpp's context does not slide
 PROMPT = "the weather in the €uro zone"
@@ -87,14 +91,22 @@ def expected_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     """llama.cpp's tensors for the manas model, biases the model lacks as zeros (none here: bias=True)."""
     model = load_checkpoint(checkpoint).model
     config, state = model.config, model.state_dict()
-    tensors = {"token_embd.weight": state["token_embedding.weight"], "output_norm.weight": state["final_norm.weight"],
-               "output_norm.bias": state["final_norm.bias"]}
+    tensors = {
+        "token_embd.weight": state["token_embedding.weight"],
+        "output_norm.weight": state["final_norm.weight"],
+        "output_norm.bias": state["final_norm.bias"],
+    }
     if config.position_encoding == "learned":
         tensors["position_embd.weight"] = state["position_embedding.weight"]
     kv_width = config.n_kv_head * config.head_size
     for i in range(config.n_layer):
-        names = {"attn_norm": "ln_attention", "attn_output": "attention.output", "ffn_norm": "ln_ffn",
-                 "ffn_up": "ffn.up", "ffn_down": "ffn.down"}
+        names = {
+            "attn_norm": "ln_attention",
+            "attn_output": "attention.output",
+            "ffn_norm": "ln_ffn",
+            "ffn_up": "ffn.up",
+            "ffn_down": "ffn.down",
+        }
         for kind in ("weight", "bias"):
             for gguf_name, name in names.items():
                 tensors[f"blk.{i}.{gguf_name}.{kind}"] = state[f"blocks.{i}.{name}.{kind}"]
@@ -114,7 +126,11 @@ def gguf_forward(reader, ids: torch.Tensor) -> torch.Tensor:
     arch = field(reader, "general.architecture")
     hp = {key.removeprefix(f"{arch}."): field(reader, key) for key in reader.fields if key.startswith(f"{arch}.")}
     t = gguf_tensors(reader)
-    n_head, n_kv_head, eps = hp["attention.head_count"], hp["attention.head_count_kv"], hp["attention.layer_norm_epsilon"]
+    n_head, n_kv_head, eps = (
+        hp["attention.head_count"],
+        hp["attention.head_count_kv"],
+        hp["attention.layer_norm_epsilon"],
+    )
     head_size = hp["embedding_length"] // n_head
     T = ids.numel()
 
@@ -127,7 +143,8 @@ def gguf_forward(reader, ids: torch.Tensor) -> torch.Tensor:
     def neox_rope(x):  # x (heads, T, hs): rotate (i, i + hs/2) by pos · base^(-2i/hs)
         half = head_size // 2
         angles = torch.arange(T, dtype=torch.float64)[:, None] * hp["rope.freq_base"] ** (
-            -torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+            -torch.arange(0, head_size, 2, dtype=torch.float64) / head_size
+        )
         cos, sin = angles.cos().float(), angles.sin().float()
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -139,7 +156,9 @@ def gguf_forward(reader, ids: torch.Tensor) -> torch.Tensor:
     for i in range(hp["block_count"]):
         h = norm(x, f"blk.{i}.attn_norm")
         if arch == "gpt2":
-            q, k, v = linear(h, f"blk.{i}.attn_qkv").split((n_head * head_size, n_kv_head * head_size, n_kv_head * head_size), -1)
+            q, k, v = linear(h, f"blk.{i}.attn_qkv").split(
+                (n_head * head_size, n_kv_head * head_size, n_kv_head * head_size), -1
+            )
         else:
             q, k, v = (linear(h, f"blk.{i}.attn_{part}") for part in "qkv")
         q, k, v = (y.view(T, -1, head_size).transpose(0, 1) for y in (q, k, v))
@@ -162,17 +181,22 @@ def test_gguf_holds_llama_cpps_architecture_and_every_hyperparameter(checkpoints
     config = load_checkpoint(checkpoints[position_encoding]).model.config
     arch = ARCHITECTURES[position_encoding]
     expected = {
-        "general.architecture": arch, "general.name": position_encoding, "general.file_type": 1,
+        "general.architecture": arch,
+        "general.name": position_encoding,
+        "general.file_type": 1,
         "general.quantization_version": 2,
-        f"{arch}.vocab_size": config.vocab_size, f"{arch}.context_length": BLOCK_SIZE,
-        f"{arch}.embedding_length": 32, f"{arch}.feed_forward_length": 128, f"{arch}.block_count": 2,
-        f"{arch}.attention.head_count": 4, f"{arch}.attention.head_count_kv": config.n_kv_head,
+        f"{arch}.vocab_size": config.vocab_size,
+        f"{arch}.context_length": BLOCK_SIZE,
+        f"{arch}.embedding_length": 32,
+        f"{arch}.feed_forward_length": 128,
+        f"{arch}.block_count": 2,
+        f"{arch}.attention.head_count": 4,
+        f"{arch}.attention.head_count_kv": config.n_kv_head,
         f"{arch}.attention.layer_norm_epsilon": pytest.approx(1e-5),
     }
     if position_encoding == "rope":
         expected |= {f"{arch}.rope.dimension_count": 8, f"{arch}.rope.freq_base": 500.0}
-    model_keys = {key: field(reader, key) for key in reader.fields
-                  if key.startswith(("general.", f"{arch}."))}
+    model_keys = {key: field(reader, key) for key in reader.fields if key.startswith(("general.", f"{arch}."))}
     assert model_keys == expected
 
 
@@ -251,8 +275,22 @@ def test_llama_cpp_generates_manas_greedy_tokens(checkpoints, tiny_bpe_spec, pos
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=BLOCK_SIZE, n_threads=1, verbose=False)
     prompt_ids = build_encoding(tiny_bpe_spec).encode_ordinary(PROMPT)
     assert llm.tokenize(PROMPT.encode(), add_bos=False, special=False) == prompt_ids
-    result = run_manas("generate", "-c", checkpoints[position_encoding], "--device", "cpu", "--threads", "1",
-                       "-p", PROMPT, "-n", "32", "-t", "0", "--json")
+    result = run_manas(
+        "generate",
+        "-c",
+        checkpoints[position_encoding],
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "-p",
+        PROMPT,
+        "-n",
+        "32",
+        "-t",
+        "0",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     manas_ids = json.loads(result.stdout)["tokens"]
     llama_ids = []
@@ -267,7 +305,12 @@ def test_llama_cpp_generates_manas_greedy_tokens(checkpoints, tiny_bpe_spec, pos
 
 
 REFUSALS = {  # (position encoding, model overrides, tokenizer spec changes, message)
-    "exact-gelu": ("learned", {"gelu_approximate": "none"}, {}, "llama.cpp's gpt2 and starcoder2 compute GELU's tanh approximation"),
+    "exact-gelu": (
+        "learned",
+        {"gelu_approximate": "none"},
+        {},
+        "llama.cpp's gpt2 and starcoder2 compute GELU's tanh approximation",
+    ),
     "bpe-with-another-split-pattern": ("rope", {}, {"pat_str": r"\S+|\s+"}, "only GPT-2-pattern BPE tokenizers export"),
 }
 
@@ -305,8 +348,9 @@ def test_export_gguf_without_the_gguf_package_says_how_to_install_it(tmp_path, c
     shadow = tmp_path / "no-gguf"
     shadow.mkdir()
     (shadow / "gguf.py").write_text("raise ImportError(\"No module named 'gguf'\")\n")  # as if it were not installed
-    result = run_manas("export", checkpoints["rope"], "--format", "gguf", "--out", tmp_path / "m.gguf",
-                       env={"PYTHONPATH": str(shadow)})
+    result = run_manas(
+        "export", checkpoints["rope"], "--format", "gguf", "--out", tmp_path / "m.gguf", env={"PYTHONPATH": str(shadow)}
+    )
     assert_refused(result, 'pip install "manas-cli[gguf]"')
 
 
@@ -320,7 +364,9 @@ def test_q8_0_keeps_float16_for_matrices_whose_rows_do_not_fill_whole_blocks(tmp
     """q8_0 packs 32 values of a row per block: a 48-wide model falls back to f16 there, as llama.cpp's converter."""
     model = make_model("rope", vocab_size=build_encoding(tiny_bpe_spec).n_vocab, n_embd=48)
     save_checkpoint(tmp_path / "m.safetensors", model, tiny_bpe_spec)
-    result = run_manas("export", tmp_path / "m.safetensors", "--format", "gguf", "--out", tmp_path / "m.gguf", "--outtype", "q8_0")
+    result = run_manas(
+        "export", tmp_path / "m.safetensors", "--format", "gguf", "--out", tmp_path / "m.gguf", "--outtype", "q8_0"
+    )
     assert result.returncode == 0, result.stderr
 
     reader = gguf.GGUFReader(tmp_path / "m.gguf")

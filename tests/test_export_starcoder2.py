@@ -106,7 +106,11 @@ def test_starcoder2_config_carries_rope_base_eps_window_and_tied_embeddings(gqa_
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 500.0
     assert config["sliding_window"] is None and config["tie_word_embeddings"] is True
     assert config["norm_epsilon"] == 1e-5 and config["hidden_act"] == "gelu_pytorch_tanh"
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["max_position_embeddings"]) == (4, 2, 96)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["max_position_embeddings"]) == (
+        4,
+        2,
+        96,
+    )
     from safetensors import safe_open
 
     with safe_open(folder / "model.safetensors", framework="pt") as f:
@@ -120,9 +124,17 @@ def test_a_starcoder2_saved_by_transformers_converts_to_the_same_logits(tmp_path
 
     torch.manual_seed(0)
     config = Starcoder2Config(
-        vocab_size=build_encoding(tiny_bpe_spec).n_vocab, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, initializer_range=0.2, bos_token_id=None,
+        vocab_size=build_encoding(tiny_bpe_spec).n_vocab,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        initializer_range=0.2,
+        bos_token_id=None,
         eos_token_id=None,
     )
     hf_model = Starcoder2ForCausalLM(config).eval()

@@ -17,8 +17,9 @@ UMASK = 0o027  # neither 022 nor 077: a forced 0644, 0600 or 0755 all show
 
 
 def run_under_umask(*args: str | Path) -> None:
-    done = subprocess.run([*MANAS, *map(str, args)], capture_output=True, env=cli_env(), timeout=300,
-                          preexec_fn=lambda: os.umask(UMASK))
+    done = subprocess.run(
+        [*MANAS, *map(str, args)], capture_output=True, env=cli_env(), timeout=300, preexec_fn=lambda: os.umask(UMASK)
+    )
     assert done.returncode == 0, done.stderr.decode()
 
 
@@ -26,7 +27,9 @@ def modes(paths: list[Path]) -> dict[str, int]:
     return {path.name: stat.S_IMODE(path.stat().st_mode) for path in paths}
 
 
-@pytest.mark.parametrize("command", ["convert", "quantize", "train", "train-tokenizer-only", "export-gguf", "export-hf"])
+@pytest.mark.parametrize(
+    "command", ["convert", "quantize", "train", "train-tokenizer-only", "export-gguf", "export-hf"]
+)
 def test_written_files_take_the_umasks_mode(tmp_path, rope, learned, shakespeare, command):
     text = tmp_path / "text.txt"
     text.write_text(shakespeare[:20_000])

@@ -9,10 +9,10 @@ import torch
 
 from conftest import BLOCK_SIZE, engine_of, make_model, sample
 from manas_cli.engine.generation import GenerationStats, crop_window, generate, generate_reference
+from manas_cli.engine.sampling import Penalties, Sampler
 from manas_cli.torch_engine.kv_cache import CacheSession
 from manas_cli.torch_engine.model import use_decode_layout
 from manas_cli.torch_engine.quantize import Int4Linear, Int8Linear, quantize_model
-from manas_cli.engine.sampling import Penalties, Sampler
 from manas_cli.torch_engine.sampling import probabilities
 
 NEW_TOKENS = 5 * BLOCK_SIZE // 2  # 2.5 × block_size: the window overflows many times
@@ -80,8 +80,12 @@ def test_every_fast_path_equals_crop_and_recompute_within_and_past_the_window(ti
 
 
 # quantize_model's (kind, kernel): torch's int8 or int4 CPU kernel, or the dequantized product (other devices)
-QUANTIZED_PATHS = {"int8-kernel": ("int8", None), "int8-dequantize": ("int8", False),
-                   "int4-kernel": ("int4", None), "int4-dequantize": ("int4", False)}
+QUANTIZED_PATHS = {
+    "int8-kernel": ("int8", None),
+    "int8-dequantize": ("int8", False),
+    "int4-kernel": ("int4", None),
+    "int4-dequantize": ("int4", False),
+}
 
 
 def quantized_model(model, path: str):
@@ -107,20 +111,26 @@ def decode_is_bitwise_the_full_window(model, ids: torch.Tensor) -> bool:
 @pytest.mark.parametrize("path", QUANTIZED_PATHS)
 @pytest.mark.parametrize("sampler", ["greedy", "top-k-top-p"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_quantized_cached_generation_equals_its_own_crop_and_recompute_past_the_window(tiny_model, batch, sampler,
-                                                                                       path, allocation, engine,
-                                                                                       run_on):
+def test_quantized_cached_generation_equals_its_own_crop_and_recompute_past_the_window(
+    tiny_model, batch, sampler, path, allocation, engine, run_on
+):
     """A quantized model is another model: exactness is against its own uncached reference. On torch, decoding
     runs the kernel on a few rows, int8's reference on longer windows the dequantized product: the two must agree.
     The native core reads the stored codes whichever torch product the layers would use, and is exact."""
     model = run_on(quantized_model(tiny_model, path))
     ids = prompt(batch)
-    cached = list(generate(engine_of(model), ids, make_sampler(sampler), NEW_TOKENS, session=engine_of(model).new_session(allocation)))
+    cached = list(
+        generate(
+            engine_of(model), ids, make_sampler(sampler), NEW_TOKENS, session=engine_of(model).new_session(allocation)
+        )
+    )
     reference = list(generate_reference(engine_of(model), ids, make_sampler(sampler), NEW_TOKENS))
     if tokens_of(cached) != tokens_of(reference) and sampler != "greedy" and engine == "torch":
         assert not decode_is_bitwise_the_full_window(tiny_model, ids)  # otherwise the difference is quantization's
-        pytest.xfail("this CPU's float32 attention over the cache differs in its last bits from the full window's; "
-                     "the bfloat16 activations of the quantized products made that a different sample at a near-tie")
+        pytest.xfail(
+            "this CPU's float32 attention over the cache differs in its last bits from the full window's; "
+            "the bfloat16 activations of the quantized products made that a different sample at a near-tie"
+        )
     assert tokens_of(cached) == tokens_of(reference)
     assert {step.kind for step in cached} == {"prefill", "decode", "re_prefill"}
 
@@ -151,7 +161,9 @@ def test_static_cache_reports_its_preallocated_window_as_storage():
 def test_seeded_sampling_draws_differ_between_seeds_and_repeat_with_the_same_seed():
     """The equality above means something only if sampling is random and the seed pins it."""
     model = make_model("rope", "gqa")
-    runs = [tokens_of(generate(engine_of(model), prompt(1), make_sampler("top-k", seed), NEW_TOKENS)) for seed in (1, 1, 2)]
+    runs = [
+        tokens_of(generate(engine_of(model), prompt(1), make_sampler("top-k", seed), NEW_TOKENS)) for seed in (1, 1, 2)
+    ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -180,7 +192,9 @@ def expected_kinds(prompt_length: int, new_tokens: int, keep: int) -> list[str]:
 
 @pytest.mark.parametrize(("overflow", "keep"), [("recompute", BLOCK_SIZE), ("shift", BLOCK_SIZE // 2)])
 def test_overflow_policy_re_prefills_the_window_when_the_cache_is_full(overflow, keep):
-    steps = list(generate(engine_of(make_model("rope", "mqa")), prompt(1), make_sampler("greedy"), NEW_TOKENS, overflow=overflow))
+    steps = list(
+        generate(engine_of(make_model("rope", "mqa")), prompt(1), make_sampler("greedy"), NEW_TOKENS, overflow=overflow)
+    )
     assert [step.kind for step in steps] == expected_kinds(5, NEW_TOKENS, keep)
 
 
@@ -208,7 +222,9 @@ def test_generation_stats_count_steps_and_re_prefills(overflow):
     prompt_length = 5
     stats = GenerationStats(prompt_tokens=prompt_length, batch_size=2, re_prefill_positions=[])
     steps = []
-    for step in generate(engine_of(model), prompt(2, prompt_length), make_sampler("top-k"), NEW_TOKENS, overflow=overflow):
+    for step in generate(
+        engine_of(model), prompt(2, prompt_length), make_sampler("top-k"), NEW_TOKENS, overflow=overflow
+    ):
         stats.update(step)
         steps.append(step)
     kinds = expected_kinds(prompt_length, NEW_TOKENS, BLOCK_SIZE if overflow == "recompute" else BLOCK_SIZE // 2)
@@ -252,7 +268,8 @@ def test_rows_keep_decoding_until_the_last_row_ends():
     in_every_row = set.intersection(*({step[row] for step in unbounded} for row in range(3)))
     # the shared token whose rows end at the most different steps
     first = {
-        eot: [next(i for i, step in enumerate(unbounded) if step[row] == eot) for row in range(3)] for eot in in_every_row
+        eot: [next(i for i, step in enumerate(unbounded) if step[row] == eot) for row in range(3)]
+        for eot in in_every_row
     }
     eot = max(first, key=lambda token: max(first[token]) - min(first[token]))
     assert min(first[eot]) < max(first[eot]) < NEW_TOKENS - 1
@@ -323,7 +340,12 @@ def test_top_p_sampling_never_draws_a_dropped_token():
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [(dict(temperature=-0.1), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")],
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ],
 )
 def test_sampler_refuses_invalid_settings(options, message):
     with pytest.raises(ValueError, match=message):

@@ -19,11 +19,11 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from cli_fixtures import BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, rope  # noqa: F401
+from manas_cli.engine.config import parameter_shapes
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.formats.gpt2 import gpt2_name
-from manas_cli.engine.config import parameter_shapes
-from manas_cli.torch_engine.model import GPT, GPTConfig
 from manas_cli.formats.tokenizer import bpe_spec, encode_ranks
+from manas_cli.torch_engine.model import GPT, GPTConfig
 
 ADDRESS_SPACE = 3 << 30  # far below what any of the refused claims would allocate
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors"
@@ -36,8 +36,9 @@ def limit_memory() -> None:
 
 def run(*args: str | Path, stdin: bytes = b"") -> subprocess.CompletedProcess:
     """The real CLI under the address-space limit."""
-    return subprocess.run([*MANAS, *map(str, args)], input=stdin, capture_output=True, env=cli_env(),
-                          preexec_fn=limit_memory, timeout=300)
+    return subprocess.run(
+        [*MANAS, *map(str, args)], input=stdin, capture_output=True, env=cli_env(), preexec_fn=limit_memory, timeout=300
+    )
 
 
 def assert_one_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -56,8 +57,14 @@ def read_parts(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
 
 
-def write_variant(path: Path, source: Path, *, config: dict | None = None, tokenizer: dict | None = None,
-                  tensors: dict[str, torch.Tensor] | None = None) -> Path:
+def write_variant(
+    path: Path,
+    source: Path,
+    *,
+    config: dict | None = None,
+    tokenizer: dict | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """source's checkpoint with config fields, the tokenizer spec or tensors replaced (a None tensor is removed)."""
     state, metadata = read_parts(source)
     if config:
@@ -132,14 +139,23 @@ def test_checkpoint_tokenizer_is_validated_naming_the_file_and_entry(tmp_path, r
 def test_tokenizer_file_with_a_duplicate_rank_is_refused_by_convert_naming_it(tmp_path):
     (tmp_path / "dup.tiktoken").write_text(encode_ranks(BYTE_RANKS) + "YWI= 7\n")
     (tmp_path / "ckpt.pt").write_bytes(b"unused")
-    result = run("convert", tmp_path / "ckpt.pt", "--out", tmp_path / "o.safetensors", "--tokenizer-file", tmp_path / "dup.tiktoken")
+    result = run(
+        "convert",
+        tmp_path / "ckpt.pt",
+        "--out",
+        tmp_path / "o.safetensors",
+        "--tokenizer-file",
+        tmp_path / "dup.tiktoken",
+    )
     assert_one_error(result, str(tmp_path / "dup.tiktoken"), "rank 7 is already given on line 8")
 
 
 def test_meta_pkl_with_non_contiguous_ids_is_refused_by_convert(tmp_path):
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"stoi": {"a": 0, "b": 2}, "itos": {0: "a", 2: "b"}}))
     (tmp_path / "ckpt.pt").write_bytes(b"unused")
-    result = run("convert", tmp_path / "ckpt.pt", "--out", tmp_path / "o.safetensors", "--tokenizer-meta", tmp_path / "meta.pkl")
+    result = run(
+        "convert", tmp_path / "ckpt.pt", "--out", tmp_path / "o.safetensors", "--tokenizer-meta", tmp_path / "meta.pkl"
+    )
     assert_one_error(result, str(tmp_path / "meta.pkl"), "no token has id 1")
 
 
@@ -150,8 +166,12 @@ def write_marked(path: Path, n_layer: int, mark: float) -> None:
     """A checkpoint whose every weight is `mark`: a load mixing two files shows as a config/value mismatch."""
     config = GPTConfig(vocab_size=257, block_size=16, n_layer=n_layer, n_head=2, n_embd=16)
     tensors = {name: torch.full(shape, mark) for name, shape in parameter_shapes(config)}
-    metadata = {"format": "manas-gpt", "format_version": "1", "config": json.dumps(config.to_dict()),
-                "tokenizer": json.dumps(bpe_spec(BYTE_RANKS))}
+    metadata = {
+        "format": "manas-gpt",
+        "format_version": "1",
+        "config": json.dumps(config.to_dict()),
+        "tokenizer": json.dumps(bpe_spec(BYTE_RANKS)),
+    }
     path.write_bytes(save(tensors, metadata=metadata))
 
 
@@ -223,8 +243,9 @@ def test_a_rope_block_size_no_tensor_backs_allocates_nothing(tmp_path, rope):
     assert json.loads(result.stdout)["tokens"] == rope.reference("To be", 4)[0]
 
 
-def nanogpt_checkpoint(path: Path, *, block_size: int = 16, model_args: dict | None = None, legacy: bool = False,
-                       **tensors: torch.Tensor) -> Path:
+def nanogpt_checkpoint(
+    path: Path, *, block_size: int = 16, model_args: dict | None = None, legacy: bool = False, **tensors: torch.Tensor
+) -> Path:
     """A nanoGPT ckpt.pt (bias-free, vocab 257) written by torch.save, as nanoGPT's train.py writes it."""
     config = GPTConfig(vocab_size=257, block_size=block_size, n_layer=1, n_head=2, n_embd=16, bias=False)
     state = {}
@@ -233,28 +254,39 @@ def nanogpt_checkpoint(path: Path, *, block_size: int = 16, model_args: dict | N
         state[gpt2] = tensor
     args = dict(n_layer=1, n_head=2, n_embd=16, block_size=block_size, bias=False, vocab_size=257, dropout=0.0)
     state.update({f"transformer.{name}": tensor for name, tensor in tensors.items()})
-    torch.save({"model_args": args | (model_args or {}), "model": state}, path, _use_new_zipfile_serialization=not legacy)
+    torch.save(
+        {"model_args": args | (model_args or {}), "model": state}, path, _use_new_zipfile_serialization=not legacy
+    )
     return path
 
 
 def convert(src: Path, tmp_path: Path, *extra: str | Path) -> subprocess.CompletedProcess:
     (tmp_path / "bytes.tiktoken").write_text(encode_ranks(BYTE_RANKS))
-    return run("convert", src, "--out", tmp_path / "out.safetensors", "--tokenizer-file", tmp_path / "bytes.tiktoken", *extra)
+    return run(
+        "convert", src, "--out", tmp_path / "out.safetensors", "--tokenizer-file", tmp_path / "bytes.tiktoken", *extra
+    )
 
 
 def test_convert_refuses_a_nanogpt_block_size_its_tensors_do_not_back(tmp_path):
     src = nanogpt_checkpoint(tmp_path / "ckpt.pt", model_args={"block_size": 1 << 20})
-    assert_one_error(convert(src, tmp_path), str(src), "position_embedding.weight has shape [16, 16], the config needs [1048576, 16]")
+    assert_one_error(
+        convert(src, tmp_path), str(src), "position_embedding.weight has shape [16, 16], the config needs [1048576, 16]"
+    )
     assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_convert_refuses_an_hf_n_positions_its_tensors_do_not_back(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=16, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "hf")
+    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=16, n_embd=16, n_layer=1, n_head=2)).save_pretrained(
+        tmp_path / "hf"
+    )
     config = json.loads((tmp_path / "hf" / "config.json").read_text()) | {"n_positions": 1 << 20}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    assert_one_error(convert(tmp_path / "hf", tmp_path), "position_embedding.weight has shape [16, 16], the config needs [1048576, 16]")
+    assert_one_error(
+        convert(tmp_path / "hf", tmp_path),
+        "position_embedding.weight has shape [16, 16], the config needs [1048576, 16]",
+    )
 
 
 # ---- item 12: a small ckpt.pt whose storage inflates -------------------------------------------------------------
@@ -282,8 +314,12 @@ def test_a_compressed_ckpt_pt_is_refused_before_anything_inflates(tmp_path):
 
 
 def test_convert_refuses_complex_weights_naming_the_tensor(tmp_path):
-    src = nanogpt_checkpoint(tmp_path / "ckpt.pt", **{"h.0.mlp.c_fc.weight": torch.randn(64, 16, dtype=torch.complex64)})
-    assert_one_error(convert(src, tmp_path), str(src), "blocks.0.ffn.up.weight is torch.complex64, not a real floating-point")
+    src = nanogpt_checkpoint(
+        tmp_path / "ckpt.pt", **{"h.0.mlp.c_fc.weight": torch.randn(64, 16, dtype=torch.complex64)}
+    )
+    assert_one_error(
+        convert(src, tmp_path), str(src), "blocks.0.ffn.up.weight is torch.complex64, not a real floating-point"
+    )
 
 
 def test_a_legacy_raw_pickle_ckpt_converts_with_nothing_from_torch_on_stderr(tmp_path):
@@ -306,9 +342,11 @@ def test_a_string_bias_in_a_checkpoint_config_is_refused_naming_the_field(tmp_pa
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
-    [("bias", "false", "model_args.bias must be a bool, got 'false'"),
-     ("n_layer", True, "model_args.n_layer must be an int, got True"),
-     ("dropout", "0.1", "model_args.dropout must be a float, got '0.1'")],
+    [
+        ("bias", "false", "model_args.bias must be a bool, got 'false'"),
+        ("n_layer", True, "model_args.n_layer must be an int, got True"),
+        ("dropout", "0.1", "model_args.dropout must be a float, got '0.1'"),
+    ],
 )
 def test_nanogpt_model_args_types_are_strict(tmp_path, field, value, message):
     src = nanogpt_checkpoint(tmp_path / "ckpt.pt", model_args={field: value})
@@ -317,14 +355,18 @@ def test_nanogpt_model_args_types_are_strict(tmp_path, field, value, message):
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
-    [("layer_norm_epsilon", "abc", "layer_norm_epsilon must be a float, got 'abc'"),
-     ("n_embd", None, "n_embd must be an int, got None"),
-     ("n_layer", 1.0, "n_layer must be an int, got 1.0")],
+    [
+        ("layer_norm_epsilon", "abc", "layer_norm_epsilon must be a float, got 'abc'"),
+        ("n_embd", None, "n_embd must be an int, got None"),
+        ("n_layer", 1.0, "n_layer must be an int, got 1.0"),
+    ],
 )
 def test_hf_config_types_are_strict_naming_the_config_file(tmp_path, field, value, message):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=16, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "hf")
+    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=16, n_embd=16, n_layer=1, n_head=2)).save_pretrained(
+        tmp_path / "hf"
+    )
     config = json.loads((tmp_path / "hf" / "config.json").read_text()) | {field: value}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     assert_one_error(convert(tmp_path / "hf", tmp_path), str(tmp_path / "hf" / "config.json"), message)
@@ -350,7 +392,20 @@ def test_non_float_tensors_are_refused_naming_the_file_and_tensor(tmp_path, rope
 
 
 def test_parameter_shapes_are_the_models_own():
-    for config in (GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, position_encoding="rope", bias=False),
-                   GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=4, n_embd=16)):
-        model_shapes = [(name, tuple(t.shape)) for name, t in GPT(config).state_dict().items() if name != "lm_head.weight"]
+    for config in (
+        GPTConfig(
+            vocab_size=50,
+            block_size=8,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            n_embd=16,
+            position_encoding="rope",
+            bias=False,
+        ),
+        GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=4, n_embd=16),
+    ):
+        model_shapes = [
+            (name, tuple(t.shape)) for name, t in GPT(config).state_dict().items() if name != "lm_head.weight"
+        ]
         assert list(parameter_shapes(config)) == model_shapes

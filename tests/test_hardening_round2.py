@@ -20,9 +20,14 @@ import torch
 from safetensors.torch import save
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, manas, rope  # noqa: F401 (fixtures)
-from manas_cli.formats.tokenizer import GPT2_PAT_STR, build_encoding, bpe_spec, pattern_is_safe
+from manas_cli.formats.tokenizer import GPT2_PAT_STR, bpe_spec, build_encoding, pattern_is_safe
 from test_hardening_load import (
-    assert_one_error, generate_from, limit_memory, read_parts, run, write_variant,
+    assert_one_error,
+    generate_from,
+    limit_memory,
+    read_parts,
+    run,
+    write_variant,
 )
 from test_hardening_writes import TINY_SHAPE, write_nanogpt
 
@@ -32,11 +37,17 @@ BYTE_RANKS = {bytes([i]): i for i in range(256)}
 TIKTOKEN_PATTERNS = {
     "r50k_base": r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
     "cl100k_base": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
-    "o200k_base": "|".join([
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+""",
-    ]),
+    "o200k_base": "|".join(
+        [
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""\p{N}{1,3}""",
+            r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+            r"""\s*[\r\n]+""",
+            r"""\s+(?!\S)""",
+            r"""\s+""",
+        ]
+    ),
     "gpt2-as-manas-spells-it": GPT2_PAT_STR,
     "atomic-group": r"""(?>\p{L}+)|\s+|.""",
 }
@@ -63,10 +74,13 @@ def test_every_pattern_tiktoken_ships_is_accepted(name):
     assert encoding.decode(encoding.encode_ordinary("Hello, world! 123  \n")) == "Hello, world! 123  \n"
 
 
-@pytest.mark.parametrize("pattern", [
-    TIKTOKEN_PATTERNS["r50k_base"],
-    TIKTOKEN_PATTERNS["r50k_base"].rsplit("|", 2)[0],  # a prefix of it
-])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        TIKTOKEN_PATTERNS["r50k_base"],
+        TIKTOKEN_PATTERNS["r50k_base"].rsplit("|", 2)[0],  # a prefix of it
+    ],
+)
 def test_a_v1_checkpoint_with_tiktokens_spelling_of_gpt2s_pattern_loads_and_generates(tmp_path, rope, pattern):
     _, metadata = read_parts(rope.path)
     spec = json.loads(metadata["tokenizer"]) | {"pat_str": pattern}
@@ -145,7 +159,9 @@ def test_force_never_replaces_a_fifo_inside_an_hf_export_folder(tmp_path, learne
 def test_quantize_never_writes_over_its_input_even_with_force(tmp_path, rope, spelling):
     source = tmp_path / "m.safetensors"
     source.write_bytes(rope.path.read_bytes())
-    out = {"same-name": source, "another-spelling": tmp_path / "." / "m.safetensors", "hard-link": tmp_path / "link"}[spelling]
+    out = {"same-name": source, "another-spelling": tmp_path / "." / "m.safetensors", "hard-link": tmp_path / "link"}[
+        spelling
+    ]
     if spelling == "hard-link":
         os.link(source, out)
     one_error_line(run("quantize", source, "--out", out, "--force"), 1, "is the input file")
@@ -173,26 +189,43 @@ def test_export_never_writes_over_its_checkpoint_in_the_out_folder(tmp_path, rop
 # ---- 4, 5, 6: bounded time and memory ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, knob", [
-    (["generate", "-p", "a", "--num-samples", str(2**70)], "--num-samples"),
-    (["generate", "-p", "a", "--num-samples", str(10**9)], "--num-samples"),
-    (["bench", "--batch", "10000000", "--tokens", "2"], "--batch"),
-])
+@pytest.mark.parametrize(
+    "args, knob",
+    [
+        (["generate", "-p", "a", "--num-samples", str(2**70)], "--num-samples"),
+        (["generate", "-p", "a", "--num-samples", str(10**9)], "--num-samples"),
+        (["bench", "--batch", "10000000", "--tokens", "2"], "--batch"),
+    ],
+)
 def test_a_request_the_machine_cannot_hold_is_refused_with_its_size(rope, args, knob):
     line = one_error_line(run(*args, "-c", rope.path, *RUN_OPTIONS), 1, knob, "GiB", "free")
     assert "this run needs about" in line
 
 
 def test_a_prompt_longer_than_the_window_is_benched_at_the_window(rope):
-    result = run("bench", "-c", rope.path, *RUN_OPTIONS, "--prompt-tokens", str(10**9), "--tokens", "2",
-                 "--repeat", "1", "--no-baseline", "--json")
+    result = run(
+        "bench",
+        "-c",
+        rope.path,
+        *RUN_OPTIONS,
+        "--prompt-tokens",
+        str(10**9),
+        "--tokens",
+        "2",
+        "--repeat",
+        "1",
+        "--no-baseline",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr.decode()
     assert json.loads(result.stdout)["tests"][0]["name"] == "pp32"
 
 
 def test_a_static_cache_holds_what_the_run_needs_not_the_claimed_window(tmp_path, rope):
     path = write_variant(tmp_path / "huge-window.safetensors", rope.path, config={"block_size": 2**20})
-    result = run("inspect-cache", "-c", path, *RUN_OPTIONS, "--cache", "static", "-p", "ROMEO:", "--tokens", "3", "--json")
+    result = run(
+        "inspect-cache", "-c", path, *RUN_OPTIONS, "--cache", "static", "-p", "ROMEO:", "--tokens", "3", "--json"
+    )
     assert result.returncode == 0, result.stderr.decode()
     report = json.loads(result.stdout)
     assert report["storage_bytes"] == report["logical_bytes"] == report["bytes_per_position"] * report["positions"]
@@ -253,8 +286,11 @@ def test_an_int8_scale_whose_rows_overflow_is_refused_naming_it(tmp_path, rope, 
 
 def test_finite_weights_whose_logits_overflow_are_an_error_not_nul_bytes(tmp_path, rope):
     state, _ = read_parts(rope.path)
-    path = write_variant(tmp_path / "loud.safetensors", rope.path,
-                         tensors={"final_norm.weight": torch.full_like(state["final_norm.weight"], 3e38)})
+    path = write_variant(
+        tmp_path / "loud.safetensors",
+        rope.path,
+        tensors={"final_norm.weight": torch.full_like(state["final_norm.weight"], 3e38)},
+    )
     line = assert_one_error(generate_from(path, "-p", "ROMEO:", "-n", "5", "--json"), "NaN or infinite logits")
     assert "--dtype float32" in line
 
@@ -283,10 +319,12 @@ def overlapping_header_file(path: Path, source: Path, moved: str, onto: str) -> 
 
 
 def test_overlapping_tensor_data_is_refused_naming_both(tmp_path, rope):
-    path = overlapping_header_file(tmp_path / "overlap.safetensors", rope.path, "blocks.0.ln_ffn.weight",
-                                   "blocks.0.ln_attention.weight")
-    assert_one_error(generate_from(path, "-p", "a", "-n", "2"), "blocks.0.ln_attention.weight", "blocks.0.ln_ffn.weight",
-                     "overlap")
+    path = overlapping_header_file(
+        tmp_path / "overlap.safetensors", rope.path, "blocks.0.ln_ffn.weight", "blocks.0.ln_attention.weight"
+    )
+    assert_one_error(
+        generate_from(path, "-p", "a", "-n", "2"), "blocks.0.ln_attention.weight", "blocks.0.ln_ffn.weight", "overlap"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -346,22 +384,48 @@ def close_stderr() -> None:
 
 
 def test_a_closed_stderr_changes_nothing_but_silence(tmp_path, rope):
-    result = subprocess.run([*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "5", "--json",
-                             "--stats"], capture_output=False, stdout=subprocess.PIPE, env=cli_env(),
-                            preexec_fn=close_stderr, timeout=120)
+    result = subprocess.run(
+        [*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "5", "--json", "--stats"],
+        capture_output=False,
+        stdout=subprocess.PIPE,
+        env=cli_env(),
+        preexec_fn=close_stderr,
+        timeout=120,
+    )
     assert result.returncode == 0
     assert json.loads(result.stdout)["generated_tokens"] == 5
-    convert = subprocess.run([*MANAS, "convert", *write_nanogpt(tmp_path), "--out", tmp_path / "c.safetensors"],
-                             stdout=subprocess.PIPE, env=cli_env(), preexec_fn=close_stderr, timeout=120)
+    convert = subprocess.run(
+        [*MANAS, "convert", *write_nanogpt(tmp_path), "--out", tmp_path / "c.safetensors"],
+        stdout=subprocess.PIPE,
+        env=cli_env(),
+        preexec_fn=close_stderr,
+        timeout=120,
+    )
     assert convert.returncode == 0 and convert.stdout == b""
     assert (tmp_path / "c.safetensors").is_file()
 
 
 def test_a_second_signal_during_the_clean_up_loses_nothing(rope):
     process = subprocess.Popen(
-        [*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "1000000", "--num-samples", "3",
-         "--json", "--stats"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        [
+            *MANAS,
+            "generate",
+            "-c",
+            rope.path,
+            *RUN_OPTIONS,
+            "-p",
+            "ROMEO:",
+            "-n",
+            "1000000",
+            "--num-samples",
+            "3",
+            "--json",
+            "--stats",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(6)  # loaded and generating: a tiny model decodes a token in about a millisecond
     for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
@@ -398,12 +462,27 @@ def raw_safetensors(path: Path, header: bytes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("header, fragment", [
-    (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
-    (b'{"t": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 0]}}', "not JSON"),
-    (json.dumps({"__metadata__": {"format": "manas-gpt", "format_version": "1", "config": "{}",
-                                  "tokenizer": {"kind": "bpe"}}}).encode(), "'tokenizer' is a dict, not a string"),
-], ids=["deep-nesting", "5000-digit-integer", "non-string-metadata"])
+@pytest.mark.parametrize(
+    "header, fragment",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+        (b'{"t": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 0]}}', "not JSON"),
+        (
+            json.dumps(
+                {
+                    "__metadata__": {
+                        "format": "manas-gpt",
+                        "format_version": "1",
+                        "config": "{}",
+                        "tokenizer": {"kind": "bpe"},
+                    }
+                }
+            ).encode(),
+            "'tokenizer' is a dict, not a string",
+        ),
+    ],
+    ids=["deep-nesting", "5000-digit-integer", "non-string-metadata"],
+)
 def test_a_malformed_header_names_the_file(tmp_path, header, fragment):
     path = raw_safetensors(tmp_path / "bad.safetensors", header)
     assert_one_error(generate_from(path, "-p", "a"), str(path), fragment)
@@ -452,9 +531,20 @@ def test_export_into_a_link_to_an_empty_folder_writes_there(tmp_path, learned):
 def test_a_random_ckpt_message_is_ours_not_torchs(tmp_path):
     """Random bytes are no pickle nor zip: said in one sentence of manas's, not torch's weights_only paragraph."""
     (tmp_path / "ckpt.pt").write_bytes(b"\x00" + os.urandom(4096))
-    (tmp_path / "tok.tiktoken").write_text("".join(f"{__import__('base64').b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
-    line = assert_one_error(run("convert", tmp_path / "ckpt.pt", "--out", tmp_path / "o.safetensors",
-                                "--tokenizer-file", tmp_path / "tok.tiktoken"), "not a readable PyTorch checkpoint")
+    (tmp_path / "tok.tiktoken").write_text(
+        "".join(f"{__import__('base64').b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+    )
+    line = assert_one_error(
+        run(
+            "convert",
+            tmp_path / "ckpt.pt",
+            "--out",
+            tmp_path / "o.safetensors",
+            "--tokenizer-file",
+            tmp_path / "tok.tiktoken",
+        ),
+        "not a readable PyTorch checkpoint",
+    )
     assert "weights_only" not in line and line.endswith("or its model.safetensors")
 
 
@@ -470,6 +560,10 @@ def test_a_broken_gguf_install_says_to_reinstall(tmp_path, rope):
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / "__init__.py").write_text("raise RuntimeError('numpy ABI mismatch')\n")
     env = cli_env(PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
-    result = subprocess.run([*MANAS, "export", rope.path, "--format", "gguf", "--out", tmp_path / "m.gguf"],
-                            capture_output=True, env=env, timeout=120)
+    result = subprocess.run(
+        [*MANAS, "export", rope.path, "--format", "gguf", "--out", tmp_path / "m.gguf"],
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
     assert_one_error(result, "fails to import", "numpy ABI mismatch", "reinstall")

@@ -30,8 +30,13 @@ GOOD = json.dumps({"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
 
 
 def jsonl_run(checkpoint: Path, data: bytes, *args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*MANAS, "generate", "-c", checkpoint, *RUN_OPTIONS, "--jsonl", *map(str, args)],
-                          input=data, capture_output=True, env=cli_env(), timeout=300)
+    return subprocess.run(
+        [*MANAS, "generate", "-c", checkpoint, *RUN_OPTIONS, "--jsonl", *map(str, args)],
+        input=data,
+        capture_output=True,
+        env=cli_env(),
+        timeout=300,
+    )
 
 
 def records(done: subprocess.CompletedProcess) -> list[dict]:
@@ -47,8 +52,9 @@ def test_jsonl_requests_ended_by_a_stop_string_get_their_records(rope, stop_flag
     lines = [{"prompt": "ROMEO:", "max_tokens": 100, "seed": 1}, {"prompt": "ROMEO:", "max_tokens": 100, "seed": 7}]
     if not stop_flag:
         lines[1]["stop"] = ["e"]
-    done = jsonl_run(rope.path, "".join(json.dumps(line) + "\n" for line in lines).encode(),
-                     *(["--stop", "e"] if stop_flag else []))
+    done = jsonl_run(
+        rope.path, "".join(json.dumps(line) + "\n" for line in lines).encode(), *(["--stop", "e"] if stop_flag else [])
+    )
     assert done.returncode == 0, done.stderr.decode()
     first, second = records(done)
     assert (first["id"], second["id"]) == (1, 2)
@@ -118,8 +124,13 @@ def read_line_within(stream, seconds: float) -> bytes:
 
 def test_jsonl_answers_each_request_while_stdin_stays_open(rope):
     """A coprocess: write one request, wait for its record, write the next; the batch never waits to fill."""
-    process = subprocess.Popen([*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "--jsonl"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    process = subprocess.Popen(
+        [*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "--jsonl"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
     try:
         answers = []
         for number in (1, 2):
@@ -136,15 +147,17 @@ def test_jsonl_answers_each_request_while_stdin_stays_open(rope):
 # ---- 4: terminals of no size, and too small a terminal ------------------------------------------------------------
 
 
-def on_pty(args: list, columns: int, rows: int, stdout_file: Path | None = None, resize_to: tuple | None = None,
-           **env: str) -> tuple[int, bytes]:
+def on_pty(
+    args: list, columns: int, rows: int, stdout_file: Path | None = None, resize_to: tuple | None = None, **env: str
+) -> tuple[int, bytes]:
     """Run manas with stderr (and stdout, unless stdout_file) on a pseudo-terminal of columns × rows, resized once
     mid-run if asked; (exit code, what the terminal received)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     out = stdout_file.open("wb") if stdout_file else slave
-    process = subprocess.Popen([*MANAS, *map(str, args)], stdin=subprocess.DEVNULL, stdout=out, stderr=slave,
-                               env=cli_env(**env))
+    process = subprocess.Popen(
+        [*MANAS, *map(str, args)], stdin=subprocess.DEVNULL, stdout=out, stderr=slave, env=cli_env(**env)
+    )
     os.close(slave)
     received = bytearray()
 
@@ -178,8 +191,9 @@ LIVE_RUN = ["-p", "ROMEO:", "-t", "0", "-n", "25"]  # within the window: no noti
 @pytest.mark.parametrize("environment", [{}, {"COLUMNS": "100", "LINES": "30"}])
 def test_a_terminal_of_0x0_gets_the_text_and_a_live_display(rope, tmp_path, environment):
     piped = manas("generate", "-c", rope.path, *RUN_OPTIONS, *LIVE_RUN).ok().out
-    code, terminal = on_pty(["generate", "-c", rope.path, *RUN_OPTIONS, *LIVE_RUN], 0, 0, tmp_path / "out.txt",
-                            **environment)
+    code, terminal = on_pty(
+        ["generate", "-c", rope.path, *RUN_OPTIONS, *LIVE_RUN], 0, 0, tmp_path / "out.txt", **environment
+    )
     assert code == 0, terminal.decode(errors="replace")
     assert (tmp_path / "out.txt").read_text() == piped
     assert b"\x1b[?2026l" in terminal  # the region was drawn, at the fallback size
@@ -195,7 +209,7 @@ def test_a_tiny_terminal_shows_no_live_region_and_leaves_no_fragments(rope, size
     text = terminal.decode().replace("\r\n", "\n")
     text = re.sub(r"\x1b\[\?25[lh]", "", text)  # the cursor hidden and shown again
     assert text.startswith(piped)
-    assert re.fullmatch(r"prompt \d+ tokens · generated 25 · .*", " ".join(text[len(piped):].split()))  # wrapped
+    assert re.fullmatch(r"prompt \d+ tokens · generated 25 · .*", " ".join(text[len(piped) :].split()))  # wrapped
 
 
 def test_a_shrink_below_the_smallest_size_ends_the_display_and_the_text_goes_on(rope, tmp_path):
@@ -223,8 +237,12 @@ def loud_at_10(learned, tmp_path_factory) -> Path:
 
 
 def test_logits_that_overflow_after_the_prompt_are_an_error_naming_the_position(loud_at_10):
-    done = subprocess.run([*MANAS, "generate", "-c", loud_at_10, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "20", "-t", "0"],
-                          capture_output=True, env=cli_env(), timeout=300)
+    done = subprocess.run(
+        [*MANAS, "generate", "-c", loud_at_10, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "20", "-t", "0"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=300,
+    )
     err = done.stderr.decode()
     assert done.returncode == 1 and "NaN or infinite logits at position 10" in err, err
     assert b"\x00" not in done.stdout and "Traceback" not in err
@@ -232,8 +250,12 @@ def test_logits_that_overflow_after_the_prompt_are_an_error_naming_the_position(
 
 def test_score_refuses_logits_that_overflow_naming_the_position(loud_at_10, tmp_path):
     (tmp_path / "t.txt").write_text("ROMEO: what light through yonder window breaks? It is the east.")
-    done = subprocess.run([*MANAS, "score", tmp_path / "t.txt", "-c", loud_at_10, *RUN_OPTIONS, "--json"],
-                          capture_output=True, env=cli_env(), timeout=300)
+    done = subprocess.run(
+        [*MANAS, "score", tmp_path / "t.txt", "-c", loud_at_10, *RUN_OPTIONS, "--json"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=300,
+    )
     # the whole window runs at once, and attention carries the overflow back to earlier positions too
     assert_one_error(done, "NaN or infinite logits at position")
 
@@ -244,6 +266,7 @@ def test_score_refuses_logits_that_overflow_naming_the_position(loud_at_10, tmp_
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_jsonl_refuses_numbers_that_are_not_json(rope, value):
     done = jsonl_run(rope.path, (f'{{"prompt": "a", "id": {value}}}\n' + GOOD + "\n").encode())
+
     def refuse(name: str):
         raise AssertionError(f"{name} in a record")
 
@@ -273,8 +296,11 @@ def hf_files(merges: list[str], extra: dict[str, int] | None = None) -> tuple[st
 
 def test_merges_that_tiktoken_would_apply_otherwise_are_refused_naming_the_line():
     """`b c`, `a b`, `ab c`: Hugging Face tokenizes "abc" as a + bc; tiktoken's ranks would join a + bc."""
-    with pytest.raises(TokenizerError, match=r"line 4 of merges.txt builds 'abc' from 'ab' \+ 'c', but by rank "
-                                             r"tiktoken builds it from 'a' \+ 'bc'"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"line 4 of merges.txt builds 'abc' from 'ab' \+ 'c', but by rank "
+        r"tiktoken builds it from 'a' \+ 'bc'",
+    ):
         spec_from_hf_files(*hf_files(["b c", "a b", "ab c"]), "tiny")
     spec_from_hf_files(*hf_files(["a b", "b c", "ab c"]), "tiny")  # here both build ab first: accepted
 
@@ -295,14 +321,22 @@ def test_added_tokens_a_folder_lists_are_special_tokens(tmp_path):
     """A GPT-2 folder's added tokens need not look like <markers>: added_tokens.json and tokenizer_config.json say
     which they are."""
     vocab, merges = hf_files(["a b"], {"[PAD]": 257, "[SEP]": 258})
-    for name, text in (("vocab.json", vocab), ("merges.txt", merges), ("added_tokens.json", '{"[PAD]": 257}'),
-                       ("tokenizer_config.json", '{"added_tokens_decoder": {"258": {"content": "[SEP]"}}}')):
+    for name, text in (
+        ("vocab.json", vocab),
+        ("merges.txt", merges),
+        ("added_tokens.json", '{"[PAD]": 257}'),
+        ("tokenizer_config.json", '{"added_tokens_decoder": {"258": {"content": "[SEP]"}}}'),
+    ):
         (tmp_path / name).write_text(text)
     manas("tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken").ok()
     assert "[PAD]" in manas("tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken", "--force").ok().err
     (tmp_path / "added_tokens.json").unlink()
-    done = subprocess.run([*MANAS, "tokenizer", tmp_path, "--out", tmp_path / "u.tiktoken"], capture_output=True,
-                          env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [*MANAS, "tokenizer", tmp_path, "--out", tmp_path / "u.tiktoken"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+    )
     assert_one_error(done, "token '[PAD]' (id 257) is longer than a byte, but no merge builds it")
 
 
@@ -310,8 +344,12 @@ def test_the_tokenizer_command_refuses_a_vocab_of_unbuilt_tokens_instead_of_drop
     vocab, merges = hf_files(["a b"], {f"word{index}": 257 + index for index in range(1000)})
     (tmp_path / "vocab.json").write_text(vocab)
     (tmp_path / "merges.txt").write_text(merges)
-    done = subprocess.run([*MANAS, "tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken"], capture_output=True,
-                          env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [*MANAS, "tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+    )
     assert_one_error(done, "no merge builds it and it is not a special token")
     assert not (tmp_path / "t.tiktoken").exists()
 
@@ -321,10 +359,15 @@ def test_a_checkpoint_with_100000_special_tokens_is_refused(rope, tmp_path):
     spec = json.loads(metadata["tokenizer"])
     first = max(spec["special_tokens"].values()) + 1
     spec["special_tokens"] |= {f"<|s{index}|>": first + index for index in range(100_000)}
-    path = write_variant(tmp_path / "many.safetensors", rope.path, tokenizer=spec,
-                         config={"vocab_size": first + 100_000})
-    done = subprocess.run([*MANAS, "generate", "-c", path, *RUN_OPTIONS, "-p", "a", "-n", "1"], capture_output=True,
-                          env=cli_env(), timeout=120)
+    path = write_variant(
+        tmp_path / "many.safetensors", rope.path, tokenizer=spec, config={"vocab_size": first + 100_000}
+    )
+    done = subprocess.run(
+        [*MANAS, "generate", "-c", path, *RUN_OPTIONS, "-p", "a", "-n", "1"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+    )
     assert_one_error(done, "100,001 special tokens; at most 4,096 are allowed")
 
 
@@ -353,8 +396,10 @@ def test_convert_reads_a_folder_with_only_tokenizer_json(learned, tokenizer_json
     converted = manas("convert", tokenizer_json_folder, "--out", back).ok()
     assert "tokenizer.json" in converted.err
     args = ("--threads", "1", "-p", "ROMEO: café", "-n", "12", "-t", "0", "--json")
-    assert manas("generate", "-c", back, *args).ok().json()["tokens"] == \
-        manas("generate", "-c", learned.path, *args).ok().json()["tokens"]
+    assert (
+        manas("generate", "-c", back, *args).ok().json()["tokens"]
+        == manas("generate", "-c", learned.path, *args).ok().json()["tokens"]
+    )
 
 
 def test_a_tokenizer_json_of_another_kind_is_refused_naming_it(tokenizer_json_folder, tmp_path):
@@ -365,29 +410,48 @@ def test_a_tokenizer_json_of_another_kind_is_refused_naming_it(tokenizer_json_fo
     tokenizer = json.loads((tokenizer_json_folder / "tokenizer.json").read_text())
     tokenizer["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁"}
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    done = subprocess.run([*MANAS, "convert", folder, "--out", tmp_path / "o.safetensors"], capture_output=True,
-                          env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [*MANAS, "convert", folder, "--out", tmp_path / "o.safetensors"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+    )
     assert_one_error(done, "pre-tokenizer is 'Metaspace'")
 
 
 # ---- 8: endless input -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [
-    ["score"], ["score", "/dev/zero"], ["generate", "-n", "1"], ["generate", "--prompt-file", "/dev/zero", "-n", "1"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["score"],
+        ["score", "/dev/zero"],
+        ["generate", "-n", "1"],
+        ["generate", "--prompt-file", "/dev/zero", "-n", "1"],
+    ],
+)
 def test_endless_input_is_refused_at_the_cap(rope, command):
     """/dev/zero never ends: read whole, it would take all memory (and the test would time out)."""
     with open("/dev/zero", "rb") as zero:
-        done = subprocess.run([*MANAS, *command, "-c", rope.path, *RUN_OPTIONS], stdin=zero, capture_output=True,
-                              env=cli_env(), timeout=120)
+        done = subprocess.run(
+            [*MANAS, *command, "-c", rope.path, *RUN_OPTIONS],
+            stdin=zero,
+            capture_output=True,
+            env=cli_env(),
+            timeout=120,
+        )
     line = assert_one_error(done, "is over 64 MiB, the most manas reads as one text")
     assert ("manas score" in line) == (command[0] == "score")
 
 
 def test_train_refuses_endless_text_at_the_cap(tmp_path):
-    done = subprocess.run([*MANAS, "train", "/dev/zero", "--out", tmp_path / "m.safetensors"], capture_output=True,
-                          env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [*MANAS, "train", "/dev/zero", "--out", tmp_path / "m.safetensors"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+    )
     assert_one_error(done, "training text /dev/zero is over 64 MiB")
 
 
@@ -399,10 +463,37 @@ def test_out_of_memory_advice_names_the_commands_own_flags(tmp_path):
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 
-    done = subprocess.run([*MANAS, "train", text, "--out", tmp_path / "m.safetensors", "--threads", "1",
-                           "--batch-size", "20000", "--steps", "1", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-                           "--n-kv-head", "1", "--block-size", "64", "--vocab-size", "300"],
-                          capture_output=True, env=cli_env(), timeout=300, preexec_fn=limited)
+    done = subprocess.run(
+        [
+            *MANAS,
+            "train",
+            text,
+            "--out",
+            tmp_path / "m.safetensors",
+            "--threads",
+            "1",
+            "--batch-size",
+            "20000",
+            "--steps",
+            "1",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--n-kv-head",
+            "1",
+            "--block-size",
+            "64",
+            "--vocab-size",
+            "300",
+        ],
+        capture_output=True,
+        env=cli_env(),
+        timeout=300,
+        preexec_fn=limited,
+    )
     err = done.stderr.decode().strip().splitlines()
     assert done.returncode == 1 and err[-1].startswith("error: out of memory: lower --batch-size, --block-size"), err
     assert "--num-samples" not in err[-1] and not (tmp_path / "m.safetensors").exists()
@@ -413,16 +504,28 @@ def test_out_of_memory_advice_names_the_commands_own_flags(tmp_path):
 
 def test_a_pytorch_checkpoint_given_to_generate_says_convert_it(tmp_path):
     torch.save({"model": {"w": torch.zeros(2)}, "model_args": {}}, tmp_path / "ckpt.pt")
-    done = subprocess.run([*MANAS, "generate", "-c", tmp_path / "ckpt.pt", "-p", "a"], capture_output=True,
-                          env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [*MANAS, "generate", "-c", tmp_path / "ckpt.pt", "-p", "a"], capture_output=True, env=cli_env(), timeout=120
+    )
     assert_one_error(done, "this is a PyTorch checkpoint", f"manas convert {tmp_path / 'ckpt.pt'} --out")
 
 
 def test_garbage_given_to_convert_is_said_to_be_no_pytorch_checkpoint(tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint at all\n" * 100)
-    done = subprocess.run([*MANAS, "convert", tmp_path / "ckpt.pt", "--out", tmp_path / "o.safetensors",
-                           "--tokenizer-file", ROOT / "tests" / "data" / "gpt2.tiktoken"],
-                          capture_output=True, env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [
+            *MANAS,
+            "convert",
+            tmp_path / "ckpt.pt",
+            "--out",
+            tmp_path / "o.safetensors",
+            "--tokenizer-file",
+            ROOT / "tests" / "data" / "gpt2.tiktoken",
+        ],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+    )
     line = assert_one_error(done, "neither the zip archive torch.save writes nor a pickle")
     assert "weights_only" not in line and "PyTorch 2.6" not in line
 
@@ -457,8 +560,12 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_says_the_disk_is_full_and_leaves_nothing(small_disk):
     shipped = ROOT / "checkpoints" / "shakespeare.safetensors"  # 18 MB: more than the disk holds
-    done = subprocess.run([*MANAS, "export", shipped, "--format", "gguf", "--out", small_disk / "m.gguf"],
-                          capture_output=True, env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [*MANAS, "export", shipped, "--format", "gguf", "--out", small_disk / "m.gguf"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+    )
     if b"gguf" in done.stderr and b"pip install" in done.stderr:
         pytest.skip("the gguf extra is not installed")
     assert_one_error(done, "the disk is full", "free some space")
@@ -470,8 +577,13 @@ def test_a_file_size_limit_says_so_and_leaves_nothing(rope, tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))  # the int8 file is 45 KB
 
-    done = subprocess.run([*MANAS, "quantize", rope.path, "--out", tmp_path / "q.safetensors"], capture_output=True,
-                          env=cli_env(), timeout=120, preexec_fn=limited)
+    done = subprocess.run(
+        [*MANAS, "quantize", rope.path, "--out", tmp_path / "q.safetensors"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+        preexec_fn=limited,
+    )
     assert_one_error(done, "larger than this process may write", "ulimit -f")
     assert list(tmp_path.iterdir()) == []
 
@@ -481,14 +593,31 @@ def test_resuming_training_from_an_int4_file_calls_it_int4(rope, tmp_path):
     text.write_text((ROOT / "tests" / "data" / "tinyshakespeare-head.txt").read_text()[:20_000])
     out = tmp_path / "int4.safetensors"
     manas("quantize", rope.path, "--bits", "4", "--out", out).ok()
-    done = subprocess.run([*MANAS, "train", text, "--out", out, "--resume", "--steps", "1"], capture_output=True,
-                          env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [*MANAS, "train", text, "--out", out, "--resume", "--steps", "1"],
+        capture_output=True,
+        env=cli_env(),
+        timeout=120,
+    )
     assert_one_error(done, "is an int4 checkpoint: training needs float weights")
 
 
 def test_a_huge_repeat_last_n_is_the_whole_window_without_a_warning(rope):
-    args = ("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "20", "-t", "0",
-            "--repetition-penalty", "1.3", "--json")
+    args = (
+        "generate",
+        "-c",
+        rope.path,
+        *RUN_OPTIONS,
+        "-p",
+        "ROMEO:",
+        "-n",
+        "20",
+        "-t",
+        "0",
+        "--repetition-penalty",
+        "1.3",
+        "--json",
+    )
     huge = manas(*args, "--repeat-last-n", str(10**30)).ok()
     assert huge.err == ""
     assert huge.json()["tokens"] == manas(*args, "--repeat-last-n", "-1").ok().json()["tokens"]
@@ -506,7 +635,11 @@ def test_the_tests_read_nothing_outside_the_repository():
         text = source.read_text()
         assert not any(spelling in text for spelling in spellings), source.name
     assert {path.name for path in (ROOT / "tests" / "data").iterdir()} >= {
-        "SOURCES.md", "gpt2.tiktoken", "tinyshakespeare-head.txt", "tinyshakespeare-held-out.txt"}
+        "SOURCES.md",
+        "gpt2.tiktoken",
+        "tinyshakespeare-head.txt",
+        "tinyshakespeare-held-out.txt",
+    }
 
 
 # ---- 15, 16, 19: bench's default, the window notice in scripts, the jsonl cache field -------------------------------------
@@ -519,10 +652,23 @@ def test_the_default_bench_fits_the_window(rope):
 
 
 def test_a_prompt_longer_than_the_window_is_said_to_be_cropped(rope):
-    done = manas("bench", "-c", rope.path, *RUN_OPTIONS, "--repeat", "1", "--prompt-tokens", "300", "--tokens", "1",
-                 "--no-baseline", "--json").ok()
-    assert done.err.splitlines() == ["notice: --prompt-tokens 300 is more than the model's block_size: prefilling 32, "
-                                     "the whole window"]
+    done = manas(
+        "bench",
+        "-c",
+        rope.path,
+        *RUN_OPTIONS,
+        "--repeat",
+        "1",
+        "--prompt-tokens",
+        "300",
+        "--tokens",
+        "1",
+        "--no-baseline",
+        "--json",
+    ).ok()
+    assert done.err.splitlines() == [
+        "notice: --prompt-tokens 300 is more than the model's block_size: prefilling 32, the whole window"
+    ]
     assert done.json()["tests"][0]["name"] == "pp32"
 
 
@@ -557,7 +703,8 @@ def test_every_readme_pipeline_example_runs_as_written(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     env = cli_env(PATH=f"{Path(MANAS[0]).parent}{os.pathsep}{os.environ['PATH']}", MANAS_THREADS="1")
     for command in commands:
-        done = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=tmp_path, capture_output=True, env=env,
-                              timeout=300)
+        done = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", command], cwd=tmp_path, capture_output=True, env=env, timeout=300
+        )
         assert done.returncode == 0, f"{command}\n{done.stderr.decode()}"
         assert b"error:" not in done.stderr and b"null" not in done.stdout, command

@@ -24,12 +24,12 @@ from safetensors.torch import save
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas, rope  # noqa: F401
 from conftest import all_logits, make_model, native_model, needs_compiler
-from test_native import dequantized_reference
-from manas_cli.torch_engine.quantize import Int4Linear, Int8Linear, quantizable, quantize_groups, quantize_rows
-from manas_cli.native.engine import NativeEngine
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import open_checkpoint
 from manas_cli.formats.tokenizer import bpe_spec
+from manas_cli.native.engine import NativeEngine
+from manas_cli.torch_engine.quantize import Int4Linear, Int8Linear, quantizable, quantize_groups, quantize_rows
+from test_native import dequantized_reference
 
 BYTE_SPEC = bpe_spec({bytes([i]): i for i in range(256)})
 
@@ -49,8 +49,11 @@ def quantized_file(path: Path, kind: str, group_size: int = 32, **config) -> Pat
     with torch.no_grad():
         for name in quantizable(model):
             linear = model.get_submodule(name)
-            layer = (Int8Linear(*quantize_rows(linear.weight), linear.bias) if kind == "int8" else
-                     Int4Linear(*quantize_groups(linear.weight, group_size), linear.bias))
+            layer = (
+                Int8Linear(*quantize_rows(linear.weight), linear.bias)
+                if kind == "int8"
+                else Int4Linear(*quantize_groups(linear.weight, group_size), linear.bias)
+            )
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer)
     save_checkpoint(path, model, BYTE_SPEC)
@@ -96,8 +99,9 @@ def test_a_tensor_whose_bytes_are_fewer_than_its_shape_is_refused_on_both_engine
 # ---- item 2: int4 in every group size the format allows --------------------------------------------------------
 
 
-@pytest.mark.parametrize("n_embd, group_size", [(32, 32), (64, 64), (40, 40), (32, 16), (32, 2), (16, 16), (48, 48),
-                                                (96, 32), (80, 20)])
+@pytest.mark.parametrize(
+    "n_embd, group_size", [(32, 32), (64, 64), (40, 40), (32, 16), (32, 2), (16, 16), (48, 48), (96, 32), (80, 20)]
+)
 def test_int4_of_any_group_size_runs_on_the_core(native_library, tmp_path, n_embd, group_size):
     """The core's int4 product equals x · Wᵀ over the dequantized weights (torch's engine rounds its activations to
     bfloat16, so its greedy tokens part from both after a few steps on a random model); the mapped file and the
@@ -123,8 +127,11 @@ def test_a_top_k_beyond_32_bits_is_no_filter_on_both_engines(rope):
     args = ("-p", "ROMEO:", "-n", "12", "-t", "0.9", "--seed", "5", "--json")
     for engine in ("native", "torch"):
         unfiltered = manas("generate", "-c", rope.path, *RUN_OPTIONS, "--engine", engine, *args).ok().json()
-        huge = manas("generate", "-c", rope.path, *RUN_OPTIONS, "--engine", engine, *args,
-                     "--top-k", str(2**32 + 1)).ok().json()
+        huge = (
+            manas("generate", "-c", rope.path, *RUN_OPTIONS, "--engine", engine, *args, "--top-k", str(2**32 + 1))
+            .ok()
+            .json()
+        )
         assert huge["tokens"] == unfiltered["tokens"]
     greedy = manas("generate", "-c", rope.path, *RUN_OPTIONS, *args[:4], "-t", "0", "--json").ok().json()
     assert huge["tokens"] != greedy["tokens"]  # 2^32 + 1 wrapped to 1 was greedy
@@ -168,8 +175,12 @@ def _read(path: Path):
 
 
 def test_a_jsonl_request_whose_logits_overflow_gets_its_error_record_and_the_rest_go_on(loud_at_10):
-    lines = [{"prompt": "ab", "max_tokens": 4, "temperature": 0}, {"prompt": "ab", "max_tokens": 20},
-             {"prompt": "cd", "max_tokens": 4, "temperature": 0}, {"prompt": "ef", "max_tokens": 3}]
+    lines = [
+        {"prompt": "ab", "max_tokens": 4, "temperature": 0},
+        {"prompt": "ab", "max_tokens": 20},
+        {"prompt": "cd", "max_tokens": 4, "temperature": 0},
+        {"prompt": "ef", "max_tokens": 3},
+    ]
     stdin = "".join(json.dumps(line) + "\n" for line in lines).encode()
     run = manas("generate", "-c", loud_at_10, *RUN_OPTIONS, "--jsonl", stdin=stdin)
     records = run.json_lines()
@@ -202,8 +213,9 @@ def test_a_request_whose_logits_overflow_gets_an_error_and_the_server_goes_on(lo
 def live(checkpoints):
     from test_serve import running_server
 
-    with running_server(checkpoints["rope-gqa"].path, "--api-key", "k", "--timeout", "2", "--max-connections", "8",
-                        "--max-tokens", "64") as server:
+    with running_server(
+        checkpoints["rope-gqa"].path, "--api-key", "k", "--timeout", "2", "--max-connections", "8", "--max-tokens", "64"
+    ) as server:
         yield server
 
 
@@ -224,13 +236,16 @@ POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/j
 SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n\r\n"
 
 
-@pytest.mark.parametrize("first", [
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",  # 401
-    b"POST /nowhere HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Length: %d\r\n\r\n",  # 404
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Type: text/plain\r\n"
-    b"Content-Length: %d\r\n\r\n",  # 415
-    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n",  # a GET's body
-])
+@pytest.mark.parametrize(
+    "first",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",  # 401
+        b"POST /nowhere HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Length: %d\r\n\r\n",  # 404
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Type: text/plain\r\n"
+        b"Content-Length: %d\r\n\r\n",  # 415
+        b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n",  # a GET's body
+    ],
+)
 def test_a_body_the_server_never_reads_is_never_taken_for_the_next_request(live, first):
     answer = exchange(live, first % len(SMUGGLED) + SMUGGLED)
     assert answer.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in answer, answer
@@ -314,11 +329,16 @@ def test_a_request_cut_at_shutdown_is_never_answered_as_finished(checkpoints):
             client = server.client()
             try:
                 if stream:
-                    results[stream] = [chunk for chunk in client.completions.create(
-                        model=server.model, prompt="ROMEO:", max_tokens=1_000_000, temperature=0, stream=True)]
+                    results[stream] = [
+                        chunk
+                        for chunk in client.completions.create(
+                            model=server.model, prompt="ROMEO:", max_tokens=1_000_000, temperature=0, stream=True
+                        )
+                    ]
                 else:
-                    results[stream] = client.completions.create(model=server.model, prompt="ROMEO:",
-                                                                max_tokens=10**6, temperature=0)
+                    results[stream] = client.completions.create(
+                        model=server.model, prompt="ROMEO:", max_tokens=10**6, temperature=0
+                    )
             except openai.APIError as exc:
                 results[stream] = exc
 
@@ -342,8 +362,9 @@ def test_a_client_that_hangs_up_frees_its_rows_streamed_or_not(checkpoints, stre
     with running_server(checkpoints["rope-gqa"].path, "--max-tokens", "1000000") as server:
         body = json.dumps({"prompt": "ROMEO:", "max_tokens": 10**6, "n": 2, "stream": stream}).encode()
         connection = socket.create_connection((server.host, server.port), timeout=10)
-        connection.sendall(POST.replace(b"Authorization: Bearer k\r\n", b"")
-                           + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        connection.sendall(
+            POST.replace(b"Authorization: Bearer k\r\n", b"") + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         while server.health()["rows"] < 2:
             time.sleep(0.05)
         connection.close()
@@ -360,8 +381,12 @@ def test_the_ready_line_is_out_whenever_the_server_answers(rope):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        process = subprocess.Popen([*MANAS, "serve", "-c", str(rope.path), "--port", str(port), *RUN_OPTIONS],
-                                   stderr=subprocess.PIPE, text=True, env=cli_env())
+        process = subprocess.Popen(
+            [*MANAS, "serve", "-c", str(rope.path), "--port", str(port), *RUN_OPTIONS],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(),
+        )
         try:
             for _ in range(600):  # until it answers; a minute before calling it a hang
                 try:
@@ -398,8 +423,21 @@ def test_a_core_built_with_fast_math_fails_its_self_test_and_torch_runs_with_a_n
     wrapper = tmp_path / "cc"
     wrapper.write_text(f'#!/bin/sh\nexec {shutil.which(os.environ.get("CC") or "cc")} -ffast-math "$@"\n')
     wrapper.chmod(0o755)
-    run = manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "5", "-t", "0", "--json",
-                CC=str(wrapper), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    run = manas(
+        "generate",
+        "-c",
+        rope.path,
+        *RUN_OPTIONS,
+        "-p",
+        "ROMEO:",
+        "-n",
+        "5",
+        "-t",
+        "0",
+        "--json",
+        CC=str(wrapper),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+    )
     assert run.ok().json()["engine"] == "torch"
     assert "failed its self-test (a NaN went unseen" in run.err and run.err.count("\n") == 1, run.err
     assert not list((tmp_path / "cache" / "manas").glob("*.so"))
@@ -411,8 +449,12 @@ def test_a_core_built_with_fast_math_fails_its_self_test_and_torch_runs_with_a_n
 def test_a_checkpoint_copied_over_while_it_runs_never_kills_the_process(checkpoints, tmp_path):
     path = tmp_path / "model.safetensors"
     shutil.copy(checkpoints["rope-gqa"].path, path)
-    process = subprocess.Popen([*MANAS, "generate", "-c", path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "3000", "-t", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    process = subprocess.Popen(
+        [*MANAS, "generate", "-c", path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "3000", "-t", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
     assert process.stdout.read(1)  # it runs
     with open(path, "r+b") as f:  # `cp` over it: truncated in place, then rewritten shorter
         f.truncate(0)
@@ -457,7 +499,9 @@ def test_mutated_headers_are_refused_or_run_never_read_out_of_bounds(native_libr
             else:
                 entry["shape"] = entry["shape"][::-1]
         encoded = json.dumps(header).encode()
-        target.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body[: len(body) - generator.choice([0, 0, 1, 64])])
+        target.write_bytes(
+            struct.pack("<Q", len(encoded)) + encoded + body[: len(body) - generator.choice([0, 0, 1, 64])]
+        )
         try:
             engine = NativeEngine(native_model(open_checkpoint(target), native_library))
             logits = engine.last_logits([[1, 2, 3]])

@@ -14,16 +14,33 @@ import pytest
 import torch
 
 from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, generate, learned, manas, rope  # noqa: F401 (fixtures)
-from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
-from manas_cli.formats.header import read_metadata
 from conftest import sample
 from manas_cli.engine.sampling import Sampler
-from manas_cli.torch_engine.sampling import probabilities
+from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
+from manas_cli.formats.header import read_metadata
 from manas_cli.formats.tokenizer import encode_ranks
+from manas_cli.torch_engine.sampling import probabilities
 
 TINY_SHAPE = (
-    "--n-layer", "1", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "32", "--block-size", "16",
-    "--vocab-size", "300", "--batch-size", "4", "--warmup-steps", "1", "--dropout", "0", *RUN_OPTIONS,
+    "--n-layer",
+    "1",
+    "--n-head",
+    "4",
+    "--n-kv-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "16",
+    "--vocab-size",
+    "300",
+    "--batch-size",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--dropout",
+    "0",
+    *RUN_OPTIONS,
 )
 
 
@@ -80,6 +97,7 @@ def finish(process: subprocess.Popen):
 
 # ---- 1. train never overwrites what it was not told to --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", [(), ("--tokenizer-only",)], ids=["model", "tokenizer-only"])
 def test_train_refuses_an_existing_out_without_force_or_resume(text, tmp_path, mode):
     out = tmp_path / "precious.safetensors"
@@ -90,12 +108,17 @@ def test_train_refuses_an_existing_out_without_force_or_resume(text, tmp_path, m
     assert temporary_files(tmp_path) == []
 
 
-@pytest.mark.parametrize(("spelling", "mode"), [("same path", ()), ("hard link", ("--tokenizer-only",)),
-                                               ("other spelling", ())])
+@pytest.mark.parametrize(
+    ("spelling", "mode"), [("same path", ()), ("hard link", ("--tokenizer-only",)), ("other spelling", ())]
+)
 def test_train_refuses_its_own_training_text_as_out_even_with_force(tmp_path, shakespeare, mode, spelling):
     path = tmp_path / "text.txt"
     path.write_text(shakespeare[:20_000], encoding="utf-8")
-    out = {"same path": path, "hard link": tmp_path / "link.txt", "other spelling": tmp_path / ".." / tmp_path.name / "text.txt"}[spelling]
+    out = {
+        "same path": path,
+        "hard link": tmp_path / "link.txt",
+        "other spelling": tmp_path / ".." / tmp_path.name / "text.txt",
+    }[spelling]
     if spelling == "hard link":
         os.link(path, out)
     run = manas("train", path, "--out", out, *TINY_SHAPE, "--steps", "2", "--force", *mode)
@@ -126,6 +149,7 @@ def test_train_force_replaces_an_existing_out_and_later_saves_replace_their_own(
 
 # ---- 2. no-overwrite without a race -------------------------------------------------------------------------------
 
+
 def test_racing_converts_without_force_one_wins_and_the_other_fails_cleanly(tmp_path):
     source = write_nanogpt(tmp_path, n_layer=4, n_embd=256)  # ~13 MB: both runs are mid-work together
     out = tmp_path / "out.safetensors"
@@ -155,6 +179,7 @@ def test_export_into_a_folder_someone_filled_is_refused_without_force(learned, t
 
 
 # ---- 3. SIGTERM: like Ctrl-C, nothing left behind ------------------------------------------------------------------
+
 
 def signal_when(process: subprocess.Popen, folder: Path, ready) -> bool:
     """Send SIGTERM as soon as ready(temporary files) holds; False if the process ended first."""
@@ -202,8 +227,13 @@ def test_sigterm_during_a_save_leaves_no_temporary_file_and_exits_143(big_source
 
 
 def test_sigterm_keeps_the_generated_text_like_ctrl_c_and_exits_143(rope):
-    process = subprocess.Popen([*MANAS, "generate", "-c", str(rope.path), *RUN_OPTIONS, "-p", "ROMEO:", "-n", "100000",
-                                "-t", "0"], bufsize=0, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    process = subprocess.Popen(
+        [*MANAS, "generate", "-c", str(rope.path), *RUN_OPTIONS, "-p", "ROMEO:", "-n", "100000", "-t", "0"],
+        bufsize=0,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
     first = process.stdout.read(1)  # generation has begun
     process.send_signal(signal.SIGTERM)
     rest, stderr = process.communicate(timeout=120)
@@ -214,6 +244,7 @@ def test_sigterm_keeps_the_generated_text_like_ctrl_c_and_exits_143(rope):
 
 
 # ---- 4. a diverging training stops and keeps the last good checkpoint --------------------------------------------
+
 
 def test_training_with_an_infinite_learning_rate_stops_with_one_error_and_writes_nothing(text, tmp_path):
     out = tmp_path / "model.safetensors"
@@ -229,7 +260,9 @@ def test_a_resumed_training_that_diverges_keeps_the_last_good_checkpoint(text, t
     out = tmp_path / "model.safetensors"
     manas("train", text, "--out", out, *TINY_SHAPE, "--steps", "2", "--eval-every", "2").ok()
     good = out.read_bytes()
-    run = manas("train", text, "--out", out, *TINY_SHAPE, "--steps", "8", "--eval-every", "2", "--lr", "inf", "--resume")
+    run = manas(
+        "train", text, "--out", out, *TINY_SHAPE, "--steps", "8", "--eval-every", "2", "--lr", "inf", "--resume"
+    )
     assert run.returncode == 1, run.err
     assert run.err.splitlines()[-1].startswith("error: ") and "of step 2" in run.err.splitlines()[-1]
     assert "best checkpoint:" not in run.err
@@ -238,8 +271,17 @@ def test_a_resumed_training_that_diverges_keeps_the_last_good_checkpoint(text, t
 
 # ---- 9. temperatures and top-p too small for float32 ----------------------------------------------------------------
 
-@pytest.mark.parametrize("flags", [("-t", "1e-38"), ("-t", "1e-45"), ("-t", "1e-320"), ("--top-p", "1e-50"),
-                                   ("-t", "1e-45", "--top-k", "3", "--top-p", "1e-50")])
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("-t", "1e-38"),
+        ("-t", "1e-45"),
+        ("-t", "1e-320"),
+        ("--top-p", "1e-50"),
+        ("-t", "1e-45", "--top-k", "3", "--top-p", "1e-50"),
+    ],
+)
 def test_tiny_temperature_or_top_p_generates_the_greedy_text(rope, flags):
     greedy = generate(rope, "-p", "ROMEO:", "-n", "12", "-t", "0").ok()
     run = generate(rope, "-p", "ROMEO:", "-n", "12", "--seed", "3", *flags).ok()
@@ -252,8 +294,10 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_row_by_row():
     torch.testing.assert_close(probs[0], torch.softmax(torch.tensor([0.1, 0.3, 0.2]), -1))
     assert probs[1].tolist() == [0.0, 0.0, 1.0]
     sampler = Sampler(temperature=1e-45, generator=torch.Generator().manual_seed(0))
-    assert sample(sampler, torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).mul(30)).squeeze(1).tolist() == \
-        torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).argmax(-1).tolist()
+    assert (
+        sample(sampler, torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).mul(30)).squeeze(1).tolist()
+        == torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).argmax(-1).tolist()
+    )
 
 
 def test_a_top_p_below_the_top_probability_keeps_the_top_token():
@@ -264,6 +308,7 @@ def test_a_top_p_below_the_top_probability_keeps_the_top_token():
 
 
 # ---- 10. --seed has a range ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("seed", ["-1", str(2**64), "1180591620717411303424", "-1180591620717411303424"])
 @pytest.mark.parametrize("command", ["generate", "train"])
@@ -280,11 +325,17 @@ def test_the_largest_seed_is_accepted_and_the_range_is_in_the_help(rope):
 
 # ---- 16. one clear error line --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("command", [("generate", "-p", "x"), ("bench",), ("inspect-cache",)], ids=lambda c: c[0])
 def test_a_closed_stdout_is_refused_before_loading_the_model(tmp_path, command):
     # The checkpoint does not exist: had the model been loaded first, the error would name it instead.
-    done = subprocess.run([*MANAS, *command, "-c", str(tmp_path / "missing.safetensors")], stderr=subprocess.PIPE,
-                          preexec_fn=lambda: os.close(1), env=cli_env(), timeout=120)
+    done = subprocess.run(
+        [*MANAS, *command, "-c", str(tmp_path / "missing.safetensors")],
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(1),
+        env=cli_env(),
+        timeout=120,
+    )
     (line,) = done.stderr.decode().splitlines()
     assert done.returncode == 1 and line.startswith("error: standard output is closed")
 
@@ -297,8 +348,17 @@ def test_a_folder_or_fifo_as_checkpoint_gets_one_error_line_and_never_blocks(tmp
     assert ("is a folder" if what == "folder" else "not a regular file") in line
 
 
-@pytest.mark.parametrize("training", ["{not json", "[1, 2]", '{"step": "ten"}', '{"step": -1}',
-                                      '{"step": 2, "val_loss": NaN}', '{"step": 2, "val_loss": true}'])
+@pytest.mark.parametrize(
+    "training",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"step": "ten"}',
+        '{"step": -1}',
+        '{"step": 2, "val_loss": NaN}',
+        '{"step": 2, "val_loss": true}',
+    ],
+)
 def test_resume_from_garbled_training_metadata_gets_one_error_line(rope, text, tmp_path, training):
     out = tmp_path / "model.safetensors"
     checkpoint = load_checkpoint(rope.path)

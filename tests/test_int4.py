@@ -15,8 +15,15 @@ from cli_fixtures import RUN_OPTIONS, TinyCheckpoint, checkpoints, generate, lea
 from conftest import make_model
 from manas_cli.formats.checkpoint import save_checkpoint
 from manas_cli.torch_engine.quantize import (
-    INT4_GROUP_SIZE, Int4Linear, dequantize_groups, pack_codes, quantize_groups, quantize_model, unpack_codes,
-    weights_bytes, weights_name,
+    INT4_GROUP_SIZE,
+    Int4Linear,
+    dequantize_groups,
+    pack_codes,
+    quantize_groups,
+    quantize_model,
+    unpack_codes,
+    weights_bytes,
+    weights_name,
 )
 from test_cli_errors import assert_one_error_line
 from test_quantize import BLOCK_LINEARS, TINY_BENCH, gpt2_quantization_error, rewrite
@@ -40,10 +47,15 @@ def test_quantize_groups_spans_each_groups_range_and_rounds_to_the_nearest_step(
     assert codes.shape == (70, 64) and scales.shape == zeros.shape == (70, 128 // INT4_GROUP_SIZE)
     assert scales.dtype == zeros.dtype == torch.bfloat16 and torch.isfinite(scales).all()
     values = unpack_codes(codes)
-    assert values.max() <= 15 and (values.view(70, 4, 32).amax(-1) - values.view(70, 4, 32).amin(-1) >= 14).float().mean() > 0.9
+    assert (
+        values.max() <= 15
+        and (values.view(70, 4, 32).amax(-1) - values.view(70, 4, 32).amin(-1) >= 14).float().mean() > 0.9
+    )
     error = (dequantize_groups(codes, scales, zeros) - weight).abs().view(70, 4, 32)
     # half a step, plus what rounding the zero to bfloat16 moved the grid by
-    bound = scales.float() / 2 + (zeros.float() - zeros.float().to(torch.bfloat16).float()).abs() + 1e-3 * scales.float()
+    bound = (
+        scales.float() / 2 + (zeros.float() - zeros.float().to(torch.bfloat16).float()).abs() + 1e-3 * scales.float()
+    )
     assert (error <= bound[..., None] * 1.02 + zeros.float().abs()[..., None] * 2**-8).all()
     assert error[3, 1].max() <= 0.25 * 2**-7  # the constant group comes back (within bfloat16's zero)
 
@@ -128,13 +140,13 @@ def test_quantize_bits_4_writes_codes_scales_and_zeros_by_groups(checkpoints, in
             assert torch.equal(tensors[name], tensor)
     # the matrices at half a byte a value, plus two bfloat16 numbers per 32 values: about 1/6 of float32's bytes
     float_bytes = sum(float_tensors[m].nbytes for m in matrices)
-    int4_bytes = sum(tensors[m.removesuffix("weight") + suffix].nbytes for m in matrices
-                     for suffix in ("weight", "scales", "zeros"))
+    int4_bytes = sum(
+        tensors[m.removesuffix("weight") + suffix].nbytes for m in matrices for suffix in ("weight", "scales", "zeros")
+    )
     assert int4_bytes < float_bytes / 5 and path.stat().st_size < source.stat().st_size
 
 
-def test_an_int4_file_loads_as_the_quantized_model_with_the_embedding_read_back_from_its_codes(checkpoints,
-                                                                                             int4_files):
+def test_an_int4_file_loads_as_the_quantized_model_with_the_embedding_read_back_from_its_codes(checkpoints, int4_files):
     quantized = TinyCheckpoint("at load", checkpoints["rope-gqa"].path, quantize="int4").loaded.model
     loaded = int4_files["rope-gqa"].loaded.model
     for name, tensor in quantized.state_dict().items():
@@ -186,23 +198,39 @@ def test_score_and_export_read_an_int4_file(int4_files, tmp_path, shakespeare):
 
 BAD_INT4_FILES = {  # change(tensors, metadata), what the error line names
     "missing zeros": (lambda t, m: t.pop("blocks.1.ffn.up.zeros"), ["missing tensor blocks.1.ffn.up.zeros"]),
-    "mis-shaped scales": (lambda t, m: t.update({"blocks.0.attention.qkv.scales": torch.ones(64, 2)}),
-                          ["blocks.0.attention.qkv.scales", "[64, 2]", "[64, 1]"]),
-    "infinite scales": (lambda t, m: t["blocks.0.ffn.down.scales"].__setitem__((0, 0), float("inf")),
-                        ["blocks.0.ffn.down.scales", "infinite"]),
-    "zeros that overflow": (lambda t, m: (t["blocks.1.attention.output.scales"].__setitem__((2, 0), 3e37),
-                                          t["blocks.1.attention.output.zeros"].__setitem__((2, 0), 2e38)),
-                            ["blocks.1.attention.output.zeros", "infinite"]),  # 8 × 3e37 + 2e38 > float32's range
-    "NaN zeros": (lambda t, m: t["token_embedding.zeros"].__setitem__((0, 0), float("nan")),
-                  ["token_embedding.zeros", "NaN"]),
+    "mis-shaped scales": (
+        lambda t, m: t.update({"blocks.0.attention.qkv.scales": torch.ones(64, 2)}),
+        ["blocks.0.attention.qkv.scales", "[64, 2]", "[64, 1]"],
+    ),
+    "infinite scales": (
+        lambda t, m: t["blocks.0.ffn.down.scales"].__setitem__((0, 0), float("inf")),
+        ["blocks.0.ffn.down.scales", "infinite"],
+    ),
+    "zeros that overflow": (
+        lambda t, m: (
+            t["blocks.1.attention.output.scales"].__setitem__((2, 0), 3e37),
+            t["blocks.1.attention.output.zeros"].__setitem__((2, 0), 2e38),
+        ),
+        ["blocks.1.attention.output.zeros", "infinite"],
+    ),  # 8 × 3e37 + 2e38 > float32's range
+    "NaN zeros": (
+        lambda t, m: t["token_embedding.zeros"].__setitem__((0, 0), float("nan")),
+        ["token_embedding.zeros", "NaN"],
+    ),
     "group size that does not divide the rows": (lambda t, m: m.update(group_size="24"), ["group_size", "'24'", "32"]),
     "no group size": (lambda t, m: m.pop("group_size"), ["group_size", "None"]),
-    "int4 codes where float belongs": (lambda t, m: t.update({"blocks.0.ln_ffn.weight": torch.ones(32, dtype=torch.uint8)}),
-                                       ["blocks.0.ln_ffn.weight", "U8", "floating point"]),
-    "float where int4 codes belong": (lambda t, m: t.update({"blocks.1.ffn.down.weight": torch.ones(32, 64)}),
-                                      ["blocks.1.ffn.down.weight", "F32", "int4"]),
-    "int8 codes in an int4 file": (lambda t, m: t.update({"blocks.1.ffn.down.weight": torch.ones(32, 64, dtype=torch.int8)}),
-                                   ["blocks.1.ffn.down.weight", "I8", "int4"]),
+    "int4 codes where float belongs": (
+        lambda t, m: t.update({"blocks.0.ln_ffn.weight": torch.ones(32, dtype=torch.uint8)}),
+        ["blocks.0.ln_ffn.weight", "U8", "floating point"],
+    ),
+    "float where int4 codes belong": (
+        lambda t, m: t.update({"blocks.1.ffn.down.weight": torch.ones(32, 64)}),
+        ["blocks.1.ffn.down.weight", "F32", "int4"],
+    ),
+    "int8 codes in an int4 file": (
+        lambda t, m: t.update({"blocks.1.ffn.down.weight": torch.ones(32, 64, dtype=torch.int8)}),
+        ["blocks.1.ffn.down.weight", "I8", "int4"],
+    ),
 }
 
 
@@ -213,17 +241,23 @@ def test_a_bad_int4_file_is_one_error_line_naming_what_is_wrong(int4_files, tmp_
     assert_one_error_line(manas("generate", "-c", path, *RUN_OPTIONS, "-p", "x", "-n", "2"), 1, str(path), *names)
 
 
-def test_quantize_refuses_another_width_and_an_int4_file_and_a_model_its_groups_do_not_divide(rope, int4_files,
-                                                                                             tmp_path):
+def test_quantize_refuses_another_width_and_an_int4_file_and_a_model_its_groups_do_not_divide(
+    rope, int4_files, tmp_path
+):
     out = tmp_path / "out.safetensors"
     run = manas("quantize", rope.path, "--bits", "3", "--out", out)
     assert run.returncode == 2 and "use 8 (int8) or 4 (int4)" in run.err and not out.exists()
     again = manas("quantize", int4_files["rope-gqa"].path, "--bits", "4", "--out", out)
     assert_one_error_line(again, 1, "already quantized", "blocks.0.attention.qkv.weight", "int4")
     narrow = tmp_path / "narrow.safetensors"
-    save_checkpoint(narrow, make_model("rope", "gqa", n_embd=48, vocab_size=rope.loaded.model.config.vocab_size),
-                    rope.loaded.tokenizer_spec)
-    for command in (("quantize", narrow, "--bits", "4", "--out", out), ("generate", "-c", narrow, *RUN_OPTIONS,
-                                                                         "--quantize", "int4", "-p", "x", "-n", "2")):
+    save_checkpoint(
+        narrow,
+        make_model("rope", "gqa", n_embd=48, vocab_size=rope.loaded.model.config.vocab_size),
+        rope.loaded.tokenizer_spec,
+    )
+    for command in (
+        ("quantize", narrow, "--bits", "4", "--out", out),
+        ("generate", "-c", narrow, *RUN_OPTIONS, "--quantize", "int4", "-p", "x", "-n", "2"),
+    ):
         assert_one_error_line(manas(*command), 1, str(narrow), "n_embd (48)", "multiple of 32", "int8")
     assert not out.exists()

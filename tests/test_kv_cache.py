@@ -161,7 +161,11 @@ def test_prefill_failing_after_some_layers_appended_leaves_the_session_empty():
 def assert_empty(session: CacheSession) -> None:
     assert session.positions == 0
     assert session.storage() == {
-        "positions": 0, "logical_bytes": 0, "storage_bytes": 0, "dtype": None, "allocation": session.allocation
+        "positions": 0,
+        "logical_bytes": 0,
+        "storage_bytes": 0,
+        "dtype": None,
+        "allocation": session.allocation,
     }
     with pytest.raises(ValueError, match="decode before prefill"):
         session.decode(random_ids(1, 1))

@@ -70,7 +70,9 @@ def test_the_layers_hold_real_modules():
 
 @pytest.mark.parametrize("module", [name for name in MODULES if within(name, ENGINES)])
 def test_an_engine_module_imports_neither_formats_nor_the_cli(module):
-    above = [name for name in imports(module) if within(name, ("manas_cli.formats", "manas_cli.cli", "manas_cli.models"))]
+    above = [
+        name for name in imports(module) if within(name, ("manas_cli.formats", "manas_cli.cli", "manas_cli.models"))
+    ]
     assert not above, f"{module} imports {above}: the engine layer must not reach up"
 
 

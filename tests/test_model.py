@@ -94,7 +94,11 @@ def test_n_kv_head_defaults_to_n_head():
     config = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=4, n_embd=16)
     assert config.n_kv_head == 4
     assert (config.position_encoding, config.rope_base, config.bias, config.norm_eps, config.dropout) == (
-        "learned", 10000.0, True, 1e-5, 0.0
+        "learned",
+        10000.0,
+        True,
+        1e-5,
+        0.0,
     )
 
 
@@ -114,13 +118,18 @@ def expected_state_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.n_layer):
         p = f"blocks.{i}."
         shapes |= {
-            p + "ln_attention.weight": (C,), p + "ln_attention.bias": (C,),
+            p + "ln_attention.weight": (C,),
+            p + "ln_attention.bias": (C,),
             p + "attention.qkv.weight": (C + 2 * config.n_kv_head * hs, C),
             p + "attention.qkv.bias": (C + 2 * config.n_kv_head * hs,),
-            p + "attention.output.weight": (C, C), p + "attention.output.bias": (C,),
-            p + "ln_ffn.weight": (C,), p + "ln_ffn.bias": (C,),
-            p + "ffn.up.weight": (4 * C, C), p + "ffn.up.bias": (4 * C,),
-            p + "ffn.down.weight": (C, 4 * C), p + "ffn.down.bias": (C,),
+            p + "attention.output.weight": (C, C),
+            p + "attention.output.bias": (C,),
+            p + "ln_ffn.weight": (C,),
+            p + "ln_ffn.bias": (C,),
+            p + "ffn.up.weight": (4 * C, C),
+            p + "ffn.up.bias": (4 * C,),
+            p + "ffn.down.weight": (C, 4 * C),
+            p + "ffn.down.bias": (C,),
         }
     return shapes
 
@@ -140,12 +149,16 @@ def test_lm_head_is_tied_to_the_token_embedding_and_has_no_bias(tiny_model):
 
 def test_attention_kind_follows_the_position_encoding(tiny_model):
     rope = tiny_model.config.position_encoding == "rope"
-    assert all(type(block.attention) is (RotaryAttention if rope else CausalSelfAttention) for block in tiny_model.blocks)
+    assert all(
+        type(block.attention) is (RotaryAttention if rope else CausalSelfAttention) for block in tiny_model.blocks
+    )
     assert hasattr(tiny_model, "position_embedding") is not rope
 
 
 def test_full_forward_equals_the_architecture_written_out(tiny_model):
-    idx = torch.randint(tiny_model.config.vocab_size, (2, tiny_model.config.block_size), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(
+        tiny_model.config.vocab_size, (2, tiny_model.config.block_size), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         torch.testing.assert_close(tiny_model(idx), explicit_forward(tiny_model)(idx), atol=2e-5, rtol=1e-5)
 

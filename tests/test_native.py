@@ -7,8 +7,8 @@ import copy
 import hashlib
 import json
 import os
-import stat
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -20,19 +20,22 @@ import torch.nn as nn
 
 from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
 from conftest import BLOCK_SIZE, all_logits, make_model, native_model, needs_compiler, step_logits
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.native import build
 from manas_cli.native.session import NativeSession, decode_rows
 from manas_cli.torch_engine.model import GPT, use_decode_layout
 from manas_cli.torch_engine.quantize import is_quantized, quantizable, quantize_model
-from manas_cli.formats.checkpoint import load_checkpoint
-from manas_cli.native import build
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors"
 
 # Every configuration the core runs: position encoding, head layout, bias, GELU, weights.
 CONFIGURATIONS = [
     (pe, layout, bias, gelu, weights)
-    for pe in ("learned", "rope") for layout in ("mha", "gqa", "mqa") for bias in (True, False)
-    for gelu in ("tanh", "none") for weights in ("float32", "int8", "int4")
+    for pe in ("learned", "rope")
+    for layout in ("mha", "gqa", "mqa")
+    for bias in (True, False)
+    for gelu in ("tanh", "none")
+    for weights in ("float32", "int8", "int4")
 ]
 
 
@@ -165,8 +168,13 @@ def test_the_core_refuses_weights_it_does_not_run(native_library):
 
 
 def run_generate(*args: str, env: dict, prompt: str = "ROMEO:") -> subprocess.CompletedProcess:
-    return subprocess.run([*MANAS, "generate", "-p", prompt, "-n", "8", "-t", "0", *RUN_OPTIONS, *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [*MANAS, "generate", "-p", prompt, "-n", "8", "-t", "0", *RUN_OPTIONS, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def fresh_cache_env(tmp_path: Path, **overrides: str) -> dict:
@@ -193,8 +201,9 @@ def test_the_first_run_compiles_once_into_the_users_cache_and_later_runs_load_it
 def test_two_first_runs_at_once_both_succeed_and_one_compiles(tmp_path):
     env = fresh_cache_env(tmp_path)
     command = [*MANAS, "generate", "-p", "ROMEO:", "-n", "4", "-t", "0", *RUN_OPTIONS, "--json"]
-    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for _ in range(2)]
+    runs = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)
+    ]
     results = [run.communicate(timeout=300) for run in runs]
     assert [run.returncode for run in runs] == [0, 0], results
     assert sum(stderr.count("compiled the native core") for _, stderr in results) == 1
@@ -211,8 +220,11 @@ def test_a_cache_folder_others_can_write_is_refused_for_one_private_folder_reuse
     (folder if which == "the folder" else folder.parent).chmod(0o777)
     env = private_tmp_env(tmp_path)
     fallback = Path(env["TMPDIR"]) / f"manas-native-{os.getuid()}"
-    reason = "can be written by other users" if which == "the folder" else \
-        f"is inside {folder.parent}, which can be written by other users"
+    reason = (
+        "can be written by other users"
+        if which == "the folder"
+        else f"is inside {folder.parent}, which can be written by other users"
+    )
     runs = [run_generate("--json", env=env) for _ in range(2)]
     for result in runs:
         assert result.returncode == 0, result.stderr
@@ -331,8 +343,9 @@ def test_the_library_is_loaded_from_the_descriptor_that_was_checked(tmp_path):
     try:
         swapped = tmp_path / "swapped.c"
         swapped.write_text(f"int manas_abi_version(void) {{ return {build.ABI_VERSION}; }}\n")
-        subprocess.run([build.compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "swapped.so"), str(swapped)],
-                       check=True)
+        subprocess.run(
+            [build.compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "swapped.so"), str(swapped)], check=True
+        )
         os.replace(tmp_path / "swapped.so", checked)
         library = build.load(fd, checked)  # the swapped library lacks the entry points: it would be refused
     finally:
@@ -342,7 +355,7 @@ def test_the_library_is_loaded_from_the_descriptor_that_was_checked(tmp_path):
 
 def test_a_hung_compiler_is_stopped_with_everything_it_started(tmp_path, monkeypatch):
     pid_file = tmp_path / "child.pid"
-    cc = fake_compiler(tmp_path, f'sleep 300 & echo $! > {pid_file}; wait')
+    cc = fake_compiler(tmp_path, f"sleep 300 & echo $! > {pid_file}; wait")
     monkeypatch.setattr(build, "COMPILE_TIMEOUT_S", 2)
     folder = tmp_path / "cache"
     folder.mkdir(mode=0o700)
@@ -373,8 +386,10 @@ def test_without_a_compiler_torch_runs_and_only_asking_for_native_says_so(tmp_pa
     asked = run_generate("--json", "--engine", "native", env=env)
     assert asked.returncode == 0, asked.stderr
     assert json.loads(asked.stdout)["engine"] == "torch"
-    assert asked.stderr.strip() == (f"the native engine cannot run: no C compiler ($CC={tmp_path / 'no-such-cc'} "
-                                    "not found); the torch engine runs instead")
+    assert asked.stderr.strip() == (
+        f"the native engine cannot run: no C compiler ($CC={tmp_path / 'no-such-cc'} "
+        "not found); the torch engine runs instead"
+    )
     assert json.loads(asked.stdout)["tokens"] == json.loads(auto.stdout)["tokens"]
 
 
@@ -386,12 +401,16 @@ def fake_compiler(tmp_path: Path, body: str) -> Path:
 
 
 def test_a_failing_compiler_is_never_a_crash_and_debug_shows_its_message(tmp_path):
-    cc = fake_compiler(tmp_path, 'case "$1" in --version) echo "fake cc 1.0";; *) echo "core.c:1: fatal: no '
-                                 'headers" >&2; exit 1;; esac')
+    cc = fake_compiler(
+        tmp_path,
+        'case "$1" in --version) echo "fake cc 1.0";; *) echo "core.c:1: fatal: no headers" >&2; exit 1;; esac',
+    )
     env = fresh_cache_env(tmp_path, CC=str(cc))
     result = run_generate("--engine", "native", env=env)
     assert result.returncode == 0, result.stderr
-    assert "the native engine cannot run: the C compiler" in result.stderr and "failed on the native core" in result.stderr
+    assert (
+        "the native engine cannot run: the C compiler" in result.stderr and "failed on the native core" in result.stderr
+    )
     assert "fatal: no headers" not in result.stderr
     debug = run_generate("--engine", "native", "--debug", env=env)
     assert debug.returncode == 0 and "core.c:1: fatal: no headers" in debug.stderr
@@ -399,18 +418,24 @@ def test_a_failing_compiler_is_never_a_crash_and_debug_shows_its_message(tmp_pat
 
 
 def test_a_library_that_will_not_load_is_never_a_crash(tmp_path):
-    cc = fake_compiler(tmp_path, 'case "$1" in --version) echo "fake cc 2.0";; *) while [ "$1" != "-o" ]; do '
-                                 'shift; done; echo "not a library" > "$2";; esac')
+    cc = fake_compiler(
+        tmp_path,
+        'case "$1" in --version) echo "fake cc 2.0";; *) while [ "$1" != "-o" ]; do '
+        'shift; done; echo "not a library" > "$2";; esac',
+    )
     result = run_generate("--engine", "native", "--json", env=fresh_cache_env(tmp_path, CC=str(cc)))
     assert result.returncode == 0, result.stderr
     assert "the native engine cannot run: the native core does not load" in result.stderr
     assert json.loads(result.stdout)["engine"] == "torch"
 
 
-@pytest.mark.parametrize("flags, reason", [
-    (("--dtype", "bfloat16"), "the core runs float32, int8 and int4 weights, not bfloat16"),
-    (("--dtype", "float16"), "the core runs float32, int8 and int4 weights, not float16"),
-])
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        (("--dtype", "bfloat16"), "the core runs float32, int8 and int4 weights, not bfloat16"),
+        (("--dtype", "float16"), "the core runs float32, int8 and int4 weights, not float16"),
+    ],
+)
 def test_asking_for_native_where_it_cannot_run_names_why_and_torch_runs(tmp_path, flags, reason):
     result = run_generate("--engine", "native", "--json", *flags, env=fresh_cache_env(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -455,15 +480,44 @@ def test_the_library_is_keyed_by_source_flags_compiler_and_cpu(monkeypatch):
 @needs_compiler
 def test_bench_and_score_name_the_engine(tmp_path):
     env = fresh_cache_env(tmp_path)
-    bench = subprocess.run([*MANAS, "bench", "-n", "4", "--prompt-tokens", "4", "-r", "1", "--no-baseline",
-                            *RUN_OPTIONS, "--json"], capture_output=True, text=True, env=env, timeout=300)
+    bench = subprocess.run(
+        [*MANAS, "bench", "-n", "4", "--prompt-tokens", "4", "-r", "1", "--no-baseline", *RUN_OPTIONS, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert bench.returncode == 0, bench.stderr
     assert json.loads(bench.stdout)["model"]["engine"] == "native"
-    table = subprocess.run([*MANAS, "bench", "-n", "4", "--prompt-tokens", "4", "-r", "1", "--no-baseline",
-                            *RUN_OPTIONS, "--engine", "torch"], capture_output=True, text=True, env=env, timeout=300)
+    table = subprocess.run(
+        [
+            *MANAS,
+            "bench",
+            "-n",
+            "4",
+            "--prompt-tokens",
+            "4",
+            "-r",
+            "1",
+            "--no-baseline",
+            *RUN_OPTIONS,
+            "--engine",
+            "torch",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert "torch engine" in table.stdout
-    score = subprocess.run([*MANAS, "score", *RUN_OPTIONS, "--json"], input="To be, or not to be: that is it.",
-                           capture_output=True, text=True, env=env, timeout=300)
+    score = subprocess.run(
+        [*MANAS, "score", *RUN_OPTIONS, "--json"],
+        input="To be, or not to be: that is it.",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert json.loads(score.stdout)["engine"] == "native"
 
 
@@ -471,8 +525,14 @@ def test_native_and_torch_score_the_same_text_alike(shakespeare_held_out, tmp_pa
     env = fresh_cache_env(tmp_path)
     scores = {}
     for engine in ("native", "torch"):
-        done = subprocess.run([*MANAS, "score", *RUN_OPTIONS, "--engine", engine, "--json"],
-                              input=shakespeare_held_out[:6000], capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run(
+            [*MANAS, "score", *RUN_OPTIONS, "--engine", engine, "--json"],
+            input=shakespeare_held_out[:6000],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         scores[engine] = json.loads(done.stdout)
     assert scores["native"]["tokens"] == scores["torch"]["tokens"]
@@ -482,8 +542,10 @@ def test_native_and_torch_score_the_same_text_alike(shakespeare_held_out, tmp_pa
 @needs_compiler
 def test_torch_is_given_one_thread_when_the_core_runs():
     """torch only samples beside the core: its OpenMP workers must not spin on the core's cores."""
-    code = ("import torch, sys; from manas_cli.models import ModelOptions; from manas_cli.cli.commands.common import load_model; "
-            "_, _, engine = load_model(ModelOptions(threads=2)); print(engine.name, torch.get_num_threads(), "
-            "engine.model.threads)")
+    code = (
+        "import torch, sys; from manas_cli.models import ModelOptions; from manas_cli.cli.commands.common import load_model; "
+        "_, _, engine = load_model(ModelOptions(threads=2)); print(engine.name, torch.get_num_threads(), "
+        "engine.model.threads)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=300)
     assert done.stdout.split() == ["native", "1", "2"], done.stderr

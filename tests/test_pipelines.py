@@ -17,26 +17,35 @@ import torch
 import torch.nn.functional as F
 
 from cli_fixtures import (  # noqa: F401 (fixtures)
-    BLOCK_SIZE, MANAS, RUN_OPTIONS, TinyCheckpoint, checkpoints, cli_env, learned, manas, rope,
+    BLOCK_SIZE,
+    MANAS,
+    RUN_OPTIONS,
+    TinyCheckpoint,
+    checkpoints,
+    cli_env,
+    learned,
+    manas,
+    rope,
 )
 from conftest import engine_of
+from manas_cli.cli.settings import GenerationSettings, with_overrides
 from manas_cli.engine.generation import generate_reference, prompt_batch
 from manas_cli.engine.sampling import choose_seed, make_sampler
-from manas_cli.cli.settings import GenerationSettings, with_overrides
 from manas_cli.formats.tokenizer import decodable
 
 SHIPPED = TinyCheckpoint("shipped", Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors")
 WORDS = "ROMEO JULIET KING The what love thou art sweet night day O speak me no my lord".split()
 
 
-def reference_tokens(checkpoint: TinyCheckpoint, prompt: str, settings: GenerationSettings,
-                     engine: str = "auto") -> list[int]:
+def reference_tokens(
+    checkpoint: TinyCheckpoint, prompt: str, settings: GenerationSettings, engine: str = "auto"
+) -> list[int]:
     """The request alone, as crop-and-recompute (which `manas generate` equals, token for token) computes it on
     the engine the CLI runs, up to end-of-text or the token that completes a stop string."""
     model = engine_of(checkpoint.loaded.model) if engine == "torch" else checkpoint.runner
     encoding = checkpoint.encoding
     sampler = make_sampler(settings, choose_seed(settings.seed), decodable(encoding), model)
-    ids = encoding.encode_ordinary(prompt)[-model.config.block_size:] or [checkpoint.eot_id]
+    ids = encoding.encode_ordinary(prompt)[-model.config.block_size :] or [checkpoint.eot_id]
     tokens, text = [], b""
     for step in generate_reference(model, prompt_batch(ids, 1), sampler, settings.max_tokens, checkpoint.eot_id):
         if step.tokens[0] == checkpoint.eot_id:
@@ -53,8 +62,11 @@ def mixed_requests(count: int, seed: int, max_tokens: tuple[int, int]) -> list[d
     rng = random.Random(seed)
     requests = []
     for index in range(count):
-        request = {"prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 40))),
-                   "max_tokens": rng.randint(*max_tokens), "id": f"r{index}"}
+        request = {
+            "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 40))),
+            "max_tokens": rng.randint(*max_tokens),
+            "id": f"r{index}",
+        }
         if index % 2:
             request |= {"temperature": 0.9, "seed": rng.randrange(2**53), "top_k": 40}
         else:
@@ -68,18 +80,25 @@ def mixed_requests(count: int, seed: int, max_tokens: tuple[int, int]) -> list[d
 
 
 def jsonl(checkpoint_path: Path, lines: list[str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*MANAS, "generate", "-c", checkpoint_path, *RUN_OPTIONS, "--jsonl", *args],
-                          input="".join(line + "\n" for line in lines).encode(), capture_output=True, env=cli_env(),
-                          timeout=600)
+    return subprocess.run(
+        [*MANAS, "generate", "-c", checkpoint_path, *RUN_OPTIONS, "--jsonl", *args],
+        input="".join(line + "\n" for line in lines).encode(),
+        capture_output=True,
+        env=cli_env(),
+        timeout=600,
+    )
 
 
-@pytest.mark.parametrize("model, batch_size, budgets", [
-    ("rope", "8", (5, 70)),  # past the 32-position window, re-prefilling
-    ("rope", "1", (5, 70)),
-    ("rope", "16", (5, 70)),
-    ("learned", "3", (5, 70)),
-    ("shipped", "8", (3, 12)),
-])
+@pytest.mark.parametrize(
+    "model, batch_size, budgets",
+    [
+        ("rope", "8", (5, 70)),  # past the 32-position window, re-prefilling
+        ("rope", "1", (5, 70)),
+        ("rope", "16", (5, 70)),
+        ("learned", "3", (5, 70)),
+        ("shipped", "8", (3, 12)),
+    ],
+)
 def test_every_jsonl_record_equals_the_request_alone(checkpoints, model, batch_size, budgets, engine):
     checkpoint = {"rope": checkpoints["rope-gqa"], "learned": checkpoints["learned-mha"], "shipped": SHIPPED}[model]
     requests = mixed_requests(52, seed=len(model), max_tokens=budgets)
@@ -103,13 +122,45 @@ def test_every_jsonl_record_equals_the_request_alone(checkpoints, model, batch_s
 
 
 def test_a_jsonl_record_is_the_generate_record_of_the_request_alone(rope):
-    request = {"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0.8, "seed": 11, "stop": ["\n\n"],
-               "presence_penalty": 0.5, "logprobs": 2}
+    request = {
+        "prompt": "ROMEO:",
+        "max_tokens": 40,
+        "temperature": 0.8,
+        "seed": 11,
+        "stop": ["\n\n"],
+        "presence_penalty": 0.5,
+        "logprobs": 2,
+    }
     (record,) = [json.loads(line) for line in jsonl(rope.path, [json.dumps(request)]).stdout.decode().splitlines()]
-    alone = manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "40", "-t", "0.8", "--seed", "11",
-                  "--stop", "\n\n", "--presence-penalty", "0.5", "--logprobs", "2", "--json").ok().json()
+    alone = (
+        manas(
+            "generate",
+            "-c",
+            rope.path,
+            *RUN_OPTIONS,
+            "-p",
+            "ROMEO:",
+            "-n",
+            "40",
+            "-t",
+            "0.8",
+            "--seed",
+            "11",
+            "--stop",
+            "\n\n",
+            "--presence-penalty",
+            "0.5",
+            "--logprobs",
+            "2",
+            "--json",
+        )
+        .ok()
+        .json()
+    )
     timing = {"ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "cache"}
-    assert {k: v for k, v in record.items() if k not in timing | {"id"}} == {k: v for k, v in alone.items() if k not in timing}
+    assert {k: v for k, v in record.items() if k not in timing | {"id"}} == {
+        k: v for k, v in alone.items() if k not in timing
+    }
     assert record["id"] == 1
 
 
@@ -147,7 +198,9 @@ def test_characters_outside_a_character_vocabulary_fail_only_their_line(tmp_path
     from test_convert import convert_character_model  # a nanoGPT character-level model, converted
 
     path, _ = convert_character_model(tmp_path, "First Citizen:\nBefore we proceed any further, hear me speak.\n")
-    done = jsonl(path, [json.dumps({"prompt": "First", "max_tokens": 2}), json.dumps({"prompt": "Zebra", "max_tokens": 2})])
+    done = jsonl(
+        path, [json.dumps({"prompt": "First", "max_tokens": 2}), json.dumps({"prompt": "Zebra", "max_tokens": 2})]
+    )
     records = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert done.returncode == 1 and "error" not in records[0] and "'Z'" in records[1]["error"]
 
@@ -160,9 +213,14 @@ def test_an_empty_input_writes_nothing_and_succeeds(rope):
 def test_ctrl_c_keeps_the_records_done_in_order_and_exits_130(rope):
     lines = [json.dumps({"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})] * 4
     lines += [json.dumps({"prompt": "KING:", "max_tokens": 1_000_000, "temperature": 0})]
-    process = subprocess.Popen([*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "--jsonl"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "--jsonl"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     process.stdin.write("".join(line + "\n" for line in lines).encode())
     process.stdin.close()
     first = process.stdout.readline()  # a record is out: the model is loaded and decoding
@@ -177,8 +235,14 @@ def test_ctrl_c_keeps_the_records_done_in_order_and_exits_130(rope):
 
 def test_a_closed_pipe_ends_quietly(rope):
     lines = "".join(json.dumps({"prompt": "ROMEO:", "max_tokens": 5}) + "\n" for _ in range(50))
-    done = subprocess.run(f"{' '.join(MANAS)} generate -c {rope.path} --threads 1 --jsonl | head -3", shell=True,
-                          input=lines.encode(), capture_output=True, env=cli_env(), timeout=300)
+    done = subprocess.run(
+        f"{' '.join(MANAS)} generate -c {rope.path} --threads 1 --jsonl | head -3",
+        shell=True,
+        input=lines.encode(),
+        capture_output=True,
+        env=cli_env(),
+        timeout=300,
+    )
     assert len(done.stdout.decode().splitlines()) == 3 and done.stderr == b""
 
 
@@ -187,16 +251,24 @@ def test_a_closed_pipe_ends_quietly(rope):
 
 def test_a_repetition_penalty_breaks_the_loop_a_greedy_small_model_falls_into():
     looping = manas("generate", *RUN_OPTIONS, "-p", "JULIET:", "-n", "60", "-t", "0", "--json").ok().json()
-    penalized = manas("generate", *RUN_OPTIONS, "-p", "JULIET:", "-n", "60", "-t", "0", "--repetition-penalty", "1.3",
-                      "--json").ok().json()
+    penalized = (
+        manas("generate", *RUN_OPTIONS, "-p", "JULIET:", "-n", "60", "-t", "0", "--repetition-penalty", "1.3", "--json")
+        .ok()
+        .json()
+    )
     assert looping["text"].count("JULIET:") > 2  # "JULIET: O, how now!" over and over
     assert penalized["text"].count("JULIET:") < looping["text"].count("JULIET:")
     assert penalized["repetition_penalty"] == 1.3 and penalized["repeat_last_n"] == 64
 
 
 def test_logprobs_name_each_token_and_the_likeliest_alternatives(rope):
-    record = manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "6", "-t", "0", "--logprobs", "3",
-                   "--json").ok().json()
+    record = (
+        manas(
+            "generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "6", "-t", "0", "--logprobs", "3", "--json"
+        )
+        .ok()
+        .json()
+    )
     assert [entry["id"] for entry in record["logprobs"]] == record["tokens"]
     for entry in record["logprobs"]:
         top = [alternative["logprob"] for alternative in entry["top_logprobs"]]
@@ -207,8 +279,16 @@ def test_logprobs_name_each_token_and_the_likeliest_alternatives(rope):
     assert refused.returncode == 2 and "--json" in refused.err
 
 
-@pytest.mark.parametrize("flag, value", [("--min-p", "1.5"), ("--repetition-penalty", "0"), ("--repeat-last-n", "-2"),
-                                         ("--frequency-penalty", "3"), ("--logprobs", "21")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--min-p", "1.5"),
+        ("--repetition-penalty", "0"),
+        ("--repeat-last-n", "-2"),
+        ("--frequency-penalty", "3"),
+        ("--logprobs", "21"),
+    ],
+)
 def test_controls_out_of_range_are_usage_errors(rope, flag, value):
     run = manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "a", flag, value)
     assert run.returncode == 2 and "must be" in run.err

@@ -14,11 +14,17 @@ from safetensors.torch import load, load_file, save
 from cli_fixtures import RUN_OPTIONS, TinyCheckpoint, checkpoints, generate, learned, manas, rope  # noqa: F401
 from conftest import engine_of, make_model
 from manas_cli.engine.generation import generate as generate_tokens
+from manas_cli.engine.sampling import Sampler
 from manas_cli.torch_engine.model import GPT, GPTConfig, use_decode_layout
 from manas_cli.torch_engine.quantize import (
-    INT8_MAX, Int8Linear, dequantize_rows, quantize_model, quantize_rows, weights_bytes, weights_name,
+    INT8_MAX,
+    Int8Linear,
+    dequantize_rows,
+    quantize_model,
+    quantize_rows,
+    weights_bytes,
+    weights_name,
 )
-from manas_cli.engine.sampling import Sampler
 from test_cli_errors import assert_one_error_line
 
 TINY_BENCH = ("--tokens", "20", "--prompt-tokens", "16", "--repeat", "1", "--no-baseline")
@@ -128,10 +134,15 @@ def gpt2_quantization_error(kind: str) -> tuple[float, float, int]:
         logits, quantized_logits = float_model(prompt), quantized(prompt)
     relative = ((quantized_logits - logits).abs().max() / logits.abs().max()).item()
     top1 = (quantized_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    greedy = [[step.tokens[0] for step in generate_tokens(engine_of(m), prompt, Sampler(0.0), 64)] for m in (float_model, quantized)]
+    greedy = [
+        [step.tokens[0] for step in generate_tokens(engine_of(m), prompt, Sampler(0.0), 64)]
+        for m in (float_model, quantized)
+    ]
     agreeing = sum(a == b for a, b in zip(*greedy))
-    print(f"{kind}: largest logit difference {relative:.2%} of the largest logit; top-1 agrees at {top1:.0%} of the "
-          f"prompt's positions; {agreeing}/64 greedy tokens agree")
+    print(
+        f"{kind}: largest logit difference {relative:.2%} of the largest logit; top-1 agrees at {top1:.0%} of the "
+        f"prompt's positions; {agreeing}/64 greedy tokens agree"
+    )
     return relative, top1, agreeing
 
 
@@ -164,27 +175,33 @@ def test_quantize_writes_a_version_2_file_of_int8_matrices_and_their_scales(chec
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata()
     assert metadata["format_version"] == "2" and metadata["quantization"] == "int8"
-    matrices = [name for name, tensor in float_tensors.items() if tensor.dim() == 2 and name != "position_embedding.weight"]
+    matrices = [
+        name for name, tensor in float_tensors.items() if tensor.dim() == 2 and name != "position_embedding.weight"
+    ]
     assert "token_embedding.weight" in matrices and len(matrices) == 1 + 2 * len(BLOCK_LINEARS)
     assert set(tensors) == set(float_tensors) | {m.removesuffix("weight") + "scales" for m in matrices}
     for name, tensor in float_tensors.items():
         if name in matrices:
             q, scales = quantize_rows(tensor)
-            assert torch.equal(tensors[name], q) and torch.equal(tensors[name.removesuffix("weight") + "scales"], scales)
+            assert torch.equal(tensors[name], q) and torch.equal(
+                tensors[name.removesuffix("weight") + "scales"], scales
+            )
         else:
             assert torch.equal(tensors[name], tensor)
     # the tiny model's tokenizer metadata is a good part of these files; GPT-2's is 3.9× smaller
     assert path.stat().st_size < source.stat().st_size / 2.4
 
 
-def test_an_int8_file_loads_as_the_quantized_model_with_the_embedding_read_back_from_its_int8_rows(checkpoints,
-                                                                                                 int8_files):
+def test_an_int8_file_loads_as_the_quantized_model_with_the_embedding_read_back_from_its_int8_rows(
+    checkpoints, int8_files
+):
     quantized = TinyCheckpoint("at load", checkpoints["rope-gqa"].path, quantize=True).loaded.model
     loaded = int8_files["rope-gqa"].loaded.model
     for name, tensor in quantized.state_dict().items():
         if name == "token_embedding.weight":  # the file has no float copy: its int8 rows, dequantized
-            assert torch.equal(loaded.token_embedding.weight,
-                               dequantize_rows(quantized.lm_head.weight, quantized.lm_head.scales))
+            assert torch.equal(
+                loaded.token_embedding.weight, dequantize_rows(quantized.lm_head.weight, quantized.lm_head.scales)
+            )
         else:
             assert torch.equal(loaded.state_dict()[name], tensor), name
 
@@ -206,8 +223,10 @@ def torch_files_equal(a: bytes, b: bytes) -> bool:
     """Same tensors and metadata (safetensors writes the metadata keys in no fixed order)."""
     header = [json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"] for data in (a, b)]
     tensors = [load(data) for data in (a, b)]
-    return header[0] == header[1] and tensors[0].keys() == tensors[1].keys() and all(
-        torch.equal(tensors[0][name], tensors[1][name]) for name in tensors[0]
+    return (
+        header[0] == header[1]
+        and tensors[0].keys() == tensors[1].keys()
+        and all(torch.equal(tensors[0][name], tensors[1][name]) for name in tensors[0])
     )
 
 
@@ -285,14 +304,26 @@ def rewrite(source, target, change):
 
 BAD_INT8_FILES = {  # (quantized source?, change, what the error line names)
     "missing scales": (True, lambda t, m: t.pop("blocks.1.ffn.up.scales"), ["missing tensor blocks.1.ffn.up.scales"]),
-    "mis-shaped scales": (True, lambda t, m: t.update({"blocks.0.attention.qkv.scales": torch.ones(7)}),
-                          ["blocks.0.attention.qkv.scales", "[7]"]),
-    "int8 where float is expected": (True, lambda t, m: t.update({"blocks.0.ln_ffn.weight": torch.ones(32, dtype=torch.int8)}),
-                                     ["blocks.0.ln_ffn.weight", "I8", "floating point"]),
-    "int8 in a float file": (False, lambda t, m: t.update({"blocks.1.ffn.down.weight": torch.ones(32, 128, dtype=torch.int8)}),
-                             ["blocks.1.ffn.down.weight", "I8", "floating point"]),
-    "float where int8 is expected": (True, lambda t, m: t.update({"blocks.1.attention.output.weight": torch.ones(32, 32)}),
-                                     ["blocks.1.attention.output.weight", "F32", "int8"]),
+    "mis-shaped scales": (
+        True,
+        lambda t, m: t.update({"blocks.0.attention.qkv.scales": torch.ones(7)}),
+        ["blocks.0.attention.qkv.scales", "[7]"],
+    ),
+    "int8 where float is expected": (
+        True,
+        lambda t, m: t.update({"blocks.0.ln_ffn.weight": torch.ones(32, dtype=torch.int8)}),
+        ["blocks.0.ln_ffn.weight", "I8", "floating point"],
+    ),
+    "int8 in a float file": (
+        False,
+        lambda t, m: t.update({"blocks.1.ffn.down.weight": torch.ones(32, 128, dtype=torch.int8)}),
+        ["blocks.1.ffn.down.weight", "I8", "floating point"],
+    ),
+    "float where int8 is expected": (
+        True,
+        lambda t, m: t.update({"blocks.1.attention.output.weight": torch.ones(32, 32)}),
+        ["blocks.1.attention.output.weight", "F32", "int8"],
+    ),
     "unknown quantization": (True, lambda t, m: m.update(quantization="int2"), ["'int2'", "int8", "int4"]),
 }
 
@@ -320,4 +351,3 @@ def test_training_does_not_resume_from_int8_weights(int8_files, tmp_path, shakes
     path = int8_files["learned-mha"].path
     run = manas("train", text, "--out", path, "--resume", "--steps", "1", "--device", "cpu", "--threads", "1")
     assert_one_error_line(run, 1, str(path), "int8")
-

@@ -28,7 +28,9 @@ def test_rotate_pairs_rotates_interleaved_pairs_not_halves():
     x[0, 0] = 1.0
     cos, sin = rope_tables(4, 2, 10000.0)
     rotated = rotate_pairs(x, cos[1:2], sin[1:2])  # position 1, pair 0 turns by exactly 1 radian
-    torch.testing.assert_close(rotated, torch.tensor([[torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0)), 0.0, 0.0]]))
+    torch.testing.assert_close(
+        rotated, torch.tensor([[torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0)), 0.0, 0.0]])
+    )
 
 
 def test_rotation_at_position_zero_is_the_identity():

@@ -47,8 +47,12 @@ class LiveServer:
 
 @contextmanager
 def running_server(checkpoint, *args: str):
-    process = subprocess.Popen([*MANAS, "serve", "-c", str(checkpoint), "--port", "0", *RUN_OPTIONS, *args],
-                               stderr=subprocess.PIPE, text=True, env=cli_env())
+    process = subprocess.Popen(
+        [*MANAS, "serve", "-c", str(checkpoint), "--port", "0", *RUN_OPTIONS, *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
     lines = []
     try:
         while (line := process.stderr.readline()) and not READY.search(line):
@@ -67,7 +71,9 @@ def running_server(checkpoint, *args: str):
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    with running_server(checkpoints["rope-gqa"].path, "--batch-size", "4", "--timeout", "2", "--max-tokens", "1000000") as live:
+    with running_server(
+        checkpoints["rope-gqa"].path, "--batch-size", "4", "--timeout", "2", "--max-tokens", "1000000"
+    ) as live:
         yield live
 
 
@@ -92,8 +98,17 @@ def test_a_completion_equals_generate_alone(server, checkpoints):
 def test_streamed_chunks_add_up_to_the_same_completion(server):
     client = server.client()
     whole = client.completions.create(model="m", prompt="JULIET:", max_tokens=20, temperature=0.7, seed=5)
-    chunks = list(client.completions.create(model="m", prompt="JULIET:", max_tokens=20, temperature=0.7, seed=5,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="m",
+            prompt="JULIET:",
+            max_tokens=20,
+            temperature=0.7,
+            seed=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
     assert text == whole.choices[0].text
     finishing = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
@@ -125,47 +140,76 @@ def test_logprobs_take_openais_legacy_shape(server, checkpoints):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
     assert "".join(logprobs.tokens) == done.choices[0].text
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
-    assert all(len(top) <= 2 and max(top.values()) >= chosen - 1e-6
-               for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert all(
+        len(top) <= 2 and max(top.values()) >= chosen - 1e-6
+        for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs)
+    )
     alone = generate_alone(checkpoints["rope-gqa"], "ROMEO:", "-n", "6", "-t", "0", "--logprobs", "2")
     assert logprobs.token_logprobs == pytest.approx([entry["logprob"] for entry in alone["logprobs"]], abs=1e-6)
 
 
 def test_a_seed_reproduces_and_another_seed_differs(server):
     client = server.client()
-    runs = [client.completions.create(model="m", prompt="A", max_tokens=24, temperature=1.0, seed=seed).choices[0].text
-            for seed in (3, 3, 4)]
+    runs = [
+        client.completions.create(model="m", prompt="A", max_tokens=24, temperature=1.0, seed=seed).choices[0].text
+        for seed in (3, 3, 4)
+    ]
     assert runs[0] == runs[1] != runs[2]
 
 
 def test_a_list_of_prompts_gets_a_choice_each_and_echo_prepends_the_prompt(server):
     client = server.client()
     done = client.completions.create(model="m", prompt=["ROMEO:", "JULIET:"], max_tokens=4, temperature=0, echo=True)
-    alone = [client.completions.create(model="m", prompt=p, max_tokens=4, temperature=0).choices[0].text
-             for p in ("ROMEO:", "JULIET:")]
+    alone = [
+        client.completions.create(model="m", prompt=p, max_tokens=4, temperature=0).choices[0].text
+        for p in ("ROMEO:", "JULIET:")
+    ]
     assert [choice.text for choice in done.choices] == ["ROMEO:" + alone[0], "JULIET:" + alone[1]]
     assert [choice.index for choice in done.choices] == [0, 1]
 
 
 def test_manas_own_sampling_fields_are_taken_as_extra_body(server, checkpoints):
-    done = server.client().completions.create(model="m", prompt="ROMEO:", max_tokens=10, temperature=0.9, seed=2,
-                                              extra_body={"top_k": 5, "repetition_penalty": 1.3, "min_p": 0.05})
-    alone = generate_alone(checkpoints["rope-gqa"], "ROMEO:", "-n", "10", "-t", "0.9", "--seed", "2", "--top-k", "5",
-                           "--repetition-penalty", "1.3", "--min-p", "0.05")
+    done = server.client().completions.create(
+        model="m",
+        prompt="ROMEO:",
+        max_tokens=10,
+        temperature=0.9,
+        seed=2,
+        extra_body={"top_k": 5, "repetition_penalty": 1.3, "min_p": 0.05},
+    )
+    alone = generate_alone(
+        checkpoints["rope-gqa"],
+        "ROMEO:",
+        "-n",
+        "10",
+        "-t",
+        "0.9",
+        "--seed",
+        "2",
+        "--top-k",
+        "5",
+        "--repetition-penalty",
+        "1.3",
+        "--min-p",
+        "0.05",
+    )
     assert done.choices[0].text == alone["text"]
 
 
 # ---- errors in OpenAI's shape ----
 
 
-@pytest.mark.parametrize("options, param, message", [
-    (dict(temperature=-1), "temperature", "temperature must be a finite number >= 0, got -1"),
-    (dict(max_tokens=0), "max_tokens", "max_tokens must be an integer >= 1, got 0"),
-    (dict(n=99), "n", "n must be an integer from 1 to 16, got 99"),
-    (dict(extra_body={"best_of": 2}), "best_of", "best_of 2 is not supported: manas takes null or 1"),
-    (dict(extra_body={"logit_bias": {"50": 3}}), "logit_bias", "is not supported: manas takes null or {}"),
-    (dict(top_p=1.5), "top_p", "top_p must be a number with 0 < top_p <= 1, got 1.5"),
-])
+@pytest.mark.parametrize(
+    "options, param, message",
+    [
+        (dict(temperature=-1), "temperature", "temperature must be a finite number >= 0, got -1"),
+        (dict(max_tokens=0), "max_tokens", "max_tokens must be an integer >= 1, got 0"),
+        (dict(n=99), "n", "n must be an integer from 1 to 16, got 99"),
+        (dict(extra_body={"best_of": 2}), "best_of", "best_of 2 is not supported: manas takes null or 1"),
+        (dict(extra_body={"logit_bias": {"50": 3}}), "logit_bias", "is not supported: manas takes null or {}"),
+        (dict(top_p=1.5), "top_p", "top_p must be a number with 0 < top_p <= 1, got 1.5"),
+    ],
+)
 def test_a_bad_field_is_a_400_naming_it(server, options, param, message):
     with pytest.raises(openai.BadRequestError) as raised:
         server.client().completions.create(model="m", prompt="A", **options)
@@ -185,13 +229,16 @@ def test_health_and_models(server):
     assert [model.id for model in models.data] == ["rope-gqa"]
 
 
-@pytest.mark.parametrize("body, headers, status, message", [
-    (b"{not json", {"Content-Type": "application/json"}, 400, "not JSON"),
-    (b'{"prompt": "a"}', {"Content-Type": "text/plain"}, 415, "application/json"),
-    (b'["a"]', {"Content-Type": "application/json"}, 400, "must be a JSON object"),
-    (b'{"prompt": "a", "max_tokens": NaN}', {"Content-Type": "application/json"}, 400, "NaN is not a JSON number"),
-    (b'{"prompt": "\xff"}', {"Content-Type": "application/json"}, 400, "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "body, headers, status, message",
+    [
+        (b"{not json", {"Content-Type": "application/json"}, 400, "not JSON"),
+        (b'{"prompt": "a"}', {"Content-Type": "text/plain"}, 415, "application/json"),
+        (b'["a"]', {"Content-Type": "application/json"}, 400, "must be a JSON object"),
+        (b'{"prompt": "a", "max_tokens": NaN}', {"Content-Type": "application/json"}, 400, "NaN is not a JSON number"),
+        (b'{"prompt": "\xff"}', {"Content-Type": "application/json"}, 400, "not UTF-8"),
+    ],
+)
 def test_raw_bodies_the_client_would_not_send_get_openai_errors(server, body, headers, status, message):
     code, _, answer = server.raw("POST", "/v1/completions", body, headers)
     assert code == status and message in answer["error"]["message"]
@@ -199,8 +246,10 @@ def test_raw_bodies_the_client_would_not_send_get_openai_errors(server, body, he
 
 def test_a_10_mb_body_is_refused_before_it_is_read(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 10485760\r\n\r\n" + b"x" * 65536)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 10485760\r\n\r\n" + b"x" * 65536
+        )
         answer = sock.makefile("rb").read()
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413") and b"at most 1,048,576" in body
@@ -208,8 +257,10 @@ def test_a_10_mb_body_is_refused_before_it_is_read(server):
 
 def test_a_truncated_body_and_a_slow_client_do_not_stop_the_server(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt"'
+        )
     slow = socket.create_connection(("127.0.0.1", server.port))
     slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest of the headers
     time.sleep(3)  # past the server's --timeout 2
@@ -223,18 +274,29 @@ def test_sixteen_clients_at_once_each_get_what_they_would_alone(server, checkpoi
     results = [None] * len(prompts)
 
     def ask(index: int) -> None:
-        results[index] = server.client().completions.create(
-            model="m", prompt=prompts[index], max_tokens=8 + index, temperature=0.8, seed=index).choices[0].text
+        results[index] = (
+            server.client()
+            .completions.create(model="m", prompt=prompts[index], max_tokens=8 + index, temperature=0.8, seed=index)
+            .choices[0]
+            .text
+        )
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    requests = [json.dumps({"prompt": p, "max_tokens": 8 + i, "temperature": 0.8, "seed": i})
-                for i, p in enumerate(prompts)]
-    alone = subprocess.run([*MANAS, "generate", "-c", str(checkpoints["rope-gqa"].path), *RUN_OPTIONS, "--jsonl"],
-                           input="\n".join(requests) + "\n", capture_output=True, text=True, env=cli_env(), timeout=300)
+    requests = [
+        json.dumps({"prompt": p, "max_tokens": 8 + i, "temperature": 0.8, "seed": i}) for i, p in enumerate(prompts)
+    ]
+    alone = subprocess.run(
+        [*MANAS, "generate", "-c", str(checkpoints["rope-gqa"].path), *RUN_OPTIONS, "--jsonl"],
+        input="\n".join(requests) + "\n",
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=300,
+    )
     assert results == [json.loads(line)["text"] for line in alone.stdout.splitlines()]
 
 
@@ -272,7 +334,9 @@ def test_the_key_may_come_from_the_environment(checkpoints, monkeypatch):
 
 
 def test_requests_past_the_queue_get_429_with_retry_after(checkpoints):
-    with running_server(checkpoints["rope-gqa"].path, "--batch-size", "1", "--max-queue", "1", "--max-tokens", "3000") as live:
+    with running_server(
+        checkpoints["rope-gqa"].path, "--batch-size", "1", "--max-queue", "1", "--max-tokens", "3000"
+    ) as live:
         statuses = []
 
         def ask() -> None:
@@ -307,8 +371,10 @@ def test_sigterm_lets_a_request_in_flight_finish_then_exits_0(checkpoints):
 def test_a_port_in_use_is_one_error_line(server, checkpoints):
     done = manas("serve", "-c", checkpoints["rope-gqa"].path, "--port", str(server.port), *RUN_OPTIONS)
     assert done.returncode == 1
-    assert done.err.strip() == f"error: cannot listen on 127.0.0.1:{server.port}: the port is in use; choose another " \
-                               "with --port"
+    assert (
+        done.err.strip() == f"error: cannot listen on 127.0.0.1:{server.port}: the port is in use; choose another "
+        "with --port"
+    )
 
 
 def test_another_host_without_a_key_warns_and_loopback_does_not(checkpoints):
@@ -331,6 +397,7 @@ def test_the_readme_serving_examples_run_as_written(tmp_path):
         if subprocess.run(["sh", "-c", "command -v curl && command -v jq"], capture_output=True).returncode == 0:
             done = subprocess.run(["bash", "-o", "pipefail", "-c", curl], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0 and done.stdout.strip(), done.stderr
-        done = subprocess.run([sys.executable, "-c", python.replace("8080", str(live.port))], capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", python.replace("8080", str(live.port))], capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0 and done.stdout.strip(), done.stderr

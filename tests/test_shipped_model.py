@@ -75,8 +75,9 @@ def test_shipped_model_loss_per_character_on_held_out_text_meets_the_bar(float_l
 
 
 @pytest.mark.parametrize("source", ["--quantize int8", "manas quantize"])
-def test_shipped_model_with_int8_weights_loses_at_most_0_02_nats_per_char(held_out_loss_per_char, float_loss_per_char,
-                                                                          source, tmp_path):
+def test_shipped_model_with_int8_weights_loses_at_most_0_02_nats_per_char(
+    held_out_loss_per_char, float_loss_per_char, source, tmp_path
+):
     """The README's quality figure: int8 at load time, and the int8 file (whose embedding is its int8 rows too)."""
     model = quantize_model(load_checkpoint(CHECKPOINT).model)
     if source == "manas quantize":
@@ -88,8 +89,9 @@ def test_shipped_model_with_int8_weights_loses_at_most_0_02_nats_per_char(held_o
 
 
 @pytest.mark.parametrize("source", ["--quantize int4", "manas quantize --bits 4"])
-def test_shipped_model_with_int4_weights_loses_at_most_0_05_nats_per_char(held_out_loss_per_char, float_loss_per_char,
-                                                                          source, tmp_path):
+def test_shipped_model_with_int4_weights_loses_at_most_0_05_nats_per_char(
+    held_out_loss_per_char, float_loss_per_char, source, tmp_path
+):
     model = quantize_model(load_checkpoint(CHECKPOINT).model, "int4")
     if source.startswith("manas quantize"):
         save_checkpoint(tmp_path / "int4.safetensors", model, load_checkpoint(CHECKPOINT).tokenizer_spec)

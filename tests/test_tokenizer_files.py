@@ -56,7 +56,9 @@ def test_convert_reads_a_gpt2_folders_own_tokenizer(tmp_path, learned, gpt2_fold
     back = tmp_path / "back.safetensors"
     run = manas("convert", folder, "--out", back).ok()
     assert "vocab.json and merges.txt" in run.err
-    original = manas("generate", "-c", learned.path, "--threads", "1", "-p", "ROMEO:", "-n", "12", "-t", "0", "--json").ok()
+    original = manas(
+        "generate", "-c", learned.path, "--threads", "1", "-p", "ROMEO:", "-n", "12", "-t", "0", "--json"
+    ).ok()
     converted = manas("generate", "-c", back, "--threads", "1", "-p", "ROMEO:", "-n", "12", "-t", "0", "--json").ok()
     assert converted.json()["tokens"] == original.json()["tokens"]
 

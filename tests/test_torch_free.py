@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from cli_fixtures import MANAS, RUN_OPTIONS, cli_env, checkpoints, rope  # noqa: F401 (fixtures)
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, rope  # noqa: F401 (fixtures)
 from conftest import all_logits, logits_view, make_model, native_model, needs_compiler
-from manas_cli.native.model import Logits
-from manas_cli.native.sampling import NativeSampling
 from manas_cli.engine.sampling import Penalties, Sampler
-from manas_cli.torch_engine.sampling import adjust, probabilities, top_logprobs
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import open_checkpoint
+from manas_cli.native.model import Logits
+from manas_cli.native.sampling import NativeSampling
+from manas_cli.torch_engine.sampling import adjust, probabilities, top_logprobs
 
 pytestmark = needs_compiler
 
@@ -37,21 +37,56 @@ finally:
 
 
 def probe(*args, stdin: str = "") -> tuple[int, str]:
-    done = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], input=stdin.encode(), capture_output=True,
-                          env=cli_env(), timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *map(str, args)],
+        input=stdin.encode(),
+        capture_output=True,
+        env=cli_env(),
+        timeout=300,
+    )
     return done.returncode, done.stderr.decode().strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("command, stdin", [
-    (["generate", "-p", "ROMEO:", "-n", "5", "-t", "0"], ""),
-    (["generate", "-p", "ROMEO:", "-n", "5", "--seed", "1", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01",
-      "--repetition-penalty", "1.2", "--frequency-penalty", "0.3", "--presence-penalty", "0.2", "--logprobs", "2",
-      "--num-samples", "2", "--json"], ""),
-    (["generate", "--jsonl"], '{"prompt": "ROMEO:", "max_tokens": 3}\n{"prompt": "JULIET:", "max_tokens": 4}\n'),
-    (["score"], "ROMEO: what light through yonder window breaks? It is the east."),
-    (["bench", "-n", "4", "--prompt-tokens", "4", "-r", "1"], ""),
-    (["inspect-cache", "--tokens", "2", "--json"], ""),
-], ids=["generate", "generate-sampled", "jsonl", "score", "bench", "inspect-cache"])
+@pytest.mark.parametrize(
+    "command, stdin",
+    [
+        (["generate", "-p", "ROMEO:", "-n", "5", "-t", "0"], ""),
+        (
+            [
+                "generate",
+                "-p",
+                "ROMEO:",
+                "-n",
+                "5",
+                "--seed",
+                "1",
+                "--top-p",
+                "0.9",
+                "--top-k",
+                "20",
+                "--min-p",
+                "0.01",
+                "--repetition-penalty",
+                "1.2",
+                "--frequency-penalty",
+                "0.3",
+                "--presence-penalty",
+                "0.2",
+                "--logprobs",
+                "2",
+                "--num-samples",
+                "2",
+                "--json",
+            ],
+            "",
+        ),
+        (["generate", "--jsonl"], '{"prompt": "ROMEO:", "max_tokens": 3}\n{"prompt": "JULIET:", "max_tokens": 4}\n'),
+        (["score"], "ROMEO: what light through yonder window breaks? It is the east."),
+        (["bench", "-n", "4", "--prompt-tokens", "4", "-r", "1"], ""),
+        (["inspect-cache", "--tokens", "2", "--json"], ""),
+    ],
+    ids=["generate", "generate-sampled", "jsonl", "score", "bench", "inspect-cache"],
+)
 def test_the_native_path_of_each_command_never_imports_torch(rope, command, stdin):
     code, last = probe(*command, "-c", rope.path, *RUN_OPTIONS, stdin=stdin)
     assert (code, last) == (0, "torch never imported")
@@ -59,13 +94,22 @@ def test_the_native_path_of_each_command_never_imports_torch(rope, command, stdi
 
 @pytest.mark.parametrize("flags", [["--engine", "torch"], ["--quantize", "int8"], ["--dtype", "bfloat16"]])
 def test_torch_loads_where_it_is_needed(rope, flags):
-    assert probe("generate", "-p", "ROMEO:", "-n", "3", "-t", "0", "-c", rope.path, *RUN_OPTIONS, *flags) == (0, "torch imported")
+    assert probe("generate", "-p", "ROMEO:", "-n", "3", "-t", "0", "-c", rope.path, *RUN_OPTIONS, *flags) == (
+        0,
+        "torch imported",
+    )
 
 
 def test_importtime_shows_no_torch_on_the_native_path(rope):
-    done = subprocess.run([*MANAS, "generate", "-p", "ROMEO:", "-n", "3", "-t", "0", "-c", rope.path, *RUN_OPTIONS],
-                          capture_output=True, env={**cli_env(), "PYTHONPROFILEIMPORTTIME": "1"}, timeout=300)
-    modules = [line.split("|")[-1].strip() for line in done.stderr.decode().splitlines() if line.startswith("import time")]
+    done = subprocess.run(
+        [*MANAS, "generate", "-p", "ROMEO:", "-n", "3", "-t", "0", "-c", rope.path, *RUN_OPTIONS],
+        capture_output=True,
+        env={**cli_env(), "PYTHONPROFILEIMPORTTIME": "1"},
+        timeout=300,
+    )
+    modules = [
+        line.split("|")[-1].strip() for line in done.stderr.decode().splitlines() if line.startswith("import time")
+    ]
     assert done.returncode == 0 and "manas_cli.native.engine" in modules
     assert not [module for module in modules if module.split(".")[0] in ("torch", "numpy", "safetensors")]
 
@@ -78,8 +122,9 @@ def logits_of(model, ids: list[list[int]]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
-def test_the_core_on_the_mapped_file_equals_the_core_on_the_torch_loaded_model(tmp_path, native_library, weights,
-                                                                              tiny_bpe_spec):
+def test_the_core_on_the_mapped_file_equals_the_core_on_the_torch_loaded_model(
+    tmp_path, native_library, weights, tiny_bpe_spec
+):
     """Format 2's token embedding is the output layer's codes: the core dequantizes its rows as the torch loader
     does (a float table there), and every other tensor is the file's own bytes."""
     path = tmp_path / f"{weights}.safetensors"
@@ -107,8 +152,9 @@ def write_unaligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_a_file_of_any_float_type_or_alignment_runs_as_its_float32_values(tmp_path, native_library, dtype,
-                                                                          tiny_bpe_spec):
+def test_a_file_of_any_float_type_or_alignment_runs_as_its_float32_values(
+    tmp_path, native_library, dtype, tiny_bpe_spec
+):
     path = tmp_path / "m.safetensors"
     save_checkpoint(path, make_model("rope", "mqa"), tiny_bpe_spec)
     from safetensors import safe_open
@@ -135,8 +181,15 @@ def tiny_native(native_library):
     return native_model(make_model("rope", "gqa"), native_library)
 
 
-def core_draws(native, sampler: Sampler, rows: torch.Tensor, windows: list[list[int]], position: int = 0,
-               logprobs: int = 0, state: NativeSampling | None = None):
+def core_draws(
+    native,
+    sampler: Sampler,
+    rows: torch.Tensor,
+    windows: list[list[int]],
+    position: int = 0,
+    logprobs: int = 0,
+    state: NativeSampling | None = None,
+):
     state = state or NativeSampling(native, sampler, rows.size(0), logprobs)
     logits = Logits(rows.size(0), rows.size(1))
     logits_view(logits).copy_(rows)
@@ -157,8 +210,11 @@ def test_greedy_is_the_argmax_of_the_decodable_ids(tiny_native):
     assert tokens == expected and not any(250 <= t < 260 or t >= 280 for t in tokens)
 
 
-@pytest.mark.parametrize("penalties", [Penalties(), Penalties(repetition=1.3, last_n=3), Penalties(repetition=0.7, last_n=-1)],
-                         ids=["none", "repetition-last-3", "repetition-whole-window"])
+@pytest.mark.parametrize(
+    "penalties",
+    [Penalties(), Penalties(repetition=1.3, last_n=3), Penalties(repetition=0.7, last_n=-1)],
+    ids=["none", "repetition-last-3", "repetition-whole-window"],
+)
 def test_logprobs_are_torchs_over_the_same_adjusted_logits(tiny_native, penalties):
     logits = random_logits(3, seed=1)
     windows = [[5, 6, 7, 5, 9], [1, 2, 3, 4, 250], [0, 0, 0, 0, 299]]
@@ -183,10 +239,17 @@ def test_frequency_and_presence_penalties_count_the_rows_own_tokens(tiny_native)
     assert [t[1] for t in top] == [t[1] for t in top_logprobs(adjusted, torch.tensor(second)[:, None], 3)]
 
 
-@pytest.mark.parametrize("options", [
-    dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=1.0, top_p=0.8),
-    dict(temperature=1.3, min_p=0.05), dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02),
-], ids=["temperature", "top-k", "top-p", "min-p", "all"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=1.3, min_p=0.05),
+        dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02),
+    ],
+    ids=["temperature", "top-k", "top-p", "min-p", "all"],
+)
 def test_draws_follow_torchs_filtered_distribution(tiny_native, options):
     """4,000 draws of one row (positions 0..3,999 of the counter) against the probabilities torch's sampler
     computes: nothing it filters out is drawn, and each token's frequency is within 0.03 of its probability."""
@@ -208,8 +271,10 @@ def test_a_draw_depends_on_seed_row_and_position_only(tiny_native):
     alone, _ = core_draws(tiny_native, sampler, logits[:1], [[1]], position=10)
     assert together == again and together[0] == alone[0]
     later = [core_draws(tiny_native, sampler, logits[:1], [[1]], position=p)[0][0] for p in range(11, 40)]
-    other_seed = [core_draws(tiny_native, Sampler(temperature=1.0, seed=8), logits[:1], [[1]], position=p)[0][0]
-                  for p in range(11, 40)]
+    other_seed = [
+        core_draws(tiny_native, Sampler(temperature=1.0, seed=8), logits[:1], [[1]], position=p)[0][0]
+        for p in range(11, 40)
+    ]
     assert len(set(later)) > 5 and later != other_seed
 
 
@@ -217,8 +282,11 @@ def test_a_draw_depends_on_seed_row_and_position_only(tiny_native):
 PHILOX_VECTORS = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -245,10 +313,30 @@ def test_uniform_numbers_are_in_the_unit_interval_and_spread(native_library):
 
 def test_a_seeded_sample_is_the_same_alone_or_beside_others(rope):
     """Row 0 of --num-samples 3 draws with row 0's numbers, as one sample does: batching never changes a text."""
+
     def texts(*args: str) -> list[str]:
-        done = subprocess.run([*MANAS, "generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "24",
-                               "--seed", "5", "-t", "1.0", "--json", *args], capture_output=True, env=cli_env(),
-                              timeout=300)
+        done = subprocess.run(
+            [
+                *MANAS,
+                "generate",
+                "-c",
+                rope.path,
+                *RUN_OPTIONS,
+                "-p",
+                "ROMEO:",
+                "-n",
+                "24",
+                "--seed",
+                "5",
+                "-t",
+                "1.0",
+                "--json",
+                *args,
+            ],
+            capture_output=True,
+            env=cli_env(),
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr.decode()
         return [json.loads(line)["text"] for line in done.stdout.decode().splitlines()]
 
@@ -257,8 +345,12 @@ def test_a_seeded_sample_is_the_same_alone_or_beside_others(rope):
 
 
 def test_serve_on_the_native_engine_never_imports_torch(rope):
-    server = subprocess.Popen([*MANAS, "serve", "-c", str(rope.path), *RUN_OPTIONS, "--port", "0"],
-                              stderr=subprocess.PIPE, text=True, env={**cli_env(), "PYTHONPROFILEIMPORTTIME": "1"})
+    server = subprocess.Popen(
+        [*MANAS, "serve", "-c", str(rope.path), *RUN_OPTIONS, "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**cli_env(), "PYTHONPROFILEIMPORTTIME": "1"},
+    )
     lines = []
     for line in server.stderr:  # the import lines, then the ready line
         lines.append(line)
@@ -266,7 +358,8 @@ def test_serve_on_the_native_engine_never_imports_torch(rope):
             break
     server.send_signal(2)
     lines += server.stderr.readlines()
-    assert server.wait(timeout=60) == 0 and any(line.startswith("manas serve:") and "native engine" in line
-                                                for line in lines)
+    assert server.wait(timeout=60) == 0 and any(
+        line.startswith("manas serve:") and "native engine" in line for line in lines
+    )
     modules = [line.split("|")[-1].strip() for line in lines if line.startswith("import time")]
     assert modules and not [module for module in modules if module.split(".")[0] == "torch"]

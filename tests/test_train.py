@@ -15,16 +15,39 @@ import tiktoken.load
 import torch
 
 from conftest import engine_of
-from manas_cli.formats.checkpoint import load_checkpoint
-from manas_cli.formats.header import read_metadata
 from manas_cli.engine.generation import generate
 from manas_cli.engine.sampling import Sampler
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.formats.header import read_metadata
 from manas_cli.formats.tokenizer import end_of_text_id
 
 TINY_SHAPE = [
-    "--n-layer", "1", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "32", "--block-size", "16",
-    "--position-encoding", "rope", "--vocab-size", "300", "--batch-size", "8", "--lr", "3e-3",
-    "--warmup-steps", "5", "--dropout", "0", "--device", "cpu", "--threads", "1",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "4",
+    "--n-kv-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "16",
+    "--position-encoding",
+    "rope",
+    "--vocab-size",
+    "300",
+    "--batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "5",
+    "--dropout",
+    "0",
+    "--device",
+    "cpu",
+    "--threads",
+    "1",
 ]
 EVAL_LINE = re.compile(r"^step (\d+)/(\d+)  train ([\d.]+)  val ([\d.]+) nats/token ([\d.]+) nats/char", re.M)
 
@@ -34,9 +57,7 @@ def manas(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
     script = Path(sys.executable).with_name("manas")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "manas_cli"]
     env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    return subprocess.run(
-        [*command, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([*command, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +72,18 @@ def trained(small_text, tmp_path_factory):
     """One tiny training run (a few seconds), shared by the tests that read its results."""
     folder = tmp_path_factory.mktemp("run")
     (folder / "tmp").mkdir()
-    result = manas("train", small_text, "--out", "tmp/x.safetensors", *TINY_SHAPE, "--steps", "40", "--eval-every", "20",
-                   cwd=folder)
+    result = manas(
+        "train",
+        small_text,
+        "--out",
+        "tmp/x.safetensors",
+        *TINY_SHAPE,
+        "--steps",
+        "40",
+        "--eval-every",
+        "20",
+        cwd=folder,
+    )
     return result, folder / "tmp" / "x.safetensors"
 
 
@@ -102,8 +133,19 @@ def test_resume_continues_from_the_saved_step_and_keeps_the_best_checkpoint(trai
     _, path = trained
     resumed = tmp_path / "x.safetensors"
     resumed.write_bytes(path.read_bytes())
-    result = manas("train", small_text, "--out", resumed, *TINY_SHAPE, "--steps", "60", "--eval-every", "10", "--resume",
-                   cwd=tmp_path)
+    result = manas(
+        "train",
+        small_text,
+        "--out",
+        resumed,
+        *TINY_SHAPE,
+        "--steps",
+        "60",
+        "--eval-every",
+        "10",
+        "--resume",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     steps = [int(step) for step, *_ in EVAL_LINE.findall(result.stderr)]
     assert steps == [50, 60]  # continued after step 40, not from the start
@@ -114,7 +156,9 @@ def test_resume_continues_from_the_saved_step_and_keeps_the_best_checkpoint(trai
 
 
 def test_tokenizer_only_writes_a_loadable_tiktoken_file(small_text, tmp_path, monkeypatch):
-    result = manas("train", small_text, "--out", "bpe.tiktoken", "--tokenizer-only", "--vocab-size", "300", cwd=tmp_path)
+    result = manas(
+        "train", small_text, "--out", "bpe.tiktoken", "--tokenizer-only", "--vocab-size", "300", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert list(tmp_path.iterdir()) == [tmp_path / "bpe.tiktoken"]  # no model was trained or saved
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
@@ -138,7 +182,10 @@ BAD_INPUTS = {
     "empty-file": (lambda folder, small: write_empty(folder), [], 1, "is empty"),
     "shorter-than-two-blocks": (lambda folder, small: write_short(folder), [], 1, "fewer than two blocks of 16"),
     "n-embd-not-divisible": (
-        lambda folder, small: small, ["--n-embd", "30"], 1, r"invalid model shape: n_embd \(30\) must be divisible by n_head \(4\)"
+        lambda folder, small: small,
+        ["--n-embd", "30"],
+        1,
+        r"invalid model shape: n_embd \(30\) must be divisible by n_head \(4\)",
     ),
     "zero-steps": (lambda folder, small: small, ["--steps", "0"], 2, "--steps"),  # a usage error, found by typer
 }

@@ -82,32 +82,53 @@ def _stops_not_empty(values: Optional[list[str]]) -> Optional[list[str]]:
 
 CheckpointOption = Annotated[
     Optional[Path],
-    typer.Option("--checkpoint", "-c", "-m", help="Model file (.safetensors); -m as in llama.cpp, llm and ollama. Default: $MANAS_CHECKPOINT, else the model shipped with manas."),
+    typer.Option(
+        "--checkpoint",
+        "-c",
+        "-m",
+        help="Model file (.safetensors); -m as in llama.cpp, llm and ollama. Default: $MANAS_CHECKPOINT, else the model shipped with manas.",
+    ),
 ]
 DeviceOption = Annotated[Device, typer.Option(help="auto: CUDA when available, else the CPU.")]
 DTypeOption = Annotated[DType, typer.Option(help="auto: float32 on the CPU, bfloat16 on CUDA.")]
-ThreadsOption = Annotated[Optional[int], typer.Option(callback=_threads_in_range, help=f"CPU threads for torch, exactly, 1 to {MAX_THREADS}. Default: ${THREADS_ENV}, else the cores no other process is using (re-checked during a generation).")]
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(
+        callback=_threads_in_range,
+        help=f"CPU threads for torch, exactly, 1 to {MAX_THREADS}. Default: ${THREADS_ENV}, else the cores no other process is using (re-checked during a generation).",
+    ),
+]
 PromptOption = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; '-' reads standard input.")]
 PromptFileOption = Annotated[Optional[Path], typer.Option(help="Read the prompt from a UTF-8 file.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of text.")]
 QuantizeOption = Annotated[
     Optional[Quantization],
-    typer.Option("--quantize", help="Quantize the weight matrices when loading, products in bfloat16. int8: one "
-                 "scale per output row, a quarter of float32's bytes; int4: a scale and a zero per 32 values, faster "
-                 "still on the CPU (n_embd a multiple of 32). Files written by `manas quantize` need no flag."),
+    typer.Option(
+        "--quantize",
+        help="Quantize the weight matrices when loading, products in bfloat16. int8: one "
+        "scale per output row, a quarter of float32's bytes; int4: a scale and a zero per 32 values, faster "
+        "still on the CPU (n_embd a multiple of 32). Files written by `manas quantize` need no flag.",
+    ),
 ]
 EngineOption = Annotated[
     Engine,
-    typer.Option("--engine", envvar="MANAS_ENGINE", show_envvar=True,
-                 help="What runs the model. native: manas's C core, float32/int8/int4 on the CPU, compiled by the "
-                 "system's C compiler on first use ($CC, else cc) and cached; cached decoding equals "
-                 "crop-and-recompute bit for bit. torch: PyTorch (CUDA, bfloat16, float16). auto: native where it "
-                 "can run and builds, else torch."),
+    typer.Option(
+        "--engine",
+        envvar="MANAS_ENGINE",
+        show_envvar=True,
+        help="What runs the model. native: manas's C core, float32/int8/int4 on the CPU, compiled by the "
+        "system's C compiler on first use ($CC, else cc) and cached; cached decoding equals "
+        "crop-and-recompute bit for bit. torch: PyTorch (CUDA, bfloat16, float16). auto: native where it "
+        "can run and builds, else torch.",
+    ),
 ]
 CacheOption = Annotated[
     Allocation,
-    typer.Option("--cache", help="KV cache allocation: 'dynamic' grows as positions are cached (doubled when full, "
-                 "at most half unused); 'static' preallocates the run's positions at once. Both write in place."),
+    typer.Option(
+        "--cache",
+        help="KV cache allocation: 'dynamic' grows as positions are cached (doubled when full, "
+        "at most half unused); 'static' preallocates the run's positions at once. Both write in place.",
+    ),
 ]
 
 
@@ -130,8 +151,12 @@ def takes_model_flags(cache: bool = True):
 
     def decorate(command):
         own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "model_options"]
-        flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=MODEL_FLAGS[name][0],
-                                   default=MODEL_FLAGS[name][1]) for name in names]
+        flags = [
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, annotation=MODEL_FLAGS[name][0], default=MODEL_FLAGS[name][1]
+            )
+            for name in names
+        ]
 
         @functools.wraps(command)
         def with_model_options(**values):
@@ -144,16 +169,30 @@ def takes_model_flags(cache: bool = True):
     return decorate
 
 
-def model_options_of(checkpoint: Optional[Path], device: Enum, dtype: Enum, threads: Optional[int],
-                  quantize: Optional[Enum], engine: Enum, cache: Enum = Allocation.dynamic):
+def model_options_of(
+    checkpoint: Optional[Path],
+    device: Enum,
+    dtype: Enum,
+    threads: Optional[int],
+    quantize: Optional[Enum],
+    engine: Enum,
+    cache: Enum = Allocation.dynamic,
+):
     """The model flags as the library takes them (models.ModelOptions); --debug is the run's (process.main)."""
     from typer._click.globals import get_current_context
 
     from ..models import ModelOptions
 
-    return ModelOptions(checkpoint=checkpoint, device=device.value, dtype=dtype.value, threads=threads,
-                        quantize=quantize.value if quantize else None, cache=cache.value, engine=engine.value,
-                        debug=bool(get_current_context().obj))
+    return ModelOptions(
+        checkpoint=checkpoint,
+        device=device.value,
+        dtype=dtype.value,
+        threads=threads,
+        quantize=quantize.value if quantize else None,
+        cache=cache.value,
+        engine=engine.value,
+        debug=bool(get_current_context().obj),
+    )
 
 
 def _show_version(value: bool) -> None:
@@ -168,7 +207,9 @@ def _show_version(value: bool) -> None:
 @app.callback()
 def root(
     debug: Annotated[bool, typer.Option("--debug", help="Show the Python traceback of a failure.")] = False,
-    version: Annotated[bool, typer.Option("--version", "-V", callback=_show_version, is_eager=True, help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", "-V", callback=_show_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     """Fast text generation from small GPT checkpoints, with a KV cache you can inspect."""
     # --debug is read once, by process.main, wherever it stands; it is declared here to be shown and accepted.
@@ -177,27 +218,124 @@ def root(
 @app.command()
 @takes_model_flags()
 def generate(
-    prompt_argument: Annotated[Optional[str], typer.Argument(metavar="[PROMPT]", help="The prompt, as -p gives it (quote it: one argument).", show_default=False)] = None,
+    prompt_argument: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="[PROMPT]", help="The prompt, as -p gives it (quote it: one argument).", show_default=False
+        ),
+    ] = None,
     prompt: PromptOption = None,
     prompt_file: PromptFileOption = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")] = 200,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", callback=_checked("temperature"), help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).")] = 0.8,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")
+    ] = 200,
+    temperature: Annotated[
+        float,
+        typer.Option(
+            "--temperature",
+            "-t",
+            callback=_checked("temperature"),
+            help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).",
+        ),
+    ] = 0.8,
     top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample only from the k most likely tokens.")] = None,
-    top_p: Annotated[Optional[float], typer.Option(callback=_checked("top_p"), help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.")] = None,
-    seed: Annotated[Optional[int], typer.Option(callback=_checked("seed"), help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", callback=_stops_not_empty, help="End before the first occurrence of TEXT, which is not printed. Repeatable.")] = None,
-    min_p: Annotated[Optional[float], typer.Option(callback=_checked("min_p"), help="Drop tokens less likely than MIN_P times the most likely one (0 ≤ p ≤ 1), after temperature, top-k and top-p.")] = None,
-    repetition_penalty: Annotated[float, typer.Option(callback=_checked("repetition_penalty"), help="Divide the logits of tokens among the last --repeat-last-n (multiply negative ones), as llama.cpp and Hugging Face do; 1 is none, 1.1 a usual choice.")] = 1.0,
-    repeat_last_n: Annotated[int, typer.Option(callback=_checked("repeat_last_n"), help="Tokens of the context (prompt included) the repetition penalty looks back over; -1: the whole window, 0: none.")] = 64,
-    frequency_penalty: Annotated[float, typer.Option(callback=_checked("frequency_penalty"), help="Subtract this times each token's count in the generated text from its logit, as OpenAI does (-2 to 2).")] = 0.0,
-    presence_penalty: Annotated[float, typer.Option(callback=_checked("presence_penalty"), help="Subtract this from the logit of every token already generated, as OpenAI does (-2 to 2).")] = 0.0,
-    jsonl: Annotated[bool, typer.Option("--jsonl", help="Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any setting above by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs); write one --json record per line, in input order.")] = False,
-    batch_size: Annotated[int, typer.Option(min=1, max=256, help="With --jsonl: requests decoded together, each at its own position; a finished one's row goes to the next request. 16 by measurement: on 2 cores, total decode tokens/s still grows from 8 to 16 (GPT-2-124M shape 153 to 240, the shipped model 2,084 to 2,626).")] = 16,
-    logprobs: Annotated[int, typer.Option(callback=_checked("logprobs"), help="With --json: each token's log-probability and the N most likely alternatives with theirs (0 to 20), from the distribution after the penalties, before temperature and filters.")] = 0,
-    num_samples: Annotated[int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")] = 1,
+    top_p: Annotated[
+        Optional[float],
+        typer.Option(
+            callback=_checked("top_p"),
+            help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.",
+        ),
+    ] = None,
+    seed: Annotated[
+        Optional[int],
+        typer.Option(
+            callback=_checked("seed"),
+            help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.",
+        ),
+    ] = None,
+    stop: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="TEXT",
+            callback=_stops_not_empty,
+            help="End before the first occurrence of TEXT, which is not printed. Repeatable.",
+        ),
+    ] = None,
+    min_p: Annotated[
+        Optional[float],
+        typer.Option(
+            callback=_checked("min_p"),
+            help="Drop tokens less likely than MIN_P times the most likely one (0 ≤ p ≤ 1), after temperature, top-k and top-p.",
+        ),
+    ] = None,
+    repetition_penalty: Annotated[
+        float,
+        typer.Option(
+            callback=_checked("repetition_penalty"),
+            help="Divide the logits of tokens among the last --repeat-last-n (multiply negative ones), as llama.cpp and Hugging Face do; 1 is none, 1.1 a usual choice.",
+        ),
+    ] = 1.0,
+    repeat_last_n: Annotated[
+        int,
+        typer.Option(
+            callback=_checked("repeat_last_n"),
+            help="Tokens of the context (prompt included) the repetition penalty looks back over; -1: the whole window, 0: none.",
+        ),
+    ] = 64,
+    frequency_penalty: Annotated[
+        float,
+        typer.Option(
+            callback=_checked("frequency_penalty"),
+            help="Subtract this times each token's count in the generated text from its logit, as OpenAI does (-2 to 2).",
+        ),
+    ] = 0.0,
+    presence_penalty: Annotated[
+        float,
+        typer.Option(
+            callback=_checked("presence_penalty"),
+            help="Subtract this from the logit of every token already generated, as OpenAI does (-2 to 2).",
+        ),
+    ] = 0.0,
+    jsonl: Annotated[
+        bool,
+        typer.Option(
+            "--jsonl",
+            help="Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any setting above by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs); write one --json record per line, in input order.",
+        ),
+    ] = False,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=256,
+            help="With --jsonl: requests decoded together, each at its own position; a finished one's row goes to the next request. 16 by measurement: on 2 cores, total decode tokens/s still grows from 8 to 16 (GPT-2-124M shape 153 to 240, the shipped model 2,084 to 2,626).",
+        ),
+    ] = 16,
+    logprobs: Annotated[
+        int,
+        typer.Option(
+            callback=_checked("logprobs"),
+            help="With --json: each token's log-probability and the N most likely alternatives with theirs (0 to 20), from the distribution after the penalties, before temperature and filters.",
+        ),
+    ] = 0,
+    num_samples: Annotated[
+        int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")
+    ] = 1,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = False,
-    overflow: Annotated[Overflow, typer.Option(help="When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes from the cache again: much faster past the window, but the text is no longer identical to the reference.")] = Overflow.recompute,
-    stats: Annotated[Optional[bool], typer.Option("--stats/--no-stats", help="Speed and cache stats on stderr (default: when stderr is a terminal).", show_default=False)] = None,
+    overflow: Annotated[
+        Overflow,
+        typer.Option(
+            help="When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes from the cache again: much faster past the window, but the text is no longer identical to the reference."
+        ),
+    ] = Overflow.recompute,
+    stats: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--stats/--no-stats",
+            help="Speed and cache stats on stderr (default: when stderr is a terminal).",
+            show_default=False,
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
     json_output: JsonOption = False,
     *,
@@ -219,32 +357,60 @@ def generate(
     from .commands import generate as command
 
     if quiet and stats:
-        raise typer.BadParameter("--quiet prints nothing but the text, and --stats asks for stats: choose one",
-                                 param_hint="'--stats'")
+        raise typer.BadParameter(
+            "--quiet prints nothing but the text, and --stats asks for stats: choose one", param_hint="'--stats'"
+        )
     if prompt_argument is not None:
         if prompt is not None:
             raise typer.BadParameter("give the prompt once: as an argument or with -p, not both", param_hint="'PROMPT'")
         prompt = prompt_argument
     settings = GenerationSettings(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty, seed=seed, stop=tuple(stop or ()), logprobs=logprobs,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        repeat_last_n=repeat_last_n,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        seed=seed,
+        stop=tuple(stop or ()),
+        logprobs=logprobs,
     )
     if jsonl:
         from .commands import jsonl as pipeline
 
         if prompt is not None or echo or num_samples != 1:
-            raise typer.BadParameter("--jsonl reads its prompts as JSON lines (stdin or --prompt-file): it takes no "
-                                     "--prompt, --echo or --num-samples", param_hint="'--jsonl'")
-        pipeline.run(prompt_file=prompt_file, defaults=settings, batch_size=batch_size, overflow=overflow.value,
-                     stats=stats, quiet=quiet, model_options=model_options)
+            raise typer.BadParameter(
+                "--jsonl reads its prompts as JSON lines (stdin or --prompt-file): it takes no "
+                "--prompt, --echo or --num-samples",
+                param_hint="'--jsonl'",
+            )
+        pipeline.run(
+            prompt_file=prompt_file,
+            defaults=settings,
+            batch_size=batch_size,
+            overflow=overflow.value,
+            stats=stats,
+            quiet=quiet,
+            model_options=model_options,
+        )
         return
     if logprobs and not json_output:
-        raise typer.BadParameter("log-probabilities are written in the --json record: add --json",
-                                 param_hint="'--logprobs'")
+        raise typer.BadParameter(
+            "log-probabilities are written in the --json record: add --json", param_hint="'--logprobs'"
+        )
     command.run(
-        prompt=prompt, prompt_file=prompt_file, settings=settings, num_samples=num_samples, echo=echo,
-        overflow=overflow.value, stats=stats, quiet=quiet, json_output=json_output,
+        prompt=prompt,
+        prompt_file=prompt_file,
+        settings=settings,
+        num_samples=num_samples,
+        echo=echo,
+        overflow=overflow.value,
+        stats=stats,
+        quiet=quiet,
+        json_output=json_output,
         model_options=model_options,
     )
 
@@ -252,13 +418,40 @@ def generate(
 @app.command()
 @takes_model_flags()
 def bench(
-    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=1, help="New tokens to decode per run (tgN). Default: what fits in the window after the prompt, at most 256, so the figure is the cached path's (a longer run re-prefills past the window: see --overflow, --sweep).", show_default=False)] = None,
-    prompt_tokens: Annotated[Optional[int], typer.Option(min=1, help="Prompt length for the prefill test (ppP), at most block_size. Default: 128, or half the window if that is less.", show_default=False)] = None,
-    repeat: Annotated[int, typer.Option("--repeat", "-r", min=1, help="Timed runs of each test, after one warm-up.")] = 3,
+    tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tokens",
+            "-n",
+            min=1,
+            help="New tokens to decode per run (tgN). Default: what fits in the window after the prompt, at most 256, so the figure is the cached path's (a longer run re-prefills past the window: see --overflow, --sweep).",
+            show_default=False,
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            help="Prompt length for the prefill test (ppP), at most block_size. Default: 128, or half the window if that is less.",
+            show_default=False,
+        ),
+    ] = None,
+    repeat: Annotated[
+        int, typer.Option("--repeat", "-r", min=1, help="Timed runs of each test, after one warm-up.")
+    ] = 3,
     batch: Annotated[int, typer.Option(min=1, help="Rows decoded together.")] = 1,
-    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also time uncached crop-and-recompute decoding.")] = True,
-    overflow: Annotated[Overflow, typer.Option(help="Past the window (prompt + tokens > block_size): 'recompute' re-prefills at every step, exactly as crop-and-recompute; 'shift' re-prefills half the window, then decodes from the cache.")] = Overflow.recompute,
-    sweep: Annotated[bool, typer.Option("--sweep", help="Also chart decode speed against context position, through one overflow.")] = False,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Also time uncached crop-and-recompute decoding.")
+    ] = True,
+    overflow: Annotated[
+        Overflow,
+        typer.Option(
+            help="Past the window (prompt + tokens > block_size): 'recompute' re-prefills at every step, exactly as crop-and-recompute; 'shift' re-prefills half the window, then decodes from the cache."
+        ),
+    ] = Overflow.recompute,
+    sweep: Annotated[
+        bool, typer.Option("--sweep", help="Also chart decode speed against context position, through one overflow.")
+    ] = False,
     json_output: JsonOption = False,
     *,
     model_options: ModelOptions,
@@ -278,8 +471,14 @@ def bench(
     from .commands import bench as command
 
     command.run(
-        tokens=tokens, prompt_tokens=prompt_tokens, repeat=repeat, batch=batch, baseline=baseline,
-        overflow=overflow.value, sweep=sweep, json_output=json_output,
+        tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        repeat=repeat,
+        batch=batch,
+        baseline=baseline,
+        overflow=overflow.value,
+        sweep=sweep,
+        json_output=json_output,
         model_options=model_options,
     )
 
@@ -309,15 +508,23 @@ def inspect_cache(
     """
     from .commands import inspect_cache as command
 
-    command.run(prompt=prompt, prompt_file=prompt_file, tokens=tokens, json_output=json_output,
-                model_options=model_options)
+    command.run(
+        prompt=prompt, prompt_file=prompt_file, tokens=tokens, json_output=json_output, model_options=model_options
+    )
 
 
 @app.command()
 @takes_model_flags(cache=False)
 def score(
-    text_file: Annotated[Optional[Path], typer.Argument(help="UTF-8 text to score; '-' or none reads standard input.")] = None,
-    stride: Annotated[Optional[int], typer.Option(help="Tokens each window advances by (default: half the window); every token is scored once, after up to block_size - stride tokens of context.")] = None,
+    text_file: Annotated[
+        Optional[Path], typer.Argument(help="UTF-8 text to score; '-' or none reads standard input.")
+    ] = None,
+    stride: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Tokens each window advances by (default: half the window); every token is scored once, after up to block_size - stride tokens of context."
+        ),
+    ] = None,
     json_output: JsonOption = False,
     *,
     model_options: ModelOptions,
@@ -338,21 +545,60 @@ def score(
     """
     from .commands import score as command
 
-    command.run(text_file=text_file, stride=stride, json_output=json_output,
-                model_options=model_options)
+    command.run(text_file=text_file, stride=stride, json_output=json_output, model_options=model_options)
 
 
 @app.command()
 @takes_model_flags(cache=False)
 def serve(
-    host: Annotated[str, typer.Option(help="Address to listen on. Another than loopback without --api-key prints a warning: anyone who reaches the port can use the model.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on; 0 takes a free one (the ready line says which).")] = 8080,
-    batch_size: Annotated[int, typer.Option(min=1, max=256, help="Requests (choices) decoded together, each at its own position, as --jsonl's.")] = 16,
-    max_queue: Annotated[int, typer.Option(min=1, help="Choices that may wait for a row; beyond, a request gets 429 with Retry-After.")] = 64,
-    api_key: Annotated[Optional[str], typer.Option(envvar="MANAS_API_KEY", show_envvar=True, help="Require 'Authorization: Bearer KEY' on every request but /health.")] = None,
-    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds a client may send or read nothing before it is dropped (a slow or stalled client holds no row); a request's headers and body must arrive whole within it too.")] = 10.0,
-    max_connections: Annotated[Optional[int], typer.Option(min=1, max=65536, help="Connections held at once, each with a thread; beyond, a new one gets 503 at once. Default: 32 per core, 64 to 512.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(min=1, help="The most tokens a choice may ask for (max_tokens); above it, 400 naming this limit. Default: 4 windows of the model, at least 1,024.")] = None,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Address to listen on. Another than loopback without --api-key prints a warning: anyone who reaches the port can use the model."
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port to listen on; 0 takes a free one (the ready line says which).")
+    ] = 8080,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            min=1, max=256, help="Requests (choices) decoded together, each at its own position, as --jsonl's."
+        ),
+    ] = 16,
+    max_queue: Annotated[
+        int, typer.Option(min=1, help="Choices that may wait for a row; beyond, a request gets 429 with Retry-After.")
+    ] = 64,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            envvar="MANAS_API_KEY",
+            show_envvar=True,
+            help="Require 'Authorization: Bearer KEY' on every request but /health.",
+        ),
+    ] = None,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a client may send or read nothing before it is dropped (a slow or stalled client holds no row); a request's headers and body must arrive whole within it too.",
+        ),
+    ] = 10.0,
+    max_connections: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            max=65536,
+            help="Connections held at once, each with a thread; beyond, a new one gets 503 at once. Default: 32 per core, 64 to 512.",
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            help="The most tokens a choice may ask for (max_tokens); above it, 400 naming this limit. Default: 4 windows of the model, at least 1,024.",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
     *,
     model_options: ModelOptions,
@@ -372,35 +618,69 @@ def serve(
     """
     from .commands import serve as command
 
-    command.run(host=host, port=port, batch_size=batch_size, max_queued=max_queue, api_key=api_key, timeout_s=timeout,
-                verbose=verbose, max_connections=max_connections, max_tokens=max_tokens,
-                model_options=model_options)
+    command.run(
+        host=host,
+        port=port,
+        batch_size=batch_size,
+        max_queued=max_queue,
+        api_key=api_key,
+        timeout_s=timeout,
+        verbose=verbose,
+        max_connections=max_connections,
+        max_tokens=max_tokens,
+        model_options=model_options,
+    )
 
 
 @app.command(no_args_is_help=True)
 def train(
     text_file: Annotated[Path, typer.Argument(help="UTF-8 training text; its last --val-fraction is held out.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint to write (.safetensors), or ranks file with --tokenizer-only.")],
+    out: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="Checkpoint to write (.safetensors), or ranks file with --tokenizer-only."),
+    ],
     n_layer: Annotated[int, typer.Option(min=1, help="Transformer blocks.")] = 6,
     n_head: Annotated[int, typer.Option(min=1, help="Query heads per block.")] = 8,
-    n_kv_head: Annotated[Optional[int], typer.Option(min=1, help="Key/value heads (fewer than --n-head: grouped-query attention).")] = 2,
+    n_kv_head: Annotated[
+        Optional[int], typer.Option(min=1, help="Key/value heads (fewer than --n-head: grouped-query attention).")
+    ] = 2,
     n_embd: Annotated[int, typer.Option(min=1, help="Width of the residual stream.")] = 256,
     block_size: Annotated[int, typer.Option(min=2, help="Context window in tokens.")] = 256,
-    position_encoding: Annotated[PositionEncoding, typer.Option(help="rope (rotary) or learned (GPT-2's table).")] = PositionEncoding.rope,
+    position_encoding: Annotated[
+        PositionEncoding, typer.Option(help="rope (rotary) or learned (GPT-2's table).")
+    ] = PositionEncoding.rope,
     vocab_size: Annotated[int, typer.Option(min=257, help="Size of the byte-level BPE trained on the text.")] = 2048,
-    tokenizer: Annotated[TrainTokenizer, typer.Option(help="'bpe': train one on the text; 'gpt2': use --tokenizer-file's ranks.")] = TrainTokenizer.bpe,
-    tokenizer_file: Annotated[Optional[Path], typer.Option(help="A .tiktoken ranks file (with --tokenizer gpt2).")] = None,
-    tokenizer_only: Annotated[bool, typer.Option(help="Train the BPE and write its .tiktoken ranks to --out; no model.")] = False,
+    tokenizer: Annotated[
+        TrainTokenizer, typer.Option(help="'bpe': train one on the text; 'gpt2': use --tokenizer-file's ranks.")
+    ] = TrainTokenizer.bpe,
+    tokenizer_file: Annotated[
+        Optional[Path], typer.Option(help="A .tiktoken ranks file (with --tokenizer gpt2).")
+    ] = None,
+    tokenizer_only: Annotated[
+        bool, typer.Option(help="Train the BPE and write its .tiktoken ranks to --out; no model.")
+    ] = False,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps in all (a resumed run continues to this).")] = 1500,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences of block_size tokens per step.")] = 16,
-    lr: Annotated[float, typer.Option(min=0.0, help="Peak learning rate (AdamW, linear warm-up, cosine decay to lr/10).")] = 1.5e-3,
+    lr: Annotated[
+        float, typer.Option(min=0.0, help="Peak learning rate (AdamW, linear warm-up, cosine decay to lr/10).")
+    ] = 1.5e-3,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warm-up.")] = 100,
     dropout: Annotated[float, typer.Option(min=0.0, max=0.99, help="Dropout probability while training.")] = 0.2,
     eval_every: Annotated[int, typer.Option(min=1, help="Steps between validation (and best-checkpoint saves).")] = 100,
-    seed: Annotated[int, typer.Option(callback=_checked("seed"), help="Seed for initialization and batch sampling (0 <= seed < 2^64).")] = 1337,
-    val_fraction: Annotated[float, typer.Option(min=0.001, max=0.5, help="Held-out tail of the text for validation.")] = 0.1,
-    resume: Annotated[bool, typer.Option(help="Continue from the checkpoint at --out (its weights and step; fresh optimizer moments).")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists (without --resume: start afresh).")] = False,
+    seed: Annotated[
+        int,
+        typer.Option(callback=_checked("seed"), help="Seed for initialization and batch sampling (0 <= seed < 2^64)."),
+    ] = 1337,
+    val_fraction: Annotated[
+        float, typer.Option(min=0.001, max=0.5, help="Held-out tail of the text for validation.")
+    ] = 0.1,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Continue from the checkpoint at --out (its weights and step; fresh optimizer moments)."),
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Overwrite --out if it exists (without --resume: start afresh).")
+    ] = False,
     device: DeviceOption = Device.auto,
     threads: ThreadsOption = None,
 ) -> None:
@@ -416,24 +696,64 @@ def train(
     """
     from .commands import train as command
 
-    shape = command.ModelShape(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-                               block_size=block_size, position_encoding=position_encoding.value, dropout=dropout)
+    shape = command.ModelShape(
+        n_layer=n_layer,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        n_embd=n_embd,
+        block_size=block_size,
+        position_encoding=position_encoding.value,
+        dropout=dropout,
+    )
     command.run(
-        text_file=text_file, out=out, shape=shape, vocab_size=vocab_size, tokenizer=tokenizer.value,
-        tokenizer_file=tokenizer_file, tokenizer_only=tokenizer_only, steps=steps, batch_size=batch_size, lr=lr,
-        warmup_steps=warmup_steps, eval_every=eval_every, seed=seed, val_fraction=val_fraction, resume=resume,
-        force=force, device=device.value, threads=threads,
+        text_file=text_file,
+        out=out,
+        shape=shape,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer.value,
+        tokenizer_file=tokenizer_file,
+        tokenizer_only=tokenizer_only,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        warmup_steps=warmup_steps,
+        eval_every=eval_every,
+        seed=seed,
+        val_fraction=val_fraction,
+        resume=resume,
+        force=force,
+        device=device.value,
+        threads=threads,
     )
 
 
 @app.command(no_args_is_help=True)
 def convert(
-    src: Annotated[Path, typer.Argument(help="nanoGPT ckpt.pt, a Hugging Face GPT-2 or Starcoder2 folder, or a bare model.safetensors (with --config).")],
+    src: Annotated[
+        Path,
+        typer.Argument(
+            help="nanoGPT ckpt.pt, a Hugging Face GPT-2 or Starcoder2 folder, or a bare model.safetensors (with --config)."
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="manas checkpoint to write (.safetensors).")],
-    config: Annotated[Optional[Path], typer.Option(help="Hugging Face GPT-2 or Starcoder2 config.json for a bare weights file.")] = None,
-    tokenizer: Annotated[str, typer.Option(help="'gpt2': GPT-2's BPE, from a folder's own vocab.json + merges.txt (or tokenizer.json), --tokenizer-file, or tiktoken's cache.")] = "gpt2",
-    tokenizer_file: Annotated[Optional[Path], typer.Option(help="GPT-2's ranks as a .tiktoken file, embedded in the checkpoint (`manas tokenizer` writes one from vocab.json + merges.txt).")] = None,
-    tokenizer_meta: Annotated[Optional[Path], typer.Option(help="nanoGPT's character-level meta.pkl (read without running code).")] = None,
+    config: Annotated[
+        Optional[Path], typer.Option(help="Hugging Face GPT-2 or Starcoder2 config.json for a bare weights file.")
+    ] = None,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            help="'gpt2': GPT-2's BPE, from a folder's own vocab.json + merges.txt (or tokenizer.json), --tokenizer-file, or tiktoken's cache."
+        ),
+    ] = "gpt2",
+    tokenizer_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="GPT-2's ranks as a .tiktoken file, embedded in the checkpoint (`manas tokenizer` writes one from vocab.json + merges.txt)."
+        ),
+    ] = None,
+    tokenizer_meta: Annotated[
+        Optional[Path], typer.Option(help="nanoGPT's character-level meta.pkl (read without running code).")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:
     """Import nanoGPT or Hugging Face GPT-2 or Starcoder2 weights as a manas checkpoint.
@@ -452,17 +772,42 @@ def convert(
     """
     from .commands import convert as command
 
-    command.run(src=src, out=out, config=config, tokenizer=tokenizer, tokenizer_file=tokenizer_file,
-                tokenizer_meta=tokenizer_meta, force=force)
+    command.run(
+        src=src,
+        out=out,
+        config=config,
+        tokenizer=tokenizer,
+        tokenizer_file=tokenizer_file,
+        tokenizer_meta=tokenizer_meta,
+        force=force,
+    )
 
 
 @app.command(no_args_is_help=True)
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="manas checkpoint (.safetensors).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="hf: the folder to write (created, or with --force overwritten file by file); gguf: the .gguf file.")],
-    output_format: Annotated[ExportFormat, typer.Option("--format", help="hf: Hugging Face GPT-2 or Starcoder2 (transformers, vLLM, TGI); gguf: one file for llama.cpp and ollama.")] = ExportFormat.hf,
-    outtype: Annotated[Optional[OutType], typer.Option("--outtype", help="gguf: the matrices' precision (default f16; vectors stay f32).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Write into a folder that is not empty, or over an existing file.")] = False,
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            help="hf: the folder to write (created, or with --force overwritten file by file); gguf: the .gguf file.",
+        ),
+    ],
+    output_format: Annotated[
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="hf: Hugging Face GPT-2 or Starcoder2 (transformers, vLLM, TGI); gguf: one file for llama.cpp and ollama.",
+        ),
+    ] = ExportFormat.hf,
+    outtype: Annotated[
+        Optional[OutType],
+        typer.Option("--outtype", help="gguf: the matrices' precision (default f16; vectors stay f32)."),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Write into a folder that is not empty, or over an existing file.")
+    ] = False,
 ) -> None:
     """Export a checkpoint for the serving ecosystem: a Hugging Face folder with its tokenizer, or a GGUF file.
 
@@ -482,16 +827,28 @@ def export(
     """
     from .commands import export as command
 
-    command.run(checkpoint=checkpoint, out=out, output_format=output_format.value,
-                outtype=outtype.value if outtype else None, force=force)
+    command.run(
+        checkpoint=checkpoint,
+        out=out,
+        output_format=output_format.value,
+        outtype=outtype.value if outtype else None,
+        force=force,
+    )
 
 
 @app.command("quantize", no_args_is_help=True)
 def quantize_command(
     checkpoint: Annotated[Path, typer.Argument(help="float manas checkpoint (.safetensors) to quantize.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Quantized checkpoint to write (.safetensors).")],
-    bits: Annotated[int, typer.Option("--bits", callback=_bits, help="8: int8, one scale per row, about 4× "
-                                      "smaller; 4: int4, a scale and a zero per 32 values, about 6× smaller.")] = 8,
+    bits: Annotated[
+        int,
+        typer.Option(
+            "--bits",
+            callback=_bits,
+            help="8: int8, one scale per row, about 4× "
+            "smaller; 4: int4, a scale and a zero per 32 values, about 6× smaller.",
+        ),
+    ] = 8,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:
     """Write a quantized copy of a checkpoint: its matrices as int8 (--bits 8) or int4 (--bits 4).
@@ -514,7 +871,9 @@ def quantize_command(
 
 @app.command("tokenizer", no_args_is_help=True)
 def tokenizer_command(
-    src: Annotated[Path, typer.Argument(help="A Hugging Face GPT-2 folder holding vocab.json and merges.txt, or a tokenizer.json.")],
+    src: Annotated[
+        Path, typer.Argument(help="A Hugging Face GPT-2 folder holding vocab.json and merges.txt, or a tokenizer.json.")
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="The .tiktoken ranks file to write.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:

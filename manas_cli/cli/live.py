@@ -43,8 +43,16 @@ class LiveDisplay:
     """Draws the region from the run's own state (the text streams, the stats, the cache's storage) when update()
     finds a frame due; notice() adds a line to it, printed for good once the text is out (keep_notices)."""
 
-    def __init__(self, console: Console, out: Output, streams: list, stats, max_tokens: int, block_size: int,
-                 storage: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        console: Console,
+        out: Output,
+        streams: list,
+        stats,
+        max_tokens: int,
+        block_size: int,
+        storage: Callable[[], dict],
+    ) -> None:
         self.console = console
         self.out = out
         self.streams = streams
@@ -164,8 +172,8 @@ class LiveDisplay:
         if len(self.streams) > 1:
             body = sample_rows(self.streams, width, room)
         else:
-            body = [Text(row) for row in fold(self.out.held, width)[-max(1, room // 2):] if row]
-        rows = [*body, *notices, *status][-(height - 1):]  # many notices: the newest, and the status, fit
+            body = [Text(row) for row in fold(self.out.held, width)[-max(1, room // 2) :] if row]
+        rows = [*body, *notices, *status][-(height - 1) :]  # many notices: the newest, and the status, fit
         for row in rows:
             row.truncate(width)  # a row wider than the terminal would wrap, and the erase would miss its rest
         return rows
@@ -200,12 +208,24 @@ def status_line(stats, max_tokens: int, storage: dict, block_size: int, rate: fl
     recent decode rate, per sample when several decode together (the final stats line gives the totals)."""
     per_sample = " per sample" if stats.batch_size > 1 else ""
     fields = [  # (priority: lower is dropped first, parts)
-        (9, [(f"{stats.generated_tokens}/{max_tokens}", "bold"),
-             f" {'token' if max_tokens == 1 else 'tokens'}" + (f" × {stats.batch_size}" if stats.batch_size > 1 else "")]),
+        (
+            9,
+            [
+                (f"{stats.generated_tokens}/{max_tokens}", "bold"),
+                f" {'token' if max_tokens == 1 else 'tokens'}"
+                + (f" × {stats.batch_size}" if stats.batch_size > 1 else ""),
+            ],
+        ),
         (8, [f"{rate:,.1f} tok/s{per_sample}" if rate is not None else f"- tok/s{per_sample}"]),
         (3, [f"re-prefills {stats.re_prefills}"]),
-        (5, ["cache ", ("▕" + f"{bar(storage['positions'] / block_size, BAR_CELLS):<{BAR_CELLS}}" + "▏", "cyan"),
-             f" {storage['positions']}/{block_size}"]),
+        (
+            5,
+            [
+                "cache ",
+                ("▕" + f"{bar(storage['positions'] / block_size, BAR_CELLS):<{BAR_CELLS}}" + "▏", "cyan"),
+                f" {storage['positions']}/{block_size}",
+            ],
+        ),
         (1, [f"{format_bytes(storage['logical_bytes'])} logical, {format_bytes(storage['storage_bytes'])} allocated"]),
     ]
     while True:

@@ -53,8 +53,7 @@ def main() -> None:
         _fail(str(exc), 1, debug)
     except (MemoryError, RuntimeError) as exc:
         if _out_of_memory(exc):
-            _fail(f"out of memory: {out_of_memory_advice(args)}",
-                  1, debug)
+            _fail(f"out of memory: {out_of_memory_advice(args)}", 1, debug)
         _fail_unexpected(exc, debug)
     except OSError as exc:
         if exc.errno not in OS_ERRORS:
@@ -78,6 +77,7 @@ OUT_OF_MEMORY_ADVICE = {
     None: "use a smaller model, or free some memory",
 }
 
+
 def out_of_memory_advice(args: list[str]) -> str:
     """What the command that ran (its name is the first argument that names one) can do about it."""
     name = next((arg for arg in args if arg in OUT_OF_MEMORY_ADVICE), None)
@@ -92,8 +92,10 @@ OS_ERRORS = {
     errno.EROFS: ("the file system is read-only", "write somewhere else"),
     errno.EACCES: ("permission denied", "check the file's and its folder's permissions, or write somewhere else"),
     errno.EIO: ("an input/output error", "check the disk or the device"),
-    errno.EFBIG: ("the file would be larger than this process may write", "raise the limit (ulimit -f), or write a "
-                  "smaller file"),
+    errno.EFBIG: (
+        "the file would be larger than this process may write",
+        "raise the limit (ulimit -f), or write a smaller file",
+    ),
 }
 
 # Options whose next argument is a value that may itself read "--debug" (a prompt, a stop text).
@@ -103,8 +105,9 @@ TEXT_OPTIONS = ("-p", "--prompt", "--stop")
 def without_debug(args: list[str]) -> tuple[list[str], bool]:
     """The arguments without --debug, wherever it stands (before or after the command's name), and whether it was
     there. The root option is given back in front, where click expects it."""
-    kept = [arg for index, arg in enumerate(args)
-            if arg != "--debug" or (index > 0 and args[index - 1] in TEXT_OPTIONS)]
+    kept = [
+        arg for index, arg in enumerate(args) if arg != "--debug" or (index > 0 and args[index - 1] in TEXT_OPTIONS)
+    ]
     debug = len(kept) < len(args)
     return (["--debug", *kept] if debug else kept), debug
 

@@ -32,7 +32,11 @@ def error_line(message: str) -> str:
 
 def format_seconds(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+    return (
+        f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+        if seconds >= 3600
+        else f"{seconds // 60}:{seconds % 60:02d}"
+    )
 
 
 @contextmanager
@@ -144,8 +148,10 @@ def format_bytes(count: int) -> str:
 
 def recompute_explanation(block_size: int) -> str:
     """Why generation slows past the window in the exact mode, and the way out."""
-    return (f"each further token re-prefills all {block_size} positions, exactly as crop-and-recompute; "
-            "--overflow shift is faster but no longer identical to it")
+    return (
+        f"each further token re-prefills all {block_size} positions, exactly as crop-and-recompute; "
+        "--overflow shift is faster but no longer identical to it"
+    )
 
 
 def recompute_notice(block_size: int) -> str:
@@ -171,9 +177,17 @@ def token_progress(console: Console, total: int, description: str) -> Iterator:
     times a second; yields the callback to call after each token (or several), which may give a new description."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                        TextColumn("{task.completed:,}/{task.total:,} tokens"), TimeElapsedColumn(), TextColumn("ETA"),
-                        TimeRemainingColumn(), console=console, disable=not console.is_terminal, transient=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:,}/{task.total:,} tokens"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not console.is_terminal,
+        transient=True,
+    )
     task = progress.add_task(description, total=total)
 
     def advance(label: str | None = None, tokens: int = 1) -> None:
@@ -198,8 +212,10 @@ def noise_warning(report: dict) -> str | None:
     if not noisy:
         return None
     spreads = ", ".join(f"{t['name']} ±{t['tokens_per_s_std'] / t['tokens_per_s_mean']:.0%}" for t in noisy)
-    return (f"warning: runs varied by more than {NOISY_SPREAD:.0%} ({spreads}): these figures are noise more than "
-            "speed; run on a quieter machine, with --threads 1 on a busy one, or with more --repeat")
+    return (
+        f"warning: runs varied by more than {NOISY_SPREAD:.0%} ({spreads}): these figures are noise more than "
+        "speed; run on a quieter machine, with --threads 1 on a busy one, or with more --repeat"
+    )
 
 
 def say(console: Console, message: str) -> None:
@@ -261,8 +277,12 @@ def sweep_chart(rows: list[dict]):
     for column, justify in (("positions", "left"), ("tokens/s", "right"), ("", "left"), ("re-prefills", "right")):
         table.add_column(column, justify=justify)
     for row in rows:
-        table.add_row(f"{row['start']}–{row['end'] - 1}", f"{row['tokens_per_s']:,.1f}",
-                      bar(row["tokens_per_s"] / fastest), str(row["re_prefills"]))
+        table.add_row(
+            f"{row['start']}–{row['end'] - 1}",
+            f"{row['tokens_per_s']:,.1f}",
+            bar(row["tokens_per_s"] / fastest),
+            str(row["re_prefills"]),
+        )
     return table
 
 
@@ -285,18 +305,31 @@ def cache_view(report: dict, header: dict):
     fill = report["positions"] / report["block_size"]
     lines = [
         Text(f"{header['checkpoint']}"),
-        Text(f"{header['n_layer']} layers · {header['n_head']} query heads · {header['n_kv_head']} kv heads · "
-             f"head size {header['head_size']} · {report['dtype']} · {header['device']} · "
-             f"{header['weights']} weights {format_bytes(header['weights_bytes'])}"),
+        Text(
+            f"{header['n_layer']} layers · {header['n_head']} query heads · {header['n_kv_head']} kv heads · "
+            f"head size {header['head_size']} · {report['dtype']} · {header['device']} · "
+            f"{header['weights']} weights {format_bytes(header['weights_bytes'])}"
+        ),
         Text(f"positions {report['positions']}/{report['block_size']} {bar(fill, 40):<40} {fill:.0%}"),
         Text(""),
     ]
     table = Table(box=None, pad_edge=False)
-    for column, justify in (("layer", "right"), ("K shape", "left"), ("V shape", "left"), ("dtype", "left"), ("bytes", "right")):
+    for column, justify in (
+        ("layer", "right"),
+        ("K shape", "left"),
+        ("V shape", "left"),
+        ("dtype", "left"),
+        ("bytes", "right"),
+    ):
         table.add_column(column, justify=justify)
     for layer in report["layers"]:
-        table.add_row(str(layer["layer"]), str(tuple(layer["k_shape"])), str(tuple(layer["v_shape"])),
-                      report["dtype"], f"{layer['bytes']:,}")
+        table.add_row(
+            str(layer["layer"]),
+            str(tuple(layer["k_shape"])),
+            str(tuple(layer["v_shape"])),
+            report["dtype"],
+            f"{layer['bytes']:,}",
+        )
     saving = 1 - report["logical_bytes"] / report["mha_equivalent_bytes"] if report["mha_equivalent_bytes"] else 0.0
     totals = [
         f"logical {format_bytes(report['logical_bytes'])} · allocated {format_bytes(report['storage_bytes'])} · "
@@ -305,8 +338,10 @@ def cache_view(report: dict, header: dict):
         f"{format_bytes(report['full_window_bytes'])} at a full window of {report['block_size']}",
     ]
     if header["n_kv_head"] != header["n_head"]:
-        totals.append(f"a multi-head cache would hold {format_bytes(report['mha_equivalent_bytes'])}: "
-                      f"grouped-query attention saves {saving:.0%}")
+        totals.append(
+            f"a multi-head cache would hold {format_bytes(report['mha_equivalent_bytes'])}: "
+            f"grouped-query attention saves {saving:.0%}"
+        )
     if report["re_prefill_positions"]:
         totals.append("re-prefills at sequence positions " + ranges(report["re_prefill_positions"]))
         totals.append(recompute_explanation(report["block_size"]))

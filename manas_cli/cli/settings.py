@@ -27,8 +27,16 @@ class GenerationSettings:
 
     def record(self) -> dict:
         """The sampling settings a --json record reports (its seed and logprobs are fields of their own)."""
-        reported = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "repeat_last_n",
-                    "frequency_penalty", "presence_penalty")
+        reported = (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "repeat_last_n",
+            "frequency_penalty",
+            "presence_penalty",
+        )
         return {name: getattr(self, name) for name in reported}
 
 
@@ -43,8 +51,14 @@ RULES = {
     "repeat_last_n": ("an integer >= -1 (-1: the whole window, 0: none)", lambda v: _integer(v) and v >= -1),
     "frequency_penalty": ("a number from -2 to 2", lambda v: _number(v) and -2 <= v <= 2),
     "presence_penalty": ("a number from -2 to 2", lambda v: _number(v) and -2 <= v <= 2),
-    "seed": ("an integer with 0 <= seed < 2^64 (2^64 = 18446744073709551616)", lambda v: _integer(v) and 0 <= v < 2**64),
-    "stop": ("a list of non-empty strings", lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)),
+    "seed": (
+        "an integer with 0 <= seed < 2^64 (2^64 = 18446744073709551616)",
+        lambda v: _integer(v) and 0 <= v < 2**64,
+    ),
+    "stop": (
+        "a list of non-empty strings",
+        lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
+    ),
     "logprobs": (f"an integer from 0 to {MAX_LOGPROBS}", lambda v: _integer(v) and 0 <= v <= MAX_LOGPROBS),
 }
 

@@ -16,8 +16,9 @@ class TextStream:
     string never reaches the output even when it arrives split across tokens.
     """
 
-    def __init__(self, encoding: tiktoken.Encoding, eot_id: int | None, stops: Sequence[str] = (),
-                 record: bool = True) -> None:
+    def __init__(
+        self, encoding: tiktoken.Encoding, eot_id: int | None, stops: Sequence[str] = (), record: bool = True
+    ) -> None:
         self._decoder = IncrementalDecoder(encoding)
         self._eot_id = eot_id
         self._stops = [stop for stop in stops if stop]
@@ -58,8 +59,13 @@ class TextStream:
             self.tokens.append(token)
             if logprobs is not None:
                 chosen, ids, values = logprobs
-                self.logprobs.append({**self._token(token), "logprob": chosen,
-                                      "top_logprobs": [{**self._token(i), "logprob": v} for i, v in zip(ids, values)]})
+                self.logprobs.append(
+                    {
+                        **self._token(token),
+                        "logprob": chosen,
+                        "top_logprobs": [{**self._token(i), "logprob": v} for i, v in zip(ids, values)],
+                    }
+                )
         self._pending += self._decoder.feed(token)
         return self._release(final=False)
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..errors import NumericalError
-from .generation import overflow_keep, slide
 from .engines import Engine
+from .generation import overflow_keep, slide
 from .sampling import Sampler, make_sampler
 from .session import prefill_if_due
 
@@ -35,8 +35,7 @@ class Request:
     def of(cls, key: int, prompt: list[int], settings, seed: int, decodable, engine: Engine) -> Request:
         """The request of a generation's settings (cli/settings.py's GenerationSettings) and seed, its sampler
         made for `engine`: what --jsonl and the server both submit."""
-        return cls(key, prompt, make_sampler(settings, seed, decodable, engine), settings.max_tokens,
-                   settings.logprobs)
+        return cls(key, prompt, make_sampler(settings, seed, decodable, engine), settings.max_tokens, settings.logprobs)
 
 
 @dataclass(frozen=True)
@@ -112,4 +111,3 @@ def generate_batched(
                 made[row] = row.take(logits[index : index + 1], "decode", started)
         yield [made[row] for row in rows]
         rows = [row for row in rows if not (made[row].last or finished(row.request.key))]
-

@@ -7,8 +7,8 @@ import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .generation import GenerationStats, Step, generate, generate_reference
 from .engines import Engine
+from .generation import GenerationStats, Step, generate, generate_reference
 from .sampling import Sampler
 
 
@@ -86,16 +86,21 @@ def run_bench(
     results: dict[str, list[GenerationStats]] = {}
     for name, make_steps in runs.items():
         run_once(reporting(make_steps(), on_step, f"warming up {name}"), prompt_tokens, batch)  # first calls are slower
-        results[name] = [run_once(reporting(make_steps(), on_step, f"timing {name} (run {run + 1} of {repeat})"),
-                                  prompt_tokens, batch)
-                         for run in range(repeat)]
+        results[name] = [
+            run_once(
+                reporting(make_steps(), on_step, f"timing {name} (run {run + 1} of {repeat})"), prompt_tokens, batch
+            )
+            for run in range(repeat)
+        ]
     cached = results["cached"]
     measurements = [
         Measurement(f"pp{prompt_tokens}", [s.prefill_tokens_per_s for s in cached]),
         Measurement(f"tg{new_tokens}", [s.decode_tokens_per_s for s in cached]),
     ]
     if baseline:
-        measurements.append(Measurement(f"tg{new_tokens} no-cache", [s.decode_tokens_per_s for s in results["baseline"]]))
+        measurements.append(
+            Measurement(f"tg{new_tokens} no-cache", [s.decode_tokens_per_s for s in results["baseline"]])
+        )
     return BenchResult(
         measurements=measurements,
         ttft_s=statistics.median(s.ttft_s for s in cached),
@@ -105,8 +110,9 @@ def run_bench(
     )
 
 
-def sweep(engine: Engine, prompt_tokens: int, new_tokens: int, buckets: int,
-          on_token: Callable[[], None] = lambda: None) -> list[dict]:
+def sweep(
+    engine: Engine, prompt_tokens: int, new_tokens: int, buckets: int, on_token: Callable[[], None] = lambda: None
+) -> list[dict]:
     """Decode speed against context position, in `buckets` spans: shows what re-prefills cost. on_token is called
     after each token (a progress bar)."""
     prompt = bench_prompt(engine, prompt_tokens, 1)

@@ -19,7 +19,9 @@ class Step:
     """One new token per batch row, and how it was computed."""
 
     tokens: list[int]
-    kind: str  # "prefill" (the prompt), "re_prefill" (the window was full), "decode" (from the cache), "full" (uncached)
+    kind: (
+        str  # "prefill" (the prompt), "re_prefill" (the window was full), "decode" (from the cache), "full" (uncached)
+    )
     positions: int  # positions the model attended over for this token
     seconds: float  # forward pass and sampling, synchronized
     # With logprobs: per row, the token's log-probability and the most likely ids with theirs (sampling.top_logprobs)
@@ -84,15 +86,18 @@ def generate(
     session = session or engine.new_session()
 
     def cached(first: bool, windows: list[list[int]]) -> tuple[str, object, int]:
-        kind, logits = (prefill_if_due(session, windows, first, keep)
-                        or ("decode", session.decode([window[-1] for window in windows])))
+        kind, logits = prefill_if_due(session, windows, first, keep) or (
+            "decode",
+            session.decode([window[-1] for window in windows]),
+        )
         return kind, logits, session.positions
 
     yield from _sampled(engine, prompt, sampler, max_new_tokens, eot_id, logprobs, cached)
 
 
-def generate_reference(engine: Engine, prompt, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None,
-                       logprobs: int = 0) -> Iterator[Step]:
+def generate_reference(
+    engine: Engine, prompt, sampler: Sampler, max_new_tokens: int, eot_id: int | None = None, logprobs: int = 0
+) -> Iterator[Step]:
     """nanoGPT's crop-and-recompute sampling: the full model over the last block_size tokens at every step."""
 
     def full(first: bool, windows: list[list[int]]) -> tuple[str, object, int]:
@@ -101,8 +106,9 @@ def generate_reference(engine: Engine, prompt, sampler: Sampler, max_new_tokens:
     yield from _sampled(engine, prompt, sampler, max_new_tokens, eot_id, logprobs, full)
 
 
-def _sampled(engine: Engine, prompt, sampler: Sampler, max_new_tokens: int, eot_id: int | None, logprobs: int,
-             forward: Forward) -> Iterator[Step]:
+def _sampled(
+    engine: Engine, prompt, sampler: Sampler, max_new_tokens: int, eot_id: int | None, logprobs: int, forward: Forward
+) -> Iterator[Step]:
     """The loop both generators share: forward, sample each row's token, slide its window, until the budget is
     spent or every row has ended."""
     rows = token_rows(prompt)

@@ -79,16 +79,20 @@ class Sampler:
 def make_sampler(settings, seed: int, decodable: Sequence[bool] | None, engine) -> Sampler:
     """The sampler of a request's settings (cli/settings.py's GenerationSettings: temperature, top_k, top_p, min_p
     and the penalties) and seed, for `engine` (engines.Engine), which gives the generator it draws with."""
-    penalties = Penalties(settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty,
-                          settings.presence_penalty)
+    penalties = Penalties(
+        settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty, settings.presence_penalty
+    )
     generator = engine.generator(seed) if settings.temperature > 0 else None
-    return Sampler(settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p,
-                   penalties, seed)
+    return Sampler(
+        settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p, penalties, seed
+    )
 
 
 def logits_error(position: int, dtype: str) -> str:
     """The error for logits that are not finite at a text position, with what to do about it."""
-    advice = ("its weights overflow float32 there although each is finite (--dtype float32 cannot help): check "
-              "the checkpoint" if dtype == "float32" else
-              "its weights overflow that type; run it with --dtype float32, or check the checkpoint")
+    advice = (
+        "its weights overflow float32 there although each is finite (--dtype float32 cannot help): check the checkpoint"
+        if dtype == "float32"
+        else "its weights overflow that type; run it with --dtype float32, or check the checkpoint"
+    )
     return f"the model computed NaN or infinite logits at position {position} in {dtype}: {advice}"

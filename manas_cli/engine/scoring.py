@@ -46,8 +46,9 @@ def windows(length: int, block_size: int, stride: int) -> list[tuple[int, int, i
     return spans
 
 
-def score(engine: Engine, ids: list[int], characters: int, stride: int,
-          on_window: Callable[[int], None] = lambda tokens: None) -> Score:
+def score(
+    engine: Engine, ids: list[int], characters: int, stride: int, on_window: Callable[[int], None] = lambda tokens: None
+) -> Score:
     """The model's loss on the token ids of a text of `characters` characters;
     on_window(tokens scored) after each window (a progress bar). stride must be between 1 and block_size."""
     if len(ids) < 2:

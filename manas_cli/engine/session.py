@@ -28,7 +28,9 @@ def prefill_rows(token_ids, block_size: int) -> list[list[int]]:
     rows = token_ids
     if hasattr(token_ids, "tolist"):  # a tensor (this module never imports torch)
         if token_ids.dim() != 2 or str(token_ids.dtype) != "torch.int64":
-            raise ValueError(f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}")
+            raise ValueError(
+                f"prefill takes a non-empty (B, T) LongTensor, got {tuple(token_ids.shape)} {token_ids.dtype}"
+            )
         rows = token_ids.tolist()
     check_prefill_rows(rows, block_size)
     return rows
@@ -48,7 +50,9 @@ def decode_tokens(token_ids, positions: int, batch_size: int, block_size: int) -
 def check_prefill_rows(rows: list[list[int]], block_size: int) -> None:
     """A prefill takes B ≥ 1 rows of the same T, 1 ≤ T ≤ block_size, token ids."""
     if not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows):
-        raise ValueError(f"prefill takes a non-empty (B, T) batch of token ids, got rows of {sorted({len(r) for r in rows})}")
+        raise ValueError(
+            f"prefill takes a non-empty (B, T) batch of token ids, got rows of {sorted({len(r) for r in rows})}"
+        )
     if len(rows[0]) > block_size:
         raise ValueError(f"prefill of {len(rows[0])} positions exceeds block_size {block_size}")
 
@@ -78,8 +82,10 @@ def cache_report(session) -> dict:
     """What the cache holds, layer by layer, and what it would cost at a full window or without GQA."""
     storage = session.storage()
     config = session.model.config
-    layers = [{"layer": index, "k_shape": k_shape, "v_shape": v_shape, "bytes": size}
-              for index, (k_shape, v_shape, size) in enumerate(session.layer_shapes())]
+    layers = [
+        {"layer": index, "k_shape": k_shape, "v_shape": v_shape, "bytes": size}
+        for index, (k_shape, v_shape, size) in enumerate(session.layer_shapes())
+    ]
     bytes_per_position = storage["logical_bytes"] // storage["positions"] if storage["positions"] else 0
     return {
         **storage,

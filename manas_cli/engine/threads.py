@@ -46,7 +46,9 @@ def threads_from_environment(value: str) -> int:
     except ValueError:
         threads = 0
     if not 1 <= threads <= MAX_THREADS:
-        raise InputError(f"${THREADS_ENV}={value!r} is not a thread count from 1 to {MAX_THREADS}: set it to one, or unset it")
+        raise InputError(
+            f"${THREADS_ENV}={value!r} is not a thread count from 1 to {MAX_THREADS}: set it to one, or unset it"
+        )
     return threads
 
 
@@ -99,4 +101,3 @@ class ThreadGovernor:
             return
         self._checked_at = time.monotonic()
         self.set_threads(free_cores(self.cpus))
-

@@ -9,21 +9,39 @@ import torch
 from safetensors.torch import save
 
 from ..engine.config import stored_names
+from ..files import atomic_write
 from ..torch_engine.model import GPT
 from ..torch_engine.quantize import QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization
-from ..files import atomic_write
 from .header import (
-    FORMAT, FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, TIED, Checkpoint, MappedCheckpoint, check_vocabulary,
-    companion_name, not_finite, open_checkpoint,
+    FORMAT,
+    FORMAT_VERSION,
+    QUANTIZED_FORMAT_VERSION,
+    TIED,
+    Checkpoint,
+    MappedCheckpoint,
+    check_vocabulary,
+    companion_name,
+    not_finite,
+    open_checkpoint,
 )
 from .tokenizer import build_encoding
 
-TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-                "I8": torch.int8, "U8": torch.uint8}
+TORCH_DTYPES = {
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
 
 
 def save_checkpoint(
-    path: str | Path, model: GPT, tokenizer_spec: dict, extra_metadata: dict[str, str] | None = None, *,
+    path: str | Path,
+    model: GPT,
+    tokenizer_spec: dict,
+    extra_metadata: dict[str, str] | None = None,
+    *,
     overwrite: bool = True,
 ) -> None:
     """Validate that the tokenizer fits the model, then write the checkpoint atomically (see files.atomic_write)."""
@@ -59,7 +77,9 @@ def stored_state(model: GPT, kind: str | None) -> dict[str, torch.Tensor]:
     return {name.replace("lm_head.", "token_embedding.", 1): tensor for name, tensor in state.items()}
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Checkpoint:
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> Checkpoint:
     """Load, check every tensor against the config, tie lm_head, and return the model in eval mode.
 
     The tensors are the mapped file's bytes (header.open_checkpoint: checked before any is touched, so memory is

@@ -9,12 +9,23 @@ from pathlib import Path
 
 import torch
 
-from ..torch_engine.model import GPT, GPTConfig
 from ..errors import CheckpointError, InputError, TokenizerError
 from ..files import check_output_file
+from ..torch_engine.model import GPT, GPTConfig
 from .huggingface import (
-    HF_CONFIG, HF_FOLDER, HF_MERGES, HF_PICKLE, HF_SAFETENSORS, HF_TOKENIZER, HF_VOCAB, HF_WEIGHTS, folder_tokenizer,
-    hf_kind, load_hf, load_hf_folder, read_hf_config,
+    HF_CONFIG,
+    HF_FOLDER,
+    HF_MERGES,
+    HF_PICKLE,
+    HF_SAFETENSORS,
+    HF_TOKENIZER,
+    HF_VOCAB,
+    HF_WEIGHTS,
+    folder_tokenizer,
+    hf_kind,
+    load_hf,
+    load_hf_folder,
+    read_hf_config,
 )
 from .importing import load_pickled_weights, load_safetensors, read_plain_pickle
 from .nanogpt import NANOGPT, character_spec, load_nanogpt
@@ -44,7 +55,9 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
     loaded = load_pickled_weights(src)
     if isinstance(loaded, dict) and "model_args" in loaded and "model" in loaded:
         if config_path is not None:
-            raise InputError(f"{src} is a nanoGPT checkpoint with its own model_args; --config is for a bare model.safetensors")
+            raise InputError(
+                f"{src} is a nanoGPT checkpoint with its own model_args; --config is for a bare model.safetensors"
+            )
         return NANOGPT, load_nanogpt(loaded, src)
     if isinstance(loaded, dict) and loaded and all(isinstance(t, torch.Tensor) for t in loaded.values()):
         return hf_kind(HF_WEIGHTS, load_hf(loaded, src, _require_config(src, config_path)))
@@ -61,7 +74,9 @@ def source_files(src: Path) -> tuple[Path, ...]:
 
 def _require_config(src: Path, config_path: Path | None) -> GPTConfig:
     if config_path is None:
-        raise InputError(f"{src} holds bare weights: pass --config PATH, the Hugging Face GPT-2 config.json that goes with them")
+        raise InputError(
+            f"{src} holds bare weights: pass --config PATH, the Hugging Face GPT-2 config.json that goes with them"
+        )
     return read_hf_config(config_path)
 
 
@@ -92,9 +107,13 @@ def tokenizer_spec(tokenizer: str, tokenizer_file: Path | None, tokenizer_meta: 
     if tokenizer_meta is not None:
         if tokenizer_file is not None:
             raise InputError("--tokenizer-file and --tokenizer-meta both name a tokenizer: pass one of them")
-        return f"the character-level vocabulary of {tokenizer_meta}", character_spec(read_plain_pickle(tokenizer_meta), tokenizer_meta)
+        return f"the character-level vocabulary of {tokenizer_meta}", character_spec(
+            read_plain_pickle(tokenizer_meta), tokenizer_meta
+        )
     if tokenizer != "gpt2":
-        raise InputError(f"--tokenizer must be 'gpt2' (or use --tokenizer-meta for a character-level meta.pkl), got {tokenizer!r}")
+        raise InputError(
+            f"--tokenizer must be 'gpt2' (or use --tokenizer-meta for a character-level meta.pkl), got {tokenizer!r}"
+        )
     if tokenizer_file is not None:
         if not tokenizer_file.is_file():
             raise InputError(f"--tokenizer-file {tokenizer_file} does not exist")
@@ -115,7 +134,9 @@ def check_tokenizer_fits(spec: dict, config: GPTConfig, description: str) -> Non
     size = vocabulary_size(build_encoding(spec))
     if size > config.vocab_size:
         # fewer ids than the 256 bytes: no byte-level BPE fits, so this is a character-level model
-        hint = "; a character-level nanoGPT model needs its --tokenizer-meta meta.pkl" if config.vocab_size < 256 else ""
+        hint = (
+            "; a character-level nanoGPT model needs its --tokenizer-meta meta.pkl" if config.vocab_size < 256 else ""
+        )
         raise TokenizerError(
             f"{description} has {size} tokens but the model has only {config.vocab_size} token ids{hint}"
         )

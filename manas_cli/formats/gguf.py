@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from ..torch_engine.model import GPT, GPTConfig
-from ..torch_engine.quantize import dequantize_model
 from ..errors import CheckpointError, MissingDependencyError, first_line
 from ..files import atomic_write, check_output_file
+from ..torch_engine.model import GPT, GPTConfig
+from ..torch_engine.quantize import dequantize_model
 from . import starcoder2
 from .checkpoint import load_checkpoint
 from .gpt2 import hf_state_dict, is_gpt2_linear_weight
@@ -73,7 +73,10 @@ def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -
             f"{source}: the model uses the exact GELU (gelu_approximate={config.gelu_approximate!r}), but llama.cpp's "
             "gpt2 and starcoder2 compute GELU's tanh approximation; only gelu_approximate='tanh' models export to GGUF"
         )
-    floats = {"norm_eps": config.norm_eps, **({"rope_base": config.rope_base} if config.position_encoding == "rope" else {})}
+    floats = {
+        "norm_eps": config.norm_eps,
+        **({"rope_base": config.rope_base} if config.position_encoding == "rope" else {}),
+    }
     for name, value in floats.items():
         stored = as_float32(value)
         if not math.isfinite(stored) or (value != 0 and stored == 0):
@@ -123,7 +126,11 @@ def tensor_type(gguf: Any, name: str, tensor: np.ndarray, outtype: str) -> Any:
 
 def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, outtype: str) -> None:
     """Every hyperparameter llama.cpp's loader reads for gpt2 and starcoder2."""
-    file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    file_types = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }
     writer.add_name(name)
     writer.add_file_type(file_types[outtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

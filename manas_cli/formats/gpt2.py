@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..torch_engine.model import GPT, GPTConfig
 from ..errors import CheckpointError
+from ..torch_engine.model import GPT, GPTConfig
 from .header import TIED
 from .importing import TIED_HEAD, check_tied_head, make_config, typed_field
 
@@ -95,7 +95,9 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
     """A Hugging Face GPT-2 config.json's values, refusing the options manas does not compute."""
     activation = values.get("activation_function", "gelu_new")
     if activation not in HF_ACTIVATIONS:
-        raise CheckpointError(f"{source}: activation_function {activation!r} is not supported (only {', '.join(HF_ACTIVATIONS)})")
+        raise CheckpointError(
+            f"{source}: activation_function {activation!r} is not supported (only {', '.join(HF_ACTIVATIONS)})"
+        )
     field = typed_field(values, source)
     n_embd = field("n_embd", int, 768)
     unsupported = {
@@ -108,9 +110,13 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
         raise CheckpointError(f"{source}: {changed[0]}={values[changed[0]]!r} has no manas equivalent")
     return make_config(
         source,
-        vocab_size=field("vocab_size", int, 50257), block_size=field("n_positions", int, 1024),
-        n_layer=field("n_layer", int, 12), n_head=field("n_head", int, 12), n_embd=n_embd,
-        norm_eps=field("layer_norm_epsilon", float, 1e-5), dropout=field("resid_pdrop", float, 0.0),
+        vocab_size=field("vocab_size", int, 50257),
+        block_size=field("n_positions", int, 1024),
+        n_layer=field("n_layer", int, 12),
+        n_head=field("n_head", int, 12),
+        n_embd=n_embd,
+        norm_eps=field("layer_norm_epsilon", float, 1e-5),
+        dropout=field("resid_pdrop", float, 0.0),
         gelu_approximate=HF_ACTIVATIONS[activation],
     )
 

@@ -26,7 +26,6 @@ QUANTIZED_FORMAT_VERSION = "2"  # format 1 with quantized matrices (FORMAT.md, "
 TIED = "lm_head.weight"  # tied to token_embedding.weight: never stored, tied again on load
 
 
-
 def companion_name(weight_name: str, suffix: str) -> str:
     """A stored quantized matrix's scales or zeros: `blocks.0.ffn.up.weight` → `blocks.0.ffn.up.scales`."""
     return weight_name.removesuffix("weight") + suffix
@@ -39,8 +38,9 @@ CODE_DTYPES = {"int8": ("I8",), "int4": ("U8",)}
 ITEMSIZES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1}
 
 
-def stored_tensors(config: GPTConfig, kind: str | None = None,
-                   group_size: int = INT4_GROUP_SIZE) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+def stored_tensors(
+    config: GPTConfig, kind: str | None = None, group_size: int = INT4_GROUP_SIZE
+) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]]:
     """Name, shape and allowed dtypes of every tensor a checkpoint of this config holds, lazily. Format 2 stores
     each matrix the model multiplies by (every 2-D tensor but the position table) quantized: int8 (rows, cols)
     and one scale per row, or int4 codes two to a byte (rows, cols/2) and a scale and a zero per group."""
@@ -85,7 +85,7 @@ class Header:
 
     @property
     def quantization(self) -> str | None:
-        """"int8" or "int4" for a version-2 file, else None."""
+        """ "int8" or "int4" for a version-2 file, else None."""
         return self.metadata["quantization"] if self.metadata["format_version"] == QUANTIZED_FORMAT_VERSION else None
 
     @property
@@ -93,13 +93,11 @@ class Header:
         return int(self.metadata.get("group_size", INT4_GROUP_SIZE))
 
 
-
 def read_metadata(path: str | Path) -> dict[str, str]:
     """The checkpoint's string metadata, after checking that it is a manas checkpoint of a version we read."""
     path = _existing_file(path)
     with _open(path) as f:
         return _checked_metadata(read_safetensors_header(f, path)[0], path)
-
 
 
 def read_header(f: BinaryIO, path: Path) -> Header:
@@ -131,8 +129,10 @@ def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], di
     prefix = f.read(8)
     length = int.from_bytes(prefix, "little")
     if is_pytorch_file(prefix):
-        raise CheckpointError(f"{path}: this is a PyTorch checkpoint, not a manas one: convert it first with "
-                              f"manas convert {path} --out model.safetensors")
+        raise CheckpointError(
+            f"{path}: this is a PyTorch checkpoint, not a manas one: convert it first with "
+            f"manas convert {path} --out model.safetensors"
+        )
     if len(prefix) < 8 or length > size - 8:
         raise _unreadable(path, f"the header length {length} exceeds the file's {size} bytes")
     try:
@@ -149,7 +149,11 @@ def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], di
     for name, info in header.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            valid = isinstance(dtype, str) and all(_is_count(n) for n in (*shape, begin, end)) and begin <= end <= size - data_start
+            valid = (
+                isinstance(dtype, str)
+                and all(_is_count(n) for n in (*shape, begin, end))
+                and begin <= end <= size - data_start
+            )
         except (TypeError, KeyError, ValueError):
             valid = False
         if not valid:
@@ -167,8 +171,9 @@ def _refuse_overlaps(tensors: dict[str, TensorEntry], path: Path) -> None:
             raise _unreadable(path, f"the data of tensors {name} and {next_name} overlap")
 
 
-def check_tensors(tensors: dict[str, TensorEntry], expected: Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]],
-                  path: Path) -> None:
+def check_tensors(
+    tensors: dict[str, TensorEntry], expected: Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]], path: Path
+) -> None:
     """Every expected tensor (stored_tensors), with its shape and an allowed dtype, and no other. Walks the expected
     tensors lazily, so a config's claim of more layers than the file holds stops at the first missing one."""
     seen = set()
@@ -177,16 +182,18 @@ def check_tensors(tensors: dict[str, TensorEntry], expected: Iterator[tuple[str,
             raise CheckpointError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
         entry = tensors[name]
         if entry.shape != shape:
-            raise CheckpointError(f"{path}: tensor {name} has shape {list(entry.shape)}, the config needs {list(shape)}")
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {list(entry.shape)}, the config needs {list(shape)}"
+            )
         if entry.dtype not in allowed:
             raise CheckpointError(f"{path}: tensor {name} is {entry.dtype}; it must be {_dtype_rule(allowed)}")
         if entry.end - entry.start != (nbytes := entry.nbytes):
-            raise _unreadable(path, f"tensor {name} has {entry.end - entry.start} bytes of data, "
-                                    f"its shape needs {nbytes}")
+            raise _unreadable(
+                path, f"tensor {name} has {entry.end - entry.start} bytes of data, its shape needs {nbytes}"
+            )
         seen.add(name)
     if unexpected := sorted(set(tensors) - seen):
         raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]} (not part of this config's model)")
-
 
 
 def not_finite(path: Path | str, name: str, dtype: str) -> CheckpointError:
@@ -194,8 +201,6 @@ def not_finite(path: Path | str, name: str, dtype: str) -> CheckpointError:
         f"{path}: tensor {name} holds NaN or infinite values as {dtype} (a value beyond "
         "that type's range becomes infinite): the weights are corrupt"
     )
-
-
 
 
 def _is_count(value: object) -> bool:
@@ -240,12 +245,18 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
 
 def _check_group_size(value: str | None, n_embd: int, path: Path) -> None:
     """An int4 file's group_size: an even count (two codes a byte) that divides every row (n_embd or 4 n_embd long)."""
-    if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9 and int(value) > 0
-            and n_embd % int(value) == 0 and int(value) % 2 == 0):
+    if not (
+        isinstance(value, str)
+        and value.isascii()
+        and value.isdigit()
+        and len(value) <= 9
+        and int(value) > 0
+        and n_embd % int(value) == 0
+        and int(value) % 2 == 0
+    ):
         raise CheckpointError(
             f"{path}: int4 group_size {value!r} must be an even count that divides the rows (n_embd {n_embd})"
         )
-
 
 
 def _dtype_rule(allowed: tuple[str, ...]) -> str:
@@ -312,8 +323,11 @@ def open_checkpoint(path: str | Path) -> MappedCheckpoint:
         header = read_header(f, path)
         size = os.fstat(f.fileno()).st_size
         try:
-            mapping = _read_whole(f, size, path) if size <= READ_WHOLE_BYTES else \
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapping = (
+                _read_whole(f, size, path)
+                if size <= READ_WHOLE_BYTES
+                else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            )
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot map it into memory ({first_line(exc)})") from None
     return MappedCheckpoint(path, header, mapping)

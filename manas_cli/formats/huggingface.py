@@ -18,15 +18,20 @@ from pathlib import Path
 import tiktoken
 import torch
 
-from ..torch_engine.model import GPT, GPTConfig
-from ..torch_engine.quantize import dequantize_model
 from ..errors import CheckpointError, InputError, TokenizerError, first_line
 from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
+from ..torch_engine.model import GPT, GPTConfig
+from ..torch_engine.quantize import dequantize_model
 from . import gpt2, starcoder2
 from .checkpoint import check_finite_tensors, load_checkpoint
 from .importing import TIED_HEAD, build_model, check_tied_head, load_pickled_weights, load_safetensors
 from .tokenizer import (
-    END_OF_TEXT, GPT2_PAT_STR, bytes_to_unicode, merge_parts, spec_from_hf_files, spec_from_tokenizer_json,
+    END_OF_TEXT,
+    GPT2_PAT_STR,
+    bytes_to_unicode,
+    merge_parts,
+    spec_from_hf_files,
+    spec_from_tokenizer_json,
 )
 
 # What convert reads from a Hugging Face folder.
@@ -42,13 +47,22 @@ GPT2_SPLIT_PATTERNS = (
 )
 
 WRITTEN_FILES = (
-    "config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
 )
 
 # Files an earlier export into the same folder may have left that Hugging Face would read instead of ours.
 SHADOWING_FILES = (
-    "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
-    "pytorch_model.bin", "pytorch_model.bin.index.json", "model.safetensors.index.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "model.safetensors.index.json",
 )
 
 
@@ -99,7 +113,9 @@ def load_hf_folder(folder: Path) -> GPT:
         if not isinstance(state, dict):
             raise CheckpointError(f"{folder / HF_PICKLE}: not a state dict")
         return load_hf(state, folder, config)
-    raise InputError(f"{folder} holds neither model.safetensors nor pytorch_model.bin (sharded weights are not supported)")
+    raise InputError(
+        f"{folder} holds neither model.safetensors nor pytorch_model.bin (sharded weights are not supported)"
+    )
 
 
 def hf_kind(template: str, model: GPT) -> tuple[str, GPT]:
@@ -165,8 +181,9 @@ MAX_TOKENIZER_FILE_BYTES = 64 * 2**20
 def _tokenizer_text(path: Path, src: Path) -> str:
     try:
         if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
-            raise TokenizerError(f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file "
-                                 "manas reads")
+            raise TokenizerError(
+                f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file manas reads"
+            )
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TokenizerError(f"cannot read the tokenizer files of {src}: {first_line(exc)}") from None

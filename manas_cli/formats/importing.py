@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ..engine.config import GPTConfig, parameter_shapes
-from ..torch_engine.model import GPT
 from ..errors import CheckpointError, InputError, TokenizerError, first_line
+from ..torch_engine.model import GPT
 from .header import is_pytorch_file
 
 TIED_HEAD = "lm_head.weight"
@@ -30,7 +30,9 @@ def build_model(config: GPTConfig, state: dict[str, torch.Tensor], source: Path)
             raise CheckpointError(f"{source}: missing tensor for {name} (shape {list(shape)})")
         tensor = state[name]
         if tuple(tensor.shape) != shape:
-            raise CheckpointError(f"{source}: tensor for {name} has shape {list(tensor.shape)}, the config needs {list(shape)}")
+            raise CheckpointError(
+                f"{source}: tensor for {name} has shape {list(tensor.shape)}, the config needs {list(shape)}"
+            )
         if not tensor.is_floating_point():  # complex too: copying it into a float32 weight drops the imaginary part
             raise CheckpointError(f"{source}: tensor for {name} is {tensor.dtype}, not a real floating-point tensor")
         expected.add(name)
@@ -59,9 +61,11 @@ def load_pickled_weights(path: Path) -> object:
     _refuse_compressed_entries(path)
     with path.open("rb") as f:
         if not is_pytorch_file(f.read(8)):
-            raise CheckpointError(f"{path}: not a readable PyTorch checkpoint: it is neither the zip archive "
-                                  "torch.save writes nor a pickle; pass nanoGPT's ckpt.pt, or a Hugging Face folder "
-                                  "or its model.safetensors")
+            raise CheckpointError(
+                f"{path}: not a readable PyTorch checkpoint: it is neither the zip archive "
+                "torch.save writes nor a pickle; pass nanoGPT's ckpt.pt, or a Hugging Face folder "
+                "or its model.safetensors"
+            )
     try:
         with quiet_warnings():  # torch warns about legacy (non-zip) checkpoints on stderr
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
@@ -135,7 +139,16 @@ def read_plain_pickle(path: Path) -> object:
             f"{path}: refused: it refers to {exc} and would run code; nanoGPT's meta.pkl holds only plain dicts, "
             "strings and numbers"
         ) from None
-    except (pickle.UnpicklingError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError, AttributeError) as exc:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        OSError,
+        ValueError,
+        IndexError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ) as exc:
         raise TokenizerError(f"{path}: not a readable pickle ({first_line(exc)})") from None
 
 
@@ -148,9 +161,13 @@ def typed_field(values: dict, source: Path, prefix: str = ""):
 
     def field(key: str, kind: type, default: object = None) -> object:
         value = values.get(key, default)
-        valid = isinstance(value, (int, float) if kind is float else kind) and (kind is bool or not isinstance(value, bool))
+        valid = isinstance(value, (int, float) if kind is float else kind) and (
+            kind is bool or not isinstance(value, bool)
+        )
         if not valid:
-            raise CheckpointError(f"{source}: {prefix}{key} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}")
+            raise CheckpointError(
+                f"{source}: {prefix}{key} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}"
+            )
         return value
 
     return field

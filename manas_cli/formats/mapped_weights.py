@@ -58,8 +58,16 @@ class MappedWeights:
             layer = ManasLinear(WEIGHTS_INT8, columns, rows, 0, self._address(weight), scales, None, bias)
         else:
             zeros = self._bfloat16s(companion_name(weight, "zeros"))
-            layer = ManasLinear(WEIGHTS_INT4, 2 * columns, rows, self.mapped.header.group_size, self._address(weight),
-                                scales, zeros, bias)
+            layer = ManasLinear(
+                WEIGHTS_INT4,
+                2 * columns,
+                rows,
+                self.mapped.header.group_size,
+                self._address(weight),
+                scales,
+                zeros,
+                bias,
+            )
         if overflow := self.library.manas_quantized_overflow(ctypes.byref(layer)):
             raise not_finite(self.mapped.path, f"{stored}.{('scales', 'zeros')[overflow - 1]}", "float32")
         if name == "lm_head":

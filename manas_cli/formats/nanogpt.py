@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..torch_engine.model import GPT, GPTConfig
 from ..errors import CheckpointError, TokenizerError
+from ..torch_engine.model import GPT, GPTConfig
 from .gpt2 import gpt2_state_to_manas
 from .importing import build_model, make_config, typed_field
 from .tokenizer import bpe_spec, checked_spec
@@ -26,8 +26,11 @@ def config_from_nanogpt(model_args: object, source: Path) -> GPTConfig:
         raise CheckpointError(f"{source}: model_args lacks {', '.join(missing)}")
     field = typed_field(model_args, source, "model_args.")
     return make_config(
-        source, **{key: field(key, int) for key in keys}, bias=field("bias", bool, True),
-        dropout=field("dropout", float, 0.0), gelu_approximate="none",
+        source,
+        **{key: field(key, int) for key in keys},
+        bias=field("bias", bool, True),
+        dropout=field("dropout", float, 0.0),
+        gelu_approximate="none",
     )
 
 
@@ -49,7 +52,9 @@ def character_spec(meta: object, source: Path) -> dict:
     ranks: dict[bytes, int] = {}
     for char, index in stoi.items():
         if not isinstance(char, str) or len(char) != 1:
-            raise TokenizerError(f"{source}: token {char!r} is not a single character; only character-level vocabularies convert")
+            raise TokenizerError(
+                f"{source}: token {char!r} is not a single character; only character-level vocabularies convert"
+            )
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise TokenizerError(f"{source}: character {char!r} has id {index!r}, not a non-negative integer")
         if itos is not None and (not isinstance(itos, dict) or itos.get(index) != char):

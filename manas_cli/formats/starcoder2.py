@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..torch_engine.model import GPT, GPTConfig
 from ..errors import CheckpointError
+from ..torch_engine.model import GPT, GPTConfig
 from .importing import make_config, typed_field
 
 ARCHITECTURE = "Starcoder2ForCausalLM"
@@ -142,7 +142,9 @@ def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Pa
         elif layer and layer[2] in QKV_MODULES:
             part = QKV_MODULES[layer[2]]
             if tensor.dim() == 0 or tensor.size(0) != rows[part]:
-                raise CheckpointError(f"{source}: tensor {name} has shape {list(tensor.shape)}, the config needs {rows[part]} rows")
+                raise CheckpointError(
+                    f"{source}: tensor {name} has shape {list(tensor.shape)}, the config needs {rows[part]} rows"
+                )
             if not tensor.is_floating_point():  # fusing would promote bool or int to float without a word
                 raise CheckpointError(f"{source}: tensor {name} is {tensor.dtype}, not a real floating-point tensor")
             qkv.setdefault((layer[1], kind), {})[part] = tensor
@@ -157,7 +159,9 @@ def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Pa
         try:
             renamed[f"blocks.{index}.attention.qkv.{kind}"] = torch.cat((q, k, parts["v_proj"]))
         except RuntimeError:
-            raise CheckpointError(f"{source}: q_proj, k_proj and v_proj.{kind} of layer {index} differ in shape") from None
+            raise CheckpointError(
+                f"{source}: q_proj, k_proj and v_proj.{kind} of layer {index} differ in shape"
+            ) from None
     return renamed
 
 
@@ -182,13 +186,18 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         raise CheckpointError(f"{source}: rope_parameters must be an object of rope_type and rope_theta, got {rope!r}")
     field, rope_field = typed_field(values, source), typed_field(rope, source, "rope_parameters.")
     config = make_config(
-        source, position_encoding="rope",
-        vocab_size=field("vocab_size", int, 49152), block_size=field("max_position_embeddings", int, 4096),
-        n_layer=field("num_hidden_layers", int, 30), n_head=field("num_attention_heads", int, 24),
-        n_kv_head=field("num_key_value_heads", int, 2), n_embd=field("hidden_size", int, 3072),
+        source,
+        position_encoding="rope",
+        vocab_size=field("vocab_size", int, 49152),
+        block_size=field("max_position_embeddings", int, 4096),
+        n_layer=field("num_hidden_layers", int, 30),
+        n_head=field("num_attention_heads", int, 24),
+        n_kv_head=field("num_key_value_heads", int, 2),
+        n_embd=field("hidden_size", int, 3072),
         # transformers 5 spells it rope_parameters.rope_theta, 4.x (and vLLM, TGI) rope_theta
         rope_base=rope_field("rope_theta", float, field("rope_theta", float, 10000.0)),
-        norm_eps=field("norm_epsilon", float, 1e-5), dropout=field("residual_dropout", float, 0.0),
+        norm_eps=field("norm_epsilon", float, 1e-5),
+        dropout=field("residual_dropout", float, 0.0),
         gelu_approximate=ACTIVATIONS[activation],
     )
     window = values.get("sliding_window")
@@ -200,7 +209,8 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         "sliding_window": window is not None and not (type(window) is int and window >= config.block_size),
         "head_dim": values.get("head_dim") not in (None, config.head_size),
         "rope_scaling": values.get("rope_scaling") is not None,
-        "rope_parameters": rope.get("rope_type", "default") != "default" or not set(rope) <= {"rope_type", "rope_theta"},
+        "rope_parameters": rope.get("rope_type", "default") != "default"
+        or not set(rope) <= {"rope_type", "rope_theta"},
     }
     if changed := [name for name, differs in unsupported.items() if differs]:
         name = changed[0]

@@ -31,7 +31,9 @@ GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 
 def encode_ranks(ranks: dict[bytes, int]) -> str:
     """The .tiktoken file format: one 'base64(token) rank' line per token, by rank."""
-    return "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+    return "".join(
+        f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    )
 
 
 def decode_ranks(text: str) -> dict[bytes, int]:
@@ -47,15 +49,21 @@ def decode_ranks(text: str) -> dict[bytes, int]:
             encoded, rank_text = line.split()
             token, rank = base64.b64decode(encoded, validate=True), int(rank_text)
         except ValueError as exc:
-            raise TokenizerError(f"line {line_number} of the BPE ranks is not 'base64-token rank': {line[:60]!r}") from exc
+            raise TokenizerError(
+                f"line {line_number} of the BPE ranks is not 'base64-token rank': {line[:60]!r}"
+            ) from exc
         if not 0 <= rank < MAX_ID:
             raise TokenizerError(f"line {line_number} of the BPE ranks: rank {rank} is outside [0, 2^32)")
         if not token:
             raise TokenizerError(f"line {line_number} of the BPE ranks: the token is empty")
         if token in ranks:
-            raise TokenizerError(f"line {line_number} of the BPE ranks: token {token!r} already has rank {ranks[token]}")
+            raise TokenizerError(
+                f"line {line_number} of the BPE ranks: token {token!r} already has rank {ranks[token]}"
+            )
         if rank in lines:
-            raise TokenizerError(f"line {line_number} of the BPE ranks: rank {rank} is already given on line {lines[rank]}")
+            raise TokenizerError(
+                f"line {line_number} of the BPE ranks: rank {rank} is already given on line {lines[rank]}"
+            )
         ranks[token], lines[rank] = rank, line_number
     return ranks
 
@@ -71,7 +79,9 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(aliases.items()))
 
 
-def spec_from_hf_files(vocab_json: str, merges_txt: str, source: str | Path, added: frozenset[str] = frozenset()) -> dict:
+def spec_from_hf_files(
+    vocab_json: str, merges_txt: str, source: str | Path, added: frozenset[str] = frozenset()
+) -> dict:
     """GPT-2's tokenizer files (vocab.json: token in GPT-2's byte alphabet → id; merges.txt: the merges in the
     order they apply) as an embedded BPE with GPT-2's split (see spec_from_vocab_and_merges). A special token is
     one that no merge builds, spelled as a marker (<|endoftext|>, <s>, <pad>) or among `added`, the added tokens
@@ -80,8 +90,11 @@ def spec_from_hf_files(vocab_json: str, merges_txt: str, source: str | Path, add
         vocab = json.loads(vocab_json)
     except (ValueError, RecursionError) as exc:
         raise TokenizerError(f"{source}: vocab.json is not valid JSON: {first_line(exc)}") from None
-    merges = [(number, line) for number, line in enumerate(merges_txt.splitlines(), start=1)
-              if line.strip() and not line.startswith("#version")]
+    merges = [
+        (number, line)
+        for number, line in enumerate(merges_txt.splitlines(), start=1)
+        if line.strip() and not line.startswith("#version")
+    ]
     return spec_from_vocab_and_merges(vocab, merges, added, source, "vocab.json", "line {} of merges.txt", markers=True)
 
 
@@ -96,25 +109,44 @@ def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
     model = value.get("model") if isinstance(value, dict) else None
     if not isinstance(model, dict) or model.get("type") != "BPE":
         kind = model.get("type") if isinstance(model, dict) else None
-        raise TokenizerError(f"{source}: tokenizer.json's model is {kind!r}, not a BPE: manas reads byte-level BPEs only")
+        raise TokenizerError(
+            f"{source}: tokenizer.json's model is {kind!r}, not a BPE: manas reads byte-level BPEs only"
+        )
     pre = value.get("pre_tokenizer")
     kind = pre.get("type") if isinstance(pre, dict) else None
     if kind != "ByteLevel" or pre.get("use_regex", True) is not True:
-        raise TokenizerError(f"{source}: tokenizer.json's pre-tokenizer is {kind!r}, not GPT-2's ByteLevel split: "
-                             "manas reads GPT-2-style byte-level BPEs only")
-    merges = [(number, " ".join(merge) if isinstance(merge, list) else merge)
-              for number, merge in enumerate(model.get("merges") or [], start=1)]
+        raise TokenizerError(
+            f"{source}: tokenizer.json's pre-tokenizer is {kind!r}, not GPT-2's ByteLevel split: "
+            "manas reads GPT-2-style byte-level BPEs only"
+        )
+    merges = [
+        (number, " ".join(merge) if isinstance(merge, list) else merge)
+        for number, merge in enumerate(model.get("merges") or [], start=1)
+    ]
     if not all(isinstance(merge, str) for _, merge in merges):
         raise TokenizerError(f"{source}: tokenizer.json's model.merges must be 'a b' strings or [a, b] pairs")
     added = value.get("added_tokens") or []
     if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str) for t in added):
         raise TokenizerError(f"{source}: tokenizer.json's added_tokens must be a list of objects with a 'content'")
-    return spec_from_vocab_and_merges(model.get("vocab"), merges, frozenset(t["content"] for t in added), source,
-                                      "tokenizer.json's model.vocab", "merge {} of tokenizer.json")
+    return spec_from_vocab_and_merges(
+        model.get("vocab"),
+        merges,
+        frozenset(t["content"] for t in added),
+        source,
+        "tokenizer.json's model.vocab",
+        "merge {} of tokenizer.json",
+    )
 
 
-def spec_from_vocab_and_merges(vocab: object, merges: list[tuple[int, str]], specials: frozenset[str],
-                               source: str | Path, vocab_name: str, merge_name: str, markers: bool = False) -> dict:
+def spec_from_vocab_and_merges(
+    vocab: object,
+    merges: list[tuple[int, str]],
+    specials: frozenset[str],
+    source: str | Path,
+    vocab_name: str,
+    merge_name: str,
+    markers: bool = False,
+) -> dict:
     """A byte-level BPE's vocabulary (token in GPT-2's byte alphabet → id) and its merges, numbered, in the order
     they apply. tiktoken merges whichever adjacent pair's concatenation has the lowest rank, Hugging Face only the
     listed pairs, by their order; the two tokenize alike when each merge's parts are built by earlier merges (or
@@ -129,14 +161,20 @@ def spec_from_vocab_and_merges(vocab: object, merges: list[tuple[int, str]], spe
         where = merge_name.format(number)
         parts = line.split(" ")
         if len(parts) != 2 or "".join(parts) not in vocab:
-            raise TokenizerError(f"{source}: {where} is not a merge of two tokens into one of {vocab_name}: {line[:60]!r}")
+            raise TokenizerError(
+                f"{source}: {where} is not a merge of two tokens into one of {vocab_name}: {line[:60]!r}"
+            )
         if unbuilt := [part for part in parts if len(part) > 1 and part not in built]:
-            raise TokenizerError(f"{source}: {where} merges {unbuilt[0]!r}, which no earlier merge builds, so "
-                                 "Hugging Face never forms it: the merges are not a BPE's")
+            raise TokenizerError(
+                f"{source}: {where} merges {unbuilt[0]!r}, which no earlier merge builds, so "
+                "Hugging Face never forms it: the merges are not a BPE's"
+            )
         merged = "".join(parts)
         if vocab[merged] <= last:
-            raise TokenizerError(f"{source}: {where} builds {merged!r} (id {vocab[merged]}), not above the "
-                                 "previous merge's id, so tiktoken would merge in another order than Hugging Face")
+            raise TokenizerError(
+                f"{source}: {where} builds {merged!r} (id {vocab[merged]}), not above the "
+                "previous merge's id, so tiktoken would merge in another order than Hugging Face"
+            )
         built.add(merged)
         pairs[merged] = (where, parts)
         last = vocab[merged]
@@ -144,9 +182,11 @@ def spec_from_vocab_and_merges(vocab: object, merges: list[tuple[int, str]], spe
     for token, token_id in vocab.items():
         if len(token) > 1 and token not in built:
             if token not in specials and not (markers and _is_marker(token)):
-                raise TokenizerError(f"{source}: {vocab_name} token {token[:40]!r} (id {token_id}) is longer than a "
-                                     "byte, but no merge builds it and it is not a special token: the vocabulary "
-                                     "and the merges do not belong together")
+                raise TokenizerError(
+                    f"{source}: {vocab_name} token {token[:40]!r} (id {token_id}) is longer than a "
+                    "byte, but no merge builds it and it is not a special token: the vocabulary "
+                    "and the merges do not belong together"
+                )
             special[token] = token_id
         elif all(ch in byte_of for ch in token):
             ranks[bytes(byte_of[ch] for ch in token)] = token_id
@@ -162,10 +202,12 @@ def _is_marker(token: str) -> bool:
     return len(token) > 2 and token.startswith("<") and token.endswith(">")
 
 
-def _check_merges_as_ranks(ranks: dict[bytes, int], pairs: dict[str, tuple[str, list[str]]], byte_of: dict[str, int],
-                           source: str | Path) -> None:
+def _check_merges_as_ranks(
+    ranks: dict[bytes, int], pairs: dict[str, tuple[str, list[str]]], byte_of: dict[str, int], source: str | Path
+) -> None:
     """Refuse merges that tiktoken's ranks would apply otherwise: for `b c`, `a b`, `ab c`, tiktoken joins `a` and
     `bc` into `abc` (both are ranks), where Hugging Face, having merged `b c`, has no merge for `a bc`."""
+
     def spelled(token: str) -> bytes:
         return bytes(byte_of[ch] for ch in token)
 
@@ -173,8 +215,10 @@ def _check_merges_as_ranks(ranks: dict[bytes, int], pairs: dict[str, tuple[str, 
         found = merge_parts(ranks, spelled(merged), ranks[spelled(merged)])  # the parts its last merge joins
         if found != [spelled(part) for part in parts]:
             shown = " + ".join(repr(part.decode("utf-8", "replace")) for part in found)
-            raise TokenizerError(f"{source}: {where} builds {merged!r} from {parts[0]!r} + {parts[1]!r}, but by rank "
-                                 f"tiktoken builds it from {shown}, so the two would tokenize differently")
+            raise TokenizerError(
+                f"{source}: {where} builds {merged!r} from {parts[0]!r} + {parts[1]!r}, but by rank "
+                f"tiktoken builds it from {shown}, so the two would tokenize differently"
+            )
 
 
 def merge_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
@@ -192,7 +236,9 @@ def merge_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[by
         parts[i : i + 2] = [parts[i] + parts[i + 1]]
 
 
-def bpe_spec(ranks: dict[bytes, int], pat_str: str = GPT2_PAT_STR, special_tokens: dict[str, int] | None = None) -> dict:
+def bpe_spec(
+    ranks: dict[bytes, int], pat_str: str = GPT2_PAT_STR, special_tokens: dict[str, int] | None = None
+) -> dict:
     """An embedded tokenizer description; by default <|endoftext|> takes the id after the last rank."""
     if special_tokens is None:
         special_tokens = {END_OF_TEXT: len(ranks)}
@@ -231,8 +277,13 @@ def shipped_gpt2() -> tiktoken.Encoding:
     from tiktoken.load import load_tiktoken_bpe
     from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=load_tiktoken_bpe(str(SHIPPED_GPT2)),
-                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=load_tiktoken_bpe(str(SHIPPED_GPT2)),
+        special_tokens={ENDOFTEXT: 50256},
+        explicit_n_vocab=50257,
+    )
 
 
 def build_encoding(spec: dict) -> tiktoken.Encoding:
@@ -259,7 +310,10 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
         try:
             with tiktoken_errors():
                 return tiktoken.Encoding(
-                    name="manas-bpe", pat_str=spec["pat_str"], mergeable_ranks=ranks, special_tokens=spec["special_tokens"]
+                    name="manas-bpe",
+                    pat_str=spec["pat_str"],
+                    mergeable_ranks=ranks,
+                    special_tokens=spec["special_tokens"],
                 )
         except ValueError as exc:  # the pattern does not compile
             raise TokenizerError(f"the embedded BPE tokenizer's pat_str is invalid: {first_line(exc)}") from None
@@ -270,7 +324,9 @@ def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) 
     """What tiktoken does not check itself: a pattern that cannot backtrack catastrophically (pattern_is_safe),
     special tokens with integer ids in [0, 2^32) that no other token has, and ids with no holes."""
     if not isinstance(pat_str, str) or not pat_str:
-        raise TokenizerError(f"the embedded BPE tokenizer's pat_str must be a non-empty regular expression, got {pat_str!r}")
+        raise TokenizerError(
+            f"the embedded BPE tokenizer's pat_str must be a non-empty regular expression, got {pat_str!r}"
+        )
     if not pattern_is_safe(pat_str):
         raise TokenizerError(
             f"the embedded BPE tokenizer's pat_str {pat_str[:60]!r} uses a backreference or a conditional, whose "
@@ -279,11 +335,14 @@ def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) 
     if not isinstance(special_tokens, dict):
         raise TokenizerError(f"the embedded BPE tokenizer's special_tokens must be an object, got {special_tokens!r}")
     if len(special_tokens) > MAX_SPECIAL_TOKENS:
-        raise TokenizerError(f"the tokenizer has {len(special_tokens):,} special tokens; at most "
-                             f"{MAX_SPECIAL_TOKENS:,} are allowed")
+        raise TokenizerError(
+            f"the tokenizer has {len(special_tokens):,} special tokens; at most {MAX_SPECIAL_TOKENS:,} are allowed"
+        )
     if (total := sum(map(len, special_tokens))) > MAX_SPECIAL_TOKENS_TOTAL_CHARS:
-        raise TokenizerError(f"the tokenizer's special tokens are {total:,} characters long in all; at most "
-                             f"{MAX_SPECIAL_TOKENS_TOTAL_CHARS:,} are allowed")
+        raise TokenizerError(
+            f"the tokenizer's special tokens are {total:,} characters long in all; at most "
+            f"{MAX_SPECIAL_TOKENS_TOTAL_CHARS:,} are allowed"
+        )
     owners = {rank: token for token, rank in ranks.items()}
     for text, token_id in special_tokens.items():
         if len(text) > MAX_SPECIAL_TOKEN_CHARS:  # tiktoken matches them with one regex, which has a size limit
@@ -294,7 +353,9 @@ def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) 
         if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < MAX_ID:
             raise TokenizerError(f"special token {text!r} has id {token_id!r}, not an integer in [0, 2^32)")
         if token_id in owners:
-            raise TokenizerError(f"special token {text!r} has id {token_id}, which is already the token {owners[token_id]!r}")
+            raise TokenizerError(
+                f"special token {text!r} has id {token_id}, which is already the token {owners[token_id]!r}"
+            )
         owners[token_id] = text
     if not owners:
         raise TokenizerError("the embedded BPE tokenizer has no tokens")
@@ -360,7 +421,6 @@ def _panic_text_silenced() -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
-
 
 
 def parse_spec(text: str) -> dict:

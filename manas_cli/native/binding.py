@@ -10,8 +10,16 @@ WEIGHTS_F32, WEIGHTS_INT8, WEIGHTS_INT4 = 0, 1, 2
 
 
 class ManasLinear(ctypes.Structure):
-    _fields_ = [("kind", c_int32), ("n_in", c_int32), ("n_out", c_int32), ("group", c_int32), ("weight", c_void_p),
-                ("scales", POINTER(c_uint16)), ("zeros", POINTER(c_uint16)), ("bias", POINTER(c_float))]
+    _fields_ = [
+        ("kind", c_int32),
+        ("n_in", c_int32),
+        ("n_out", c_int32),
+        ("group", c_int32),
+        ("weight", c_void_p),
+        ("scales", POINTER(c_uint16)),
+        ("zeros", POINTER(c_uint16)),
+        ("bias", POINTER(c_float)),
+    ]
 
 
 class ManasNorm(ctypes.Structure):
@@ -19,16 +27,34 @@ class ManasNorm(ctypes.Structure):
 
 
 class ManasLayer(ctypes.Structure):
-    _fields_ = [("ln_attention", ManasNorm), ("qkv", ManasLinear), ("output", ManasLinear), ("ln_ffn", ManasNorm),
-                ("up", ManasLinear), ("down", ManasLinear)]
+    _fields_ = [
+        ("ln_attention", ManasNorm),
+        ("qkv", ManasLinear),
+        ("output", ManasLinear),
+        ("ln_ffn", ManasNorm),
+        ("up", ManasLinear),
+        ("down", ManasLinear),
+    ]
 
 
 class ManasModel(ctypes.Structure):
-    _fields_ = [("vocab_size", c_int32), ("block_size", c_int32), ("n_layer", c_int32), ("n_head", c_int32),
-                ("n_kv_head", c_int32), ("n_embd", c_int32), ("rope", c_int32), ("gelu_tanh", c_int32),
-                ("norm_eps", c_float), ("rope_base", c_double), ("token_embedding", POINTER(c_float)),
-                ("position_embedding", POINTER(c_float)), ("layers", POINTER(ManasLayer)),
-                ("final_norm", ManasNorm), ("lm_head", ManasLinear)]
+    _fields_ = [
+        ("vocab_size", c_int32),
+        ("block_size", c_int32),
+        ("n_layer", c_int32),
+        ("n_head", c_int32),
+        ("n_kv_head", c_int32),
+        ("n_embd", c_int32),
+        ("rope", c_int32),
+        ("gelu_tanh", c_int32),
+        ("norm_eps", c_float),
+        ("rope_base", c_double),
+        ("token_embedding", POINTER(c_float)),
+        ("position_embedding", POINTER(c_float)),
+        ("layers", POINTER(ManasLayer)),
+        ("final_norm", ManasNorm),
+        ("lm_head", ManasLinear),
+    ]
 
 
 class ManasCache(ctypes.Structure):
@@ -39,14 +65,27 @@ MAX_LOGPROBS = 20  # core.c's, and settings.py's
 
 
 class ManasSampler(ctypes.Structure):
-    _fields_ = [("temperature", c_float), ("top_k", c_int32), ("top_p", c_float), ("min_p", c_float),
-                ("repetition", c_float), ("last_n", c_int32), ("frequency", c_float), ("presence", c_float),
-                ("seed", c_uint64), ("logprobs", c_int32)]
+    _fields_ = [
+        ("temperature", c_float),
+        ("top_k", c_int32),
+        ("top_p", c_float),
+        ("min_p", c_float),
+        ("repetition", c_float),
+        ("last_n", c_int32),
+        ("frequency", c_float),
+        ("presence", c_float),
+        ("seed", c_uint64),
+        ("logprobs", c_int32),
+    ]
 
 
 class ManasDraw(ctypes.Structure):
-    _fields_ = [("token", c_int32), ("logprob", c_float), ("top_ids", c_int32 * MAX_LOGPROBS),
-                ("top_logprobs", c_float * MAX_LOGPROBS)]
+    _fields_ = [
+        ("token", c_int32),
+        ("logprob", c_float),
+        ("top_ids", c_int32 * MAX_LOGPROBS),
+        ("top_logprobs", c_float * MAX_LOGPROBS),
+    ]
 
 
 def declare(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -56,18 +95,43 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.manas_pool_threads.argtypes, library.manas_pool_threads.restype = [c_void_p], c_int
     library.manas_scratch_bytes.argtypes = [POINTER(ManasModel), c_int, c_int]
     library.manas_scratch_bytes.restype = c_size_t
-    library.manas_forward.argtypes = [POINTER(ManasModel), c_void_p, c_int, POINTER(c_int32), POINTER(c_int32),
-                                      POINTER(ManasCache), c_int, POINTER(c_int32), POINTER(c_float), c_void_p]
+    library.manas_forward.argtypes = [
+        POINTER(ManasModel),
+        c_void_p,
+        c_int,
+        POINTER(c_int32),
+        POINTER(c_int32),
+        POINTER(ManasCache),
+        c_int,
+        POINTER(c_int32),
+        POINTER(c_float),
+        c_void_p,
+    ]
     library.manas_forward.restype = c_int
     library.manas_convert.argtypes, library.manas_convert.restype = [c_void_p, c_int, c_int64, c_int, c_void_p], c_int64
     library.manas_first_not_finite.argtypes, library.manas_first_not_finite.restype = [c_void_p, c_int64], c_int64
     library.manas_quantized_overflow.argtypes = [POINTER(ManasLinear)]
     library.manas_dequantized_finite.argtypes = [POINTER(ManasLinear), c_void_p]
-    library.manas_philox.argtypes, library.manas_philox.restype = [POINTER(c_uint32), POINTER(c_uint32), POINTER(c_uint32)], None
+    library.manas_philox.argtypes, library.manas_philox.restype = (
+        [POINTER(c_uint32), POINTER(c_uint32), POINTER(c_uint32)],
+        None,
+    )
     library.manas_uniform.argtypes, library.manas_uniform.restype = [c_uint64, c_uint64, c_uint64], c_double
     library.manas_sample_scratch_bytes.argtypes, library.manas_sample_scratch_bytes.restype = [c_int], c_size_t
-    library.manas_sample.argtypes = [POINTER(ManasSampler), c_void_p, c_int, c_int, c_void_p, POINTER(c_int32), c_int,
-                                     c_void_p, c_uint64, c_uint64, c_void_p, POINTER(ManasDraw)]
+    library.manas_sample.argtypes = [
+        POINTER(ManasSampler),
+        c_void_p,
+        c_int,
+        c_int,
+        c_void_p,
+        POINTER(c_int32),
+        c_int,
+        c_void_p,
+        c_uint64,
+        c_uint64,
+        c_void_p,
+        POINTER(ManasDraw),
+    ]
     library.manas_target_logprobs.argtypes = [c_void_p, c_int, c_int, POINTER(c_int32), POINTER(c_double)]
     return library
 
@@ -78,17 +142,38 @@ WEIGHTS_KINDS = {"float32": WEIGHTS_F32, "int8": WEIGHTS_INT8, "int4": WEIGHTS_I
 def bind(config, weights) -> ManasModel:
     """The ManasModel of a GPT of `config` whose tensors `weights` points at (weights.py): vector(name), a
     float32 pointer or None where the model has no such tensor; linear(name), a ManasLinear."""
+
     def norm(name: str) -> ManasNorm:
         return ManasNorm(weights.vector(f"{name}.weight"), weights.vector(f"{name}.bias"))
 
-    layers = (ManasLayer * config.n_layer)(*(
-        ManasLayer(norm(f"blocks.{i}.ln_attention"), weights.linear(f"blocks.{i}.attention.qkv"),
-                   weights.linear(f"blocks.{i}.attention.output"), norm(f"blocks.{i}.ln_ffn"),
-                   weights.linear(f"blocks.{i}.ffn.up"), weights.linear(f"blocks.{i}.ffn.down"))
-        for i in range(config.n_layer)))
+    layers = (ManasLayer * config.n_layer)(
+        *(
+            ManasLayer(
+                norm(f"blocks.{i}.ln_attention"),
+                weights.linear(f"blocks.{i}.attention.qkv"),
+                weights.linear(f"blocks.{i}.attention.output"),
+                norm(f"blocks.{i}.ln_ffn"),
+                weights.linear(f"blocks.{i}.ffn.up"),
+                weights.linear(f"blocks.{i}.ffn.down"),
+            )
+            for i in range(config.n_layer)
+        )
+    )
     learned = config.position_encoding == "learned"
     return ManasModel(
-        config.vocab_size, config.block_size, config.n_layer, config.n_head, config.n_kv_head, config.n_embd,
-        not learned, config.gelu_approximate == "tanh", config.norm_eps, config.rope_base,
-        weights.vector("token_embedding.weight"), weights.vector("position_embedding.weight") if learned else None,
-        layers, norm("final_norm"), weights.linear("lm_head"))
+        config.vocab_size,
+        config.block_size,
+        config.n_layer,
+        config.n_head,
+        config.n_kv_head,
+        config.n_embd,
+        not learned,
+        config.gelu_approximate == "tanh",
+        config.norm_eps,
+        config.rope_base,
+        weights.vector("token_embedding.weight"),
+        weights.vector("position_embedding.weight") if learned else None,
+        layers,
+        norm("final_norm"),
+        weights.linear("lm_head"),
+    )

@@ -99,8 +99,12 @@ def cpu_features() -> str:
 
 def library_name(cc: str) -> str:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBRARIES).encode(), compiler_identity(cc).encode(),
-                 cpu_features().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(FLAGS + LIBRARIES).encode(),
+        compiler_identity(cc).encode(),
+        cpu_features().encode(),
+    ):
         key.update(hashlib.sha256(part).digest())
     return f"core-{key.hexdigest()[:24]}.so"
 
@@ -195,8 +199,9 @@ def locked(target: Path) -> Iterator[None]:
 def run_compiler(command: list[str]) -> subprocess.CompletedProcess:
     """command run in its own process group, all of which is killed if it outlives COMPILE_TIMEOUT_S (a compiler
     driver that hangs leaves no child behind)."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=COMPILE_TIMEOUT_S)
     except BaseException:  # the timeout, or ^C while compiling
@@ -215,8 +220,9 @@ def compile_library(cc: str, target: Path) -> float:
         try:
             result = run_compiler([cc, *FLAGS, "-o", temporary, str(SOURCE), *LIBRARIES])
         except subprocess.TimeoutExpired:
-            raise NativeUnavailable(f"the C compiler {cc} was still running after {COMPILE_TIMEOUT_S} s, so it "
-                                    "was stopped") from None
+            raise NativeUnavailable(
+                f"the C compiler {cc} was still running after {COMPILE_TIMEOUT_S} s, so it was stopped"
+            ) from None
         except OSError as exc:
             raise NativeUnavailable(f"the C compiler {cc} failed", str(exc)) from None
         if result.returncode:
@@ -291,8 +297,11 @@ def _build_in(cc: str, target: Path, notice: str | None, on_compile: Callable[[]
         if failure := self_test(library):  # kept (its digest written) only once it has passed
             unload(library)
             target.unlink()
-            raise NativeUnavailable(f"the freshly built core failed its self-test ({failure}; does $CC add "
-                                    "-ffast-math?), so it was deleted", notify=True)
+            raise NativeUnavailable(
+                f"the freshly built core failed its self-test ({failure}; does $CC add "
+                "-ffast-math?), so it was deleted",
+                notify=True,
+            )
         write_digest(target, digest, hashlib.sha256(code).hexdigest())
     return Built(library, target, compile_s, notice)
 

@@ -61,8 +61,9 @@ class NativeEngine:
         first = len(window) - targets - 1  # the position whose logits predict the first target
         logits = self.logits_from([window], first)  # rows first .. T − 1: the targets' predictions, and one more
         logprobs = (ctypes.c_double * targets)()
-        bad = self.model.library.manas_target_logprobs(logits.row(0), targets, self.config.vocab_size,
-                                                       int32s(window[-targets:]), logprobs)
+        bad = self.model.library.manas_target_logprobs(
+            logits.row(0), targets, self.config.vocab_size, int32s(window[-targets:]), logprobs
+        )
         if bad >= 0:
             raise NumericalError(logits_error(first_position + first + bad, "float32"))
         return -sum(logprobs)

@@ -82,8 +82,17 @@ class NativeGPT:
             self._scratch, self._scratch_rows = ctypes.create_string_buffer(needed), rows
         logits = Logits(len(logit_rows), vocab)
         status = self.library.manas_forward(
-            ctypes.byref(self.bound), self._pool, rows, int32s(tokens), int32s(positions),
-            (ManasCache * rows)(*caches), len(logit_rows), int32s(logit_rows), logits.buffer, self._scratch)
+            ctypes.byref(self.bound),
+            self._pool,
+            rows,
+            int32s(tokens),
+            int32s(positions),
+            (ManasCache * rows)(*caches),
+            len(logit_rows),
+            int32s(logit_rows),
+            logits.buffer,
+            self._scratch,
+        )
         if status:
             raise RuntimeError(f"the native core failed with status {status}")
         return logits

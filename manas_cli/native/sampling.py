@@ -30,9 +30,18 @@ class NativeSampling:
         top_k = sampler.top_k if sampler.top_k and sampler.top_k < self.drawable else 0
         self.logprobs = min(logprobs, self.drawable)
         p = sampler.penalties
-        self.settings = ManasSampler(sampler.temperature, top_k, 1.0 if sampler.top_p is None else sampler.top_p,
-                                     sampler.min_p or 0.0, p.repetition, min(p.last_n, INT32_MAX), p.frequency,
-                                     p.presence, sampler.seed, self.logprobs)
+        self.settings = ManasSampler(
+            sampler.temperature,
+            top_k,
+            1.0 if sampler.top_p is None else sampler.top_p,
+            sampler.min_p or 0.0,
+            p.repetition,
+            min(p.last_n, INT32_MAX),
+            p.frequency,
+            p.presence,
+            sampler.seed,
+            self.logprobs,
+        )
         self.counts = [(c_int32 * self.drawable)() for _ in range(rows)] if p.counts_needed else None
         self.last_n = p.last_n if p.context_needed else 0  # the window's tokens the core needs: these, or none
         self.scratch = ctypes.create_string_buffer(self.library.manas_sample_scratch_bytes(self.drawable))
@@ -44,13 +53,26 @@ class NativeSampling:
         less one, and the one an error names when they are not finite."""
         tokens, top = [], [] if self.logprobs else None
         for b, window in enumerate(windows):
-            draw, context = self.draw, window[-self.last_n:] if self.last_n > 0 else window
+            draw, context = self.draw, window[-self.last_n :] if self.last_n > 0 else window
             counts = self.counts[b] if self.counts is not None else None
-            if self.library.manas_sample(ctypes.byref(self.settings), logits.row(b), self.vocab, self.drawable,
-                                         self.mask, int32s(context) if self.last_n else None, len(context), counts,
-                                         b, position + 1, self.scratch, ctypes.byref(draw)):
+            if self.library.manas_sample(
+                ctypes.byref(self.settings),
+                logits.row(b),
+                self.vocab,
+                self.drawable,
+                self.mask,
+                int32s(context) if self.last_n else None,
+                len(context),
+                counts,
+                b,
+                position + 1,
+                self.scratch,
+                ctypes.byref(draw),
+            ):
                 raise NumericalError(logits_error(position, "float32"))
             tokens.append(draw.token)
             if top is not None:
-                top.append((draw.logprob, list(draw.top_ids[: self.logprobs]), list(draw.top_logprobs[: self.logprobs])))
+                top.append(
+                    (draw.logprob, list(draw.top_ids[: self.logprobs]), list(draw.top_logprobs[: self.logprobs]))
+                )
         return tokens, top

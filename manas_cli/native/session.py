@@ -54,16 +54,22 @@ class NativeSession:
         """The cached positions of every row and layer of `old` into a buffer of `size` positions per layer."""
         span = 4 * self.positions * self.position_floats
         for block in range(self.batch_size * self.model.config.n_layer):  # (row, layer) pairs, in memory order
-            ctypes.memmove(ctypes.addressof(into) + 4 * block * size * self.position_floats,
-                           ctypes.addressof(old) + 4 * block * self.size * self.position_floats, span)
+            ctypes.memmove(
+                ctypes.addressof(into) + 4 * block * size * self.position_floats,
+                ctypes.addressof(old) + 4 * block * self.size * self.position_floats,
+                span,
+            )
 
     def cache(self, row: int) -> ManasCache:
         return self._caches[row]
 
     def _row_cache(self, row: int) -> ManasCache:
         offset = 4 * row * self.model.config.n_layer * self.size * self.position_floats
-        return ManasCache(ctypes.cast(ctypes.addressof(self.k) + offset, ctypes.POINTER(c_float)),
-                          ctypes.cast(ctypes.addressof(self.v) + offset, ctypes.POINTER(c_float)), self.size)
+        return ManasCache(
+            ctypes.cast(ctypes.addressof(self.k) + offset, ctypes.POINTER(c_float)),
+            ctypes.cast(ctypes.addressof(self.v) + offset, ctypes.POINTER(c_float)),
+            self.size,
+        )
 
     def prefill(self, token_ids):
         """CacheSession.prefill: reset, run the prompt's rows (B, T ≤ block_size: lists, or a tensor's); the logits
@@ -98,8 +104,9 @@ class NativeSession:
         T = len(ids[0])
         caches = [cache for b in group for cache in [self.cache(b)] * T]
         logit_rows = [b * T + t for b in range(len(group)) for t in range(logits_from, T)]
-        return self.model.run([token for b in group for token in ids[b]], list(range(T)) * len(group), caches,
-                              logit_rows)
+        return self.model.run(
+            [token for b in group for token in ids[b]], list(range(T)) * len(group), caches, logit_rows
+        )
 
     def decode(self, token_ids):
         """CacheSession.decode: append one position per row (a list of B ids, or a (B, 1) tensor's); their logits,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import GPT, CausalSelfAttention, RotaryAttention
 from ..engine.session import allocation_description, decode_tokens, grown_size, prefill_rows
+from .model import GPT, CausalSelfAttention, RotaryAttention
 
 
 class LayerCache:
@@ -113,9 +113,14 @@ class CacheSession:
 
     def layer_shapes(self) -> list[tuple[list[int], list[int], int]]:
         """Per layer: K's and V's shapes (B, n_kv_head, positions, head_size), and their bytes."""
-        return [(list(layer.k.shape), list(layer.v.shape),
-                 layer.k.numel() * layer.k.element_size() + layer.v.numel() * layer.v.element_size())
-                for layer in self.layers]
+        return [
+            (
+                list(layer.k.shape),
+                list(layer.v.shape),
+                layer.k.numel() * layer.k.element_size() + layer.v.numel() * layer.v.element_size(),
+            )
+            for layer in self.layers
+        ]
 
 
 def decode_torch_rows(model: GPT, tokens: list[int], sessions: list[CacheSession]) -> torch.Tensor:

@@ -53,7 +53,9 @@ class CausalSelfAttention(nn.Module):
         # Several queries are always the newest positions of the keys (a prompt), so the causal mask applies;
         # a single query is the newest position and sees every key: masking it upper-left would hide its past.
         return F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             is_causal=q.size(2) > 1,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_head != self.n_head,
@@ -205,7 +207,10 @@ def use_decode_layout(model: GPT) -> GPT:
     faster (GPT-2-124M decode on a 2-core Xeon, 2 threads: bfloat16 23.2 vs 18.6 tok/s, float16 37.5 vs 20.3).
     """
     for module in model.modules():
-        if (isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.dtype == torch.float32
-                and not module.weight.t().is_contiguous()):
+        if (
+            isinstance(module, (nn.Linear, nn.Embedding))
+            and module.weight.dtype == torch.float32
+            and not module.weight.t().is_contiguous()
+        ):
             module.weight.data = module.weight.data.t().contiguous().t()
     return model

@@ -19,8 +19,9 @@ class TorchWeights:
     def __init__(self, model: GPT) -> None:
         if native_unsupported(model) is not None:
             embedding = model.token_embedding.weight
-            raise ValueError(f"the native core runs float32 weights on the CPU, not {embedding.dtype} on "
-                             f"{embedding.device}")
+            raise ValueError(
+                f"the native core runs float32 weights on the CPU, not {embedding.dtype} on {embedding.device}"
+            )
         self.model, self.config = model.eval(), model.config
         self.name, self.nbytes = weights_name(model), weights_bytes(model)
 
@@ -36,11 +37,20 @@ class TorchWeights:
         if isinstance(layer, QuantizedLinear):
             kind = WEIGHTS_INT8 if isinstance(layer, Int8Linear) else WEIGHTS_INT4
             zeros, group = (pointer(layer.zeros, c_uint16), layer.group_size) if kind == WEIGHTS_INT4 else (None, 0)
-            return ManasLinear(kind, layer.in_features, layer.out_features, group, layer.weight.data_ptr(),
-                               pointer(layer.scales, c_uint16), zeros, bias)
+            return ManasLinear(
+                kind,
+                layer.in_features,
+                layer.out_features,
+                group,
+                layer.weight.data_ptr(),
+                pointer(layer.scales, c_uint16),
+                zeros,
+                bias,
+            )
         pointer(layer.weight)  # checks the layout
-        return ManasLinear(WEIGHTS_F32, layer.in_features, layer.out_features, 0, layer.weight.data_ptr(), None, None,
-                           bias)
+        return ManasLinear(
+            WEIGHTS_F32, layer.in_features, layer.out_features, 0, layer.weight.data_ptr(), None, None, bias
+        )
 
 
 def pointer(tensor, kind=c_float):

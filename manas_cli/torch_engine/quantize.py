@@ -96,8 +96,9 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(1)
 
 
-def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_groups(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     groups = unpack_codes(codes).float().unflatten(1, (scales.size(1), -1)) - INT4_MIDDLE_CODE
     weight = torch.addcmul(zeros.float()[..., None], groups, scales.float()[..., None])
     return weight.flatten(1).to(dtype)
@@ -152,8 +153,9 @@ class Int8Linear(QuantizedLinear):
 
     kernel_max_rows = KERNEL_MAX_ROWS
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: nn.Parameter | None = None,
-                 kernel: bool | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, scales: torch.Tensor, bias: nn.Parameter | None = None, kernel: bool | None = None
+    ) -> None:
         super().__init__()
         self.register_buffer("weight", _aligned(weight.contiguous()))
         self.register_buffer("scales", _aligned(scales.contiguous()))
@@ -191,16 +193,26 @@ class Int4Linear(QuantizedLinear):
     # 1.8 against 3.3 ms at 64 rows, 14 against 24 ms at 512), so it runs prefills too.
     kernel_max_rows = 1 << 62
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: nn.Parameter | None = None, kernel: bool | None = None) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: nn.Parameter | None = None,
+        kernel: bool | None = None,
+    ) -> None:
         super().__init__()
         self.register_buffer("weight", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("zeros", zeros.contiguous())
         self.bias = bias
         self.group_size = 2 * codes.size(1) // scales.size(1)
-        self.kernel = (kernel is not False and has_int4_kernel() and codes.device.type == "cpu"
-                       and self.group_size in INT4_KERNEL_GROUP_SIZES)
+        self.kernel = (
+            kernel is not False
+            and has_int4_kernel()
+            and codes.device.type == "cpu"
+            and self.group_size in INT4_KERNEL_GROUP_SIZES
+        )
         if self.kernel:
             self._pack_for_kernel()
 
@@ -219,8 +231,9 @@ class Int4Linear(QuantizedLinear):
         codes = F.pad(unpack_codes(self.weight).to(torch.int32), padding)
         groups = torch.stack((self.scales, self.zeros), dim=-1).to(COMPUTE_DTYPE)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2), persistent=False)
-        self.register_buffer("packed_groups", F.pad(groups, (0, 0, *padding)).transpose(0, 1).contiguous(),
-                             persistent=False)
+        self.register_buffer(
+            "packed_groups", F.pad(groups, (0, 0, *padding)).transpose(0, 1).contiguous(), persistent=False
+        )
 
     def kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.packed_groups)
@@ -241,13 +254,16 @@ class Int4Linear(QuantizedLinear):
 
 def quantizable(model: GPT) -> list[str]:
     """Qualified names of the layers quantization replaces: every linear layer of the blocks, then the output layer."""
-    blocks = [name for name, module in model.blocks.named_modules(prefix="blocks")
-              if isinstance(module, (nn.Linear, QuantizedLinear))]
+    blocks = [
+        name
+        for name, module in model.blocks.named_modules(prefix="blocks")
+        if isinstance(module, (nn.Linear, QuantizedLinear))
+    ]
     return blocks + ["lm_head"]
 
 
 def quantization(model: GPT) -> str | None:
-    """"int8", "int4", or None for float weights."""
+    """ "int8", "int4", or None for float weights."""
     return {Int8Linear: "int8", Int4Linear: "int4"}.get(type(model.lm_head))
 
 
@@ -267,8 +283,10 @@ def _replace(model: GPT, name: str, module: nn.Module) -> None:
 def check_quantizable(config: GPTConfig, kind: str) -> None:
     """int4's groups must divide every row: the rows are n_embd or 4 n_embd values long."""
     if kind == "int4" and config.n_embd % INT4_GROUP_SIZE:
-        raise ValueError(f"int4 quantizes groups of {INT4_GROUP_SIZE} values: n_embd ({config.n_embd}) must be a "
-                         f"multiple of {INT4_GROUP_SIZE}; use int8 for this model")
+        raise ValueError(
+            f"int4 quantizes groups of {INT4_GROUP_SIZE} values: n_embd ({config.n_embd}) must be a "
+            f"multiple of {INT4_GROUP_SIZE}; use int8 for this model"
+        )
 
 
 @torch.no_grad()

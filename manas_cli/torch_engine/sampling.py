@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import NumericalError
 from ..engine.sampling import Penalties, Sampler, logits_error
+from ..errors import NumericalError
 
 
-def penalize(penalties: Penalties, logits: torch.Tensor, context: torch.Tensor | None,
-             counts: torch.Tensor | None) -> torch.Tensor:
+def penalize(
+    penalties: Penalties, logits: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor | None
+) -> torch.Tensor:
     """logits (B, V) float32; context (B, T) the token window the logits follow; counts (B, V) of each token's
     generations so far."""
     if penalties.context_needed and context is not None:
@@ -23,8 +24,9 @@ def penalize(penalties: Penalties, logits: torch.Tensor, context: torch.Tensor |
     return logits
 
 
-def adjust(sampler: Sampler, logits: torch.Tensor, context: torch.Tensor | None = None,
-           counts: torch.Tensor | None = None) -> torch.Tensor:
+def adjust(
+    sampler: Sampler, logits: torch.Tensor, context: torch.Tensor | None = None, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """The logits the sampler draws from before temperature and filters: undecodable ids masked, penalties
     applied (context: the token window the logits follow; counts: each token's generations so far)."""
     if sampler.decodable is not None:
@@ -118,7 +120,9 @@ class TorchSampling:
         if self.counts is not None:
             self.counts.scatter_add_(1, next_ids, torch.ones_like(next_ids, dtype=self.counts.dtype))
         top = top_logprobs(adjusted, next_ids, self.logprobs) if self.logprobs else None
-        return next_ids.squeeze(1).tolist(), top  # the host needs the ids anyway; this also syncs a GPU for honest timing
+        return next_ids.squeeze(
+            1
+        ).tolist(), top  # the host needs the ids anyway; this also syncs a GPU for honest timing
 
 
 @torch.inference_mode()

@@ -18,14 +18,20 @@ def bench_lengths(block_size: int, prompt_tokens: int | None, tokens: int | None
     if prompt_tokens is None:
         prompt_tokens = min(DEFAULT_PROMPT_TOKENS, block_size // 2)
     elif prompt_tokens > block_size:
-        say(console, f"notice: --prompt-tokens {prompt_tokens} is more than the model's block_size: prefilling "
-                     f"{block_size}, the whole window")
+        say(
+            console,
+            f"notice: --prompt-tokens {prompt_tokens} is more than the model's block_size: prefilling "
+            f"{block_size}, the whole window",
+        )
         prompt_tokens = block_size
     if tokens is None:
         return prompt_tokens, max(1, min(DEFAULT_MAX_TOKENS, block_size - prompt_tokens))
     if prompt_tokens + tokens > block_size + 1:
-        say(console, f"notice: {prompt_tokens} prompt tokens and {tokens} new ones pass the {block_size}-token "
-                     "window: the decode figure includes its re-prefills (see --overflow)")
+        say(
+            console,
+            f"notice: {prompt_tokens} prompt tokens and {tokens} new ones pass the {block_size}-token "
+            "window: the decode figure includes its re-prefills (see --overflow)",
+        )
     return prompt_tokens, tokens
 
 
@@ -41,7 +47,8 @@ def run(
     json_output: bool,
     model_options: ModelOptions,
 ) -> None:
-    from ...engine.bench import run_bench, sweep as sweep_positions
+    from ...engine.bench import run_bench
+    from ...engine.bench import sweep as sweep_positions
     from ..render import bench_table, is_noisy, json_line, noise_warning, stderr_console, sweep_chart, token_progress
 
     require_stdout()
@@ -66,14 +73,16 @@ def run(
     }
     steps = (repeat + 1) * tokens * (2 if baseline else 1)  # each test's warm-up run and its timed runs
     with token_progress(console, steps, "warming up") as advance:
-        result = run_bench(engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow,
-                           on_step=advance)
+        result = run_bench(
+            engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow, on_step=advance
+        )
     sweep_rows = None
     if sweep:
         sweep_tokens = block_size + block_size // 2
         with token_progress(console, sweep_tokens, "sweeping decode speed across the window") as advance:
-            sweep_rows = sweep_positions(engine, min(prompt_tokens, block_size // 8), sweep_tokens, 12,
-                                         on_token=advance)
+            sweep_rows = sweep_positions(
+                engine, min(prompt_tokens, block_size // 8), sweep_tokens, 12, on_token=advance
+            )
     report = {
         "model": info,
         "tests": [

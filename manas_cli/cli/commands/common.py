@@ -9,7 +9,6 @@ from typing import BinaryIO
 from ...errors import InputError
 from ...models import ModelOptions, open_model
 
-
 # The most text manas reads as one input (a prompt, a text to score or train on): endless input (`yes |`, a FIFO,
 # /dev/zero) must not take the machine's memory. A generation encodes at most PROMPT_TAIL_CHARS of its prompt.
 MAX_TEXT_BYTES = 64 * 2**20
@@ -149,5 +148,7 @@ def encode_prompt(checkpoint, text: str, console) -> list[int]:
             f"{min(len(ids), block_size)} tokens (the model's block_size is {block_size})"
         )
     elif len(ids) > block_size:
-        console.print(f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)")
+        console.print(
+            f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)"
+        )
     return ids[-block_size:]

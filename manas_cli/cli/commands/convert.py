@@ -5,13 +5,28 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def run(*, src: Path, out: Path, config: Path | None, tokenizer: str, tokenizer_file: Path | None,
-        tokenizer_meta: Path | None, force: bool) -> None:
+def run(
+    *,
+    src: Path,
+    out: Path,
+    config: Path | None,
+    tokenizer: str,
+    tokenizer_file: Path | None,
+    tokenizer_meta: Path | None,
+    force: bool,
+) -> None:
     from ...formats.convert import convert_checkpoint
     from ..render import stderr_console
 
-    result = convert_checkpoint(src, out, config_path=config, tokenizer=tokenizer, tokenizer_file=tokenizer_file,
-                                tokenizer_meta=tokenizer_meta, force=force)
+    result = convert_checkpoint(
+        src,
+        out,
+        config_path=config,
+        tokenizer=tokenizer,
+        tokenizer_file=tokenizer_file,
+        tokenizer_meta=tokenizer_meta,
+        force=force,
+    )
     shape = result.config
     stderr_console().print(
         f"converted the {result.source_kind} {src}: {result.parameters:,} parameters "

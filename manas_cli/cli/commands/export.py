@@ -24,4 +24,6 @@ def run(*, checkpoint: Path, out: Path, output_format: str, outtype: str | None,
     from ...formats.huggingface import export_hf
 
     result = export_hf(checkpoint, out, force=force)
-    stderr_console().print(f"wrote a Hugging Face {result.architecture} model to {result.out}: {', '.join(result.files)}")
+    stderr_console().print(
+        f"wrote a Hugging Face {result.architecture} model to {result.out}: {', '.join(result.files)}"
+    )

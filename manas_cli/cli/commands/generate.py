@@ -7,8 +7,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ...errors import interrupt_exit_code
-from ..settings import GenerationSettings
 from ...models import ModelOptions
+from ..settings import GenerationSettings
 from .common import check_memory, encode_prompt, load_model, read_prompt, require_stdout
 
 # Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
@@ -59,8 +59,7 @@ def run(
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = engine.new_session(model_options.cache, capacity=positions)
-    steps = generate(engine, prompt_batch(ids, batch), sampler, max_tokens, eot, overflow, session,
-                     settings.logprobs)
+    steps = generate(engine, prompt_batch(ids, batch), sampler, max_tokens, eot, overflow, session, settings.logprobs)
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
     governor = ThreadGovernor(threads, engine.set_threads)
@@ -121,8 +120,9 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
     return interruption
 
 
-def sample_record(stream, stats, storage: dict, seed: int, weights: str, engine: str,
-                  settings: GenerationSettings) -> dict:
+def sample_record(
+    stream, stats, storage: dict, seed: int, weights: str, engine: str, settings: GenerationSettings
+) -> dict:
     """One --json line: the contract fields first, extras after."""
     record = {
         "text": stream.text,

@@ -10,8 +10,9 @@ from .common import check_memory, encode_prompt, load_model, read_prompt, requir
 DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 
 
-def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool,
-        model_options: ModelOptions) -> None:
+def run(
+    *, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool, model_options: ModelOptions
+) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.sampling import Sampler
     from ...engine.session import cache_report
@@ -31,8 +32,7 @@ def run(*, prompt: str | None, prompt_file: Path | None, tokens: int, json_outpu
         session.prefill(prompt_batch(ids, 1))
     else:
         # The prompt's prefill yields the first new token; the remaining tokens decode from the cache.
-        steps = generate(engine, prompt_batch(ids, 1), Sampler(temperature=0.0), tokens + 1,
-                         session=session)
+        steps = generate(engine, prompt_batch(ids, 1), Sampler(temperature=0.0), tokens + 1, session=session)
         with token_progress(console, tokens + 1, "decoding") as advance:
             for step in steps:
                 stats.update(step)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ...errors import InputError, ManasError, interrupt_exit_code
-from ..settings import GenerationSettings, strict_json, with_overrides
 from ...models import ModelOptions
+from ..settings import GenerationSettings, strict_json, with_overrides
 from .common import check_memory, encode_prompt, load_model, require_stdout
 
 
@@ -142,7 +142,13 @@ class JsonlBatch:
     def __init__(self, reader: LineReader, defaults: GenerationSettings, checkpoint, engine, console) -> None:
         from ...formats.tokenizer import decodable, end_of_text_id
 
-        self.reader, self.defaults, self.checkpoint, self.engine, self.console = reader, defaults, checkpoint, engine, console
+        self.reader, self.defaults, self.checkpoint, self.engine, self.console = (
+            reader,
+            defaults,
+            checkpoint,
+            engine,
+            console,
+        )
         self.eot, self.allowed = end_of_text_id(checkpoint.encoding), decodable(checkpoint.encoding)
         self.lines: dict[int, Line] = {}  # by number, until written
         self.order: list[int] = []  # the line numbers read, in order
@@ -157,8 +163,11 @@ class JsonlBatch:
         from ..streaming import TextStream
 
         while (raw := self.reader.next(wait)) is not None:
-            line = parse_line(raw.number, raw.text, self.defaults) if raw.error is None else \
-                Line(raw.number, raw.number, error=raw.error)
+            line = (
+                parse_line(raw.number, raw.text, self.defaults)
+                if raw.error is None
+                else Line(raw.number, raw.number, error=raw.error)
+            )
             self.lines[line.number] = line
             self.order.append(line.number)
             if line.error is None:
@@ -199,8 +208,15 @@ class JsonlBatch:
 
         running, line = self.running.pop(made.key), self.lines[made.key]
         running.stream.finish("length")
-        record = sample_record(running.stream, running.stats, made.cache.storage(), running.seed,
-                               self.engine.weights, self.engine.name, line.settings)
+        record = sample_record(
+            running.stream,
+            running.stats,
+            made.cache.storage(),
+            running.seed,
+            self.engine.weights,
+            self.engine.name,
+            line.settings,
+        )
         line.record = {"id": line.id, **record}
 
     def fail(self, made) -> None:
@@ -221,8 +237,16 @@ class JsonlBatch:
         sys.stdout.flush()
 
 
-def run(*, prompt_file: Path | None, defaults: GenerationSettings, batch_size: int, overflow: str, stats: bool | None,
-        quiet: bool, model_options: ModelOptions) -> None:
+def run(
+    *,
+    prompt_file: Path | None,
+    defaults: GenerationSettings,
+    batch_size: int,
+    overflow: str,
+    stats: bool | None,
+    quiet: bool,
+    model_options: ModelOptions,
+) -> None:
     import typer
 
     from ...engine.batching import generate_batched

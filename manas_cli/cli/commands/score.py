@@ -25,8 +25,10 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
     block_size = checkpoint.model.config.block_size
     stride = block_size // 2 if stride is None else stride
     if not 1 <= stride <= block_size:
-        raise typer.BadParameter(f"{stride} is not in the range 1 <= stride <= {block_size} (the model's block_size)",
-                                 param_hint="'--stride'")
+        raise typer.BadParameter(
+            f"{stride} is not in the range 1 <= stride <= {block_size} (the model's block_size)",
+            param_hint="'--stride'",
+        )
     ids = encode_long_text(checkpoint.encoding, text)
     if len(ids) < 2:
         raise InputError(f"the text is {len(ids)} token long: scoring needs at least 2")
@@ -47,9 +49,12 @@ def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_
     if json_output:
         print(json_line(report))
         return
-    print(f"{result.nats_per_token:.4f} nats/token · {result.nats_per_char:.4f} nats/char · perplexity "
-          f"{result.perplexity:,.2f} · {result.tokens:,} tokens scored ({result.characters:,} characters), window "
-          f"{block_size}, stride {stride} · {engine.weights} weights · {engine.name} engine", file=sys.stdout)
+    print(
+        f"{result.nats_per_token:.4f} nats/token · {result.nats_per_char:.4f} nats/char · perplexity "
+        f"{result.perplexity:,.2f} · {result.tokens:,} tokens scored ({result.characters:,} characters), window "
+        f"{block_size}, stride {stride} · {engine.weights} weights · {engine.name} engine",
+        file=sys.stdout,
+    )
 
 
 SCORE_ADVICE = "score a part of it (head -c 64M FILE | manas score)"

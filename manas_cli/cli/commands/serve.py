@@ -26,9 +26,19 @@ def default_max_connections() -> int:
     return max(64, min(512, 32 * (os.cpu_count() or 1)))
 
 
-def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str | None, timeout_s: float,
-        verbose: bool, model_options: ModelOptions, max_connections: int | None = None,
-        max_tokens: int | None = None) -> None:
+def run(
+    *,
+    host: str,
+    port: int,
+    batch_size: int,
+    max_queued: int,
+    api_key: str | None,
+    timeout_s: float,
+    verbose: bool,
+    model_options: ModelOptions,
+    max_connections: int | None = None,
+    max_tokens: int | None = None,
+) -> None:
     from ..render import say, stderr_console
     from ..server.http import Server, serve
     from ..server.scheduler import Scheduler
@@ -36,8 +46,9 @@ def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str 
     if api_key is None and os.environ.get("MANAS_API_KEY") == "":  # typer takes an empty variable for an unset one
         api_key = ""
     if api_key is not None and not api_key.strip():
-        raise InputError("the API key (--api-key or $MANAS_API_KEY) is empty: give a key, or leave both unset to serve "
-                         "without one")
+        raise InputError(
+            "the API key (--api-key or $MANAS_API_KEY) is empty: give a key, or leave both unset to serve without one"
+        )
     console = stderr_console()
     checkpoint, _, engine = load_model(model_options, console)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
@@ -45,18 +56,35 @@ def run(*, host: str, port: int, batch_size: int, max_queued: int, api_key: str 
     scheduler = Scheduler(engine, checkpoint, batch_size, max_queued)
     model_id = checkpoint.path.stem
     try:
-        server = Server((host, port), scheduler, lambda text: encode_prompt(checkpoint, text, quiet), model_id,
-                        api_key, verbose, timeout_s, max_connections or default_max_connections(),
-                        max_tokens or default_max_tokens(checkpoint.model.config.block_size))
+        server = Server(
+            (host, port),
+            scheduler,
+            lambda text: encode_prompt(checkpoint, text, quiet),
+            model_id,
+            api_key,
+            verbose,
+            timeout_s,
+            max_connections or default_max_connections(),
+            max_tokens or default_max_tokens(checkpoint.model.config.block_size),
+        )
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            raise InputError(f"cannot listen on {host}:{port}: the port is in use; choose another with --port") from None
+            raise InputError(
+                f"cannot listen on {host}:{port}: the port is in use; choose another with --port"
+            ) from None
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     if host not in LOOPBACK and api_key is None:
-        say(console, f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model")
+        say(
+            console, f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model"
+        )
     url = f"http://{f'[{host}]' if ':' in host else host}:{server.server_port}"
     try:
-        serve(server, GRACE_S, on_ready=lambda: say(
-            console, f"manas serve: {url}/v1 · model {model_id} · {engine.name} engine · batch size {batch_size}"))
+        serve(
+            server,
+            GRACE_S,
+            on_ready=lambda: say(
+                console, f"manas serve: {url}/v1 · model {model_id} · {engine.name} engine · batch size {batch_size}"
+            ),
+        )
     except KeyboardInterrupt:  # a second SIGINT or SIGTERM during the grace period: stop now
         raise typer.Exit(130) from None

@@ -22,5 +22,4 @@ def run(*, src: Path, out: Path, force: bool) -> None:
     atomic_write(out, lambda tmp: Path(tmp).write_text(ranks_text, encoding="ascii"), overwrite=force)
     # A .tiktoken file holds ranks only: say which special tokens stay behind (--tokenizer-file adds <|endoftext|>).
     left = f"; not in it (a .tiktoken file holds ranks only): {', '.join(sorted(special))}" if special else ""
-    stderr_console().print(f"wrote {len(decode_ranks(ranks_text)):,} BPE ranks from {src} to {out}{left}",
-                           markup=False)
+    stderr_console().print(f"wrote {len(decode_ranks(ranks_text)):,} BPE ranks from {src} to {out}{left}", markup=False)

@@ -53,9 +53,9 @@ def run(
 
     import torch
 
-    from ...torch_engine.runtime import resolve_device
     from ...engine.threads import choose_threads
     from ...formats.tokenizer import build_encoding, encode_long_text
+    from ...torch_engine.runtime import resolve_device
     from ...training import TrainSettings, make_dataset, train
     from ..render import plural, stderr_console, train_progress
 
@@ -72,8 +72,9 @@ def run(
         model, start_step, best = new_model(spec, shape, seed).to(resolve_device(device)), 0, math.inf
     encoding = build_encoding(spec)
     data = make_dataset(text, lambda part: encode_long_text(encoding, part), val_fraction, model.config.block_size)
-    settings = TrainSettings(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
-                             eval_every=eval_every, seed=seed)
+    settings = TrainSettings(
+        steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every, seed=seed
+    )
     console.print(
         f"training {model.num_parameters():,} parameters on {len(data.train_ids):,} tokens "
         f"({len(data.val_ids):,} held out) on {next(model.parameters()).device}, {plural(torch.get_num_threads(), 'thread')}"
@@ -91,7 +92,9 @@ def training_tokenizer(text: str, tokenizer: str, tokenizer_file: Path | None, v
 
     if tokenizer == "gpt2":
         if tokenizer_file is None:
-            raise InputError("--tokenizer gpt2 needs --tokenizer-file PATH (a .tiktoken ranks file such as gpt2.tiktoken)")
+            raise InputError(
+                "--tokenizer gpt2 needs --tokenizer-file PATH (a .tiktoken ranks file such as gpt2.tiktoken)"
+            )
         return spec_from_tiktoken_file(tokenizer_file)
     with console.status(f"training a {vocab_size}-token byte-level BPE"):
         return bpe_spec(train_bpe(text, vocab_size))
@@ -110,14 +113,19 @@ def write_ranks(spec: dict, out: Path, force: bool, console) -> None:
 def new_model(spec: dict, shape: ModelShape, seed: int):
     import torch
 
-    from ...torch_engine.model import GPT, GPTConfig
     from ...formats.tokenizer import build_encoding, vocabulary_size
+    from ...torch_engine.model import GPT, GPTConfig
 
     try:
         config = GPTConfig(
-            vocab_size=vocabulary_size(build_encoding(spec)), block_size=shape.block_size, n_layer=shape.n_layer,
-            n_head=shape.n_head, n_kv_head=shape.n_kv_head, n_embd=shape.n_embd,
-            position_encoding=shape.position_encoding, dropout=shape.dropout,
+            vocab_size=vocabulary_size(build_encoding(spec)),
+            block_size=shape.block_size,
+            n_layer=shape.n_layer,
+            n_head=shape.n_head,
+            n_kv_head=shape.n_kv_head,
+            n_embd=shape.n_embd,
+            position_encoding=shape.position_encoding,
+            dropout=shape.dropout,
         )
     except ValueError as exc:
         raise InputError(f"invalid model shape: {exc}") from None
@@ -127,13 +135,15 @@ def new_model(spec: dict, shape: ModelShape, seed: int):
 
 def resumed_model(out: Path, device):
     """The checkpoint at --out with its tokenizer, and the step and validation loss it was saved at."""
-    from ...torch_engine.quantize import is_quantized, quantization
     from ...formats.checkpoint import load_checkpoint
+    from ...torch_engine.quantize import is_quantized, quantization
 
     checkpoint = load_checkpoint(out, device=device)
     if is_quantized(checkpoint.model):
-        raise InputError(f"{out} is an {quantization(checkpoint.model)} checkpoint: training needs float weights "
-                         "(resume from the float one)")
+        raise InputError(
+            f"{out} is an {quantization(checkpoint.model)} checkpoint: training needs float weights "
+            "(resume from the float one)"
+        )
     step, val_loss = training_progress(checkpoint.metadata.get("training", "{}"), out)
     return checkpoint.model, checkpoint.tokenizer_spec, step, val_loss
 
@@ -149,6 +159,6 @@ def training_progress(text: str, path: Path) -> tuple[int, float]:
         if type(step) is int and step >= 0 and type(val_loss) in (int, float) and not math.isnan(val_loss):
             return step, float(val_loss)
     raise CheckpointError(
-        f"{path}: its training metadata is not {{\"step\": N, \"val_loss\": X}} ({text[:60]!r}): "
+        f'{path}: its training metadata is not {{"step": N, "val_loss": X}} ({text[:60]!r}): '
         "resume only a checkpoint that manas train wrote, or train afresh without --resume"
     )

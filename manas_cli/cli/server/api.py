@@ -14,11 +14,27 @@ MAX_STOPS = 16
 
 # OpenAI's fields and manas's own extras, by the setting each one sets (None: handled apart, or accepted only).
 FIELDS = {
-    "model": None, "prompt": None, "n": None, "stream": None, "stream_options": None, "echo": None, "user": None,
-    "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed": "seed",
-    "logprobs": "logprobs", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "repeat_last_n": "repeat_last_n",
-    "best_of": None, "logit_bias": None,
+    "model": None,
+    "prompt": None,
+    "n": None,
+    "stream": None,
+    "stream_options": None,
+    "echo": None,
+    "user": None,
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "stop": "stop",
+    "seed": "seed",
+    "logprobs": "logprobs",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "best_of": None,
+    "logit_bias": None,
 }
 # Fields clients send with their defaults (LangChain, llm): taken at these values, refused, by name, at any other.
 HARMLESS = {"best_of": (None, 1), "logit_bias": (None, {})}
@@ -27,8 +43,14 @@ HARMLESS = {"best_of": (None, 1), "logit_bias": (None, {})}
 class RequestError(ValueError):
     """A request OpenAI's API would refuse with this status; `param` names the field at fault."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.param, self.status, self.kind, self.code = param, status, kind, code
 
@@ -56,8 +78,10 @@ def parse_json(body: bytes) -> object:
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"the body is not JSON: {exc}") from None
     if _has_lone_surrogate(value):
-        raise RequestError("the body holds a lone surrogate escape (\\ud800 to \\udfff unpaired): that is no "
-                           "character; send UTF-8 text")
+        raise RequestError(
+            "the body holds a lone surrogate escape (\\ud800 to \\udfff unpaired): that is no "
+            "character; send UTF-8 text"
+        )
     return value
 
 
@@ -81,8 +105,11 @@ def parse_completion(value: object, max_tokens: int) -> Completion:
             raise RequestError(f"unknown field {name!r}: manas takes {', '.join(FIELDS)}", param=name)
     for name, accepted in HARMLESS.items():
         if value.get(name) not in accepted:
-            raise RequestError(f"{name} {json.dumps(value[name])[:40]} is not supported: manas takes "
-                               f"{' or '.join(json.dumps(a) for a in accepted)}", param=name)
+            raise RequestError(
+                f"{name} {json.dumps(value[name])[:40]} is not supported: manas takes "
+                f"{' or '.join(json.dumps(a) for a in accepted)}",
+                param=name,
+            )
     prompts = _prompts(value.get("prompt"))
     n = _integer(value, "n", 1, 1, MAX_CHOICES)
     if n * len(prompts) > MAX_CHOICES:
@@ -103,8 +130,11 @@ def parse_completion(value: object, max_tokens: int) -> Completion:
         except ValueError as exc:
             raise RequestError(str(exc), param=next(f for f, s in FIELDS.items() if s == name)) from None
     if checked["max_tokens"] > max_tokens:
-        raise RequestError(f"max_tokens {checked['max_tokens']:,} is over this server's limit of {max_tokens:,} "
-                           "(manas serve --max-tokens)", param="max_tokens")
+        raise RequestError(
+            f"max_tokens {checked['max_tokens']:,} is over this server's limit of {max_tokens:,} "
+            "(manas serve --max-tokens)",
+            param="max_tokens",
+        )
     stream = _boolean(value, "stream")
     options = value.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
@@ -114,8 +144,14 @@ def parse_completion(value: object, max_tokens: int) -> Completion:
     for name in ("model", "user"):
         if value.get(name) is not None and not isinstance(value[name], str):
             raise RequestError(f"{name} must be a string", param=name)
-    return Completion(prompts, n, GenerationSettings(**{**settings.__dict__, **checked}), stream,
-                      _boolean(options, "include_usage"), _boolean(value, "echo"))
+    return Completion(
+        prompts,
+        n,
+        GenerationSettings(**{**settings.__dict__, **checked}),
+        stream,
+        _boolean(options, "include_usage"),
+        _boolean(value, "echo"),
+    )
 
 
 def _prompts(prompt: object) -> list[str]:
@@ -123,8 +159,9 @@ def _prompts(prompt: object) -> list[str]:
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return prompt
-    raise RequestError("prompt must be a string or a non-empty list of strings (token arrays are not taken)",
-                       param="prompt")
+    raise RequestError(
+        "prompt must be a string or a non-empty list of strings (token arrays are not taken)", param="prompt"
+    )
 
 
 def _integer(value: dict, name: str, default: int, low: int, high: int) -> int:
@@ -163,8 +200,11 @@ def legacy_logprobs(entries: list[dict], offset: int) -> dict:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_body(request_id: str, created: int, model: str, choices: list[dict], usage_: dict | None) -> dict:

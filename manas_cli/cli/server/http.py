@@ -18,8 +18,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ...errors import ManasError
 from ..render import json_line
-from .api import (FINISH_REASONS, RequestError, choice_body, completion_body, legacy_logprobs, parse_completion,
-                  parse_json, usage)
+from .api import (
+    FINISH_REASONS,
+    RequestError,
+    choice_body,
+    completion_body,
+    legacy_logprobs,
+    parse_completion,
+    parse_json,
+    usage,
+)
 from .scheduler import Choice, Ended, QueueFull, Scheduler
 
 MAX_BODY_BYTES = 1 << 20
@@ -38,9 +46,18 @@ class Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128  # socketserver's 5 resets the 6th of many clients connecting at once
 
-    def __init__(self, address: tuple[str, int], scheduler: Scheduler, encode, model_id: str,
-                 api_key: str | None, verbose: bool, timeout_s: float = CLIENT_TIMEOUT_S,
-                 max_connections: int = 256, max_tokens: int = 1024) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        scheduler: Scheduler,
+        encode,
+        model_id: str,
+        api_key: str | None,
+        verbose: bool,
+        timeout_s: float = CLIENT_TIMEOUT_S,
+        max_connections: int = 256,
+        max_tokens: int = 1024,
+    ) -> None:
         self.timeout_s, self.max_connections, self.max_tokens = timeout_s, max_connections, max_tokens
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
@@ -64,13 +81,23 @@ class Server(ThreadingHTTPServer):
         if admitted:
             super().process_request(request, client_address)
             return
-        body = json_line(RequestError(f"the server holds {self.max_connections} connections already: retry in "
-                                      f"{RETRY_AFTER_S} s", status=503, kind="server_error").body()).encode() + b"\n"
+        body = (
+            json_line(
+                RequestError(
+                    f"the server holds {self.max_connections} connections already: retry in {RETRY_AFTER_S} s",
+                    status=503,
+                    kind="server_error",
+                ).body()
+            ).encode()
+            + b"\n"
+        )
         try:
             request.settimeout(0)
-            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                            b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                            % (RETRY_AFTER_S, len(body), body))
+            request.sendall(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                % (RETRY_AFTER_S, len(body), body)
+            )
         except OSError:
             pass
         self.shutdown_request(request)
@@ -154,14 +181,17 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         try:
             if route is None:
-                raise RequestError(f"no route {self.command} {self.path}: manas serves GET /health, GET /v1/models "
-                                   "and POST /v1/completions", status=404, code="not_found")
+                raise RequestError(
+                    f"no route {self.command} {self.path}: manas serves GET /health, GET /v1/models "
+                    "and POST /v1/completions",
+                    status=404,
+                    code="not_found",
+                )
             route()
         except RequestError as exc:
             if self._unread:  # a body no one read is never parsed as the next request
                 self.close_connection = True
-            self._json(exc.status, exc.body(),
-                       {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else {})
+            self._json(exc.status, exc.body(), {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else {})
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             self.close_connection = True
         finally:
@@ -171,8 +201,12 @@ class Handler(BaseHTTPRequestHandler):
             self.server.track(-1)
             if self.server.verbose:  # the first token's time is the server's clock (CLOCK_MONOTONIC, system-wide)
                 first = f" · first token at {self._first_token_s:.6f}" if self._first_token_s is not None else ""
-                print(f'{self.client_address[0]} "{self.command} {self.path}" {self._status} '
-                      f"{time.monotonic() - started:.3f} s{first}", file=sys.stderr, flush=True)
+                print(
+                    f'{self.client_address[0]} "{self.command} {self.path}" {self._status} '
+                    f"{time.monotonic() - started:.3f} s{first}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def log_message(self, format: str, *args) -> None:
         """http.server's own log lines stay off stderr; --verbose writes one access line per request instead."""
@@ -194,16 +228,23 @@ class Handler(BaseHTTPRequestHandler):
         """GET /v1/models/{id} (the openai client's models.retrieve)."""
         self._authorize()
         if name != self.server.model_id:
-            raise RequestError(f"no model {name!r}: this server serves {self.server.model_id!r}", param="model",
-                               status=404, code="model_not_found")
+            raise RequestError(
+                f"no model {name!r}: this server serves {self.server.model_id!r}",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
         self._json(200, self._model_object())
 
     def _model_object(self) -> dict:
         return {"id": self.server.model_id, "object": "model", "created": self.server.created, "owned_by": "manas"}
 
     def _chat(self) -> None:
-        raise RequestError("manas serves a base model, which has no chat template: send the text to continue to "
-                           "POST /v1/completions", status=404, code="not_found")
+        raise RequestError(
+            "manas serves a base model, which has no chat template: send the text to continue to POST /v1/completions",
+            status=404,
+            code="not_found",
+        )
 
     def _completions(self) -> None:
         self._authorize()
@@ -227,8 +268,12 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.server.scheduler.submit(choices)
         except QueueFull as exc:
-            raise RequestError(f"the server is busy ({exc}): retry in {RETRY_AFTER_S} s", status=429,
-                               kind="rate_limit_error", code="rate_limit_exceeded") from None
+            raise RequestError(
+                f"the server is busy ({exc}): retry in {RETRY_AFTER_S} s",
+                status=429,
+                kind="rate_limit_error",
+                code="rate_limit_exceeded",
+            ) from None
         try:
             reply = Reply(request, prompts, choices, self.server)
             if request.stream:
@@ -253,9 +298,12 @@ class Handler(BaseHTTPRequestHandler):
             return
         given = self.headers.get("Authorization", "")
         expected = f"Bearer {key}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):  # constant time: the key is not guessed byte by byte
-            raise RequestError("a wrong or missing API key: send Authorization: Bearer <key>", status=401,
-                               code="invalid_api_key")
+        if not hmac.compare_digest(
+            given.encode(), expected.encode()
+        ):  # constant time: the key is not guessed byte by byte
+            raise RequestError(
+                "a wrong or missing API key: send Authorization: Bearer <key>", status=401, code="invalid_api_key"
+            )
 
     def _body(self) -> bytes:
         kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
@@ -390,8 +438,9 @@ class Reply:
         return completion_body(self.id, self.created, self.model, choices, self.usage())
 
     def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-        return completion_body(self.id, self.created, self.model, [choice_body(index, text, finish_reason, logprobs)],
-                               None)
+        return completion_body(
+            self.id, self.created, self.model, [choice_body(index, text, finish_reason, logprobs)], None
+        )
 
     def stream_logprobs(self, index: int, text: str, entry: dict | None) -> dict | None:
         """A chunk's token's logprobs, in the legacy shape, its offset counted along the choice's tokens."""

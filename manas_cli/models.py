@@ -67,7 +67,8 @@ def resolve_checkpoint(option: Path | None) -> Path:
 
 
 def checkpoint_file(path: Path) -> Path:
-    """path, unless it is a folder or a pipe: say so (opening a FIFO would block, and a checkpoint is read by seeking)."""
+    """path, unless it is a folder or a pipe: say so (opening a FIFO would block, and a checkpoint is read by
+    seeking)."""
     if path.is_dir():
         raise InputError(f"checkpoint {path} is a folder, not a file: pass the .safetensors file inside it")
     if path.exists() and not path.is_file():

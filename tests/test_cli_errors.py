@@ -83,7 +83,10 @@ RUN_TIME_ERRORS = {
 @pytest.mark.parametrize("case", RUN_TIME_ERRORS)
 def test_run_time_failures_exit_1_with_one_error_line_naming_the_culprit(bad_files, case):
     args, stdin, env, names = RUN_TIME_ERRORS[case]
-    fill = lambda text: text.format(**bad_files)
+
+    def fill(text: str) -> str:
+        return text.format(**bad_files)
+
     run = manas(*map(fill, args), *RUN_OPTIONS, stdin=stdin, **{k: fill(v) for k, v in env.items()})
     assert_one_error_line(run, 1, *map(fill, names))
 

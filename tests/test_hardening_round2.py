@@ -24,7 +24,6 @@ from manas_cli.formats.tokenizer import GPT2_PAT_STR, bpe_spec, build_encoding, 
 from test_hardening_load import (
     assert_one_error,
     generate_from,
-    limit_memory,
     read_parts,
     run,
     write_variant,
@@ -36,7 +35,7 @@ BYTE_RANKS = {bytes([i]): i for i in range(256)}
 # The split patterns tiktoken ships (tiktoken_ext/openai_public.py): gpt2, r50k_base and p50k_base share the first.
 TIKTOKEN_PATTERNS = {
     "r50k_base": r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
-    "cl100k_base": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
+    "cl100k_base": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",  # noqa: E501
     "o200k_base": "|".join(
         [
             r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",

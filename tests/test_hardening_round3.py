@@ -282,7 +282,7 @@ def test_temperature_must_be_a_finite_number(rope, value):
     assert done.returncode == 2 and "temperature must be a finite number >= 0" in done.err
 
 
-# ---- 7, 9, 17: tokenizer files that tokenize otherwise, or cost memory out of proportion -------------------------------
+# ---- 7, 9, 17: tokenizer files that tokenize otherwise, or cost memory out of proportion -----------------------------
 
 
 def hf_files(merges: list[str], extra: dict[str, int] | None = None) -> tuple[str, str]:
@@ -499,7 +499,7 @@ def test_out_of_memory_advice_names_the_commands_own_flags(tmp_path):
     assert "--num-samples" not in err[-1] and not (tmp_path / "m.safetensors").exists()
 
 
-# ---- 10, 11, 12, 13: messages and small mends -------------------------------------------------------------------------
+# ---- 10, 11, 12, 13: messages and small mends ------------------------------------------------------------------------
 
 
 def test_a_pytorch_checkpoint_given_to_generate_says_convert_it(tmp_path):
@@ -623,7 +623,7 @@ def test_a_huge_repeat_last_n_is_the_whole_window_without_a_warning(rope):
     assert huge.json()["tokens"] == manas(*args, "--repeat-last-n", "-1").ok().json()["tokens"]
 
 
-# ---- 14: a fresh clone passes its own tests ---------------------------------------------------------------------------
+# ---- 14: a fresh clone passes its own tests --------------------------------------------------------------------------
 
 
 def test_the_tests_read_nothing_outside_the_repository():
@@ -642,7 +642,7 @@ def test_the_tests_read_nothing_outside_the_repository():
     }
 
 
-# ---- 15, 16, 19: bench's default, the window notice in scripts, the jsonl cache field -------------------------------------
+# ---- 15, 16, 19: bench's default, the window notice in scripts, the jsonl cache field --------------------------------
 
 
 def test_the_default_bench_fits_the_window(rope):

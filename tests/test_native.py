@@ -543,9 +543,10 @@ def test_native_and_torch_score_the_same_text_alike(shakespeare_held_out, tmp_pa
 def test_torch_is_given_one_thread_when_the_core_runs():
     """torch only samples beside the core: its OpenMP workers must not spin on the core's cores."""
     code = (
-        "import torch, sys; from manas_cli.models import ModelOptions; from manas_cli.cli.commands.common import load_model; "
+        "import torch, sys; from manas_cli.models import ModelOptions; "
+        "from manas_cli.cli.commands.common import load_model; "
         "_, _, engine = load_model(ModelOptions(threads=2)); print(engine.name, torch.get_num_threads(), "
-        "engine.model.threads)"
+        "engine.threads)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=300)
     assert done.stdout.split() == ["native", "1", "2"], done.stderr

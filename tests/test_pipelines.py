@@ -301,7 +301,7 @@ def test_a_chosen_seed_is_exact_in_json_and_shown_in_the_stats():
     assert run.err.rstrip().endswith(f"seed {seed}")
 
 
-# ---- score ------------------------------------------------------------------------------------------------------------
+# ---- score -----------------------------------------------------------------------------------------------------------
 
 
 def test_score_equals_the_loss_computed_by_hand_within_one_window(rope, tmp_path):

@@ -86,7 +86,10 @@ CheckpointOption = Annotated[
         "--checkpoint",
         "-c",
         "-m",
-        help="Model file (.safetensors); -m as in llama.cpp, llm and ollama. Default: $MANAS_CHECKPOINT, else the model shipped with manas.",
+        help=(
+            "Model file (.safetensors); -m as in llama.cpp, llm and ollama. Default: $MANAS_CHECKPOINT, else the "
+            "model shipped with manas."
+        ),
     ),
 ]
 DeviceOption = Annotated[Device, typer.Option(help="auto: CUDA when available, else the CPU.")]
@@ -95,7 +98,10 @@ ThreadsOption = Annotated[
     Optional[int],
     typer.Option(
         callback=_threads_in_range,
-        help=f"CPU threads for torch, exactly, 1 to {MAX_THREADS}. Default: ${THREADS_ENV}, else the cores no other process is using (re-checked during a generation).",
+        help=(
+            f"CPU threads for torch, exactly, 1 to {MAX_THREADS}. Default: ${THREADS_ENV}, else the cores no other "
+            f"process is using (re-checked during a generation)."
+        ),
     ),
 ]
 PromptOption = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; '-' reads standard input.")]
@@ -243,7 +249,10 @@ def generate(
         Optional[float],
         typer.Option(
             callback=_checked("top_p"),
-            help="Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely token is always kept.",
+            help=(
+                "Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely "
+                "token is always kept."
+            ),
         ),
     ] = None,
     seed: Annotated[
@@ -265,28 +274,39 @@ def generate(
         Optional[float],
         typer.Option(
             callback=_checked("min_p"),
-            help="Drop tokens less likely than MIN_P times the most likely one (0 ≤ p ≤ 1), after temperature, top-k and top-p.",
+            help=(
+                "Drop tokens less likely than MIN_P times the most likely one (0 ≤ p ≤ 1), after temperature, top-k "
+                "and top-p."
+            ),
         ),
     ] = None,
     repetition_penalty: Annotated[
         float,
         typer.Option(
             callback=_checked("repetition_penalty"),
-            help="Divide the logits of tokens among the last --repeat-last-n (multiply negative ones), as llama.cpp and Hugging Face do; 1 is none, 1.1 a usual choice.",
+            help=(
+                "Divide the logits of tokens among the last --repeat-last-n (multiply negative ones), as llama.cpp "
+                "and Hugging Face do; 1 is none, 1.1 a usual choice."
+            ),
         ),
     ] = 1.0,
     repeat_last_n: Annotated[
         int,
         typer.Option(
             callback=_checked("repeat_last_n"),
-            help="Tokens of the context (prompt included) the repetition penalty looks back over; -1: the whole window, 0: none.",
+            help=(
+                "Tokens of the context (prompt included) the repetition penalty looks back over; -1: the whole "
+                "window, 0: none."
+            ),
         ),
     ] = 64,
     frequency_penalty: Annotated[
         float,
         typer.Option(
             callback=_checked("frequency_penalty"),
-            help="Subtract this times each token's count in the generated text from its logit, as OpenAI does (-2 to 2).",
+            help=(
+                "Subtract this times each token's count in the generated text from its logit, as OpenAI does (-2 to 2)."
+            ),
         ),
     ] = 0.0,
     presence_penalty: Annotated[
@@ -300,7 +320,12 @@ def generate(
         bool,
         typer.Option(
             "--jsonl",
-            help="Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any setting above by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs); write one --json record per line, in input order.",
+            help=(
+                "Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any "
+                "setting above by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, "
+                "repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs); write one --json record "
+                "per line, in input order."
+            ),
         ),
     ] = False,
     batch_size: Annotated[
@@ -308,14 +333,21 @@ def generate(
         typer.Option(
             min=1,
             max=256,
-            help="With --jsonl: requests decoded together, each at its own position; a finished one's row goes to the next request. 16 by measurement: on 2 cores, total decode tokens/s still grows from 8 to 16 (GPT-2-124M shape 153 to 240, the shipped model 2,084 to 2,626).",
+            help=(
+                "With --jsonl: requests decoded together, each at its own position; a finished one's row goes to the "
+                "next request. 16 by measurement: on 2 cores, total decode tokens/s still grows from 8 to 16 "
+                "(GPT-2-124M shape 153 to 240, the shipped model 2,084 to 2,626)."
+            ),
         ),
     ] = 16,
     logprobs: Annotated[
         int,
         typer.Option(
             callback=_checked("logprobs"),
-            help="With --json: each token's log-probability and the N most likely alternatives with theirs (0 to 20), from the distribution after the penalties, before temperature and filters.",
+            help=(
+                "With --json: each token's log-probability and the N most likely alternatives with theirs (0 to 20), "
+                "from the distribution after the penalties, before temperature and filters."
+            ),
         ),
     ] = 0,
     num_samples: Annotated[
@@ -325,7 +357,12 @@ def generate(
     overflow: Annotated[
         Overflow,
         typer.Option(
-            help="When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes from the cache again: much faster past the window, but the text is no longer identical to the reference."
+            help=(
+                "When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, "
+                "exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes "
+                "from the cache again: much faster past the window, but the text is no longer identical to the "
+                "reference."
+            )
         ),
     ] = Overflow.recompute,
     stats: Annotated[
@@ -424,7 +461,11 @@ def bench(
             "--tokens",
             "-n",
             min=1,
-            help="New tokens to decode per run (tgN). Default: what fits in the window after the prompt, at most 256, so the figure is the cached path's (a longer run re-prefills past the window: see --overflow, --sweep).",
+            help=(
+                "New tokens to decode per run (tgN). Default: what fits in the window after the prompt, at most 256, "
+                "so the figure is the cached path's (a longer run re-prefills past the window: see --overflow, "
+                "--sweep)."
+            ),
             show_default=False,
         ),
     ] = None,
@@ -432,7 +473,10 @@ def bench(
         Optional[int],
         typer.Option(
             min=1,
-            help="Prompt length for the prefill test (ppP), at most block_size. Default: 128, or half the window if that is less.",
+            help=(
+                "Prompt length for the prefill test (ppP), at most block_size. Default: 128, or half the window if "
+                "that is less."
+            ),
             show_default=False,
         ),
     ] = None,
@@ -446,7 +490,10 @@ def bench(
     overflow: Annotated[
         Overflow,
         typer.Option(
-            help="Past the window (prompt + tokens > block_size): 'recompute' re-prefills at every step, exactly as crop-and-recompute; 'shift' re-prefills half the window, then decodes from the cache."
+            help=(
+                "Past the window (prompt + tokens > block_size): 'recompute' re-prefills at every step, exactly as "
+                "crop-and-recompute; 'shift' re-prefills half the window, then decodes from the cache."
+            )
         ),
     ] = Overflow.recompute,
     sweep: Annotated[
@@ -522,7 +569,10 @@ def score(
     stride: Annotated[
         Optional[int],
         typer.Option(
-            help="Tokens each window advances by (default: half the window); every token is scored once, after up to block_size - stride tokens of context."
+            help=(
+                "Tokens each window advances by (default: half the window); every token is scored once, after up to "
+                "block_size - stride tokens of context."
+            )
         ),
     ] = None,
     json_output: JsonOption = False,
@@ -554,7 +604,10 @@ def serve(
     host: Annotated[
         str,
         typer.Option(
-            help="Address to listen on. Another than loopback without --api-key prints a warning: anyone who reaches the port can use the model."
+            help=(
+                "Address to listen on. Another than loopback without --api-key prints a warning: anyone who reaches "
+                "the port can use the model."
+            )
         ),
     ] = "127.0.0.1",
     port: Annotated[
@@ -581,7 +634,10 @@ def serve(
         float,
         typer.Option(
             min=0.1,
-            help="Seconds a client may send or read nothing before it is dropped (a slow or stalled client holds no row); a request's headers and body must arrive whole within it too.",
+            help=(
+                "Seconds a client may send or read nothing before it is dropped (a slow or stalled client holds no "
+                "row); a request's headers and body must arrive whole within it too."
+            ),
         ),
     ] = 10.0,
     max_connections: Annotated[
@@ -589,14 +645,20 @@ def serve(
         typer.Option(
             min=1,
             max=65536,
-            help="Connections held at once, each with a thread; beyond, a new one gets 503 at once. Default: 32 per core, 64 to 512.",
+            help=(
+                "Connections held at once, each with a thread; beyond, a new one gets 503 at once. Default: 32 per "
+                "core, 64 to 512."
+            ),
         ),
     ] = None,
     max_tokens: Annotated[
         Optional[int],
         typer.Option(
             min=1,
-            help="The most tokens a choice may ask for (max_tokens); above it, 400 naming this limit. Default: 4 windows of the model, at least 1,024.",
+            help=(
+                "The most tokens a choice may ask for (max_tokens); above it, 400 naming this limit. Default: 4 "
+                "windows of the model, at least 1,024."
+            ),
         ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
@@ -615,7 +677,7 @@ def serve(
       manas serve --port 8080
 
       curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "ROMEO:", "max_tokens": 40}'
-    """
+    """  # noqa: E501 (an example a user copies whole)
     from .commands import serve as command
 
     command.run(
@@ -732,7 +794,10 @@ def convert(
     src: Annotated[
         Path,
         typer.Argument(
-            help="nanoGPT ckpt.pt, a Hugging Face GPT-2 or Starcoder2 folder, or a bare model.safetensors (with --config)."
+            help=(
+                "nanoGPT ckpt.pt, a Hugging Face GPT-2 or Starcoder2 folder, or a bare model.safetensors (with "
+                "--config)."
+            )
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="manas checkpoint to write (.safetensors).")],
@@ -742,13 +807,19 @@ def convert(
     tokenizer: Annotated[
         str,
         typer.Option(
-            help="'gpt2': GPT-2's BPE, from a folder's own vocab.json + merges.txt (or tokenizer.json), --tokenizer-file, or tiktoken's cache."
+            help=(
+                "'gpt2': GPT-2's BPE, from a folder's own vocab.json + merges.txt (or tokenizer.json), "
+                "--tokenizer-file, or tiktoken's cache."
+            )
         ),
     ] = "gpt2",
     tokenizer_file: Annotated[
         Optional[Path],
         typer.Option(
-            help="GPT-2's ranks as a .tiktoken file, embedded in the checkpoint (`manas tokenizer` writes one from vocab.json + merges.txt)."
+            help=(
+                "GPT-2's ranks as a .tiktoken file, embedded in the checkpoint (`manas tokenizer` writes one from "
+                "vocab.json + merges.txt)."
+            )
         ),
     ] = None,
     tokenizer_meta: Annotated[
@@ -798,7 +869,10 @@ def export(
         ExportFormat,
         typer.Option(
             "--format",
-            help="hf: Hugging Face GPT-2 or Starcoder2 (transformers, vLLM, TGI); gguf: one file for llama.cpp and ollama.",
+            help=(
+                "hf: Hugging Face GPT-2 or Starcoder2 (transformers, vLLM, TGI); gguf: one file for llama.cpp and "
+                "ollama."
+            ),
         ),
     ] = ExportFormat.hf,
     outtype: Annotated[
@@ -813,7 +887,8 @@ def export(
 
     --format hf writes config.json, generation_config.json, model.safetensors, vocab.json, merges.txt and
     tokenizer_config.json: GPT-2 for learned-position models, Starcoder2 for rotary (rope) ones. --format gguf writes
-    one file with the tokenizer inside (llama.cpp's gpt2 or starcoder2; needs pip install "manas-cli[gguf]", or pip install -e ".[gguf]" in a clone).
+    one file with the tokenizer inside (llama.cpp's gpt2 or starcoder2; needs pip install "manas-cli[gguf]", or
+    pip install -e ".[gguf]" in a clone).
 
     Examples:
 
@@ -877,7 +952,8 @@ def tokenizer_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="The .tiktoken ranks file to write.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:
-    """Write a GPT-2 folder's tokenizer (vocab.json + merges.txt, or tokenizer.json) as a .tiktoken file for --tokenizer-file.
+    """Write a GPT-2 folder's tokenizer (vocab.json + merges.txt, or tokenizer.json) as a .tiktoken file for
+    --tokenizer-file.
 
     convert reads a GPT-2 folder's own tokenizer files by itself; this is for a nanoGPT checkpoint trained with
     GPT-2's tokenizer, whose ckpt.pt carries none.
@@ -899,7 +975,8 @@ def summarize_commands() -> None:
     """The top-level help lists each command with its docstring's first sentence whole (click would cut it at 45
     characters with '...')."""
     for info in app.registered_commands:
-        info.short_help = info.callback.__doc__.split("\n\n")[0].split(". ")[0].rstrip(".").replace("\n", " ")
+        first = " ".join(info.callback.__doc__.split("\n\n")[0].split())  # its lines joined, indents dropped
+        info.short_help = first.split(". ")[0].rstrip(".")
 
 
 summarize_commands()

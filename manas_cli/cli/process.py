@@ -127,7 +127,8 @@ def _keep_stderr_descriptor() -> None:
 
 
 def _out_of_memory(exc: BaseException) -> bool:
-    """Python's MemoryError, or torch's allocators failing (its CPU allocator's RuntimeError, CUDA's OutOfMemoryError)."""
+    """Python's MemoryError, or torch's allocators failing (its CPU allocator's RuntimeError, CUDA's
+    OutOfMemoryError)."""
     return isinstance(exc, MemoryError) or "DefaultCPUAllocator" in str(exc) or "out of memory" in str(exc)
 
 

@@ -1,4 +1,4 @@
-"""The manas checkpoint: one .safetensors file holding weights, config and tokenizer (format documented in FORMAT.md)."""
+"""The manas checkpoint: one .safetensors file holding weights, config and tokenizer (its format: FORMAT.md)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,10 @@ def import_gguf() -> Any:
         import gguf
     except ImportError:
         raise MissingDependencyError(
-            'writing GGUF needs the gguf package: pip install "manas-cli[gguf]" (from a clone: pip install -e ".[gguf]")'
+            (
+                'writing GGUF needs the gguf package: pip install "manas-cli[gguf]" (from a clone: pip install -e '
+                '".[gguf]")'
+            )
         ) from None
     except Exception as exc:  # installed but broken (a half-finished upgrade, a numpy it does not support)
         raise MissingDependencyError(

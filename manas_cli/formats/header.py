@@ -279,7 +279,10 @@ def _unreadable(path: Path, reason: str) -> CheckpointError:
 def check_vocabulary(encoding: tiktoken.Encoding, config: GPTConfig, path: str | Path) -> None:
     if vocabulary_size(encoding) > config.vocab_size:
         raise CheckpointError(
-            f"{path}: the tokenizer has {vocabulary_size(encoding)} tokens but the model's vocab_size is {config.vocab_size}"
+            (
+                f"{path}: the tokenizer has {vocabulary_size(encoding)} tokens but the model's vocab_size is "
+                f"{config.vocab_size}"
+            )
         )
 
 

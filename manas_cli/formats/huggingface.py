@@ -287,7 +287,7 @@ def json_text(values: dict) -> str:
     return json.dumps(values, indent=2, ensure_ascii=False) + "\n"
 
 
-# --- writing -----------------------------------------------------------------------------------------------------------
+# --- writing ----------------------------------------------------------------------------------------------------------
 
 
 def check_out_dir(out: Path, force: bool, source: Path) -> None:

@@ -1,4 +1,5 @@
-"""`manas tokenizer`: a Hugging Face folder's GPT-2 tokenizer (vocab.json and merges.txt, or tokenizer.json) as a .tiktoken file."""
+"""`manas tokenizer`: a Hugging Face folder's GPT-2 tokenizer (vocab.json and merges.txt, or tokenizer.json) as a
+.tiktoken file."""
 
 from __future__ import annotations
 

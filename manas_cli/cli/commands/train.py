@@ -75,9 +75,10 @@ def run(
     settings = TrainSettings(
         steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every, seed=seed
     )
+    device, threads = next(model.parameters()).device, plural(torch.get_num_threads(), "thread")
     console.print(
         f"training {model.num_parameters():,} parameters on {len(data.train_ids):,} tokens "
-        f"({len(data.val_ids):,} held out) on {next(model.parameters()).device}, {plural(torch.get_num_threads(), 'thread')}"
+        f"({len(data.val_ids):,} held out) on {device}, {threads}"
     )
     with train_progress(console, settings.steps, start_step) as show:
         for event in train(model, data, settings, out, spec, start_step, best, overwrite=replace):

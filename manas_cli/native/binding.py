@@ -79,6 +79,17 @@ class ManasSampler(ctypes.Structure):
     ]
 
 
+class ManasRow(ctypes.Structure):
+    _fields_ = [
+        ("logits", c_void_p),
+        ("window", POINTER(c_int32)),
+        ("window_len", c_int32),
+        ("counts", POINTER(c_int32)),
+        ("row", c_uint64),
+        ("position", c_uint64),
+    ]
+
+
 class ManasDraw(ctypes.Structure):
     _fields_ = [
         ("token", c_int32),
@@ -92,7 +103,6 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """The entry points' argument and result types (ctypes would otherwise pass and return C ints)."""
     library.manas_pool_new.argtypes, library.manas_pool_new.restype = [c_int], c_void_p
     library.manas_pool_free.argtypes, library.manas_pool_free.restype = [c_void_p], None
-    library.manas_pool_threads.argtypes, library.manas_pool_threads.restype = [c_void_p], c_int
     library.manas_scratch_bytes.argtypes = [POINTER(ManasModel), c_int, c_int]
     library.manas_scratch_bytes.restype = c_size_t
     library.manas_forward.argtypes = [
@@ -107,7 +117,7 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
         POINTER(c_float),
         c_void_p,
     ]
-    library.manas_forward.restype = c_int
+    library.manas_forward.restype = None
     library.manas_convert.argtypes, library.manas_convert.restype = [c_void_p, c_int, c_int64, c_int, c_void_p], c_int64
     library.manas_first_not_finite.argtypes, library.manas_first_not_finite.restype = [c_void_p, c_int64], c_int64
     library.manas_quantized_overflow.argtypes = [POINTER(ManasLinear)]
@@ -120,15 +130,10 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.manas_sample_scratch_bytes.argtypes, library.manas_sample_scratch_bytes.restype = [c_int], c_size_t
     library.manas_sample.argtypes = [
         POINTER(ManasSampler),
-        c_void_p,
+        POINTER(ManasRow),
         c_int,
         c_int,
         c_void_p,
-        POINTER(c_int32),
-        c_int,
-        c_void_p,
-        c_uint64,
-        c_uint64,
         c_void_p,
         POINTER(ManasDraw),
     ]

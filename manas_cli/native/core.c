@@ -1,4 +1,4 @@
-/* manas's native CPU core: the forward pass of engine/model.py's GPT over rows of (token, position, cache).
+/* manas's native CPU core: the forward pass of torch_engine/model.py's GPT over rows of (token, position, cache).
 
    One call runs every layer for a set of rows: a prefill is the rows of one prompt sharing one cache, a batched
    decode step is one row per sequence, each with its own cache. Every row's arithmetic is the same whichever
@@ -24,7 +24,7 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 2
+#define MANAS_ABI_VERSION 3
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
 /* ---- the model, as Python lays it out (native/binding.py mirrors these structs) ---- */
@@ -167,8 +167,6 @@ EXPORT ManasPool *manas_pool_new(int threads) {
     }
     return pool;
 }
-
-EXPORT int manas_pool_threads(const ManasPool *pool) { return pool->threads; }
 
 EXPORT void manas_pool_free(ManasPool *pool) {
     if (!pool) return;
@@ -330,10 +328,9 @@ static inline size_t int4_group(const ManasLinear *linear, size_t o, size_t i) {
     return (o * (size_t)linear->n_in + i) / (size_t)linear->group;
 }
 
-/* The value int4 code q of group g stands for, as quantize.py's dequantize_groups computes it. */
-static inline float int4_value(const ManasLinear *linear, size_t g, float q) {
-    return (q - (float)INT4_MIDDLE) * bf16_to_float(linear->scales[g]) + bf16_to_float(linear->zeros[g]);
-}
+/* The value int4 code q stands for in a group of this scale and zero, as torch_engine/quantize.py's
+   dequantize_groups computes it: one formula for a single value (weight_at) and for lanes (weight_lanes). */
+#define INT4_VALUE(q, scale, zero) (((q) - (float)INT4_MIDDLE) * (scale) + (zero))
 
 /* How many whole chunks of LANES values a row of n is read in: the rest, its tail, is read value by value. An
    int4 row is read in whole blocks of INT4_BLOCK (two chunks each), whatever its group size. */
@@ -341,8 +338,7 @@ static inline int whole_chunks(int kind, int n) { return kind == WEIGHTS_INT4 ? 
 
 /* Chunks c .. c + step − 1 of weight row o as float32 lanes (chunk c: values 16c .. 16c + 15 in the order the
    products use), step 1 for float32 and int8, 2 for int4: float32 as stored; int8 codes as they are (the row's
-   scale multiplies the sum, in finish); int4 dequantized as quantize.py's dequantize_groups, zero + (code − 8) ×
-   scale, a block of 32 columns at a time: its 16 bytes' low nibbles (the block's even columns) are chunk c,
+   scale multiplies the sum, in finish); int4 dequantized by INT4_VALUE, zero + (code − 8) × scale, a block of 32 columns at a time: its 16 bytes' low nibbles (the block's even columns) are chunk c,
    their high nibbles (its odd columns) chunk c + 1, and x is reordered to match (int4_input). A block lies in one
    group when the group size is a multiple of 32 (one scale for all lanes); else each lane takes its own. */
 static inline __attribute__((always_inline)) void weight_lanes(int kind, const ManasLinear *linear, int o, int c,
@@ -368,7 +364,7 @@ static inline __attribute__((always_inline)) void weight_lanes(int kind, const M
                     scale[l] = bf16_to_float(linear->scales[g]), zero[l] = bf16_to_float(linear->zeros[g]);
                 }
             }
-            chunks[half] = (nibble_lanes(bytes, half) - (float)INT4_MIDDLE) * scale + zero;
+            chunks[half] = INT4_VALUE(nibble_lanes(bytes, half), scale, zero);
         }
     }
 }
@@ -379,7 +375,9 @@ static inline float weight_at(int kind, const ManasLinear *linear, int o, int i)
     if (kind == WEIGHTS_F32) return ((const float *)linear->weight)[at];
     if (kind == WEIGHTS_INT8) return (float)((const int8_t *)linear->weight)[at];
     uint8_t byte = ((const uint8_t *)linear->weight)[at / 2];  /* rows are even, so column i is byte at/2's */
-    return int4_value(linear, int4_group(linear, o, i), (float)(i % 2 ? byte >> 4 : byte & 15));
+    size_t g = int4_group(linear, o, i);
+    return INT4_VALUE((float)(i % 2 ? byte >> 4 : byte & 15), bf16_to_float(linear->scales[g]),
+                      bf16_to_float(linear->zeros[g]));
 }
 
 /* out[r][o] = x[r] · w[o0 + o] for r < RT, o < OT (compile-time sizes after inlining): each pair in the lane
@@ -523,9 +521,18 @@ static void int4_input(int n, const float *x, float *out, int rows) {
         }
 }
 
-/* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it). */
+/* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it, carve lays it
+   out). C is n_embd, hs the head size. */
 typedef struct {
-    float *x, *h, *qkv, *attention, *hidden, *reordered, *angles, *tiles, *scores;
+    float *x;          /* (rows, C): the residual stream */
+    float *h;          /* (rows, C): a normed row, or a projection's output before it is added */
+    float *qkv;        /* (rows, C + 2 n_kv_head hs): queries, keys and values */
+    float *attention;  /* (rows, C): the heads' outputs side by side */
+    float *hidden;     /* (rows, 4C): the feed-forward's inner width */
+    float *reordered;  /* (rows, 4C): an int4 product's input in its blocks' column order (int4_input) */
+    float *angles;     /* (rows, hs): the rotary angles of each row's position */
+    float *tiles;      /* (threads, TILE, 4C): each thread's dequantized weight rows (an int4 prefill) */
+    float *scores;     /* (threads, block_size): each thread's attention weights */
 } Scratch;
 
 static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, const float *x, float *y,
@@ -540,9 +547,11 @@ static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear,
 
 /* e^x to about 1 ulp without a call, so the loops over it (softmax, GELU) vectorize: x = k ln2 + r with
    |r| ≤ ln2/2 (ln2 split in two for an exact product), Cephes' polynomial for e^r, then 2^k in the exponent bits.
-   Clamped to the range where 2^k is a normal float: e^-87.3 ≈ 1e-38 stands for 0. */
+   Clamped to the range where 2^k is a normal float: e^EXP_FLOOR ≈ 1e-38 stands for 0. */
+#define EXP_FLOOR -87.3f
+#define EXP_CEILING 88.3f
 static inline float exponential(float x) {
-    x = x < -87.3f ? -87.3f : x > 88.3f ? 88.3f : x;
+    x = x < EXP_FLOOR ? EXP_FLOOR : x > EXP_CEILING ? EXP_CEILING : x;
     float k = rintf(x * 1.44269504088896341f);
     float r = x - k * 0.693359375f - k * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -560,6 +569,18 @@ static inline float exponential(float x) {
 
 /* GPT-2's GELU, 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))), with tanh(u) = 1 − 2 / (e^{2u} + 1): the error is
    absolute, about 1e-7, which is all 1 + tanh needs; or the exact GELU, 0.5 x (1 + erf(x / √2)). */
+/* e^(x[i] − top) for i < n into out (out may be x; NULL: only summed), 0 below exponential's floor, and their sum in
+   double: softmax's numerator and denominator, and log-sum-exp's (top + log of the sum). top is the largest x. */
+static double exp_below(int n, const float *x, float top, float *out) {
+    double total = 0;
+    for (int i = 0; i < n; i++) {
+        float below = x[i] - top, e = below < EXP_FLOOR ? 0.0f : exponential(below);
+        if (out) out[i] = e;
+        total += e;
+    }
+    return total;
+}
+
 static inline float gelu(float x, int tanh_approximation) {
     if (!tanh_approximation) return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
     float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
@@ -591,7 +612,7 @@ static void layernorm(int C, float eps, const ManasNorm *norm, const float *x, f
 }
 
 /* Each row's cos and sin of pos · base^(−2i/head_size), computed in double and rounded to float, as
-   engine/rotary.py's rope_tables. */
+   torch_engine/rotary.py's rope_tables. */
 static void rope_angles(const ManasModel *m, int position, float *angles) {
     int half = m->n_embd / m->n_head / 2;
     for (int i = 0; i < half; i++) {
@@ -664,9 +685,7 @@ static void attend_heads(void *context, int begin, int end, int thread) {
             scores[t] *= scale;
             highest = scores[t] > highest ? scores[t] : highest;
         }
-        float total = 0.0f;
-        for (int t = 0; t < positions; t++) scores[t] = exponential(scores[t] - highest);
-        for (int t = 0; t < positions; t++) total += scores[t];
+        float total = (float)exp_below(positions, scores, highest, scores);
         for (int t = 0; t < positions; t++) scores[t] /= total;
         mix_values(hs, positions, scores, cache->v + layer_offset + kv_head * hs, kv_width,
                    a->attention + (size_t)row * m->n_embd + head * hs);
@@ -701,17 +720,25 @@ static void embed(const ManasModel *m, int token, float *x) {
         dequantize_row(&m->lm_head, token, x);
 }
 
+/* Lays Scratch's parts out from base, one after the other, each on its own cache lines; their bytes in all. With
+   base NULL, only counts them. */
 static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char *base) {
-    int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
-    size_t sizes[] = {(size_t)rows * C, (size_t)rows * C, (size_t)rows * qkv_width, (size_t)rows * C,
-                      (size_t)rows * 4 * C, (size_t)rows * 4 * C, (size_t)rows * hs, (size_t)threads * TILE * 4 * C,
-                      (size_t)threads * m->block_size};
-    float **parts[] = {&s->x, &s->h, &s->qkv, &s->attention, &s->hidden, &s->reordered, &s->angles, &s->tiles,
-                       &s->scores};
+    size_t R = (size_t)rows, C = (size_t)m->n_embd, hs = C / (size_t)m->n_head;
+    struct { float **part; size_t floats; } table[] = {
+        {&s->x, R * C},
+        {&s->h, R * C},
+        {&s->qkv, R * (C + 2 * (size_t)m->n_kv_head * hs)},
+        {&s->attention, R * C},
+        {&s->hidden, R * 4 * C},
+        {&s->reordered, R * 4 * C},
+        {&s->angles, R * hs},
+        {&s->tiles, (size_t)threads * TILE * 4 * C},
+        {&s->scores, (size_t)threads * (size_t)m->block_size},
+    };
     size_t offset = 0;
-    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
-        if (base) *parts[i] = (float *)(base + offset);
-        offset += (sizes[i] * sizeof(float) + 63) & ~(size_t)63;  /* each part on its own cache lines */
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++) {
+        if (base) *table[i].part = (float *)(base + offset);
+        offset += (table[i].floats * sizeof(float) + 63) & ~(size_t)63;
     }
     return offset;
 }
@@ -727,8 +754,8 @@ EXPORT size_t manas_scratch_bytes(const ManasModel *m, int rows, int threads) {
 /* The forward pass of `rows` rows: row r is token tokens[r] at position positions[r], attending over
    caches[r]'s positions up to its own (earlier positions must be cached already, or be earlier rows of this
    call); each row's key and value are written into its cache. The logits of rows logit_rows[0..n_logits) go to
-   logits (n_logits, vocab). Returns 0. */
-EXPORT int manas_forward(const ManasModel *m, ManasPool *pool, int rows, const int32_t *tokens,
+   logits (n_logits, vocab). */
+EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const int32_t *tokens,
                          const int32_t *positions, const ManasCache *caches, int n_logits,
                          const int32_t *logit_rows, float *logits, void *scratch) {
     Scratch s;
@@ -763,7 +790,6 @@ EXPORT int manas_forward(const ManasModel *m, ManasPool *pool, int rows, const i
     for (int k = 0; k < n_logits; k++)
         layernorm(C, m->norm_eps, &m->final_norm, s.x + (size_t)logit_rows[k] * C, s.h + (size_t)k * C);
     matmul(pool, &s, &m->lm_head, s.h, logits, n_logits);
-    return 0;
 }
 
 /* ---- loading: the checkpoint's tensors as the core reads them (Python maps the file; the core checks it) ---- */
@@ -850,7 +876,7 @@ EXPORT int64_t manas_first_not_finite(const void *src, int64_t n) {
     return -1;
 }
 
-/* Which stored tensor of a quantized layer makes a dequantized weight infinite in float32 (quantize.py's
+/* Which stored tensor of a quantized layer makes a dequantized weight infinite in float32 (torch_engine/quantize.py's
    overflowing_tensor): 1 its scales (int8: a row's scale × 127; int4: a group's scale × 8, the codes' reach),
    2 its zeros (int4: the zero plus that reach), 0 neither. */
 EXPORT int manas_quantized_overflow(const ManasLinear *linear) {
@@ -909,7 +935,7 @@ EXPORT double manas_uniform(uint64_t seed, uint64_t row, uint64_t position) {
 
 #define MAX_LOGPROBS 20
 
-/* What sampling.py's Sampler holds, as numbers: 0 top_k, 1 top_p, 0 min_p, 1 repetition mean "none". */
+/* What engine/sampling.py's Sampler holds, as numbers: 0 top_k, 1 top_p, 0 min_p, 1 repetition mean "none". */
 typedef struct {
     float temperature;
     int32_t top_k;
@@ -920,6 +946,15 @@ typedef struct {
     uint64_t seed;
     int32_t logprobs;  /* how many of the most likely tokens to report, up to MAX_LOGPROBS */
 } ManasSampler;
+
+/* One row's inputs to a draw: its logits, its context and counts, and where its uniform number comes from. */
+typedef struct {
+    const float *logits;    /* (vocab,); the first n are ids that may be drawn */
+    const int32_t *window;  /* (window_len,): the token window the logits follow, the repetition penalty's context */
+    int32_t window_len;
+    int32_t *counts;        /* (n,): the row's generations per id (frequency, presence), NULL when unused */
+    uint64_t row, position; /* the draw's uniform number is manas_uniform(seed, row, position) */
+} ManasRow;
 
 typedef struct {
     int32_t token;
@@ -962,9 +997,7 @@ static void adjust(const ManasSampler *s, float *a, int n, const uint8_t *decoda
 /* log-softmax at temperature 1: the chosen token's and the k most likely (ties: the lower id first). */
 static void report_logprobs(int n, const float *a, int k, int token, ManasDraw *out) {
     float top = a[argmax(n, a)];
-    double total = 0;
-    for (int i = 0; i < n; i++) total += exponential(a[i] - top);
-    float lse = top + (float)log(total);
+    float lse = top + (float)log(exp_below(n, a, top, NULL));
     out->logprob = a[token] - lse;
     int held = 0;  /* top_ids[0 .. held) in order, most likely first: each id goes in after its equals */
     for (int i = 0; i < n; i++) {
@@ -1015,12 +1048,7 @@ static void filtered_probabilities(const ManasSampler *s, int n, float *x, uint6
         for (int i = 0; i < n; i++)
             if (x[i] < kth) x[i] = -INFINITY;
     }
-    float top = x[argmax(n, x)];
-    double total = 0;
-    for (int i = 0; i < n; i++) {
-        float below = x[i] - top;  /* e^-87.3 is exponential's floor: anything further below counts as 0 */
-        total += x[i] = below < -87.3f ? 0.0f : exponential(below);
-    }
+    double total = exp_below(n, x, x[argmax(n, x)], x);
     if (s->top_p < 1.0f) {
         int kept = 0;
         for (int i = 0; i < n; i++) {
@@ -1047,14 +1075,13 @@ static void filtered_probabilities(const ManasSampler *s, int n, float *x, uint6
 /* Bytes of scratch manas_sample needs for a vocabulary of n. */
 EXPORT size_t manas_sample_scratch_bytes(int n) { return (size_t)n * (2 * sizeof(float) + sizeof(uint64_t) + 1); }
 
-/* The next token of one row from its logits (vocab values; the first n are ids that may be drawn), and with
-   s->logprobs its log-probabilities. window: the token window the logits follow (the repetition penalty's
-   context); counts: the row's generations per id (frequency and presence penalties; NULL when unused), which the
-   drawn token is added to. The draw's uniform number is manas_uniform(seed, row, position). Returns 0, or 1 when
-   the logits are not all finite (nothing is drawn). */
-EXPORT int manas_sample(const ManasSampler *s, const float *logits, int vocab, int n, const uint8_t *decodable,
-                        const int32_t *window, int window_len, int32_t *counts, uint64_t row, uint64_t position,
+/* The next token of row r (ManasRow: its vocab logits, of which the first n may be drawn), and with s->logprobs
+   its log-probabilities; the drawn token is added to r->counts. Returns 0, or 1 when the logits are not all
+   finite (nothing is drawn). */
+EXPORT int manas_sample(const ManasSampler *s, const ManasRow *r, int vocab, int n, const uint8_t *decodable,
                         void *scratch, ManasDraw *out) {
+    const float *logits = r->logits;
+    int32_t *counts = r->counts;
     for (int i = 0; i < vocab; i++)
         if (!isfinite(logits[i])) return 1;
     uint64_t *keys = scratch;
@@ -1062,7 +1089,7 @@ EXPORT int manas_sample(const ManasSampler *s, const float *logits, int vocab, i
     uint8_t *seen = (uint8_t *)(x + n);
     memcpy(a, logits, n * sizeof *a);
     memset(seen, 0, n);
-    adjust(s, a, n, decodable, window, window_len, counts, seen);
+    adjust(s, a, n, decodable, r->window, r->window_len, counts, seen);
     int token = argmax(n, a);
     if (s->temperature > 0) {
         for (int i = 0; i < n; i++) x[i] = a[i] / s->temperature;
@@ -1070,7 +1097,7 @@ EXPORT int manas_sample(const ManasSampler *s, const float *logits, int vocab, i
             filtered_probabilities(s, n, x, keys);
             double total = 0;
             for (int i = 0; i < n; i++) total += x[i];
-            double target = manas_uniform(s->seed, row, position) * total, mass = 0;
+            double target = manas_uniform(s->seed, r->row, r->position) * total, mass = 0;
             for (int i = 0; i < n; i++) {
                 if (x[i] <= 0) continue;
                 token = i;
@@ -1093,9 +1120,7 @@ EXPORT int manas_target_logprobs(const float *logits, int rows, int vocab, const
         for (int i = 0; i < vocab; i++)
             if (!isfinite(row[i])) return r;
         float top = row[argmax(vocab, row)];
-        double total = 0;
-        for (int i = 0; i < vocab; i++) total += exp((double)row[i] - top);
-        out[r] = (double)row[targets[r]] - top - log(total);
+        out[r] = (double)row[targets[r]] - top - log(exp_below(vocab, row, top, NULL));
     }
     return -1;
 }

@@ -81,7 +81,7 @@ class NativeGPT:
             needed = self.library.manas_scratch_bytes(ctypes.byref(self.bound), rows, self.threads)
             self._scratch, self._scratch_rows = ctypes.create_string_buffer(needed), rows
         logits = Logits(len(logit_rows), vocab)
-        status = self.library.manas_forward(
+        self.library.manas_forward(
             ctypes.byref(self.bound),
             self._pool,
             rows,
@@ -93,8 +93,6 @@ class NativeGPT:
             logits.buffer,
             self._scratch,
         )
-        if status:
-            raise RuntimeError(f"the native core failed with status {status}")
         return logits
 
 

@@ -7,7 +7,7 @@ from ctypes import c_int32, c_uint8
 
 from ..engine.sampling import Sampler, logits_error
 from ..errors import NumericalError
-from .binding import ManasDraw, ManasSampler
+from .binding import ManasDraw, ManasRow, ManasSampler
 from .model import Logits, NativeGPT, int32s
 
 INT32_MAX = 2**31 - 1
@@ -55,17 +55,14 @@ class NativeSampling:
         for b, window in enumerate(windows):
             draw, context = self.draw, window[-self.last_n :] if self.last_n > 0 else window
             counts = self.counts[b] if self.counts is not None else None
+            window = int32s(context) if self.last_n else None
+            row = ManasRow(logits.row(b), window, len(context), counts, b, position + 1)
             if self.library.manas_sample(
                 ctypes.byref(self.settings),
-                logits.row(b),
+                ctypes.byref(row),
                 self.vocab,
                 self.drawable,
                 self.mask,
-                int32s(context) if self.last_n else None,
-                len(context),
-                counts,
-                b,
-                position + 1,
                 self.scratch,
                 ctypes.byref(draw),
             ):

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
+from .settings import GenerationSettings
+
 
 def stderr_console(quiet: bool = False) -> Console:
     """Talk goes to stderr; colour and live displays only on a terminal, never with NO_COLOR."""
@@ -346,3 +348,28 @@ def cache_view(report: dict, header: dict):
         totals.append("re-prefills at sequence positions " + ranges(report["re_prefill_positions"]))
         totals.append(recompute_explanation(report["block_size"]))
     return Group(*lines, table, Text(""), *map(Text, totals))
+
+
+def sample_record(
+    stream, stats, storage: dict, seed: int, weights: str, engine: str, settings: GenerationSettings
+) -> dict:
+    """One --json line: the contract fields first, extras after."""
+    record = {
+        "text": stream.text,
+        "tokens": stream.tokens,
+        "finish_reason": stream.finish_reason,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": len(stream.tokens),
+        "ttft_s": stats.ttft_s,
+        "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "re_prefills": stats.re_prefills,
+        "cache": storage,
+        "seed": seed,
+        "weights": weights,
+        "engine": engine,
+        **settings.record(),
+    }
+    if settings.logprobs:
+        record["logprobs"] = stream.logprobs
+    return record

@@ -35,7 +35,7 @@ def run(
     from ...engine.threads import ThreadGovernor
     from ...formats.tokenizer import decodable, end_of_text_id
     from ..live import LiveDisplay, piped, shares_terminal
-    from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
+    from ..render import Output, generation_stats_line, recompute_notice, sample_record, say, stderr_console
     from ..streaming import TextStream
 
     require_stdout()
@@ -118,28 +118,3 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
     for row, stream in enumerate(streams):
         out.text(row, stream.finish("interrupted" if interruption is not None else "length"))
     return interruption
-
-
-def sample_record(
-    stream, stats, storage: dict, seed: int, weights: str, engine: str, settings: GenerationSettings
-) -> dict:
-    """One --json line: the contract fields first, extras after."""
-    record = {
-        "text": stream.text,
-        "tokens": stream.tokens,
-        "finish_reason": stream.finish_reason,
-        "prompt_tokens": stats.prompt_tokens,
-        "generated_tokens": len(stream.tokens),
-        "ttft_s": stats.ttft_s,
-        "prefill_tokens_per_s": stats.prefill_tokens_per_s,
-        "decode_tokens_per_s": stats.decode_tokens_per_s,
-        "re_prefills": stats.re_prefills,
-        "cache": storage,
-        "seed": seed,
-        "weights": weights,
-        "engine": engine,
-        **settings.record(),
-    }
-    if settings.logprobs:
-        record["logprobs"] = stream.logprobs
-    return record

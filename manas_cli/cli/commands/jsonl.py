@@ -204,7 +204,7 @@ class JsonlBatch:
 
     def complete(self, made) -> None:
         """The request's record: ended by its budget, unless end-of-text or a stop string ended it first."""
-        from .generate import sample_record
+        from ..render import sample_record
 
         running, line = self.running.pop(made.key), self.lines[made.key]
         running.stream.finish("length")

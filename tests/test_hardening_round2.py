@@ -242,7 +242,7 @@ def test_threads_out_of_range_is_a_usage_error_naming_the_range(rope, threads):
 
 
 def test_a_streamed_sample_keeps_none_of_its_text():
-    from manas_cli.cli.streaming import TextStream
+    from manas_cli.streaming import TextStream
 
     encoding = build_encoding(bpe_spec(BYTE_RANKS))
     stream = TextStream(encoding, None, (), record=False)

@@ -28,10 +28,10 @@ from cli_fixtures import (  # noqa: F401 (fixtures)
     rope,
 )
 from conftest import engine_of
-from manas_cli.cli.settings import GenerationSettings, with_overrides
 from manas_cli.engine.generation import generate_reference, prompt_batch
 from manas_cli.engine.sampling import choose_seed, make_sampler
 from manas_cli.formats.tokenizer import decodable
+from manas_cli.settings import GenerationSettings, with_overrides
 
 SHIPPED = TinyCheckpoint("shipped", Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors")
 WORDS = "ROMEO JULIET KING The what love thou art sweet night day O speak me no my lord".split()

@@ -13,7 +13,7 @@ import typer
 
 from ..engine.threads import MAX_THREADS, THREADS_ENV
 from ..models import ModelOptions
-from .settings import GenerationSettings
+from ..settings import GenerationSettings
 
 app = typer.Typer(
     name="manas",
@@ -64,7 +64,7 @@ def _checked(name: str):
     """A flag callback that applies the setting's rule (settings.RULES), the same one --jsonl's lines obey."""
 
     def callback(value):
-        from .settings import check
+        from ..settings import check
 
         try:
             return check(name, value)

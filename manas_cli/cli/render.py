@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
-from .settings import GenerationSettings
+from ..settings import GenerationSettings
 
 
 def stderr_console(quiet: bool = False) -> Console:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..errors import NumericalError
 from .engines import Engine
 from .generation import overflow_keep, slide
-from .sampling import Sampler, make_sampler
+from .sampling import Sampler
 from .session import prefill_if_due
 
 
@@ -30,12 +30,6 @@ class Request:
     sampler: Sampler
     max_tokens: int
     logprobs: int = 0
-
-    @classmethod
-    def of(cls, key: int, prompt: list[int], settings, seed: int, decodable, engine: Engine) -> Request:
-        """The request of a generation's settings (cli/settings.py's GenerationSettings) and seed, its sampler
-        made for `engine`: what --jsonl and the server both submit."""
-        return cls(key, prompt, make_sampler(settings, seed, decodable, engine), settings.max_tokens, settings.logprobs)
 
 
 @dataclass(frozen=True)

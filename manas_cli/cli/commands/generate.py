@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import interrupt_exit_code
 from ...models import ModelOptions
-from ..settings import GenerationSettings
+from ...settings import GenerationSettings
 from .common import check_memory, encode_prompt, load_model, read_prompt, require_stdout
 
 # Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
@@ -31,12 +31,10 @@ def run(
     import typer
 
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.sampling import choose_seed, make_sampler
     from ...engine.threads import ThreadGovernor
-    from ...formats.tokenizer import decodable, end_of_text_id
+    from ...requests import Requests
     from ..live import LiveDisplay, piped, shares_terminal
     from ..render import Output, generation_stats_line, recompute_notice, sample_record, say, stderr_console
-    from ..streaming import TextStream
 
     require_stdout()
     console = stderr_console(quiet=quiet)
@@ -50,16 +48,23 @@ def run(
     batch, block_size, max_tokens = num_samples, model.config.block_size, settings.max_tokens
     positions = min(block_size, len(ids) + max_tokens)
     check_memory(engine, batch, positions, "--num-samples")
-    seed = choose_seed(settings.seed)
-    sampler = make_sampler(settings, seed, decodable(encoding), engine)
-    eot = end_of_text_id(encoding)
-    record = json_output or batch > 1  # a single streamed sample keeps none of its text
-    streams = [TextStream(encoding, eot, settings.stop, record) for _ in range(batch)]
+    requests = Requests(engine, encoding)
+    request = requests.prepare(settings, batch, record=json_output or batch > 1)  # one streamed sample keeps no text
+    seed, streams = request.seed, request.streams
     shared = shares_terminal(sys.stdout, sys.stderr)
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = engine.new_session(model_options.cache, capacity=positions)
-    steps = generate(engine, prompt_batch(ids, batch), sampler, max_tokens, eot, overflow, session, settings.logprobs)
+    steps = generate(
+        engine,
+        prompt_batch(ids, batch),
+        request.sampler,
+        max_tokens,
+        requests.eot,
+        overflow,
+        session,
+        settings.logprobs,
+    )
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
     governor = ThreadGovernor(threads, engine.set_threads)

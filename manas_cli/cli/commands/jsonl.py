@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 from ...errors import InputError, ManasError, interrupt_exit_code
 from ...models import ModelOptions
-from ..settings import GenerationSettings, strict_json, with_overrides
+from ...settings import GenerationSettings, strict_json, with_overrides
 from .common import check_memory, encode_prompt, load_model, require_stdout
 
 
@@ -140,16 +140,10 @@ class JsonlBatch:
     text; records are written in input order as soon as a line and every line before it are done."""
 
     def __init__(self, reader: LineReader, defaults: GenerationSettings, checkpoint, engine, console) -> None:
-        from ...formats.tokenizer import decodable, end_of_text_id
+        from ...requests import Requests
 
-        self.reader, self.defaults, self.checkpoint, self.engine, self.console = (
-            reader,
-            defaults,
-            checkpoint,
-            engine,
-            console,
-        )
-        self.eot, self.allowed = end_of_text_id(checkpoint.encoding), decodable(checkpoint.encoding)
+        self.reader, self.defaults, self.checkpoint, self.console = reader, defaults, checkpoint, console
+        self.engine, self.requests = engine, Requests(engine, checkpoint.encoding)
         self.lines: dict[int, Line] = {}  # by number, until written
         self.order: list[int] = []  # the line numbers read, in order
         self.running: dict[int, Running] = {}  # by line number
@@ -157,10 +151,7 @@ class JsonlBatch:
 
     def take(self, wait: bool):
         """The next request read (see generate_batched); a line that has none gets its error record at once."""
-        from ...engine.batching import Request
         from ...engine.generation import GenerationStats
-        from ...engine.sampling import choose_seed
-        from ..streaming import TextStream
 
         while (raw := self.reader.next(wait)) is not None:
             line = (
@@ -179,10 +170,10 @@ class JsonlBatch:
                 line.record = {"id": line.id, "line": line.number, "error": line.error}
                 self.flush()
                 continue
-            settings, seed = line.settings, choose_seed(line.settings.seed)
-            stream = TextStream(self.checkpoint.encoding, self.eot, settings.stop, record=True)
-            self.running[line.number] = Running(stream, GenerationStats(prompt_tokens=len(ids)), seed)
-            return Request.of(line.number, ids, settings, seed, self.allowed, self.engine)
+            request = self.requests.prepare(line.settings)
+            stats = GenerationStats(prompt_tokens=len(ids))
+            self.running[line.number] = Running(request.streams[0], stats, request.seed)
+            return request.request(line.number, ids)
         return None
 
     def finished(self, key: int) -> bool:
@@ -259,7 +250,7 @@ def run(
     checkpoint, _, engine = load_model(model_options, console)
     check_memory(engine, batch_size, engine.config.block_size, "--batch-size")
     batch = JsonlBatch(LineReader(source), defaults, checkpoint, engine, console)
-    steps = generate_batched(engine, batch.take, batch_size, batch.eot, overflow, finished=batch.finished)
+    steps = generate_batched(engine, batch.take, batch_size, batch.requests.eot, overflow, finished=batch.finished)
     try:
         for tokens in steps:
             batch.feed(tokens)

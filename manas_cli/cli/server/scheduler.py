@@ -13,9 +13,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ...engine.sampling import choose_seed
-from ..settings import GenerationSettings
-from ..streaming import TextStream
+from ...requests import Prepared, Requests
+from ...settings import GenerationSettings
 
 
 class QueueFull(Exception):
@@ -45,9 +44,7 @@ class Choice:
 
     index: int
     prompt_ids: list[int]
-    settings: GenerationSettings
-    seed: int
-    stream: TextStream
+    request: Prepared  # its seed, sampler and text stream
     # A Released per token, then one Ended; the choices of one request share their queue
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
@@ -55,6 +52,10 @@ class Choice:
     error: str | None = None  # why the engine could not finish it (its logits were not finite, a shutdown)
     error_status: int = 500
     first_token_s: float | None = None  # time.monotonic() when the prefill's token was sampled
+
+    @property
+    def stream(self):
+        return self.request.streams[0]
 
     @property
     def done(self) -> bool:
@@ -75,12 +76,9 @@ class Scheduler:
     it is released, then None once it is done (budget, end-of-text, stop string, or cancelled)."""
 
     def __init__(self, engine, checkpoint, batch_size: int, max_queued: int, overflow: str = "recompute") -> None:
-        from ...formats.tokenizer import decodable, end_of_text_id
-
         self.engine, self.checkpoint = engine, checkpoint
         self.batch_size, self.max_queued, self.overflow = batch_size, max_queued, overflow
-        self.eot = end_of_text_id(checkpoint.encoding)
-        self._allowed = decodable(checkpoint.encoding)
+        self.requests = Requests(engine, checkpoint.encoding)
         self._waiting: queue.Queue[Choice] = queue.Queue()
         self._running: dict[int, Choice] = {}
         self._keys = iter(range(1, 1 << 62))
@@ -94,8 +92,7 @@ class Scheduler:
 
     def new_choice(self, index: int, prompt_ids: list[int], settings: GenerationSettings) -> Choice:
         """A choice of a request; a request without a seed gets a fresh one, as generate does."""
-        seed = choose_seed(settings.seed)
-        return Choice(index, prompt_ids, settings, seed, TextStream(self.checkpoint.encoding, self.eot, settings.stop))
+        return Choice(index, prompt_ids, self.requests.prepare(settings))
 
     def submit(self, choices: list[Choice]) -> None:
         """Queue a request's choices together, or refuse them all when the queue is full."""
@@ -156,7 +153,6 @@ class Scheduler:
 
     def _take(self, wait: bool):
         """generate_batched's take: the next waiting choice as a Request; waiting only when no row decodes."""
-        from ...engine.batching import Request
 
         while True:
             try:
@@ -170,7 +166,7 @@ class Scheduler:
                 continue
             key = next(self._keys)
             self._running[key] = choice
-            return Request.of(key, choice.prompt_ids, choice.settings, choice.seed, self._allowed, self.engine)
+            return choice.request.request(key, choice.prompt_ids)
 
     def _finished(self, key: int) -> bool:
         choice = self._running.get(key)  # _deliver lets go of a choice once it is done
@@ -179,7 +175,9 @@ class Scheduler:
     def _run(self) -> None:
         from ...engine.batching import generate_batched
 
-        steps = generate_batched(self.engine, self._take, self.batch_size, self.eot, self.overflow, self._finished)
+        steps = generate_batched(
+            self.engine, self._take, self.batch_size, self.requests.eot, self.overflow, self._finished
+        )
         try:
             for tokens in steps:
                 for made in tokens:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import tiktoken
 
-from ..formats.tokenizer import IncrementalDecoder
+from .formats.tokenizer import IncrementalDecoder
 
 
 class TextStream:

@@ -1,19 +1,19 @@
 """The manas command line. Flags and help live here; each command imports the engine only when it runs,
 so `manas --help` answers without loading torch."""
 
-from __future__ import annotations
-
 import functools
 import inspect
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from ..engine.threads import MAX_THREADS, THREADS_ENV
-from ..models import ModelOptions
 from ..settings import GenerationSettings
+
+if TYPE_CHECKING:
+    from ..models import ModelOptions  # the commands' model_options; imported when a command runs
 
 app = typer.Typer(
     name="manas",
@@ -156,7 +156,7 @@ def takes_model_flags(cache: bool = True):
     names = [name for name in MODEL_FLAGS if cache or name != "cache"]
 
     def decorate(command):
-        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "model_options"]
+        own = [p for p in inspect.signature(command).parameters.values() if p.name != "model_options"]
         flags = [
             inspect.Parameter(
                 name, inspect.Parameter.KEYWORD_ONLY, annotation=MODEL_FLAGS[name][0], default=MODEL_FLAGS[name][1]
@@ -170,6 +170,7 @@ def takes_model_flags(cache: bool = True):
             return command(**values, model_options=options)
 
         with_model_options.__signature__ = inspect.Signature([*own, *flags])
+        with_model_options.__annotations__ = {p.name: p.annotation for p in (*own, *flags)}  # what typer reads
         return with_model_options
 
     return decorate
@@ -376,7 +377,7 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
     json_output: JsonOption = False,
     *,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
 ) -> None:
     """Generate text from a prompt, streaming it to stdout as it is produced.
 
@@ -501,7 +502,7 @@ def bench(
     ] = False,
     json_output: JsonOption = False,
     *,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
 ) -> None:
     """Measure prefill and decode speed, and the KV cache's speed-up over crop-and-recompute.
 
@@ -538,7 +539,7 @@ def inspect_cache(
     tokens: Annotated[int, typer.Option("--tokens", "-n", min=0, help="Greedy tokens to decode after the prompt.")] = 0,
     json_output: JsonOption = False,
     *,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
 ) -> None:
     """Prefill a prompt (and decode --tokens more), then show what the KV cache holds.
 
@@ -577,7 +578,7 @@ def score(
     ] = None,
     json_output: JsonOption = False,
     *,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
 ) -> None:
     """Score a text with a model: its loss in nats per token and per character, and its perplexity.
 
@@ -663,7 +664,7 @@ def serve(
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
     *,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
 ) -> None:
     """Serve OpenAI's completions API on a local port: any client that speaks it can use the model.
 

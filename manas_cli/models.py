@@ -29,6 +29,7 @@ class ModelOptions:
     quantize: str | None = None  # "int8" or "int4"
     cache: str = "dynamic"  # the KV cache's allocation
     engine: str = "auto"  # "auto", "native" or "torch"
+    float_activations: bool = False  # the core's int8 products in float32, not in integers
     debug: bool = False  # --debug: show the compiler's message when the native core does not build
 
 
@@ -98,7 +99,9 @@ def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = No
         mapped = _naming_the_environment(options, lambda: open_checkpoint(path))
         weights = partial(MappedWeights, mapped)
         try:
-            opened = _naming_the_environment(options, lambda: open_native(weights, threads.threads, on_compile))
+            opened = _naming_the_environment(
+                options, lambda: open_native(weights, threads.threads, on_compile, options.float_activations)
+            )
         except NativeUnavailable as exc:
             unavailable = exc  # torch runs it, without trying to build the core again
         else:
@@ -122,7 +125,9 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
     checkpoint = _naming_the_environment(options, lambda: load_checkpoint(path, device=device, dtype=dtype))
     if options.quantize is not None:
         quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
-    opened = choose_engine(options.engine, checkpoint.model, threads.threads, unavailable, on_compile)
+    opened = choose_engine(
+        options.engine, checkpoint.model, threads.threads, unavailable, on_compile, options.float_activations
+    )
     if opened.engine.name == "native":
         torch.set_num_threads(1)  # the core computes and samples: torch's OpenMP workers would only spin beside it
     elif not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
@@ -130,20 +135,25 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
     return LoadedModel(checkpoint, threads, opened)
 
 
-def open_native(weights: Callable, threads: int, on_compile: Callable[[], None] | None = None) -> Opened:
+def open_native(
+    weights: Callable, threads: int, on_compile: Callable[[], None] | None = None, float_activations: bool = False
+) -> Opened:
     """The core built (or loaded from its cache; on_compile() called before a compile starts) running the model
-    whose tensors weights(library) points it at (formats/mapped_weights.py, torch_engine/native_weights.py);
-    raises native.build.NativeUnavailable when it cannot build or load here."""
+    whose tensors weights(library) points it at (formats/mapped_weights.py, torch_engine/native_weights.py), its
+    int8 products in integers unless float_activations; raises native.build.NativeUnavailable when it cannot
+    build or load here."""
     from .native.build import build
     from .native.engine import NativeEngine
     from .native.model import NativeGPT
 
     built = build(on_compile)
-    engine = NativeEngine(NativeGPT(weights(built.library), built.library, threads))
+    engine = NativeEngine(NativeGPT(weights(built.library), built.library, threads, float_activations))
     return Opened(engine, built.notice, compile_s=built.compile_s, library=str(built.path))
 
 
-def choose_engine(name: str, model, threads: int, unavailable=None, on_compile=None) -> Opened:
+def choose_engine(
+    name: str, model, threads: int, unavailable=None, on_compile=None, float_activations: bool = False
+) -> Opened:
     """For a torch model: `auto`, the native core when it can run the model and builds here, else torch;
     `native`, the same, with a notice when torch runs instead; `torch`, torch. `unavailable`: the reason the core
     already failed to build in this process (NativeUnavailable), not to try again."""
@@ -160,7 +170,7 @@ def choose_engine(name: str, model, threads: int, unavailable=None, on_compile=N
         reason, detail = unavailable.reason, unavailable.detail
     elif reason is None:
         try:
-            return open_native(lambda library: TorchWeights(model), threads, on_compile)
+            return open_native(lambda library: TorchWeights(model), threads, on_compile, float_activations)
         except NativeUnavailable as exc:
             unavailable, reason, detail = exc, exc.reason, exc.detail
     told = name == "native" or (unavailable is not None and unavailable.notify)

@@ -153,13 +153,14 @@ def sample(sampler, logits: torch.Tensor) -> torch.Tensor:
     return draw(sampler, adjust(sampler, logits))
 
 
-def native_model(source, library, threads: int = 1) -> NativeGPT:
-    """The core over a torch GPT's tensors, or over a mapped checkpoint's bytes (formats.header.open_checkpoint)."""
+def native_model(source, library, threads: int = 1, float_activations: bool = False) -> NativeGPT:
+    """The core over a torch GPT's tensors, or over a mapped checkpoint's bytes (formats.header.open_checkpoint).
+    float_activations: int8 products in float32, the torch-comparable path (else in integers, the default)."""
     from manas_cli.formats.mapped_weights import MappedWeights
     from manas_cli.torch_engine.native_weights import TorchWeights
 
     weights = TorchWeights(source) if isinstance(source, GPT) else MappedWeights(source, library)
-    return NativeGPT(weights, library, threads)
+    return NativeGPT(weights, library, threads, float_activations)
 
 
 def all_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The model that ships in checkpoints/: it loads, matches its model card, and meets the quality bar."""
 
+import json
 import re
 import shlex
 import subprocess
@@ -118,3 +119,30 @@ def test_the_model_cards_samples_are_what_their_commands_print():
         done = subprocess.run([*MANAS, *args, "-c", str(CHECKPOINT)], capture_output=True, env=cli_env(), timeout=300)
         assert done.returncode == 0, done.stderr.decode()
         assert done.stdout.decode("utf-8").rstrip("\n") == text
+
+
+INTEGER_MARGIN_NATS_PER_CHAR = 0.005  # issue 34: int8's integer products (quantized activations) may cost this much
+
+
+@needs_compiler
+def test_int8_integer_products_cost_at_most_0_005_nats_per_char_against_float_activations(tmp_path):
+    """The core's default int8 products against its --float-activations path, through `manas score` on the
+    shipped model's int8 file."""
+    int8 = tmp_path / "int8.safetensors"
+    run = [*MANAS, "quantize", str(CHECKPOINT), "--out", str(int8)]
+    assert subprocess.run(run, capture_output=True, env=cli_env(), timeout=300).returncode == 0
+    scores = {}
+    for flags in ((), ("--float-activations",)):
+        done = subprocess.run(
+            [*MANAS, "score", str(HELD_OUT), "-c", str(int8), "--engine", "native", "--json", *flags],
+            capture_output=True,
+            text=True,
+            env=cli_env(),
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        scores[flags] = json.loads(done.stdout)["nats_per_char"]
+    integer, floats = scores[()], scores[("--float-activations",)]
+    print(f"int8 integer products {integer:.6f} nats/char, float activations {floats:.6f}")
+    assert integer != floats  # two paths really ran
+    assert integer <= floats + INTEGER_MARGIN_NATS_PER_CHAR

@@ -128,6 +128,15 @@ EngineOption = Annotated[
         "can run and builds, else torch.",
     ),
 ]
+FloatActivationsOption = Annotated[
+    bool,
+    typer.Option(
+        "--float-activations",
+        help="The native engine's int8 products in float32 over the weights' exact values, as the torch engine's "
+        "reference computes them, instead of in integers over activations quantized per block of 32 (llama.cpp's "
+        "q8_0 way; faster; docs/quantization.md has its measured cost).",
+    ),
+]
 CacheOption = Annotated[
     Allocation,
     typer.Option(
@@ -147,6 +156,7 @@ MODEL_FLAGS = {
     "dtype": (DTypeOption, DType.auto),
     "threads": (ThreadsOption, None),
     "engine": (EngineOption, Engine.auto),
+    "float_activations": (FloatActivationsOption, False),
 }
 
 
@@ -183,6 +193,7 @@ def model_options_of(
     threads: Optional[int],
     quantize: Optional[Enum],
     engine: Enum,
+    float_activations: bool,
     cache: Enum = Allocation.dynamic,
 ):
     """The model flags as the library takes them (models.ModelOptions); --debug is the run's (process.main)."""
@@ -198,6 +209,7 @@ def model_options_of(
         quantize=quantize.value if quantize else None,
         cache=cache.value,
         engine=engine.value,
+        float_activations=float_activations,
         debug=bool(get_current_context().obj),
     )
 

@@ -54,6 +54,7 @@ class ManasModel(ctypes.Structure):
         ("layers", POINTER(ManasLayer)),
         ("final_norm", ManasNorm),
         ("lm_head", ManasLinear),
+        ("integer_products", c_int32),
     ]
 
 
@@ -144,9 +145,11 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
 WEIGHTS_KINDS = {"float32": WEIGHTS_F32, "int8": WEIGHTS_INT8, "int4": WEIGHTS_INT4}
 
 
-def bind(config, weights) -> ManasModel:
-    """The ManasModel of a GPT of `config` whose tensors `weights` points at (weights.py): vector(name), a
-    float32 pointer or None where the model has no such tensor; linear(name), a ManasLinear."""
+def bind(config, weights, integer_products: bool = True) -> ManasModel:
+    """The ManasModel of a GPT of `config` whose tensors `weights` points at (formats/mapped_weights.py,
+    torch_engine/native_weights.py): vector(name), a float32 pointer or None where the model has no such tensor;
+    linear(name), a ManasLinear. integer_products: int8 layers multiply activations quantized per block of 32 in
+    integers (else in float32, as torch's reference does)."""
 
     def norm(name: str) -> ManasNorm:
         return ManasNorm(weights.vector(f"{name}.weight"), weights.vector(f"{name}.bias"))
@@ -181,4 +184,5 @@ def bind(config, weights) -> ManasModel:
         layers,
         norm("final_norm"),
         weights.linear("lm_head"),
+        integer_products,
     )

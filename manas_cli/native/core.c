@@ -10,6 +10,7 @@
    nothing per call and keeps no globals. Only the manas_ functions are exported. Build (see native/build.py):
    cc -O3 -march=native -ffp-contract=off -fPIC -shared -pthread -fvisibility=hidden core.c -lm */
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -30,6 +31,9 @@
 /* ---- the model, as Python lays it out (native/binding.py mirrors these structs) ---- */
 
 enum { WEIGHTS_F32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2 };
+/* The products' own kind for int8 weights times activations quantized per block (ManasModel.integer_products). */
+enum { INT8_INTEGER = 3 };
+#define QBLOCK 32  /* activations are quantized per block of 32 values, one float scale each (llama.cpp's q8_0) */
 #define INT4_BLOCK 32      /* int4 columns read as one block: 16 bytes, each column pair's low nibble first */
 #define INT4_MIDDLE 8      /* the code a group's zero stands for */
 
@@ -56,6 +60,7 @@ typedef struct {
     const ManasLayer *layers;
     ManasNorm final_norm;
     ManasLinear lm_head;
+    int32_t integer_products;  /* 1: int8 weights multiply activations quantized per QBLOCK, in integers */
 } ManasModel;
 
 /* One row's KV cache: k and v each [layer][capacity][kv head][head size], float32. */
@@ -380,10 +385,97 @@ static inline float weight_at(int kind, const ManasLinear *linear, int o, int i)
                       bf16_to_float(linear->zeros[g]));
 }
 
+/* One block of an integer product: lane l is q[2l]·w[2l] + q[2l+1]·w[2l+1], exact in int32 (|q|, |w| ≤ 128), as a
+   float (exact too). The vector unit's multiply-add of int16 pairs computes just that lane order; the C below is
+   the same sums. A row's last, partial block (count < QBLOCK) takes the C, reading no weight past the row. */
+#if defined(__AVX512BW__)
+static inline Lanes block_products(const int16_t *q, const int8_t *w) {
+    __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));
+    return (Lanes)_mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_loadu_si512(q), codes));
+}
+#elif defined(__AVX2__)
+static inline Lanes block_products(const int16_t *q, const int8_t *w) {
+    __m256 halves[2];
+    for (int h = 0; h < 2; h++) {
+        __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16 * h)));
+        halves[h] = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(q + 16 * h)), codes));
+    }
+    Lanes lanes;
+    memcpy(&lanes, halves, sizeof lanes);
+    return lanes;
+}
+#else
+static inline Lanes block_products(const int16_t *q, const int8_t *w) {
+    Lanes lanes;
+    for (int l = 0; l < LANES; l++) lanes[l] = (float)((int32_t)q[2 * l] * w[2 * l] + (int32_t)q[2 * l + 1] * w[2 * l + 1]);
+    return lanes;
+}
+#endif
+
+static inline Lanes partial_block_products(const int16_t *q, const int8_t *w, int count) {
+    Lanes lanes = {0};
+    for (int l = 0; 2 * l < count; l++)
+        lanes[l] = (float)((int32_t)q[2 * l] * w[2 * l] + (2 * l + 1 < count ? (int32_t)q[2 * l + 1] * w[2 * l + 1] : 0));
+    return lanes;
+}
+
+/* A row of activations quantized for the integer products, as quantize_row lays it out in the scratch: the
+   scale of each block, then the codes (int16, zero past n). Its length in floats. */
+static inline size_t quantized_floats(int n) {
+    size_t blocks = ((size_t)n + QBLOCK - 1) / QBLOCK;
+    return blocks + blocks * QBLOCK / 2;
+}
+
+/* x (n values) quantized per block of QBLOCK: scale d = max|x| / 127 and codes q = round(x · 127 / max|x|) in
+   [−127, 127], d·q ≈ x. A NaN or an infinity keeps its block's scale NaN or infinite, so the product is not finite
+   and the logits' check still catches it. */
+static void quantize_row(int n, const float *x, float *out) {
+    int blocks = (n + QBLOCK - 1) / QBLOCK;
+    float *scale = out;
+    int16_t *codes = (int16_t *)(out + blocks);
+    for (int b = 0; b < blocks; b++) {
+        int first = b * QBLOCK, count = n - first < QBLOCK ? n - first : QBLOCK;
+        float largest = 0.0f;
+        for (int j = 0; j < count; j++) {
+            float a = fabsf(x[first + j]);
+            largest = a > largest || a != a ? a : largest;
+            if (largest != largest) break;
+        }
+        scale[b] = largest / 127.0f;
+        float inverse = largest > 0.0f && largest <= FLT_MAX ? 127.0f / largest : 0.0f;
+        for (int j = 0; j < QBLOCK; j++)
+            codes[first + j] = j < count && inverse > 0.0f ? (int16_t)nearbyintf(x[first + j] * inverse) : 0;
+    }
+}
+
+/* The integer products of a tile: out[r][o] = Σ over blocks of d[r][b] × block_products, each block's lanes
+   scaled and added in block order (madd), then the lanes in sum_lanes' tree: the same bits whatever shares the
+   call, on any CPU with the same madd. x[r] is a quantize_row row. */
+static inline __attribute__((always_inline)) void integer_dots(int RT, int OT, const ManasLinear *linear,
+                                                               const float *const *x, int o0, float out[TILE][TILE]) {
+    Lanes lane[TILE][TILE] = {{{0}}};
+    int n = linear->n_in, blocks = (n + QBLOCK - 1) / QBLOCK, whole = n / QBLOCK;
+    for (int b = 0; b < blocks; b++)
+        for (int o = 0; o < OT; o++) {
+            const int8_t *w = (const int8_t *)linear->weight + (size_t)(o0 + o) * n + (size_t)b * QBLOCK;
+            for (int r = 0; r < RT; r++) {
+                const int16_t *q = (const int16_t *)(x[r] + blocks) + (size_t)b * QBLOCK;
+                Lanes products = b < whole ? block_products(q, w) : partial_block_products(q, w, n - b * QBLOCK);
+                lane[r][o] = madd(lane[r][o], products, (Lanes){0} + x[r][b]);
+            }
+        }
+    for (int r = 0; r < RT; r++)
+        for (int o = 0; o < OT; o++) out[r][o] = sum_lanes(lane[r][o]);
+}
+
 /* out[r][o] = x[r] · w[o0 + o] for r < RT, o < OT (compile-time sizes after inlining): each pair in the lane
    order above, whatever the tile's shape. */
 static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT, const ManasLinear *linear,
                                                        const float *const *x, int o0, float out[TILE][TILE]) {
+    if (kind == INT8_INTEGER) {
+        integer_dots(RT, OT, linear, x, o0, out);
+        return;
+    }
     Lanes lane[TILE][TILE] = {{{0}}};
     int n = linear->n_in, chunks = whole_chunks(kind, n), step = kind == WEIGHTS_INT4 ? 2 : 1;
     for (int c = 0; c < chunks; c += step) {
@@ -430,10 +522,11 @@ static void dot4(int n, const float *a, const float *const *b, float *out) {
     sum_lanes4(lanes, out);
 }
 
-/* What a product's sum becomes: int8's times its row's scale, then the float bias. Activations stay float32
-   throughout: torch's engine rounds a quantized product's input and output to bfloat16 because its int8 kernel
-   is vectorized for bfloat16 only; the core has no such limit, so it computes x · Wᵀ over W's dequantized values
-   (exact in float32) to float32 rounding. */
+/* What a product's sum becomes: int8's times its row's scale, then the float bias. With float activations
+   (float32 and int4 layers, and int8 when ManasModel.integer_products is 0) the core computes x · Wᵀ over W's
+   dequantized values (exact in float32) to float32 rounding, where torch's engine rounds a quantized product's
+   input and output to bfloat16 (its int8 kernel's limit); int8's integer products quantize x per block instead
+   (integer_dots). */
 static inline float finish(const ManasLinear *linear, int o, float sum) {
     if (linear->kind == WEIGHTS_INT8) sum *= bf16_to_float(linear->scales[o]);
     return linear->bias ? linear->bias[o] + sum : sum;
@@ -442,7 +535,10 @@ static inline float finish(const ManasLinear *linear, int o, float sum) {
 /* y = x · Wᵀ + b for `rows` rows, split over the pool by tiles of output features. */
 typedef struct {
     const ManasLinear *linear;
-    const float *x;  /* (rows, n_in); for int4, each group reordered (int4_input) */
+    int kind;        /* the products' kind: the weights', or INT8_INTEGER */
+    const float *x;  /* (rows, stride): n_in floats; for int4, each group reordered (int4_input); INT8_INTEGER,
+                        a quantize_row row */
+    size_t stride;
     float *y;        /* (rows, n_out) */
     int rows;
     float *tiles;    /* per thread, TILE rows of n_in floats: a tile of quantized weights dequantized */
@@ -452,11 +548,11 @@ typedef struct {
    the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it dequantized). */
 static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, const ManasLinear *weights,
                                                               int w0, int o0, int count) {
-    int n = m->linear->n_in, n_out = m->linear->n_out;
+    int n_out = m->linear->n_out;
     for (int r0 = 0; r0 < m->rows; r0 += TILE) {
         int rows = m->rows - r0 < TILE ? m->rows - r0 : TILE;
         const float *x[TILE];
-        for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * n;
+        for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * m->stride;
         float out[TILE][TILE];
         if (rows == TILE && count == TILE) dots(kind, TILE, TILE, weights, x, w0, out);
         else if (rows == 1 && count == TILE) dots(kind, 1, TILE, weights, x, w0, out);
@@ -492,7 +588,7 @@ static void dequantize_tile(const ManasLinear *linear, int o0, int count, float 
 
 static void matmul_tiles(void *context, int begin, int end, int thread) {
     const Matmul *m = context;
-    int n_out = m->linear->n_out, kind = m->linear->kind;
+    int n_out = m->linear->n_out, kind = m->kind;
     float *buffer = m->tiles + (size_t)thread * TILE * m->linear->n_in;
     for (int tile = begin; tile < end; tile++) {
         int o0 = tile * TILE, count = n_out - o0 < TILE ? n_out - o0 : TILE;
@@ -504,6 +600,8 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
             matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count);
         } else if (kind == WEIGHTS_INT8) {
             matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count);
+        } else if (kind == INT8_INTEGER) {
+            matmul_tile(INT8_INTEGER, m, m->linear, o0, o0, count);
         } else {
             matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count);
         }
@@ -533,15 +631,22 @@ typedef struct {
     float *angles;     /* (rows, hs): the rotary angles of each row's position */
     float *tiles;      /* (threads, TILE, 4C): each thread's dequantized weight rows (an int4 prefill) */
     float *scores;     /* (threads, block_size): each thread's attention weights */
+    float *quantized;  /* (rows, quantized_floats(4C)): an integer product's input rows (quantize_row) */
 } Scratch;
 
-static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, const float *x, float *y,
-                   int rows) {
-    if (linear->kind == WEIGHTS_INT4) {
-        int4_input(linear->n_in, x, s->reordered, rows);
+static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, int integer, const float *x,
+                   float *y, int rows) {
+    int n = linear->n_in, kind = linear->kind;
+    size_t stride = (size_t)n;
+    if (kind == WEIGHTS_INT4) {
+        int4_input(n, x, s->reordered, rows);
         x = s->reordered;
+    } else if (kind == WEIGHTS_INT8 && integer) {
+        stride = quantized_floats(n);
+        for (size_t r = 0; r < (size_t)rows; r++) quantize_row(n, x + r * n, s->quantized + r * stride);
+        x = s->quantized, kind = INT8_INTEGER;
     }
-    Matmul m = {linear, x, y, rows, s->tiles};
+    Matmul m = {linear, kind, x, stride, y, rows, s->tiles};
     parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);
 }
 
@@ -734,6 +839,7 @@ static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char
         {&s->angles, R * hs},
         {&s->tiles, (size_t)threads * TILE * 4 * C},
         {&s->scores, (size_t)threads * (size_t)m->block_size},
+        {&s->quantized, R * quantized_floats(4 * m->n_embd)},
     };
     size_t offset = 0;
     for (size_t i = 0; i < sizeof table / sizeof *table; i++) {
@@ -774,22 +880,22 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
     for (int layer = 0; layer < m->n_layer; layer++) {
         const ManasLayer *block = &m->layers[layer];
         for (int r = 0; r < rows; r++) layernorm(C, m->norm_eps, &block->ln_attention, s.x + (size_t)r * C, s.h + (size_t)r * C);
-        matmul(pool, &s, &block->qkv, s.h, s.qkv, rows);
+        matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, rows);
         for (int r = 0; r < rows; r++)
             cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width);
         Attend attend = {m, caches, positions, s.qkv, s.attention, s.scores, layer};
         parallel_for(pool, attend_heads, &attend, rows * m->n_head);
-        matmul(pool, &s, &block->output, s.attention, s.h, rows);
+        matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, rows);
         for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];
         for (int r = 0; r < rows; r++) layernorm(C, m->norm_eps, &block->ln_ffn, s.x + (size_t)r * C, s.h + (size_t)r * C);
-        matmul(pool, &s, &block->up, s.h, s.hidden, rows);
+        matmul(pool, &s, &block->up, m->integer_products, s.h, s.hidden, rows);
         parallel_for(pool, gelu_rows, &(Gelu){s.hidden, 4 * C, m->gelu_tanh}, rows);
-        matmul(pool, &s, &block->down, s.hidden, s.h, rows);
+        matmul(pool, &s, &block->down, m->integer_products, s.hidden, s.h, rows);
         for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];
     }
     for (int k = 0; k < n_logits; k++)
         layernorm(C, m->norm_eps, &m->final_norm, s.x + (size_t)logit_rows[k] * C, s.h + (size_t)k * C);
-    matmul(pool, &s, &m->lm_head, s.h, logits, n_logits);
+    matmul(pool, &s, &m->lm_head, m->integer_products, s.h, logits, n_logits);
 }
 
 /* ---- loading: the checkpoint's tensors as the core reads them (Python maps the file; the core checks it) ---- */

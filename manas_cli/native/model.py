@@ -35,14 +35,16 @@ class Logits:
 class NativeGPT:
     """A float32, int8 or int4 GPT run by the core. `weights`: where its tensors are, as binding.bind asks for
     them (vector(name), linear(name)), with the model's `config`, its weight type `name` and `nbytes`, the bytes
-    the core reads."""
+    the core reads. int8 layers multiply their input quantized per block of 32 in integers (as llama.cpp's q8_0
+    does), unless float_activations: then in float32, over the weights' exact dequantized values."""
 
-    def __init__(self, weights, library: ctypes.CDLL, threads: int = 1) -> None:
+    def __init__(self, weights, library: ctypes.CDLL, threads: int = 1, float_activations: bool = False) -> None:
         self._pool = None  # first: __del__ closes it
         self.config: GPTConfig = weights.config
         self.weights, self.weights_bytes = weights.name, weights.nbytes
         self.library = library
-        self.bound = bind(self.config, weights)
+        self.float_activations = float_activations  # int8 products in float32 (torch's reference), not integers
+        self.bound = bind(self.config, weights, integer_products=not float_activations)
         self._alive = weights  # the tensors and converted copies the bound pointers point into
         self._scratch = ctypes.create_string_buffer(0)
         self._scratch_rows = -1

@@ -4,9 +4,11 @@ batched == alone bit for bit, and its build: cached per user, refused folders, n
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import json
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -22,6 +24,7 @@ from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
 from conftest import BLOCK_SIZE, all_logits, make_model, native_model, needs_compiler, step_logits
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.native import build
+from manas_cli.native.binding import declare
 from manas_cli.native.session import NativeSession, decode_rows
 from manas_cli.torch_engine.model import GPT, use_decode_layout
 from manas_cli.torch_engine.quantize import is_quantized, quantizable, quantize_model
@@ -601,3 +604,37 @@ def test_torch_is_given_one_thread_when_the_core_runs():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=300)
     assert done.stdout.split() == ["native", "1", "2"], done.stderr
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return {
+            flag
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+            for flag in line.split(":")[1].split()
+        }
+    except OSError:
+        return set()
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA"
+)
+def test_int8_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path):
+    """The same source built for this CPU (AVX-512 VNNI where it has it), for AVX2 and for plain C with FMA: the
+    integer sums are exact and combined in one order, so the logits are identical, bit for bit."""
+    libraries = []
+    for march in (["-march=native"], ["-march=haswell"], ["-march=x86-64", "-mfma"]):
+        path = tmp_path / f"core{len(libraries)}.so"
+        flags = [flag for flag in build.FLAGS if not flag.startswith("-march")]
+        subprocess.run(
+            [build.compiler(), *flags, *march, "-o", str(path), str(build.SOURCE), *build.LIBRARIES], check=True
+        )
+        libraries.append(declare(ctypes.CDLL(str(path))))
+    for width in (64, 40):
+        model = configured_model("rope", "gqa", True, "tanh", "int8", n_embd=width, n_head=4)
+        ids = random_ids(2, BLOCK_SIZE)
+        logits = [all_logits(native_model(model, library), ids) for library in libraries]
+        assert all(torch.equal(logits[0], other) for other in logits[1:])

@@ -606,22 +606,11 @@ def test_torch_is_given_one_thread_when_the_core_runs():
     assert done.stdout.split() == ["native", "1", "2"], done.stderr
 
 
-def cpu_flags() -> set[str]:
-    try:
-        return {
-            flag
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-            for flag in line.split(":")[1].split()
-        }
-    except OSError:
-        return set()
+X86_WITH_AVX2_AND_FMA = platform.machine() == "x86_64" and {"avx2", "fma"} <= set(build.cpu_features().split())
 
 
 @needs_compiler
-@pytest.mark.skipif(
-    platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA"
-)
+@pytest.mark.skipif(not X86_WITH_AVX2_AND_FMA, reason="needs an x86-64 CPU with AVX2 and FMA")
 def test_int8_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path):
     """The same source built for this CPU (AVX-512 VNNI where it has it), for AVX2 and for plain C with FMA: the
     integer sums are exact and combined in one order, so the logits are identical, bit for bit."""

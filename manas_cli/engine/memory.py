@@ -30,6 +30,11 @@ def cpu_available_bytes() -> int | None:
     return min(known) if known else None
 
 
+def process_peak_bytes() -> int:
+    """The whole process's peak resident memory (Linux reports it in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def check_fits(engine, rows: int, positions: int, lower: str) -> None:
     """Refuse, before allocating, a run that needs more memory than the engine's device has (Engine's
     free_memory_bytes); `lower` names what to lower."""

@@ -6,9 +6,8 @@ batched == alone hold bit for bit."""
 from __future__ import annotations
 
 import ctypes
-import resource
 
-from ..engine.memory import cpu_available_bytes
+from ..engine.memory import cpu_available_bytes, process_peak_bytes
 from ..engine.sampling import Sampler, logits_error
 from ..errors import NumericalError
 from .model import Logits, NativeGPT, int32s
@@ -73,4 +72,4 @@ class NativeEngine:
 
     def peak_memory_bytes(self) -> int:
         """The whole process's peak resident memory."""
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return process_peak_bytes()

@@ -43,7 +43,6 @@ class NativeGPT:
         self.config: GPTConfig = weights.config
         self.weights, self.weights_bytes = weights.name, weights.nbytes
         self.library = library
-        self.float_activations = float_activations  # int8 products in float32 (torch's reference), not integers
         self.bound = bind(self.config, weights, integer_products=not float_activations)
         self._alive = weights  # the tensors and converted copies the bound pointers point into
         self._scratch = ctypes.create_string_buffer(0)

@@ -3,11 +3,9 @@ sampling (sampling.py), on any device and dtype torch runs."""
 
 from __future__ import annotations
 
-import resource
-
 import torch
 
-from ..engine.memory import cpu_available_bytes
+from ..engine.memory import cpu_available_bytes, process_peak_bytes
 from ..engine.sampling import Sampler
 from .kv_cache import CacheSession, decode_torch_rows
 from .model import GPT
@@ -69,4 +67,4 @@ class TorchEngine:
         """Peak GPU memory allocated on CUDA; the whole process's peak resident memory on the CPU."""
         if self._device.type == "cuda":
             return torch.cuda.max_memory_allocated(self._device)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return process_peak_bytes()

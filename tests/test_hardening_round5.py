@@ -103,7 +103,7 @@ def test_a_tensor_whose_bytes_are_fewer_than_its_shape_is_refused_on_both_engine
     "n_embd, group_size", [(32, 32), (64, 64), (40, 40), (32, 16), (32, 2), (16, 16), (48, 48), (96, 32), (80, 20)]
 )
 def test_int4_of_any_group_size_runs_on_the_core(native_library, tmp_path, n_embd, group_size):
-    """The core's int4 product equals x · Wᵀ over the dequantized weights (torch's engine rounds its activations to
+    """The core's float-activation int4 product equals x · Wᵀ over the dequantized weights (torch's engine rounds its activations to
     bfloat16, so its greedy tokens part from both after a few steps on a random model); the mapped file and the
     torch model's own tensors give the core the same bits; the CLI runs the file."""
     path = quantized_file(tmp_path / f"int4-{group_size}.safetensors", "int4", group_size, n_embd=n_embd)
@@ -111,10 +111,11 @@ def test_int4_of_any_group_size_runs_on_the_core(native_library, tmp_path, n_emb
     ids = torch.randint(264, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         expected = dequantized_reference(model)(ids)
-    got = all_logits(native_model(model, native_library), ids)
+    got = all_logits(native_model(model, native_library, float_activations=True), ids)
     assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    assert torch.equal(all_logits(native_model(open_checkpoint(path), native_library), ids), got)
+    mapped = native_model(open_checkpoint(path), native_library, float_activations=True)
+    assert torch.equal(all_logits(mapped, ids), got)
     run = run_model(path, "native", "-n", "40", "-t", "0", "--json").ok().json()
     assert run["engine"] == "native" and run["generated_tokens"] > 0
 

@@ -121,13 +121,23 @@ class BlockQuantizedInput(nn.Module):
         return self.linear((codes * (largest / 127.0)).flatten(-2)[..., :n])
 
 
+def takes_integer_products(layer: nn.Module) -> bool:
+    """int8 layers always; int4 layers of whole groups of 64 inputs and weight groups of whole blocks of 32 (the
+    rest multiply in float32)."""
+    if not hasattr(layer, "group_size"):
+        return True
+    return layer.in_features % 64 == 0 and layer.group_size % 32 == 0
+
+
 def integer_reference(model: GPT) -> GPT:
-    """dequantized_reference with every int8 layer's input block-quantized as the core's integer products do."""
+    """dequantized_reference with the input of every layer whose products run in integers block-quantized as the
+    core quantizes it."""
     reference = dequantized_reference(model)
     for name in quantizable(model):
-        parent, _, child = name.rpartition(".")
-        holder = reference.get_submodule(parent) if parent else reference
-        setattr(holder, child, BlockQuantizedInput(getattr(holder, child)))
+        if takes_integer_products(model.get_submodule(name)):
+            parent, _, child = name.rpartition(".")
+            holder = reference.get_submodule(parent) if parent else reference
+            setattr(holder, child, BlockQuantizedInput(getattr(holder, child)))
     return reference
 
 
@@ -136,13 +146,20 @@ def position_errors(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     return ((got - expected).abs().amax(-1) / expected.abs().amax(-1)).flatten()
 
 
-@pytest.mark.parametrize("width", [64, 40, 48])
-@pytest.mark.parametrize("pe", ["learned", "rope"])
-def test_int8_integer_products_equal_block_quantized_activations_in_torch(native_library, pe, width):
-    """The default int8 path against its own reference: position by position within float rounding, but where an
-    activation lands on a rounding boundary (torch and the core differ upstream in their last bits, and one code
-    rounds the other way: a few positions of a sequence). The float path matches the reference nowhere."""
-    model = configured_model(pe, "gqa", True, "tanh", "int8", n_embd=width, n_head=4)
+INTEGER_CASES = (
+    [(pe, "int8", width) for pe in ("learned", "rope") for width in (64, 40, 48)]
+    + [(pe, "int4", width) for pe in ("learned", "rope") for width in (64, 128)]
+    + [("learned", "int4", 96)]
+)
+
+
+@pytest.mark.parametrize("pe, weights, width", INTEGER_CASES)
+def test_integer_products_equal_block_quantized_activations_in_torch(native_library, pe, weights, width):
+    """The default quantized path against its own reference: position by position within float rounding, but where
+    an activation lands on a rounding boundary (torch and the core differ upstream in their last bits, and one code
+    rounds the other way: a few positions of a sequence). The float path matches the reference nowhere. int4 at
+    width 96: the attention's products (96 inputs) in float32, the feed-forward's (384) in integers."""
+    model = configured_model(pe, "gqa", True, "tanh", weights, n_embd=width, n_head=4)
     ids = random_ids(2, BLOCK_SIZE)
     with torch.inference_mode():
         expected = integer_reference(model)(ids)
@@ -611,7 +628,7 @@ X86_WITH_AVX2_AND_FMA = platform.machine() == "x86_64" and {"avx2", "fma"} <= se
 
 @needs_compiler
 @pytest.mark.skipif(not X86_WITH_AVX2_AND_FMA, reason="needs an x86-64 CPU with AVX2 and FMA")
-def test_int8_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path):
+def test_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path):
     """The same source built for this CPU (AVX-512 VNNI where it has it), for AVX2 and for plain C with FMA: the
     integer sums are exact and combined in one order, so the logits are identical, bit for bit."""
     libraries = []
@@ -622,8 +639,8 @@ def test_int8_integer_products_are_the_same_bits_from_every_instruction_set_buil
             [build.compiler(), *flags, *march, "-o", str(path), str(build.SOURCE), *build.LIBRARIES], check=True
         )
         libraries.append(declare(ctypes.CDLL(str(path))))
-    for width in (64, 40):
-        model = configured_model("rope", "gqa", True, "tanh", "int8", n_embd=width, n_head=4)
+    for weights, width in (("int8", 64), ("int8", 40), ("int4", 64), ("int4", 96)):
+        model = configured_model("rope", "gqa", True, "tanh", weights, n_embd=width, n_head=4)
         ids = random_ids(2, BLOCK_SIZE)
         logits = [all_logits(native_model(model, library), ids) for library in libraries]
         assert all(torch.equal(logits[0], other) for other in logits[1:])

@@ -121,20 +121,21 @@ def test_the_model_cards_samples_are_what_their_commands_print():
         assert done.stdout.decode("utf-8").rstrip("\n") == text
 
 
-INTEGER_MARGIN_NATS_PER_CHAR = 0.005  # issue 34: int8's integer products (quantized activations) may cost this much
+INTEGER_MARGIN_NATS_PER_CHAR = 0.005  # issue 34: integer products (quantized activations) may cost this much
 
 
 @needs_compiler
-def test_int8_integer_products_cost_at_most_0_005_nats_per_char_against_float_activations(tmp_path):
-    """The core's default int8 products against its --float-activations path, through `manas score` on the
-    shipped model's int8 file."""
-    int8 = tmp_path / "int8.safetensors"
-    run = [*MANAS, "quantize", str(CHECKPOINT), "--out", str(int8)]
+@pytest.mark.parametrize("bits", [8, 4])
+def test_integer_products_cost_at_most_0_005_nats_per_char_against_float_activations(tmp_path, bits):
+    """The core's default int8 and int4 products against its --float-activations path, through `manas score` on
+    the shipped model's quantized files."""
+    quantized = tmp_path / f"int{bits}.safetensors"
+    run = [*MANAS, "quantize", str(CHECKPOINT), "--bits", str(bits), "--out", str(quantized)]
     assert subprocess.run(run, capture_output=True, env=cli_env(), timeout=300).returncode == 0
     scores = {}
     for flags in ((), ("--float-activations",)):
         done = subprocess.run(
-            [*MANAS, "score", str(HELD_OUT), "-c", str(int8), "--engine", "native", "--json", *flags],
+            [*MANAS, "score", str(HELD_OUT), "-c", str(quantized), "--engine", "native", "--json", *flags],
             capture_output=True,
             text=True,
             env=cli_env(),
@@ -143,6 +144,6 @@ def test_int8_integer_products_cost_at_most_0_005_nats_per_char_against_float_ac
         assert done.returncode == 0, done.stderr
         scores[flags] = json.loads(done.stdout)["nats_per_char"]
     integer, floats = scores[()], scores[("--float-activations",)]
-    print(f"int8 integer products {integer:.6f} nats/char, float activations {floats:.6f}")
+    print(f"int{bits} integer products {integer:.7f} nats/char, float activations {floats:.7f}")
     assert integer != floats  # two paths really ran
     assert integer <= floats + INTEGER_MARGIN_NATS_PER_CHAR

@@ -31,8 +31,9 @@
 /* ---- the model, as Python lays it out (native/binding.py mirrors these structs) ---- */
 
 enum { WEIGHTS_F32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2 };
-/* The products' own kind for int8 weights times activations quantized per block (ManasModel.integer_products). */
-enum { INT8_INTEGER = 3 };
+/* The products' own kinds for quantized weights times activations quantized per block, in integers
+   (ManasModel.integer_products). */
+enum { INT8_INTEGER = 3, INT4_INTEGER = 4 };
 #define QBLOCK 32  /* activations are quantized per block of 32 values, one float scale each (llama.cpp's q8_0) */
 #define INT4_BLOCK 32      /* int4 columns read as one block: 16 bytes, each column pair's low nibble first */
 #define INT4_MIDDLE 8      /* the code a group's zero stands for */
@@ -60,7 +61,7 @@ typedef struct {
     const ManasLayer *layers;
     ManasNorm final_norm;
     ManasLinear lm_head;
-    int32_t integer_products;  /* 1: int8 weights multiply activations quantized per QBLOCK, in integers */
+    int32_t integer_products;  /* 1: int8 and int4 weights multiply activations quantized per QBLOCK, in integers */
 } ManasModel;
 
 /* One row's KV cache: k and v each [layer][capacity][kv head][head size], float32. */
@@ -386,33 +387,38 @@ static inline float weight_at(int kind, const ManasLinear *linear, int o, int i)
                       bf16_to_float(linear->zeros[g]));
 }
 
-/* The integer products of a group of QGROUP values (two blocks): lane l is Σ_k q[4l+k]·w[4l+k], k < 4, exact in
-   int32, as a float (exact too), lanes 0–7 the first block's, 8–15 the second's. AVX-512 VNNI computes it in one
-   instruction, a dot of 4 bytes per lane, which needs one side unsigned: w + 128 (w xor 0x80) times q, less the
-   row's `correction` for the 128 (−128·Σ q over the lane's four, quantize_row's), the exact sum again. Without
-   VNNI, AVX2 sums int16 pairs and adds adjacent pairs; elsewhere C sums the four. A row's last, partial group takes
-   the C, reading no weight past the row. */
+/* The integer products of a group of QGROUP values (two blocks of QBLOCK): 64 unsigned weight bytes u (Bytes)
+   against 64 int8 activation codes q. Lane l is correction[l] + Σ_k u[4l+k]·q[4l+k], k < 4, exact in int32, as a
+   float (exact too): lanes 0–7 the first block's, 8–15 the second's. The weights are made unsigned by an offset
+   (int8: w + 128, w xor 0x80; int4: the code, 0–15, stands for code − 8), and the row's correction,
+   −offset·Σ q over the lane's four (quantize_row's), takes it back out: the lane is Σ q·(u − offset), exactly.
+   AVX-512 VNNI computes it in one instruction (a 4-byte dot per lane, starting from the correction); AVX2 sums
+   int16 pairs and adds adjacent pairs; elsewhere C sums the four. */
 #define QGROUP 64
+#define PREFETCH_TILES 2  /* how many tiles of weight rows ahead integer_dots asks for */
+typedef uint8_t Bytes __attribute__((vector_size(QGROUP)));
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-static inline Lanes group_products(const int8_t *q, const int8_t *w, const int32_t *correction) {
-    __m512i unsigned_w = _mm512_xor_si512(_mm512_loadu_si512(w), _mm512_set1_epi8((char)0x80));
-    __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(correction), unsigned_w, _mm512_loadu_si512(q));
+static inline Lanes group_products(Bytes u, const int8_t *q, const int32_t *correction) {
+    __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(correction), (__m512i)u, _mm512_loadu_si512(q));
     return (Lanes)_mm512_cvtepi32_ps(sums);
 }
 #elif defined(__AVX2__)
-static inline Lanes group_products(const int8_t *q, const int8_t *w, const int32_t *correction) {
-    (void)correction;
+static inline Lanes group_products(Bytes u, const int8_t *q, const int32_t *correction) {
+    uint8_t bytes[QGROUP];
+    memcpy(bytes, &u, sizeof bytes);
     __m256 halves[2];
     for (int h = 0; h < 2; h++) {
         __m256i pairs[2];
         for (int k = 0; k < 2; k++) {
             size_t at = (size_t)32 * h + 16 * k;
             __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + at)));
-            __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + at)));
+            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(bytes + at)));
             pairs[k] = _mm256_madd_epi16(a, b);  /* 8 sums of 2 */
         }
         /* hadd interleaves the two halves' sums of 4 by 128-bit lane; the permute puts them back in order */
         __m256i fours = _mm256_permute4x64_epi64(_mm256_hadd_epi32(pairs[0], pairs[1]), 0xD8);
+        fours = _mm256_add_epi32(fours, _mm256_loadu_si256((const __m256i *)(correction + 8 * h)));
         halves[h] = _mm256_cvtepi32_ps(fours);
     }
     Lanes lanes;
@@ -420,18 +426,45 @@ static inline Lanes group_products(const int8_t *q, const int8_t *w, const int32
     return lanes;
 }
 #else
-static inline Lanes group_products(const int8_t *q, const int8_t *w, const int32_t *correction) {
-    (void)correction;
+static inline Lanes group_products(Bytes u, const int8_t *q, const int32_t *correction) {
     Lanes lanes;
     for (int l = 0; l < LANES; l++) {
-        int32_t sum = 0;
-        for (int k = 0; k < 4; k++) sum += (int32_t)q[4 * l + k] * w[4 * l + k];
+        int32_t sum = correction[l];
+        for (int k = 0; k < 4; k++) sum += (int32_t)u[4 * l + k] * q[4 * l + k];
         lanes[l] = (float)sum;
     }
     return lanes;
 }
 #endif
 
+/* int8 weights as group_products' unsigned bytes: w + 128. */
+static inline Bytes int8_bytes(const int8_t *w) {
+    Bytes u;
+    memcpy(&u, w, sizeof u);
+    return u ^ 0x80;
+}
+
+/* A group of 64 int4 columns (two INT4_BLOCKs, 32 bytes) as group_products' unsigned bytes: each block's low
+   nibbles (its even columns), then its high nibbles (its odd columns), the order int4_input gives x in. */
+static inline Bytes int4_bytes(const uint8_t *w) {
+#if defined(__AVX512F__)
+    /* [b0 b1] → [b0 b0 b1 b1] by 128-bit quarters, the second copy of each shifted by a nibble, then masked */
+    __m512i both = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)w)));
+    both = _mm512_srlv_epi64(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+    return (Bytes)_mm512_and_si512(both, _mm512_set1_epi8(15));
+#else
+    Bytes u;
+    for (int b = 0; b < 2; b++)
+        for (int j = 0; j < INT4_BLOCK / 2; j++) {
+            u[32 * b + j] = w[16 * b + j] & 15;
+            u[32 * b + 16 + j] = w[16 * b + j] >> 4;
+        }
+    return u;
+#endif
+}
+
+/* A row's last, partial group of int8 products (count < QGROUP values), in C, reading no weight past the row. */
 static inline Lanes partial_group_products(const int8_t *q, const int8_t *w, int count) {
     Lanes lanes = {0};
     for (int l = 0; 4 * l < count; l++) {
@@ -443,20 +476,19 @@ static inline Lanes partial_group_products(const int8_t *q, const int8_t *w, int
 }
 
 /* A row of n activations quantized for the integer products, as quantize_row lays it out in the scratch, per
-   group of QGROUP values: its lanes' scales (16 floats: the first block's scale 8 times, then the second's), its
-   codes (QGROUP int8, zero past n) and its lanes' VNNI corrections (16 int32). Its length in floats. */
-static inline size_t quantized_floats(int n) {
-    size_t groups = ((size_t)n + QGROUP - 1) / QGROUP;
-    return groups * (LANES + QGROUP / 4 + LANES);
-}
+   group of QGROUP values: its lanes' scales d (16 floats: the first block's 8 times, then the second's), its codes
+   (QGROUP int8, zero past n), its lanes' corrections (16 int32) and its lanes' d·Σ q (16 floats: int4's zeros
+   multiply them). The floats one group takes, and a row's length in floats. */
+#define QUANTIZED_SPAN (LANES + QGROUP / 4 + LANES + LANES)
+static inline size_t quantized_floats(int n) { return ((size_t)n + QGROUP - 1) / QGROUP * QUANTIZED_SPAN; }
 
 /* x (n values) quantized per block of QBLOCK: scale d = max|x| / 127 and codes q = round(x · 127 / max|x|) in
-   [−127, 127], d·q ≈ x. A NaN or an infinity keeps its block's scale NaN or infinite, so the product is not finite
-   and the logits' check still catches it. */
-static void quantize_row(int n, const float *x, float *out) {
+   [−127, 127], d·q ≈ x; each lane's correction is −offset·Σ q (group_products). A NaN or an infinity keeps its
+   block's scale NaN or infinite, so the product is not finite and the logits' check still catches it. */
+static void quantize_row(int n, const float *x, int offset, float *out) {
     int groups = (n + QGROUP - 1) / QGROUP;
     for (int g = 0; g < groups; g++) {
-        float *scales = out + (size_t)g * (LANES + QGROUP / 4 + LANES);
+        float *scales = out + (size_t)g * QUANTIZED_SPAN, *sums = scales + LANES + QGROUP / 4 + LANES;
         int8_t *codes = (int8_t *)(scales + LANES);
         int32_t *correction = (int32_t *)(scales + LANES + QGROUP / 4);
         for (int half = 0; half < 2; half++) {
@@ -472,44 +504,101 @@ static void quantize_row(int n, const float *x, float *out) {
             for (int j = 0; j < QBLOCK; j++)
                 codes[half * QBLOCK + j] = j < count && inverse > 0.0f ? (int8_t)nearbyintf(x[first + j] * inverse) : 0;
         }
-        for (int l = 0; l < LANES; l++)
-            correction[l] = -128 * (codes[4 * l] + codes[4 * l + 1] + codes[4 * l + 2] + codes[4 * l + 3]);
+        for (int l = 0; l < LANES; l++) {
+            int32_t four = codes[4 * l] + codes[4 * l + 1] + codes[4 * l + 2] + codes[4 * l + 3];
+            correction[l] = -offset * four;
+            sums[l] = scales[l] * (float)four;
+        }
     }
 }
 
-/* The integer products of a tile: out[r][o] = Σ over groups of each lane's scale × group_products, the groups
-   added in order (madd), then the lanes in sum_lanes' tree: the same bits whatever shares the call, on any CPU
-   with the same madd. x[r] is a quantize_row row. */
-static inline __attribute__((always_inline)) void integer_dots(int RT, int OT, const ManasLinear *linear,
-                                                               const float *const *x, int o0, float out[TILE][TILE]) {
+/* Lanes 0–7 a, lanes 8–15 b: a weight group's scale (or zero) for each block of a group. */
+static inline Lanes halves(float a, float b) {
+#if defined(__AVX512F__)
+    return (Lanes)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+#else
+    Half h[2] = {(Half){0} + a, (Half){0} + b};
+    Lanes lanes;
+    memcpy(&lanes, h, sizeof lanes);
+    return lanes;
+#endif
+}
+
+/* The scales, then the zeros, of int4 weight rows o0 .. o0 + count − 1 as float32, each row's n_in / group of
+   each: integer_dots reads a block's pair of them per group of QGROUP columns, for every row of x. */
+static void int4_groups(const ManasLinear *linear, int o0, int count, float *out) {
+    size_t row_groups = (size_t)(linear->n_in / linear->group);
+    for (size_t k = 0; k < (size_t)count; k++)
+        for (size_t j = 0; j < row_groups; j++) {
+            size_t at = ((size_t)o0 + k) * row_groups + j;
+            out[2 * k * row_groups + j] = bf16_to_float(linear->scales[at]);
+            out[(2 * k + 1) * row_groups + j] = bf16_to_float(linear->zeros[at]);
+        }
+}
+
+/* The integer products of a tile: out[r][o] = the lanes' sum over groups of d × group_products (int8: the row's
+   scale comes last, in finish) or, for int4, of d·scale × group_products + zero × d·Σ q (a group's values are
+   (code − 8)·scale + zero), the groups added in order (madd), then the lanes in sum_lanes' tree: the same bits
+   whatever shares the call, on any CPU with the same madd. x[r] is a quantize_row row. int4 takes whole groups of
+   64 and weight groups of whole blocks (int4_integer), so each block has one scale and one zero; `grouped` holds
+   the tile's rows' scales and zeros as float32 (int4_groups). */
+static inline __attribute__((always_inline)) void integer_dots(int kind, int RT, int OT, const ManasLinear *linear,
+                                                               const float *const *x, int o0, const float *grouped,
+                                                               float out[TILE][TILE]) {
     Lanes lane[TILE][TILE] = {{{0}}};
-    int n = linear->n_in, groups = (n + QGROUP - 1) / QGROUP, whole = n / QGROUP;
-    /* Fetching the next tile's rows while these are read keeps the loads from waiting: a decode step, one row of
-       x, is otherwise latency-bound on them (136 against 105 tok/s at GPT-2 size here). A hint, not a read. */
-    int ahead = o0 + 2 * OT <= linear->n_out;
-    size_t span = LANES + QGROUP / 4 + LANES;  /* floats per group of a quantized row */
-    for (int g = 0; g < groups; g++)
+    size_t n = (size_t)linear->n_in, groups = (n + QGROUP - 1) / QGROUP, whole = n / QGROUP;
+    /* Fetching the rows of the tile after next while these are read keeps the loads from waiting: a decode step,
+       one row of x, is otherwise latency-bound on them (int8 at GPT-2 size here: 136 against 105 tok/s for the
+       next tile, 10% more again for the one after; int4's shorter rows need the distance). A hint, not a read. */
+    int ahead = o0 + (1 + PREFETCH_TILES) * OT <= linear->n_out;
+    size_t row_bytes = kind == INT4_INTEGER ? n / 2 : n, group_bytes = kind == INT4_INTEGER ? QGROUP / 2 : QGROUP;
+    size_t row_groups = kind == INT4_INTEGER ? n / (size_t)linear->group : 0;  /* int4's weight groups per row */
+    for (size_t g = 0; g < groups; g++) {
+        /* the weight groups (within a row) of this group's two blocks: a division per group, not per row */
+        size_t first = kind == INT4_INTEGER ? g * QGROUP / (size_t)linear->group : 0;
+        size_t second = kind == INT4_INTEGER ? (g * QGROUP + QBLOCK) / (size_t)linear->group : 0;
         for (int o = 0; o < OT; o++) {
-            const int8_t *w = (const int8_t *)linear->weight + (size_t)(o0 + o) * n + (size_t)g * QGROUP;
-            if (ahead) __builtin_prefetch(w + (size_t)OT * n);  /* the next tile's row, as far along */
-            for (int r = 0; r < RT; r++) {
-                const float *scales = x[r] + (size_t)g * span;
-                const int8_t *q = (const int8_t *)(scales + LANES);
-                Lanes products = g < whole ? group_products(q, w, (const int32_t *)(scales + LANES + QGROUP / 4))
-                                           : partial_group_products(q, w, n - g * QGROUP);
-                lane[r][o] = madd(lane[r][o], products, load_lanes(scales));
+            const uint8_t *w = (const uint8_t *)linear->weight + (size_t)(o0 + o) * row_bytes + g * group_bytes;
+            if (ahead) __builtin_prefetch(w + (size_t)PREFETCH_TILES * OT * row_bytes);  /* that row, as far along */
+            if (kind == INT4_INTEGER) {
+                const float *scales = grouped + (size_t)o * 2 * row_groups, *zeros = scales + row_groups;
+                Lanes scale = halves(scales[first], scales[second]), zero = halves(zeros[first], zeros[second]);
+                Bytes u = int4_bytes(w);
+                for (int r = 0; r < RT; r++) {
+                    const float *d = x[r] + g * QUANTIZED_SPAN;
+                    const int8_t *q = (const int8_t *)(d + LANES);
+                    Lanes products = group_products(u, q, (const int32_t *)(d + LANES + QGROUP / 4));
+                    Lanes sums = load_lanes(d + LANES + QGROUP / 4 + LANES);
+                    lane[r][o] = madd(madd(lane[r][o], zero, sums), load_lanes(d) * scale, products);
+                }
+            } else {
+                Bytes u = g < whole ? int8_bytes((const int8_t *)w) : (Bytes){0};
+                for (int r = 0; r < RT; r++) {
+                    const float *d = x[r] + g * QUANTIZED_SPAN;
+                    const int8_t *q = (const int8_t *)(d + LANES);
+                    Lanes products = g < whole ? group_products(u, q, (const int32_t *)(d + LANES + QGROUP / 4))
+                                               : partial_group_products(q, (const int8_t *)w, (int)(n - g * QGROUP));
+                    lane[r][o] = madd(lane[r][o], products, load_lanes(d));
+                }
             }
         }
-    for (int r = 0; r < RT; r++)
-        for (int o = 0; o < OT; o++) out[r][o] = sum_lanes(lane[r][o]);
+    }
+    for (int r = 0; r < RT; r++) {
+        if (OT == 4) {
+            sum_lanes4(lane[r], out[r]);
+        } else {
+            for (int o = 0; o < OT; o++) out[r][o] = sum_lanes(lane[r][o]);
+        }
+    }
 }
 
 /* out[r][o] = x[r] · w[o0 + o] for r < RT, o < OT (compile-time sizes after inlining): each pair in the lane
    order above, whatever the tile's shape. */
 static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT, const ManasLinear *linear,
-                                                       const float *const *x, int o0, float out[TILE][TILE]) {
-    if (kind == INT8_INTEGER) {
-        integer_dots(RT, OT, linear, x, o0, out);
+                                                       const float *const *x, int o0, const float *grouped,
+                                                       float out[TILE][TILE]) {
+    if (kind == INT8_INTEGER || kind == INT4_INTEGER) {
+        integer_dots(kind, RT, OT, linear, x, o0, grouped, out);
         return;
     }
     Lanes lane[TILE][TILE] = {{{0}}};
@@ -571,32 +660,34 @@ static inline float finish(const ManasLinear *linear, int o, float sum) {
 /* y = x · Wᵀ + b for `rows` rows, split over the pool by tiles of output features. */
 typedef struct {
     const ManasLinear *linear;
-    int kind;        /* the products' kind: the weights', or INT8_INTEGER */
-    const float *x;  /* (rows, stride): n_in floats; for int4, each group reordered (int4_input); INT8_INTEGER,
-                        a quantize_row row */
+    int kind;        /* the products' kind: the weights', or INT8_INTEGER / INT4_INTEGER */
+    const float *x;  /* (rows, stride): n_in floats, for int4 each block reordered (int4_input); for the integer
+                        kinds, a quantize_row row (of the reordered values, for int4) */
     size_t stride;
     float *y;        /* (rows, n_out) */
     int rows;
-    float *tiles;    /* per thread, TILE rows of n_in floats: a tile of quantized weights dequantized */
+    float *tiles;    /* per thread, TILE rows of n_in floats: a tile of int4 weights dequantized (a float prefill),
+                        or its rows' scales and zeros as float32 (int4_groups) */
 } Matmul;
 
 /* Output features o0 .. o0 + count − 1 for every row, TILE rows at a time, each weight load serving TILE rows;
    the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it dequantized). */
 static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, const ManasLinear *weights,
-                                                              int w0, int o0, int count) {
+                                                              int w0, int o0, int count, const float *grouped) {
     int n_out = m->linear->n_out;
     for (int r0 = 0; r0 < m->rows; r0 += TILE) {
         int rows = m->rows - r0 < TILE ? m->rows - r0 : TILE;
         const float *x[TILE];
         for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * m->stride;
         float out[TILE][TILE];
-        if (rows == TILE && count == TILE) dots(kind, TILE, TILE, weights, x, w0, out);
-        else if (rows == 1 && count == TILE) dots(kind, 1, TILE, weights, x, w0, out);
+        if (rows == TILE && count == TILE) dots(kind, TILE, TILE, weights, x, w0, grouped, out);
+        else if (rows == 1 && count == TILE) dots(kind, 1, TILE, weights, x, w0, grouped, out);
         else
             for (int r = 0; r < rows; r++)
                 for (int o = 0; o < count; o++) {
                     float one[TILE][TILE];
-                    dots(kind, 1, 1, weights, x + r, w0 + o, one);
+                    size_t row_groups = grouped ? (size_t)(weights->n_in / weights->group) : 0;
+                    dots(kind, 1, 1, weights, x + r, w0 + o, grouped ? grouped + o * 2 * row_groups : NULL, one);
                     out[r][o] = one[0][0];
                 }
         for (int r = 0; r < rows; r++)
@@ -629,17 +720,20 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
     for (int tile = begin; tile < end; tile++) {
         int o0 = tile * TILE, count = n_out - o0 < TILE ? n_out - o0 : TILE;
         if (kind == WEIGHTS_F32) {
-            matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count);  /* one copy of the loops per kind */
+            matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count, NULL);  /* one copy of the loops per kind */
         } else if (kind == WEIGHTS_INT4 && m->rows > TILE) {  /* a prefill: dequantize once for all its rows */
             dequantize_tile(m->linear, o0, count, buffer);
             ManasLinear dequantized = {.kind = WEIGHTS_F32, .n_in = m->linear->n_in, .n_out = count, .weight = buffer};
-            matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count);
+            matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count, NULL);
         } else if (kind == WEIGHTS_INT8) {
-            matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count);
+            matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count, NULL);
         } else if (kind == INT8_INTEGER) {
-            matmul_tile(INT8_INTEGER, m, m->linear, o0, o0, count);
+            matmul_tile(INT8_INTEGER, m, m->linear, o0, o0, count, NULL);
+        } else if (kind == INT4_INTEGER) {
+            int4_groups(m->linear, o0, count, buffer);
+            matmul_tile(INT4_INTEGER, m, m->linear, o0, o0, count, buffer);
         } else {
-            matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count);
+            matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count, NULL);
         }
     }
 }
@@ -670,6 +764,12 @@ typedef struct {
     float *quantized;  /* (rows, quantized_floats(4C)): an integer product's input rows (quantize_row) */
 } Scratch;
 
+/* Whether an int4 layer's products run in integers: whole groups of QGROUP columns, and weight groups of whole
+   blocks, so each activation block meets one scale and one zero. Other int4 layers multiply in float32. */
+static int int4_integer(const ManasLinear *linear) {
+    return linear->n_in % QGROUP == 0 && linear->group % QBLOCK == 0;
+}
+
 static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, int integer, const float *x,
                    float *y, int rows) {
     int n = linear->n_in, kind = linear->kind;
@@ -677,10 +777,12 @@ static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear,
     if (kind == WEIGHTS_INT4) {
         int4_input(n, x, s->reordered, rows);
         x = s->reordered;
-    } else if (kind == WEIGHTS_INT8 && integer) {
+    }
+    if (integer && (kind == WEIGHTS_INT8 || (kind == WEIGHTS_INT4 && int4_integer(linear)))) {
+        int offset = kind == WEIGHTS_INT8 ? 128 : INT4_MIDDLE;  /* what makes the weights unsigned (int8_bytes) */
         stride = quantized_floats(n);
-        for (size_t r = 0; r < (size_t)rows; r++) quantize_row(n, x + r * n, s->quantized + r * stride);
-        x = s->quantized, kind = INT8_INTEGER;
+        for (size_t r = 0; r < (size_t)rows; r++) quantize_row(n, x + r * n, offset, s->quantized + r * stride);
+        x = s->quantized, kind = kind == WEIGHTS_INT8 ? INT8_INTEGER : INT4_INTEGER;
     }
     Matmul m = {linear, kind, x, stride, y, rows, s->tiles};
     parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);

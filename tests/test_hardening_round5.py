@@ -103,9 +103,10 @@ def test_a_tensor_whose_bytes_are_fewer_than_its_shape_is_refused_on_both_engine
     "n_embd, group_size", [(32, 32), (64, 64), (40, 40), (32, 16), (32, 2), (16, 16), (48, 48), (96, 32), (80, 20)]
 )
 def test_int4_of_any_group_size_runs_on_the_core(native_library, tmp_path, n_embd, group_size):
-    """The core's float-activation int4 product equals x · Wᵀ over the dequantized weights (torch's engine rounds its activations to
-    bfloat16, so its greedy tokens part from both after a few steps on a random model); the mapped file and the
-    torch model's own tensors give the core the same bits; the CLI runs the file."""
+    """The core's float-activation int4 product equals x · Wᵀ over the dequantized weights (torch's engine rounds
+    its activations to bfloat16, so its greedy tokens part from both after a few steps on a random model); the
+    mapped file and the torch model's own tensors give the core the same bits; the CLI runs the file (integer
+    products where the groups allow)."""
     path = quantized_file(tmp_path / f"int4-{group_size}.safetensors", "int4", group_size, n_embd=n_embd)
     model = load_checkpoint(path).model
     ids = torch.randint(264, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -29,7 +29,7 @@ class ModelOptions:
     quantize: str | None = None  # "int8" or "int4"
     cache: str = "dynamic"  # the KV cache's allocation
     engine: str = "auto"  # "auto", "native" or "torch"
-    float_activations: bool = False  # the core's int8 products in float32, not in integers
+    float_activations: bool = False  # the core's int8 and int4 products in float32, not in integers
     debug: bool = False  # --debug: show the compiler's message when the native core does not build
 
 
@@ -140,7 +140,7 @@ def open_native(
 ) -> Opened:
     """The core built (or loaded from its cache; on_compile() called before a compile starts) running the model
     whose tensors weights(library) points it at (formats/mapped_weights.py, torch_engine/native_weights.py), its
-    int8 products in integers unless float_activations; raises native.build.NativeUnavailable when it cannot
+    int8 and int4 products in integers unless float_activations; raises native.build.NativeUnavailable when it cannot
     build or load here."""
     from .native.build import build
     from .native.engine import NativeEngine

@@ -132,9 +132,9 @@ FloatActivationsOption = Annotated[
     bool,
     typer.Option(
         "--float-activations",
-        help="The native engine's int8 products in float32 over the weights' exact values, as the torch engine's "
-        "reference computes them, instead of in integers over activations quantized per block of 32 (llama.cpp's "
-        "q8_0 way; faster; docs/quantization.md has its measured cost).",
+        help="The native engine's int8 and int4 products in float32 over the weights' exact values, as the torch "
+        "engine's reference computes them, instead of in integers over activations quantized per block of 32 "
+        "(llama.cpp's q8_0 way; faster; docs/quantization.md has its measured cost).",
     ),
 ]
 CacheOption = Annotated[

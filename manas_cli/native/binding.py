@@ -148,8 +148,8 @@ WEIGHTS_KINDS = {"float32": WEIGHTS_F32, "int8": WEIGHTS_INT8, "int4": WEIGHTS_I
 def bind(config, weights, integer_products: bool = True) -> ManasModel:
     """The ManasModel of a GPT of `config` whose tensors `weights` points at (formats/mapped_weights.py,
     torch_engine/native_weights.py): vector(name), a float32 pointer or None where the model has no such tensor;
-    linear(name), a ManasLinear. integer_products: int8 layers multiply activations quantized per block of 32 in
-    integers (else in float32, as torch's reference does)."""
+    linear(name), a ManasLinear. integer_products: int8 and int4 layers multiply activations quantized per block
+    of 32 in integers (else in float32, as torch's reference does)."""
 
     def norm(name: str) -> ManasNorm:
         return ManasNorm(weights.vector(f"{name}.weight"), weights.vector(f"{name}.bias"))

@@ -35,8 +35,9 @@ class Logits:
 class NativeGPT:
     """A float32, int8 or int4 GPT run by the core. `weights`: where its tensors are, as binding.bind asks for
     them (vector(name), linear(name)), with the model's `config`, its weight type `name` and `nbytes`, the bytes
-    the core reads. int8 layers multiply their input quantized per block of 32 in integers (as llama.cpp's q8_0
-    does), unless float_activations: then in float32, over the weights' exact dequantized values."""
+    the core reads. int8 and int4 layers multiply their input quantized per block of 32 in integers (as
+    llama.cpp's q8_0 does), unless float_activations: then in float32, over the weights' exact dequantized
+    values."""
 
     def __init__(self, weights, library: ctypes.CDLL, threads: int = 1, float_activations: bool = False) -> None:
         self._pool = None  # first: __del__ closes it

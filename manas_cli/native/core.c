@@ -896,14 +896,17 @@ static void mix_values(int hs, int positions, const float *weights, const float 
     }
 }
 
-/* Attention of one query head of one row over its cache's positions 0..position: softmax(q·k / √hs) · v. */
+/* Attention of one query head of one row over its cache's positions 0..position: softmax(q·k / √hs) · v. Tasks
+   run head by head, every row of a head in turn: a prefill's later rows attend over more positions, so slicing
+   tasks row by row would give the last thread the most work (on 2 threads, the first waited 15% of a re-prefill
+   of the shipped model), and one head's rows read the same cached keys. */
 typedef struct {
     const ManasModel *model;
     const ManasCache *caches;
     const int32_t *positions;
     const float *qkv;
     float *attention, *scores;
-    int layer;
+    int layer, rows;
 } Attend;
 
 static void attend_heads(void *context, int begin, int end, int thread) {
@@ -914,7 +917,7 @@ static void attend_heads(void *context, int begin, int end, int thread) {
     float *scores = a->scores + (size_t)thread * m->block_size;
     float scale = 1.0f / sqrtf((float)hs);
     for (int task = begin; task < end; task++) {
-        int row = task / m->n_head, head = task % m->n_head, kv_head = head / group;
+        int row = task % a->rows, head = task / a->rows, kv_head = head / group;
         const ManasCache *cache = &a->caches[row];
         size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width;
         const float *q = a->qkv + (size_t)row * qkv_width + head * hs;
@@ -1025,7 +1028,7 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
         matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, rows);
         for (int r = 0; r < rows; r++)
             cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width);
-        Attend attend = {m, caches, positions, s.qkv, s.attention, s.scores, layer};
+        Attend attend = {m, caches, positions, s.qkv, s.attention, s.scores, layer, rows};
         parallel_for(pool, attend_heads, &attend, rows * m->n_head);
         matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, rows);
         for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];

@@ -19,6 +19,7 @@ goal_busy        busy: the default thread choice against --threads 1 and 2, quie
 goal_pipelines   pipelines, batch: --jsonl against a shell loop and --batch-size 1; batch sizes 1 to 16.
 goal_llama_cpp   llama-cpp, llama-cpp-shipped: manas float32/int8/int4 beside llama.cpp f32/q8_0/q4_0 (needs
                  `bash ../shared/tools/build-llamacpp.sh`; skipped with a message without it).
+goal_llama_server  llama-server: `manas serve` beside llama.cpp's `llama-server`, 1, 16 and 64 clients (the same).
 
 Decode speed depends on the machine and its load: compare the ratios of one run, not numbers across runs; the
 report gives the load average before and after. Two threads on a busy machine are slower than one (OpenMP's
@@ -33,6 +34,7 @@ import goal_dtype
 import goal_gpt2_vs_hf
 import goal_int8
 import goal_llama_cpp
+import goal_llama_server
 import goal_pipelines
 import goal_samples
 import goal_startup
@@ -48,6 +50,7 @@ MODULES = (
     goal_busy,
     goal_pipelines,
     goal_llama_cpp,
+    goal_llama_server,
 )
 GOALS = {name: goal for module in MODULES for name, goal in module.GOALS.items()}
 

@@ -1,0 +1,113 @@
+"""`manas serve` beside llama.cpp's `llama-server` (issue 34, goal 4; needs `bash ../shared/tools/build-llamacpp.sh`,
+skipped with a message without it): the shipped model on both, the same weights (manas's float32 checkpoint and
+the f32 GGUF manas exports from it), llama-server with as many slots (`-np`) as manas's `--batch-size`, each server
+under `chrt -f 1` on the same threads. Requests of 64 greedy tokens from 1, 16 and 64 clients at once; the figure is
+the aggregate completion tokens/s (the servers' own `usage` counts over the wall time), the two servers taking
+turns round after round. Every manas answer is checked against `manas generate --jsonl` with each request alone."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from goal_llama_cpp import LLAMA_CPP_DIR, llama_cpp_files
+from goal_serve import alone_texts, concurrent, start_server
+from harness import MANAS, realtime, run_goals
+from manas_cli.models import resolve_checkpoint
+
+CLIENTS = (1, 16, 64)
+BATCH_SIZE = 16  # manas serve's --batch-size default, and llama-server's -np
+NEW_TOKENS = 64
+
+
+def requests_for(clients: int) -> list[dict]:
+    """Greedy requests, enough that every client sends several."""
+    names = ["ROMEO", "JULIET", "KING RICHARD", "QUEEN", "NURSE", "FRIAR", "MERCUTIO", "TYBALT"]
+    count = max(32, 2 * clients)
+    return [{"prompt": f"{names[i % len(names)]}:", "max_tokens": NEW_TOKENS, "temperature": 0} for i in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        return listener.getsockname()[1]
+
+
+def start_llama_server(gguf: Path, threads: int, block_size: int) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    command = [
+        str(LLAMA_CPP_DIR / "llama-server"),
+        *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
+        *("-t", str(threads), "-np", str(BATCH_SIZE), "-c", str(BATCH_SIZE * block_size)),
+    ]
+    process = subprocess.Popen(realtime(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return process, port
+        except OSError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("llama-server did not start")
+
+
+def tokens_per_s(port: int, clients: int) -> tuple[float, list[str]]:
+    requests = requests_for(clients)
+    answers, seconds = concurrent(port, requests, clients)
+    tokens = sum(answer["usage"]["completion_tokens"] for answer in answers)
+    return tokens / seconds, [answer["choices"][0]["text"] for answer in answers]
+
+
+def goal_llama_server(args) -> dict:
+    checkpoint = resolve_checkpoint(None)
+    with tempfile.TemporaryDirectory() as folder:
+        gguf = llama_cpp_files(checkpoint, Path(folder))["f32"]
+        block_size = json.loads(
+            subprocess.run([*MANAS, "inspect-cache", "--json"], capture_output=True, text=True, check=True).stdout
+        )["block_size"]
+        # --max-connections: 64 clients reconnecting for each request outrun the default of 64 on 2 cores (a
+        # client's next connection arrives before its last one's thread has ended)
+        flags = ("--threads", str(args.threads), "--batch-size", str(BATCH_SIZE), "--max-connections", "256")
+        manas, manas_port = start_server("-c", str(checkpoint), *flags)
+        llama, llama_port = start_llama_server(gguf, args.threads, block_size)
+        rates: dict[str, list[float]] = {}
+        texts: dict[int, list[str]] = {}
+        try:
+            for port in (manas_port, llama_port):  # warm-up
+                tokens_per_s(port, 1)
+            for _ in range(args.runs):
+                for clients in CLIENTS:
+                    rate, texts[clients] = tokens_per_s(manas_port, clients)
+                    rates.setdefault(f"manas_{clients}", []).append(rate)
+                    rate, _ = tokens_per_s(llama_port, clients)
+                    rates.setdefault(f"llama_server_{clients}", []).append(rate)
+        finally:
+            for process in (manas, llama):
+                process.send_signal(signal.SIGTERM)
+                process.wait(60)
+    median = {name: round(statistics.median(values), 1) for name, values in rates.items()}
+    return {
+        "tokens_per_s": median,
+        "manas_over_llama_server": {
+            clients: round(median[f"manas_{clients}"] / median[f"llama_server_{clients}"], 2) for clients in CLIENTS
+        },
+        "every_answer_equals_generate_alone": all(texts[c] == alone_texts(requests_for(c)) for c in CLIENTS),
+        "goal": "≥ 1.0× at 1 client, ≥ 1.5× at 16 and 64, every answer equal",
+    }
+
+
+GOALS = {"llama-server": goal_llama_server}
+
+if __name__ == "__main__":
+    run_goals(GOALS, __doc__)

@@ -742,15 +742,14 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
     }
 }
 
-/* x with each whole block of 32 reordered to its even columns, then its odd ones, the tail as it is: the order
-   weight_lanes and weight_at give an int4 row's values in. */
-static void int4_input(int n, const float *x, float *out, int rows) {
+/* A row x with each whole block of 32 reordered to its even columns, then its odd ones, the tail as it is: the
+   order weight_lanes and weight_at give an int4 row's values in. */
+static void int4_input(int n, const float *x, float *out) {
     int blocked = n / INT4_BLOCK * INT4_BLOCK;
-    for (size_t r = 0; r < (size_t)rows; r++)
-        for (int i = 0; i < n; i++) {
-            int j = i % INT4_BLOCK;
-            out[r * n + (i < blocked ? i - j + (j % 2 ? INT4_BLOCK / 2 : 0) + j / 2 : i)] = x[r * n + i];
-        }
+    for (int i = 0; i < n; i++) {
+        int j = i % INT4_BLOCK;
+        out[i < blocked ? i - j + (j % 2 ? INT4_BLOCK / 2 : 0) + j / 2 : i] = x[i];
+    }
 }
 
 /* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it, carve lays it
@@ -774,20 +773,41 @@ static int int4_integer(const ManasLinear *linear) {
     return linear->n_in % QGROUP == 0 && linear->group % QBLOCK == 0;
 }
 
+/* A product's input rows as its kind reads them: int4's reordered (int4_input), the integer kinds' quantized
+   (quantize_row), row by row, so a prefill's rows split over the pool. */
+typedef struct {
+    const ManasLinear *linear;
+    const float *x;       /* (rows, n_in) */
+    float *reordered;     /* (rows, n_in): int4's */
+    float *quantized;     /* (rows, quantized_floats(n_in)), or NULL: float products */
+} Prepare;
+
+static void prepare_rows(void *context, int begin, int end, int thread) {
+    (void)thread;
+    const Prepare *p = context;
+    int n = p->linear->n_in, int4 = p->linear->kind == WEIGHTS_INT4;
+    for (size_t r = (size_t)begin; r < (size_t)end; r++) {
+        const float *x = p->x + r * n;
+        if (int4) {
+            int4_input(n, x, p->reordered + r * n);
+            x = p->reordered + r * n;
+        }
+        if (p->quantized)  /* offset: what makes the weights unsigned (int8_bytes, int4_bytes) */
+            quantize_row(n, x, int4 ? INT4_MIDDLE : 128, p->quantized + r * quantized_floats(n));
+    }
+}
+
 static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, int integer, const float *x,
                    float *y, int rows) {
     int n = linear->n_in, kind = linear->kind;
-    size_t stride = (size_t)n;
-    if (kind == WEIGHTS_INT4) {
-        int4_input(n, x, s->reordered, rows);
-        x = s->reordered;
+    int in_integers = integer && (kind == WEIGHTS_INT8 || (kind == WEIGHTS_INT4 && int4_integer(linear)));
+    if (kind == WEIGHTS_INT4 || in_integers) {
+        Prepare prepare = {linear, x, s->reordered, in_integers ? s->quantized : NULL};
+        parallel_for(pool, prepare_rows, &prepare, rows);
     }
-    if (integer && (kind == WEIGHTS_INT8 || (kind == WEIGHTS_INT4 && int4_integer(linear)))) {
-        int offset = kind == WEIGHTS_INT8 ? 128 : INT4_MIDDLE;  /* what makes the weights unsigned (int8_bytes) */
-        stride = quantized_floats(n);
-        for (size_t r = 0; r < (size_t)rows; r++) quantize_row(n, x + r * n, offset, s->quantized + r * stride);
-        x = s->quantized, kind = kind == WEIGHTS_INT8 ? INT8_INTEGER : INT4_INTEGER;
-    }
+    size_t stride = in_integers ? quantized_floats(n) : (size_t)n;
+    if (in_integers) kind = kind == WEIGHTS_INT8 ? INT8_INTEGER : INT4_INTEGER;
+    x = in_integers ? s->quantized : linear->kind == WEIGHTS_INT4 ? s->reordered : x;
     Matmul m = {linear, kind, x, stride, y, rows, s->tiles};
     parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);
 }

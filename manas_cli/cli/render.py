@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
+from ..engine.engines import Engine
 from ..settings import GenerationSettings
 
 
@@ -350,10 +351,9 @@ def cache_view(report: dict, header: dict):
     return Group(*lines, table, Text(""), *map(Text, totals))
 
 
-def sample_record(
-    stream, stats, storage: dict, seed: int, weights: str, engine: str, settings: GenerationSettings
-) -> dict:
-    """One --json line: the contract fields first, extras after."""
+def sample_record(stream, stats, storage: dict, seed: int, engine: Engine, settings: GenerationSettings) -> dict:
+    """One --json line: the contract fields first, extras after. What reproduces it: the seed, the settings, the
+    engine and, on the native one, the core's arithmetic version."""
     record = {
         "text": stream.text,
         "tokens": stream.tokens,
@@ -366,8 +366,9 @@ def sample_record(
         "re_prefills": stats.re_prefills,
         "cache": storage,
         "seed": seed,
-        "weights": weights,
-        "engine": engine,
+        "weights": engine.weights,
+        "engine": engine.name,
+        "arithmetic_version": engine.arithmetic_version,
         **settings.record(),
     }
     if settings.logprobs:

@@ -19,6 +19,7 @@ class Engine(Protocol):
     name: str  # "native" or "torch"
     config: GPTConfig
     weights: str  # "float32", "bfloat16", "float16", "int8" or "int4"
+    arithmetic_version: int | None  # native: the core's (a seeded text depends on it, docs/native.md); torch: None
     device: str  # "cpu", "cuda", "cuda:1"
     dtype: str  # what the activations compute in
     activation_bytes: int  # bytes of one activation value (memory.check_fits)

@@ -128,6 +128,9 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
         None,
     )
     library.manas_uniform.argtypes, library.manas_uniform.restype = [c_uint64, c_uint64, c_uint64], c_double
+    library.manas_arithmetic_version.argtypes, library.manas_arithmetic_version.restype = [], c_int
+    library.manas_contraction_probe.argtypes = [c_float, c_float, c_float]
+    library.manas_contraction_probe.restype = c_float
     library.manas_sample_scratch_bytes.argtypes, library.manas_sample_scratch_bytes.restype = [c_int], c_size_t
     library.manas_sample.argtypes = [
         POINTER(ManasSampler),

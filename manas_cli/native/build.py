@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("core.c")
 # (core.c, "dots"); the lanes it writes out let the compiler vectorize without reassociating anything.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden")
 LIBRARIES = ("-lm",)
-ABI_VERSION = 3  # core.c's MANAS_ABI_VERSION: a library of another version is never used
+ABI_VERSION = 4  # core.c's MANAS_ABI_VERSION: a library of another version is never used
 COMPILE_TIMEOUT_S = 60  # the core compiles in 1-5 s; a compiler still running after this has hung
 DIGEST_BYTES = 65  # a SHA-256 in hex and a newline: a digest file is never read further
 
@@ -298,9 +298,7 @@ def _build_in(cc: str, target: Path, notice: str | None, on_compile: Callable[[]
             unload(library)
             target.unlink()
             raise NativeUnavailable(
-                f"the freshly built core failed its self-test ({failure}; does $CC add "
-                "-ffast-math?), so it was deleted",
-                notify=True,
+                f"the freshly built core failed its self-test ({failure}), so it was deleted", notify=True
             )
         write_digest(target, digest, hashlib.sha256(code).hexdigest())
     return Built(library, target, compile_s, notice)
@@ -328,8 +326,10 @@ def cached(target: Path, digest: Path) -> ctypes.CDLL | None:
 
 def self_test(library: ctypes.CDLL) -> str | None:
     """What a newly built library gets wrong of a few known answers, or None: Philox4x32-10's first known-answer
-    vector (Random123's; integer arithmetic the compiler must keep), and NaN and infinity found where they are (a
-    compiler told to assume no NaN, as -ffast-math does, compiles the core's finiteness checks away)."""
+    vector (Random123's; integer arithmetic the compiler must keep), NaN and infinity found where they are (a
+    compiler told to assume no NaN, as -ffast-math does, compiles the core's finiteness checks away), and a
+    multiply and an add left unfused (a compiler that ignores -ffp-contract=off would change the bits every CPU
+    is promised)."""
     from ctypes import c_float, c_uint32
 
     out = (c_uint32 * 4)()
@@ -338,9 +338,12 @@ def self_test(library: ctypes.CDLL) -> str | None:
         return "Philox's known answer differs"
     values = (c_float * 4)(0.0, 1.0, float("nan"), float("inf"))
     if library.manas_first_not_finite(values, 4) != 2:
-        return "a NaN went unseen"
+        return "a NaN went unseen; does $CC add -ffast-math?"
     if library.manas_first_not_finite(ctypes.byref(values, 4 * 3), 1) != 0:
-        return "an infinity went unseen"
+        return "an infinity went unseen; does $CC add -ffast-math?"
+    x = 1 + 2**-12  # x·x = 1 + 2^-11 + 2^-24: rounded, the 2^-24 is lost, and x·x − (1 + 2^-11) is 0; fused, 2^-24
+    if library.manas_contraction_probe(x, x, -(1 + 2**-11)) != 0.0:
+        return "it fuses a multiply and an add it was told not to; does $CC ignore -ffp-contract=off?"
     return None
 
 

@@ -25,7 +25,8 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 3
+#define MANAS_ABI_VERSION 4
+#define MANAS_ARITHMETIC_VERSION 1 /* manas_arithmetic_version */
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
 /* ---- the model, as Python lays it out (native/binding.py mirrors these structs) ---- */
@@ -207,7 +208,7 @@ typedef float Half __attribute__((vector_size(LANES / 2 * sizeof(float))));
 typedef float Quarter __attribute__((vector_size(LANES / 4 * sizeof(float))));
 typedef float Eighth __attribute__((vector_size(LANES / 8 * sizeof(float))));
 
-/* acc + x·w, lane by lane: one rounding with FMA (explicitly, so every caller gets the same), two without. */
+/* acc + x·w, lane by lane, rounded once (fused) on every target: the same bits whatever the CPU (issue 35). */
 #if defined(__AVX512F__)
 /* Written as the instruction itself, operands in registers: with the intrinsic, GCC folds a vector's load into
    every FMA that uses it, so a 4×4 tile reloads each weight vector once per row (20 loads per 16 FMAs, the load
@@ -225,17 +226,17 @@ static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
     return acc;
 }
 #else
-static inline Lanes madd(Lanes acc, Lanes x, Lanes w) { return acc + x * w; }
+/* Elsewhere fused too, lane by lane: C's fmaf rounds once (exactly what the instruction does; a CPU without it
+   computes the same value in software, slower), and compilers turn the loop into the vector unit's fused
+   instruction where there is one (aarch64's fmla). A separate multiply and add would round twice: other bits. */
+static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
+    for (int l = 0; l < LANES; l++) acc[l] = fmaf(x[l], w[l], acc[l]);
+    return acc;
+}
 #endif
 
 /* The same for one lane (a row's tail past its last whole chunk). */
-static inline float madd1(float acc, float x, float w) {
-#if defined(__FMA__) || defined(__AVX512F__)
-    return fmaf(x, w, acc);
-#else
-    return acc + x * w;
-#endif
-}
+static inline float madd1(float acc, float x, float w) { return fmaf(x, w, acc); }
 
 /* The lanes' fixed tree: lane l += lane l + 8, then l + 4, l + 2, l + 1, as halves of the vector. */
 static inline float sum_lanes(Lanes lanes) {
@@ -836,6 +837,62 @@ static inline float exponential(float x) {
 
 /* GPT-2's GELU, 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))), with tanh(u) = 1 − 2 / (e^{2u} + 1): the error is
    absolute, about 1e-7, which is all 1 + tanh needs; or the exact GELU, 0.5 x (1 + erf(x / √2)). */
+/* erf(x) for GELU's exact form, from the core's exponential: Numerical Recipes' erfc (a Chebyshev fit,
+   fractional error below 1.2e-7 everywhere), erf = 1 − erfc, odd. Its absolute error (~1e-7) is what 1 + erf(x)
+   needs; a libm's erff would differ from platform to platform in its last bits. */
+static inline float own_erf(float x) {
+    float z = fabsf(x), t = 1.0f / (1.0f + 0.5f * z);
+    float p = 0.17087277f;
+    p = p * t - 0.82215223f;
+    p = p * t + 1.48851587f;
+    p = p * t - 1.13520398f;
+    p = p * t + 0.27886807f;
+    p = p * t - 0.18628806f;
+    p = p * t + 0.09678418f;
+    p = p * t + 0.37409196f;
+    p = p * t + 1.00002368f;
+    p = p * t - 1.26551223f;
+    float erfc = t * exponential(-z * z + p);
+    return x < 0 ? erfc - 1.0f : 1.0f - erfc;
+}
+
+/* The rotary angles' functions in double, the core's own (their series in +, −, ×, ÷, each rounded as IEEE 754
+   says on every CPU): e^x for |x| < 700 (x = k ln2 + r, ln2 in two parts, r's Taylor series to r^13, 2^k exact);
+   ln x for x > 0 (x = m 2^e, ln m = 2 atanh((m − 1)/(m + 1)) by its series); cos and sin of an angle up to
+   ~10^6 (π/2 in three parts, Cody and Waite, then Taylor series on |r| ≤ π/4). Each to about 1 ulp of double,
+   far below the float32 the angles are stored in. */
+static double own_exp(double x) {
+    double k = nearbyint(x * 1.4426950408889634);
+    double r = (x - k * 6.93147180369123816490e-01) - k * 1.90821492927058770002e-10;
+    double term = 1.0, sum = 1.0;
+    for (int i = 1; i <= 13; i++) term = term * r / i, sum += term;
+    return ldexp(sum, (int)k);
+}
+
+static double own_log(double x) {
+    if (!(x > 0) || x > DBL_MAX) return x == 0 ? -INFINITY : x > 0 ? x : NAN;  /* +inf stays; NaN and x < 0: NaN */
+    int e;
+    double m = frexp(x, &e);  /* m in [0.5, 1): exact */
+    if (m < 0.70710678118654752) m *= 2.0, e -= 1;
+    double s = (m - 1.0) / (m + 1.0), s2 = s * s, term = s, sum = 0.0;
+    for (int k = 1; k <= 31; k += 2) sum += term / k, term *= s2;
+    return 2.0 * sum + e * 6.93147180559945286227e-01;
+}
+
+static void own_sincos(double a, double *sine, double *cosine) {
+    double k = nearbyint(a * 6.36619772367581382433e-01);  /* a / (π/2) */
+    double r = ((a - k * 1.57079632673412561417e+00) - k * 6.07710050630396597660e-11) - k * 2.02226624871116645580e-21;
+    double r2 = r * r, s = r, c = 1.0, term_s = r, term_c = 1.0;
+    for (int i = 1; i <= 10; i++) {
+        term_s = -term_s * r2 / ((2 * i) * (2 * i + 1)), s += term_s;
+        term_c = -term_c * r2 / ((2 * i - 1) * (2 * i)), c += term_c;
+    }
+    long quadrant = (long)fmod(k, 4.0);
+    quadrant = quadrant < 0 ? quadrant + 4 : quadrant;
+    *sine = quadrant == 0 ? s : quadrant == 1 ? c : quadrant == 2 ? -s : -c;
+    *cosine = quadrant == 0 ? c : quadrant == 1 ? -s : quadrant == 2 ? -c : s;
+}
+
 /* e^(x[i] − top) for i < n into out (out may be x; NULL: only summed), 0 below exponential's floor, and their sum in
    double: softmax's numerator and denominator, and log-sum-exp's (top + log of the sum). top is the largest x. */
 static double exp_below(int n, const float *x, float top, float *out) {
@@ -849,7 +906,7 @@ static double exp_below(int n, const float *x, float top, float *out) {
 }
 
 static inline float gelu(float x, int tanh_approximation) {
-    if (!tanh_approximation) return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
+    if (!tanh_approximation) return 0.5f * x * (1.0f + own_erf(x * 0.7071067811865476f));
     float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
     return 0.5f * x * (2.0f - 2.0f / (exponential(2.0f * u) + 1.0f));
 }
@@ -883,9 +940,11 @@ static void layernorm(int C, float eps, const ManasNorm *norm, const float *x, f
 static void rope_angles(const ManasModel *m, int position, float *angles) {
     int half = m->n_embd / m->n_head / 2;
     for (int i = 0; i < half; i++) {
-        double angle = (double)position * pow(m->rope_base, -(double)(2 * i) / (double)(2 * half));
-        angles[i] = (float)cos(angle);
-        angles[half + i] = (float)sin(angle);
+        double angle = (double)position * own_exp(-(double)(2 * i) / (double)(2 * half) * own_log(m->rope_base));
+        double sine, cosine;
+        own_sincos(angle, &sine, &cosine);
+        angles[i] = (float)cosine;
+        angles[half + i] = (float)sine;
     }
 }
 
@@ -1015,6 +1074,15 @@ static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char
 }
 
 EXPORT int manas_abi_version(void) { return MANAS_ABI_VERSION; }
+
+/* The version of the core's arithmetic: what a seeded text depends on besides the model, the prompt and the
+   settings. Any change to how a value is computed (an operation's order, a function's polynomial) bumps it, and
+   changes seeded texts (docs/native.md). */
+EXPORT int manas_arithmetic_version(void) { return MANAS_ARITHMETIC_VERSION; }
+
+/* x·y + z as two roundings, as the core is compiled (-ffp-contract=off): the self-test checks that the compiler
+   did not fuse it (native/build.py), which would change products the code writes unfused. */
+EXPORT float manas_contraction_probe(float x, float y, float z) { return x * y + z; }
 
 /* Bytes of scratch manas_forward needs for `rows` rows on a pool of `threads`. */
 EXPORT size_t manas_scratch_bytes(const ManasModel *m, int rows, int threads) {
@@ -1268,7 +1336,7 @@ static void adjust(const ManasSampler *s, float *a, int n, const uint8_t *decoda
 /* log-softmax at temperature 1: the chosen token's and the k most likely (ties: the lower id first). */
 static void report_logprobs(int n, const float *a, int k, int token, ManasDraw *out) {
     float top = a[argmax(n, a)];
-    float lse = top + (float)log(exp_below(n, a, top, NULL));
+    float lse = top + (float)own_log(exp_below(n, a, top, NULL));
     out->logprob = a[token] - lse;
     int held = 0;  /* top_ids[0 .. held) in order, most likely first: each id goes in after its equals */
     for (int i = 0; i < n; i++) {
@@ -1391,7 +1459,7 @@ EXPORT int manas_target_logprobs(const float *logits, int rows, int vocab, const
         for (int i = 0; i < vocab; i++)
             if (!isfinite(row[i])) return r;
         float top = row[argmax(vocab, row)];
-        out[r] = (double)row[targets[r]] - top - log(exp_below(vocab, row, top, NULL));
+        out[r] = (double)row[targets[r]] - top - own_log(exp_below(vocab, row, top, NULL));
     }
     return -1;
 }

@@ -22,6 +22,7 @@ class NativeEngine:
     def __init__(self, model: NativeGPT) -> None:
         self.model, self.config = model, model.config
         self.weights, self.weights_bytes = model.weights, model.weights_bytes
+        self.arithmetic_version: int | None = model.library.manas_arithmetic_version()
 
     @property
     def threads(self) -> int:

@@ -15,6 +15,7 @@ from .sampling import TorchSampling, torch_window_nats
 
 class TorchEngine:
     name = "torch"
+    arithmetic_version = None  # torch's kernels differ by CPU and build: no version to promise
 
     def __init__(self, model: GPT) -> None:
         self.model, self.config = model, model.config

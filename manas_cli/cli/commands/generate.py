@@ -94,7 +94,7 @@ def run(
         storage = session.storage()
     if json_output:
         for stream in streams:
-            out.json_line(sample_record(stream, run_stats, storage, seed, engine.weights, engine.name, settings))
+            out.json_line(sample_record(stream, run_stats, storage, seed, engine, settings))
     else:
         out.close_text([stream.text for stream in streams], echo=text if echo else None)
     display.keep_notices()

@@ -200,13 +200,7 @@ class JsonlBatch:
         running, line = self.running.pop(made.key), self.lines[made.key]
         running.stream.finish("length")
         record = sample_record(
-            running.stream,
-            running.stats,
-            made.cache.storage(),
-            running.seed,
-            self.engine.weights,
-            self.engine.name,
-            line.settings,
+            running.stream, running.stats, made.cache.storage(), running.seed, self.engine, line.settings
         )
         line.record = {"id": line.id, **record}
 

@@ -1,0 +1,231 @@
+"""One seed, one text, on every CPU (issue 35): the native core built for other instruction sets (x86-64 without
+FMA, x86-64-v3, x86-64-v4, this CPU), by gcc and clang, and for aarch64 (run under qemu-user), gives the shipped
+model's logits over its whole window and 20 seeds' sampled tokens bit for bit as the host build does. Python
+cannot run under emulation cheaply, so each target runs tests/native_driver.c (core.c included whole) over a plain
+binary dump of the model and the run that this module writes.
+
+Targets whose compiler or emulator is missing are skipped with the reason; CI installs them and sets
+MANAS_REQUIRE_ALL_TARGETS=1, which turns such a skip into a failure."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas, rope  # noqa: F401
+from conftest import all_logits, native_model, needs_compiler
+from manas_cli.formats.header import open_checkpoint
+from manas_cli.native import build
+from manas_cli.native.binding import WEIGHTS_F32, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear, ManasModel
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "checkpoints" / "shakespeare.safetensors"
+HELD_OUT = ROOT / "tests" / "data" / "tinyshakespeare-held-out.txt"
+DRIVER = ROOT / "tests" / "native_driver.c"
+SEEDS = list(range(20))  # the shipped model's; its int8 and int4 copies take the first 5 over 64 positions (emulated
+NEW_TOKENS = 16  # aarch64 runs a dump in 5-20 s)
+REQUIRE_ALL = os.environ.get("MANAS_REQUIRE_ALL_TARGETS") == "1"
+X86 = platform.machine() == "x86_64"
+FLAGS = ["-O3", "-ffp-contract=off", "-pthread"]
+
+
+def floats_at(pointer, count: int) -> bytes:
+    """count float32 values from a ctypes pointer; empty where it is NULL."""
+    return ctypes.string_at(ctypes.cast(pointer, ctypes.c_void_p).value, 4 * count) if pointer else b""
+
+
+def array(data: bytes) -> bytes:
+    return struct.pack("<q", len(data)) + data
+
+
+def linear_bytes(linear: ManasLinear) -> bytes:
+    n_in, n_out = linear.n_in, linear.n_out
+    weight_bytes = {WEIGHTS_F32: 4 * n_in * n_out, WEIGHTS_INT8: n_in * n_out, WEIGHTS_INT4: n_in * n_out // 2}
+    scales = {WEIGHTS_F32: 0, WEIGHTS_INT8: n_out, WEIGHTS_INT4: n_out * n_in // max(linear.group, 1)}[linear.kind]
+    zeros = scales if linear.kind == WEIGHTS_INT4 else 0
+    return b"".join(
+        [
+            struct.pack("<4i", linear.kind, n_in, n_out, linear.group),
+            array(ctypes.string_at(linear.weight, weight_bytes[linear.kind])),
+            array(ctypes.string_at(ctypes.cast(linear.scales, ctypes.c_void_p).value, 2 * scales) if scales else b""),
+            array(ctypes.string_at(ctypes.cast(linear.zeros, ctypes.c_void_p).value, 2 * zeros) if zeros else b""),
+            array(floats_at(linear.bias, n_out)),
+        ]
+    )
+
+
+def norm_bytes(norm, width: int) -> bytes:
+    return array(floats_at(norm.weight, width)) + array(floats_at(norm.bias, width))
+
+
+CONFIG_FIELDS = (
+    "vocab_size",
+    "block_size",
+    "n_layer",
+    "n_head",
+    "n_kv_head",
+    "n_embd",
+    "rope",
+    "gelu_tanh",
+    "integer_products",
+)
+
+
+def write_dump(path: Path, m: ManasModel, prompt: list[int], seed_prompt: list[int], seeds: list[int]) -> None:
+    """The model the core was bound to (its every tensor, as the core reads it) and the run, in the layout
+    native_driver.c reads: native_driver.c's main says which field is which."""
+    C = m.n_embd
+    parts = [
+        b"MANASDMP",
+        struct.pack("<9i", *(getattr(m, name) for name in CONFIG_FIELDS)),
+        struct.pack("<fd", m.norm_eps, m.rope_base),
+        array(floats_at(m.token_embedding, m.vocab_size * C)),
+        array(floats_at(m.position_embedding, m.block_size * C)),
+    ]
+    for layer in m.layers[: m.n_layer]:
+        parts += [norm_bytes(layer.ln_attention, C), linear_bytes(layer.qkv), linear_bytes(layer.output)]
+        parts += [norm_bytes(layer.ln_ffn, C), linear_bytes(layer.up), linear_bytes(layer.down)]
+    parts += [norm_bytes(m.final_norm, C), linear_bytes(m.lm_head)]
+    parts += [struct.pack(f"<i{len(prompt)}i", len(prompt), *prompt)]
+    parts += [struct.pack(f"<i{len(seed_prompt)}i", len(seed_prompt), *seed_prompt)]
+    parts += [struct.pack("<ifif", NEW_TOKENS, 0.8, 40, 0.95), struct.pack(f"<i{len(seeds)}Q", len(seeds), *seeds)]
+    path.write_bytes(b"".join(parts))
+
+
+def compile_driver(compiler: list[str], flags: list[str], out: Path) -> Path:
+    done = subprocess.run(
+        [*compiler, *FLAGS, *flags, "-o", str(out), str(DRIVER), "-lm"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def missing(reason: str) -> None:
+    if REQUIRE_ALL:
+        pytest.fail(f"{reason} (MANAS_REQUIRE_ALL_TARGETS=1: CI installs it)")
+    pytest.skip(reason)
+
+
+def target(name: str) -> tuple[list[str], list[str], list[str]]:
+    """(compiler argv, flags, the runner's argv prefix) of a target, or a skip naming what is missing."""
+    gcc, clang = build.compiler(), shutil.which("clang")
+    if name == "aarch64":
+        cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+        if not cross or not qemu:
+            missing("aarch64 needs gcc-aarch64-linux-gnu and qemu-user (Debian packages)")
+        return [cross], ["-march=armv8-a", "-static"], [qemu]
+    if not X86:
+        pytest.skip("the x86-64 targets need an x86-64 host")
+    if name == "clang":
+        if not clang:
+            missing("the clang target needs clang (Debian's clang)")
+        return [clang], ["-march=native"], []
+    march = {"x86-64": ["-march=x86-64"], "x86-64-v3": ["-march=x86-64-v3"], "native": ["-march=native"]}
+    if name == "x86-64-v4":
+        if "avx512f" not in build.cpu_features().split():
+            pytest.skip("x86-64-v4 needs a CPU with AVX-512 to run on")
+        march[name] = ["-march=x86-64-v4"]
+    return [gcc], march[name], []
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory, native_library) -> dict[str, Path]:
+    """The shipped model as float32, int8 and int4 (`manas quantize`), each bound by the core as the engine binds
+    it, dumped with its whole window's prompt (held-out text) and a short prompt for the seeds."""
+    folder = tmp_path_factory.mktemp("dumps")
+    files = {"float32": SHIPPED}
+    for bits in (8, 4):
+        files[f"int{bits}"] = folder / f"int{bits}.safetensors"
+        command = [*MANAS, "quantize", str(SHIPPED), "--bits", str(bits), "--out", str(files[f"int{bits}"])]
+        subprocess.run(command, check=True, capture_output=True, env=cli_env(), timeout=300)
+    out = {}
+    for name, path in files.items():
+        header = open_checkpoint(path)
+        model = native_model(header, native_library)
+        whole = name == "float32"
+        positions, seeds = (model.config.block_size, SEEDS) if whole else (64, SEEDS[:5])
+        window = header.header.encoding.encode(HELD_OUT.read_text(encoding="utf-8")[:4000])[:positions]
+        out[name] = folder / f"{name}.dump"
+        write_dump(out[name], model.bound, window, header.header.encoding.encode("ROMEO:"), seeds)
+        out[f"{name}-model"] = model
+        out[f"{name}-window"] = window
+    return out
+
+
+@pytest.fixture(scope="module")
+def host_outputs(dumps, tmp_path_factory) -> dict[str, str]:
+    """The driver built as the engine builds the core (-march=native, gcc), each dump's output."""
+    driver = compile_driver([build.compiler()], ["-march=native"], tmp_path_factory.mktemp("host") / "driver")
+    return {name: run_driver([], driver, dumps[name]) for name in ("float32", "int8", "int4")}
+
+
+def run_driver(runner: list[str], driver: Path, dump: Path, threads: int = 1) -> str:
+    done = subprocess.run([*runner, str(driver), str(dump), str(threads)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@needs_compiler
+def test_the_driver_prints_the_engines_own_logits_bit_for_bit(dumps, host_outputs):
+    """The host build of the driver is the engine: its prefill logits are the Python engine's, bit for bit, so a
+    target that agrees with it agrees with manas."""
+    for name in ("float32", "int8", "int4"):
+        ids = torch.tensor([dumps[f"{name}-window"]])
+        logits = all_logits(dumps[f"{name}-model"], ids)[0]
+        bits = logits.contiguous().view(torch.int32).numpy().astype("uint32")
+        expected = [f"prefill {r}: " + " ".join(f"{b:08x}" for b in row) for r, row in enumerate(bits)]
+        assert host_outputs[name].splitlines()[: len(expected)] == expected
+        seeds = [line for line in host_outputs[name].splitlines() if line.startswith("seed ")]
+        assert (
+            len(seeds) == (len(SEEDS) if name == "float32" else 5) and len({line.split("|")[0] for line in seeds}) > 1
+        )
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["x86-64", "x86-64-v3", "x86-64-v4", "native", "clang", "aarch64"])
+def test_every_target_gives_the_hosts_bits(name, dumps, host_outputs, tmp_path):
+    """The shipped model's logits over its whole window and 20 seeds' tokens (and a hash of every decode step's
+    logits), and its int8 and int4 copies' (integer products), on 1 and 2 threads: byte for byte the host build's
+    output."""
+    compiler, flags, runner = target(name)
+    driver = compile_driver(compiler, flags, tmp_path / "driver")
+    runs = [("float32", 1), ("int8", 1), ("int4", 2)]
+    if name not in ("x86-64", "aarch64"):  # the slow ones (fmaf calls; emulation) leave 2 threads to the others
+        runs.append(("float32", 2))
+    for kind, threads in runs:
+        assert run_driver(runner, driver, dumps[kind], threads) == host_outputs[kind], (name, kind, threads)
+
+
+@needs_compiler
+@pytest.mark.skipif(not X86 or "fma" not in build.cpu_features().split(), reason="needs a CPU with FMA to fuse")
+def test_a_compiler_that_fuses_despite_fp_contract_off_is_refused_and_torch_runs_with_a_notice(rope, tmp_path):
+    """A $CC whose last word is -ffp-contract=fast (a wrapper, a distribution's default) would fuse the products
+    the code writes unfused: the self-test's probe finds it, the library is deleted, torch runs, one notice."""
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec {build.compiler()} "$@" -ffp-contract=fast\n')
+    wrapper.chmod(0o755)
+    run = manas(
+        "generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ab", "-n", "3", "-t", "0", "--json",
+        CC=str(wrapper), XDG_CACHE_HOME=str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert run.ok().json()["engine"] == "torch"
+    assert "it fuses a multiply and an add" in run.err and run.err.count("\n") == 1, run.err
+    assert not list((tmp_path / "cache" / "manas").glob("*.so"))
+
+
+@needs_compiler
+def test_json_records_carry_what_reproduces_them(rope, native_library):
+    """The seed, the engine and, on the native one, the core's arithmetic version; torch has none to promise."""
+    for engine, version in (("native", native_library.manas_arithmetic_version()), ("torch", None)):
+        command = ("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "ab", "-n", "3", "--seed", "7", "--json")
+        record = manas(*command, "--engine", engine).ok().json()
+        assert (record["seed"], record["engine"], record["arithmetic_version"]) == (7, engine, version)
+    assert isinstance(native_library.manas_arithmetic_version(), int)

@@ -10,6 +10,7 @@
 #include "../manas_cli/native/core.c"
 
 #include <stdio.h>
+#include <unistd.h>
 
 typedef struct {
     const unsigned char *at, *end;
@@ -148,7 +149,7 @@ int main(int argc, char **argv) {
     if (n_prompt > m.block_size || n_seed_prompt + n_new > m.block_size) fail("a run past the window");
 
     int threads = argc > 2 ? atoi(argv[2]) : 1;
-    Run run = {&m, threads > 1 ? manas_pool_new(threads) : NULL, {0}, NULL};
+    Run run = {&m, threads > 1 ? manas_pool_new(threads, (int)sysconf(_SC_NPROCESSORS_ONLN)) : NULL, {0}, NULL};
     size_t kv = (size_t)m.n_layer * m.block_size * m.n_kv_head * (m.n_embd / m.n_head);
     run.cache = (ManasCache){calloc(kv, sizeof(float)), calloc(kv, sizeof(float)), m.block_size};
     run.scratch = aligned_alloc(64, (manas_scratch_bytes(&m, m.block_size, threads) + 63) & ~(size_t)63);

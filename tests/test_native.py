@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
 from conftest import BLOCK_SIZE, all_logits, make_model, native_model, needs_compiler, step_logits
+from manas_cli.engine.threads import usable_cpus
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.native import build
 from manas_cli.native.binding import declare
@@ -183,6 +184,19 @@ def test_a_cached_decode_step_is_bit_for_bit_the_full_windows_position(native_li
             logits = step_logits(session.prefill(sequence[:, : end + 1][:, -BLOCK_SIZE:]))
         else:
             logits = step_logits(session.decode(sequence[:, end : end + 1]))
+
+
+def test_a_pool_of_more_threads_than_cores_sleeps_between_jobs_and_gives_the_same_bits(native_library):
+    """More threads than the process's cores: the pool never spins (every wait sleeps on a condition), and a
+    prefill and decode steps are what one thread computes, bit for bit."""
+    model = configured_model("rope", "gqa", True, "tanh", "int8")
+    ids = random_ids(2, BLOCK_SIZE, seed=3)
+    alone = all_logits(native_model(model, native_library, threads=1), ids)
+    crowded = native_model(model, native_library, threads=usable_cpus() + 2)
+    assert torch.equal(all_logits(crowded, ids), alone)
+    session = NativeSession(crowded)
+    session.prefill(ids[:, :5])
+    assert torch.equal(step_logits(session.decode(ids[:, 5:6]))[:, 0], alone[:, 5])
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

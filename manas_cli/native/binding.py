@@ -102,7 +102,7 @@ class ManasDraw(ctypes.Structure):
 
 def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """The entry points' argument and result types (ctypes would otherwise pass and return C ints)."""
-    library.manas_pool_new.argtypes, library.manas_pool_new.restype = [c_int], c_void_p
+    library.manas_pool_new.argtypes, library.manas_pool_new.restype = [c_int, c_int], c_void_p
     library.manas_pool_free.argtypes, library.manas_pool_free.restype = [c_void_p], None
     library.manas_scratch_bytes.argtypes = [POINTER(ManasModel), c_int, c_int]
     library.manas_scratch_bytes.restype = c_size_t

@@ -25,7 +25,7 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 4
+#define MANAS_ABI_VERSION 5
 #define MANAS_ARITHMETIC_VERSION 1 /* manas_arithmetic_version */
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
@@ -74,9 +74,10 @@ typedef void (*Task)(void *context, int begin, int end, int thread);
 
 typedef struct ManasPool {
     int threads;
+    int spin;  /* 0: more threads than cores; workers and the caller sleep between jobs instead of spinning */
     pthread_t workers[MAX_THREADS];
     pthread_mutex_t lock;
-    pthread_cond_t wake;
+    pthread_cond_t wake, done;  /* a job for the workers; the last worker's share finished (spin == 0) */
     atomic_uint generation;  /* bumped for every job */
     atomic_int pending;      /* workers still running the current job */
     atomic_int sleepers;
@@ -90,7 +91,9 @@ typedef struct { ManasPool *pool; int index; } Worker;
 
 /* Spinning hands the next product over in well under a microsecond, where waking a sleeping thread takes tens
    of microseconds (more in a virtual machine): a worker spins through the gap between two tokens (sampling, in
-   Python), and sleeps after SPIN_NS without a job, so an idle pool (between requests) costs no CPU. */
+   Python), and sleeps after SPIN_NS without a job, so an idle pool (between requests) costs no CPU. With more
+   threads than cores, a spinning thread would hold a core the thread it waits for needs, for a whole time slice
+   (3 threads on 2 cores: a decode step 100× as long), so such a pool never spins: every wait sleeps. */
 #define SPIN_NS 2000000L
 
 static long now_ns(void) {
@@ -116,7 +119,7 @@ static void *worker_main(void *argument) {
     free(argument);
     unsigned seen = 0;
     for (;;) {
-        for (long start = now_ns(), spin = 1; atomic_load(&pool->generation) == seen; spin++) {
+        for (long start = now_ns(), spin = 1; pool->spin && atomic_load(&pool->generation) == seen; spin++) {
             cpu_relax();
             if (spin % 256 == 0 && now_ns() - start > SPIN_NS) break;
         }
@@ -133,7 +136,11 @@ static void *worker_main(void *argument) {
         int begin, end;
         slice(pool->items, pool->threads, index, &begin, &end);
         if (begin < end) pool->task(pool->context, begin, end, index);
-        atomic_fetch_sub(&pool->pending, 1);
+        if (atomic_fetch_sub(&pool->pending, 1) == 1 && !pool->spin) {  /* the last share: wake the caller */
+            pthread_mutex_lock(&pool->lock);
+            pthread_cond_signal(&pool->done);
+            pthread_mutex_unlock(&pool->lock);
+        }
     }
 }
 
@@ -154,17 +161,27 @@ static void parallel_for(ManasPool *pool, Task task, void *context, int items) {
     int begin, end;
     slice(items, pool->threads, 0, &begin, &end);
     task(context, begin, end, 0);
+    if (!pool->spin) {  /* the count is read under the lock the last worker signals under: no wake-up is lost */
+        pthread_mutex_lock(&pool->lock);
+        while (atomic_load(&pool->pending)) pthread_cond_wait(&pool->done, &pool->lock);
+        pthread_mutex_unlock(&pool->lock);
+        return;
+    }
     for (long spin = 1; atomic_load(&pool->pending); spin++)
         if (spin % 1024) cpu_relax(); else sched_yield();  /* a worker descheduled on a busy machine gets its turn */
 }
 
-EXPORT ManasPool *manas_pool_new(int threads) {
+/* A pool of `threads` (the caller one of them); `cores`: the cores this process may run on, to know whether
+   its threads may spin. */
+EXPORT ManasPool *manas_pool_new(int threads, int cores) {
     if (threads < 1 || threads > MAX_THREADS) return NULL;
     ManasPool *pool = calloc(1, sizeof *pool);
     if (!pool) return NULL;
     pool->threads = 1;
+    pool->spin = threads <= cores;
     pthread_mutex_init(&pool->lock, NULL);
     pthread_cond_init(&pool->wake, NULL);
+    pthread_cond_init(&pool->done, NULL);
     for (int i = 1; i < threads; i++) {
         Worker *worker = malloc(sizeof *worker);
         if (!worker) break;
@@ -184,6 +201,7 @@ EXPORT void manas_pool_free(ManasPool *pool) {
     for (int i = 1; i < pool->threads; i++) pthread_join(pool->workers[i], NULL);
     pthread_mutex_destroy(&pool->lock);
     pthread_cond_destroy(&pool->wake);
+    pthread_cond_destroy(&pool->done);
     free(pool);
 }
 

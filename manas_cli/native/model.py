@@ -10,6 +10,7 @@ import math
 from ctypes import c_float, c_int32
 
 from ..engine.config import GPTConfig, parameter_shapes
+from ..engine.threads import usable_cpus
 from .binding import ManasCache, bind
 
 
@@ -53,7 +54,7 @@ class NativeGPT:
     def set_threads(self, threads: int) -> None:
         if self._pool is not None and self.threads == threads:
             return
-        pool = self.library.manas_pool_new(threads)
+        pool = self.library.manas_pool_new(threads, usable_cpus())  # more threads than cores: they never spin
         if not pool:
             raise MemoryError(f"the native core could not start {threads} threads")
         self.close()

@@ -30,16 +30,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "checkpoints" / "shakespeare.safetensors"
 HELD_OUT = ROOT / "tests" / "data" / "tinyshakespeare-held-out.txt"
 DRIVER = ROOT / "tests" / "native_driver.c"
-SEEDS = list(range(20))  # the shipped model's; its int8 and int4 copies take the first 5 over 64 positions (emulated
-NEW_TOKENS = 16  # aarch64 runs a dump in 5-20 s)
+SEEDS = list(range(20))  # the shipped model's; its int8 and int4 copies take the first 5, over 64 positions
+NEW_TOKENS = 16  # per seed (an emulated aarch64 run of a dump takes 5-20 s)
 REQUIRE_ALL = os.environ.get("MANAS_REQUIRE_ALL_TARGETS") == "1"
 X86 = platform.machine() == "x86_64"
 FLAGS = ["-O3", "-ffp-contract=off", "-pthread"]
 
 
+def bytes_at(pointer, count: int) -> bytes:
+    """count bytes from a ctypes pointer; empty where it is NULL or count is 0."""
+    return ctypes.string_at(ctypes.cast(pointer, ctypes.c_void_p).value, count) if pointer and count else b""
+
+
 def floats_at(pointer, count: int) -> bytes:
-    """count float32 values from a ctypes pointer; empty where it is NULL."""
-    return ctypes.string_at(ctypes.cast(pointer, ctypes.c_void_p).value, 4 * count) if pointer else b""
+    return bytes_at(pointer, 4 * count)
 
 
 def array(data: bytes) -> bytes:
@@ -55,8 +59,8 @@ def linear_bytes(linear: ManasLinear) -> bytes:
         [
             struct.pack("<4i", linear.kind, n_in, n_out, linear.group),
             array(ctypes.string_at(linear.weight, weight_bytes[linear.kind])),
-            array(ctypes.string_at(ctypes.cast(linear.scales, ctypes.c_void_p).value, 2 * scales) if scales else b""),
-            array(ctypes.string_at(ctypes.cast(linear.zeros, ctypes.c_void_p).value, 2 * zeros) if zeros else b""),
+            array(bytes_at(linear.scales, 2 * scales)),  # bfloat16
+            array(bytes_at(linear.zeros, 2 * zeros)),
             array(floats_at(linear.bias, n_out)),
         ]
     )

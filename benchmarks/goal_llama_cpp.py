@@ -2,8 +2,9 @@
 message without it): manas float32, int8 and int4 on its native engine (and, for the shipped model, on torch too,
 side by side) against llama.cpp f32, q8_0 and q4_0 on the same weights (manas exports
 the GGUF, llama-quantize makes q8_0 and q4_0), whole processes taking turns, each under `chrt -f 1` where
-allowed, 1 and 2 threads: the GPT-2-124M shape (`llama-cpp`: pp64, 256 new tokens) and the shipped model
-(`llama-cpp-shipped`: pp64, 128 new tokens)."""
+allowed, 1 and 2 threads: the GPT-2-124M shape (`llama-cpp`: pp64, 256 new tokens), the GPT-2-medium shape
+(`llama-cpp-medium`: 355M, pp64, 64 new tokens) and the shipped model (`llama-cpp-shipped`: pp64, 128 new
+tokens)."""
 
 from __future__ import annotations
 
@@ -183,6 +184,24 @@ def goal_llama_cpp_gpt2(runs: int) -> dict:
     return result
 
 
+def goal_llama_cpp_medium(runs: int) -> dict:
+    """Issue 34: the GPT-2-medium shape (355M, random weights), pp64, 64 new tokens. Goal: decode ≥ 1.2× and
+    prefill ≥ 1.0× llama.cpp at every weight type, 1 and 2 threads."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = against_llama_cpp(gpt2_checkpoint(Path(folder), "355M"), GPT2_PROMPT_TOKENS, 64, runs)
+    rates = result["tokens_per_s"]
+    result["prefill_ratio"] = {
+        f"{weights}_over_{peer}_{t}t": round(
+            rates[f"manas_{weights}_{t}t"]["prefill"] / rates[f"llama_cpp_{peer}_{t}t"]["prefill"], 2
+        )
+        for weights, peer in LLAMA_CPP_TYPES.items()
+        for t in (1, 2)
+    }
+    return result
+
+
 def goal_llama_cpp_shipped(runs: int) -> dict:
     """Issue 16: the shipped model, pp64, 128 new tokens within the window. Goals: float32 ≥ 1.0× llama.cpp f32,
     int8 and int4 ≥ 1.0× q8_0 decode, on 1 and on 2 threads."""
@@ -198,6 +217,7 @@ def goal_llama_cpp_shipped(runs: int) -> dict:
 
 GOALS = {
     "llama-cpp": lambda args: goal_llama_cpp_gpt2(args.runs),
+    "llama-cpp-medium": lambda args: goal_llama_cpp_medium(args.runs),
     "llama-cpp-shipped": lambda args: goal_llama_cpp_shipped(args.runs),
 }
 

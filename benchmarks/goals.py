@@ -17,7 +17,8 @@ goal_int8        int8, threads, int8-shipped, int8-prefill: int8 weights and bot
 goal_dtype       dtype: bfloat16 and float16 against float32, prefill and decode.
 goal_busy        busy: the default thread choice against --threads 1 and 2, quiet and beside a spinning process.
 goal_pipelines   pipelines, batch: --jsonl against a shell loop and --batch-size 1; batch sizes 1 to 16.
-goal_llama_cpp   llama-cpp, llama-cpp-shipped: manas float32/int8/int4 beside llama.cpp f32/q8_0/q4_0 (needs
+goal_llama_cpp   llama-cpp, llama-cpp-medium, llama-cpp-shipped: manas float32/int8/int4 beside llama.cpp
+                 f32/q8_0/q4_0 on GPT-2's 124M and 355M shapes and the shipped model (needs
                  `bash ../shared/tools/build-llamacpp.sh`; skipped with a message without it).
 goal_llama_server  llama-server: `manas serve` beside llama.cpp's `llama-server`, 1, 16 and 64 clients (the same).
 

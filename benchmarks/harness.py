@@ -116,16 +116,23 @@ def gpt2_pair():
     return hf, manas
 
 
-def gpt2_checkpoint(folder: Path) -> Path:
-    """A GPT-2-124M-shaped manas checkpoint with random weights and GPT-2's tokenizer, written once into folder."""
+GPT2_SHAPES = {"124M": (12, 12, 768), "355M": (24, 16, 1024)}  # GPT-2 and GPT-2-medium: layers, heads, width
+
+
+def gpt2_checkpoint(folder: Path, size: str = "124M") -> Path:
+    """A GPT-2-shaped manas checkpoint (124M, or GPT-2-medium's 355M) with random weights and GPT-2's tokenizer,
+    written once into folder."""
     from manas_cli.formats.checkpoint import save_checkpoint
     from manas_cli.formats.tokenizer import spec_from_tiktoken_file
     from manas_cli.torch_engine.model import GPTConfig
 
-    path = folder / "gpt2-random.safetensors"
+    path = folder / ("gpt2-random.safetensors" if size == "124M" else f"gpt2-{size}-random.safetensors")
     if not path.exists():
         torch.manual_seed(0)
-        config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
+        n_layer, n_head, n_embd = GPT2_SHAPES[size]
+        config = GPTConfig(
+            vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_kv_head=n_head, n_embd=n_embd
+        )
         ranks = DATA / "gpt2.tiktoken"
         save_checkpoint(path, GPT(config).eval(), spec_from_tiktoken_file(ranks))
     return path

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -238,3 +239,13 @@ def generate(
     checkpoint: TinyCheckpoint, *args: str | Path, stdin: bytes = b"", fresh: bool = False, **env: str | None
 ) -> Run:
     return manas("generate", "-c", checkpoint.path, *RUN_OPTIONS, *args, stdin=stdin, fresh=fresh, **env)
+
+
+def generate_with_compiler(checkpoint: TinyCheckpoint, folder: Path, before: str = "", after: str = "") -> Run:
+    """`generate --json` (greedy, a few tokens) with $CC a wrapper adding flags before or after the build's own,
+    the core built into an empty cache under folder (folder / "cache" / "manas")."""
+    wrapper = folder / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which(os.environ.get("CC") or "cc")} {before} "$@" {after}\n')
+    wrapper.chmod(0o755)
+    cache = str(folder / "cache")
+    return generate(checkpoint, "-p", "ROMEO:", "-n", "5", "-t", "0", "--json", CC=str(wrapper), XDG_CACHE_HOME=cache)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import socket
@@ -22,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas, rope  # noqa: F401
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, generate_with_compiler, manas, rope  # noqa: F401
 from conftest import all_logits, make_model, native_model, needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import open_checkpoint
@@ -424,24 +423,7 @@ def test_a_positional_prompt_is_dash_p_and_dash_m_is_dash_c(rope):
 
 @needs_compiler
 def test_a_core_built_with_fast_math_fails_its_self_test_and_torch_runs_with_a_notice(rope, tmp_path):
-    wrapper = tmp_path / "cc"
-    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which(os.environ.get("CC") or "cc")} -ffast-math "$@"\n')
-    wrapper.chmod(0o755)
-    run = manas(
-        "generate",
-        "-c",
-        rope.path,
-        *RUN_OPTIONS,
-        "-p",
-        "ROMEO:",
-        "-n",
-        "5",
-        "-t",
-        "0",
-        "--json",
-        CC=str(wrapper),
-        XDG_CACHE_HOME=str(tmp_path / "cache"),
-    )
+    run = generate_with_compiler(rope, tmp_path, before="-ffast-math")
     assert run.ok().json()["engine"] == "torch"
     assert "failed its self-test (a NaN went unseen" in run.err and run.err.count("\n") == 1, run.err
     assert not list((tmp_path / "cache" / "manas").glob("*.so"))

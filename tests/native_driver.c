@@ -112,7 +112,8 @@ int main(int argc, char **argv) {
     ManasModel m;
     memset(&m, 0, sizeof m);
     m.vocab_size = take_int(&r), m.block_size = take_int(&r), m.n_layer = take_int(&r), m.n_head = take_int(&r);
-    m.n_kv_head = take_int(&r), m.n_embd = take_int(&r), m.rope = take_int(&r), m.gelu_tanh = take_int(&r);
+    m.n_kv_head = take_int(&r), m.n_embd = take_int(&r), m.head_size = take_int(&r), m.ffn_width = take_int(&r);
+    m.rope = take_int(&r), m.gelu_tanh = take_int(&r), m.rms_norm = take_int(&r), m.swiglu = take_int(&r);
     m.integer_products = take_int(&r);
     take(&r, &m.norm_eps, sizeof m.norm_eps);
     take(&r, &m.rope_base, sizeof m.rope_base);
@@ -124,6 +125,7 @@ int main(int argc, char **argv) {
         layers[l].qkv = take_linear(&r);
         layers[l].output = take_linear(&r);
         layers[l].ln_ffn = take_norm(&r);
+        layers[l].gate = take_linear(&r);
         layers[l].up = take_linear(&r);
         layers[l].down = take_linear(&r);
     }

@@ -18,6 +18,7 @@ from manas_cli.files import atomic_write
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.formats.header import read_metadata
 from manas_cli.formats.tokenizer import build_encoding, end_of_text_id
+from manas_cli.torch_engine.quantize import quantize_model
 
 
 def test_round_trip_gives_identical_logits_and_tokenizer(tiny_model, tiny_bpe_spec, tmp_path):
@@ -49,6 +50,47 @@ def test_tied_lm_head_is_not_stored_and_is_tied_again_on_load(tiny_model, tiny_b
     with torch.no_grad():  # still tied after the load: training one trains the other
         loaded.token_embedding.weight[0, 0] = 42.0
     assert loaded.lm_head.weight[0, 0] == 42.0
+
+
+LLAMA_FAMILY = dict(norm="rmsnorm", mlp="swiglu", ffn_hidden=96, bias=False, qkv_bias=True, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+def test_a_llama_family_model_round_trips_as_version_3_with_its_own_output_layer(weights, tiny_bpe_spec, tmp_path):
+    """RMSNorm (no bias), a SwiGLU MLP of its own width, biases on q, k, v only, an untied output layer: stored
+    under lm_head (quantized with the other matrices), the token embedding kept float (it is only looked up)."""
+    model = make_model("rope", "gqa", **LLAMA_FAMILY)
+    if weights != "float32":
+        quantize_model(model, weights)
+    path = tmp_path / "model.safetensors"
+    save_checkpoint(path, model, tiny_bpe_spec)
+    metadata = read_metadata(path)
+    assert metadata["format_version"] == "3"
+    assert metadata.get("quantization") == (None if weights == "float32" else weights)
+    assert json.loads(metadata["config"]) == {**model.config.to_dict(), **LLAMA_FAMILY}
+    with safe_open(path, framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("token_embedding.weight").dtype == torch.float32
+        assert f.get_tensor("lm_head.weight").dtype == {"float32": torch.float32, "int8": torch.int8}.get(
+            weights, torch.uint8
+        )
+    assert "blocks.0.ffn.gate.weight" in names and "blocks.0.attention.qkv.bias" in names
+    assert not any(name.endswith(("output.bias", "ffn.up.bias", "norm.bias")) for name in names)
+    loaded = load_checkpoint(path).model
+    assert loaded.config == model.config
+    assert loaded.lm_head.weight is not loaded.token_embedding.weight
+    idx = torch.randint(300, (2, model.config.block_size), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), model(idx))
+
+
+def test_a_gpt2_block_is_still_written_as_version_1_without_the_family_fields(tiny_bpe_spec, tmp_path):
+    """Files of GPT-2's block stay readable by earlier manas: no new field, the version they knew."""
+    path = tmp_path / "model.safetensors"
+    save_checkpoint(path, make_model("rope", "gqa"), tiny_bpe_spec)
+    config = json.loads(read_metadata(path)["config"])
+    assert read_metadata(path)["format_version"] == "1"
+    assert not {"norm", "mlp", "ffn_hidden", "head_dim", "tie_embeddings", "qkv_bias"} & set(config)
 
 
 def test_metadata_names_the_format_version_config_and_tokenizer(tiny_bpe_spec, tmp_path):
@@ -146,7 +188,7 @@ def other_format(path, spec):
 
 def future_version(path, spec):
     tensors, metadata = valid_tensors_and_metadata(spec)
-    save_file(tensors, path, metadata={**metadata, "format_version": "3"})
+    save_file(tensors, path, metadata={**metadata, "format_version": "4"})
 
 
 def missing_tensor(path, spec):
@@ -194,6 +236,22 @@ def config_not_json(path, spec):
     save_file(tensors, path, metadata={**metadata, "config": "{vocab_size: 300"})
 
 
+def family_fields_in_version_1(path, spec):
+    tensors, metadata = valid_tensors_and_metadata(spec, norm="rmsnorm")
+    save_file({k: t for k, t in tensors.items() if not k.endswith("norm.bias")}, path, metadata=metadata)
+
+
+def gpt2_block_in_version_3(path, spec):
+    tensors, metadata = valid_tensors_and_metadata(spec)
+    save_file(tensors, path, metadata={**metadata, "format_version": "3"})
+
+
+def unknown_norm(path, spec):
+    tensors, metadata = valid_tensors_and_metadata(spec)
+    config = {**json.loads(metadata["config"]), "norm": "batchnorm"}
+    save_file(tensors, path, metadata={**metadata, "format_version": "3", "config": json.dumps(config)})
+
+
 def unknown_tokenizer_kind(path, spec):
     tensors, metadata = valid_tensors_and_metadata(spec)
     save_file(tensors, path, metadata={**metadata, "tokenizer": json.dumps({"kind": "sentencepiece"})})
@@ -211,7 +269,7 @@ BAD_FILES = [
     (corrupt_header, "not a readable safetensors file.*truncated or corrupt"),
     (plain_safetensors, "not a manas checkpoint.*`manas convert` imports nanoGPT and Hugging Face GPT-2"),
     (other_format, "not a manas checkpoint.*manas convert"),
-    (future_version, "unsupported format_version '3'.*reads 1"),
+    (future_version, "unsupported format_version '4'.*reads 1"),
     (missing_tensor, r"missing tensor blocks\.1\.ffn\.down\.weight \(expected shape \[32, 128\]\)"),
     (unexpected_tensor, r"unexpected tensor blocks\.2\.ffn\.up\.weight"),
     (stored_lm_head, r"unexpected tensor lm_head\.weight"),
@@ -223,6 +281,9 @@ BAD_FILES = [
     (invalid_config, r"invalid config: n_head \(4\) must be divisible by n_kv_head \(3\)"),
     (unknown_config_field, "invalid config: unknown config field.*n_experts"),
     (config_not_json, "invalid config"),
+    (family_fields_in_version_1, "format_version 1 with Llama-family config fields.*needs format_version 3"),
+    (gpt2_block_in_version_3, "format_version 3 with a GPT-2 block's config"),
+    (unknown_norm, "invalid config: norm must be one of layernorm, rmsnorm, got 'batchnorm'"),
     (unknown_tokenizer_kind, "unknown tokenizer kind 'sentencepiece'"),
     (damaged_ranks, "line 1 of the BPE ranks"),
 ]

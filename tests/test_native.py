@@ -32,24 +32,40 @@ from manas_cli.torch_engine.quantize import is_quantized, quantizable, quantize_
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors"
 
-# Every configuration the core runs: position encoding, head layout, bias, GELU, weights.
+# The Llama family's choices, as config fields over the tiny model (n_embd 32, 4 heads): Llama's block with an
+# untied output layer, Qwen2's biases on q, k, v only, and a head size that is not n_embd / n_head (the heads 64
+# wide). Hidden widths are multiples of 32, as int4's groups need.
+FAMILIES = {
+    "gpt2": {},
+    "llama": dict(norm="rmsnorm", mlp="swiglu", ffn_hidden=96, tie_embeddings=False),
+    "qwen2": dict(norm="rmsnorm", mlp="swiglu", ffn_hidden=64, qkv_bias=True),
+    "head-dim": dict(norm="rmsnorm", mlp="swiglu", ffn_hidden=64, head_dim=16),
+}
+
+# Every configuration the core runs: position encoding, head layout, bias, GELU, weights, family.
 CONFIGURATIONS = [
-    (pe, layout, bias, gelu, weights)
+    (pe, layout, bias, gelu, weights, "gpt2")
     for pe in ("learned", "rope")
     for layout in ("mha", "gqa", "mqa")
     for bias in (True, False)
     for gelu in ("tanh", "none")
     for weights in ("float32", "int8", "int4")
+] + [
+    ("rope", "gqa", False, "tanh", weights, family)
+    for family in FAMILIES
+    if family != "gpt2"
+    for weights in ("float32", "int8", "int4")
 ]
 
 
 def configuration_id(configuration: tuple) -> str:
-    pe, layout, bias, gelu, weights = configuration
-    return f"{pe}-{layout}-{'bias' if bias else 'no-bias'}-gelu-{gelu}-{weights}"
+    pe, layout, bias, gelu, weights, family = configuration
+    shape = f"{pe}-{layout}-{'bias' if bias else 'no-bias'}-gelu-{gelu}" if family == "gpt2" else family
+    return f"{shape}-{weights}"
 
 
-def configured_model(pe: str, layout: str, bias: bool, gelu: str, weights: str, **overrides):
-    model = make_model(pe, layout, bias=bias, gelu_approximate=gelu, **overrides)
+def configured_model(pe: str, layout: str, bias: bool, gelu: str, weights: str, family: str = "gpt2", **overrides):
+    model = make_model(pe, layout, bias=bias, gelu_approximate=gelu, **FAMILIES[family], **overrides)
     return model if weights == "float32" else quantize_model(model, weights)
 
 
@@ -81,7 +97,6 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=configuration_id)
 def test_native_logits_equal_the_torch_models_within_float32_rounding(native_library, configuration):
     """With float activations (int8's integer products have their own reference, below)."""
-    pe, layout, bias, gelu, weights = configuration
     model = configured_model(*configuration)
     ids = random_ids(2, BLOCK_SIZE)
     with torch.inference_mode():
@@ -148,19 +163,20 @@ def position_errors(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 
 INTEGER_CASES = (
-    [(pe, "int8", width) for pe in ("learned", "rope") for width in (64, 40, 48)]
-    + [(pe, "int4", width) for pe in ("learned", "rope") for width in (64, 128)]
-    + [("learned", "int4", 96)]
+    [(pe, "int8", width, "gpt2") for pe in ("learned", "rope") for width in (64, 40, 48)]
+    + [(pe, "int4", width, "gpt2") for pe in ("learned", "rope") for width in (64, 128)]
+    + [("learned", "int4", 96, "gpt2")]
+    + [("rope", weights, 64, family) for weights in ("int8", "int4") for family in ("llama", "qwen2")]
 )
 
 
-@pytest.mark.parametrize("pe, weights, width", INTEGER_CASES)
-def test_integer_products_equal_block_quantized_activations_in_torch(native_library, pe, weights, width):
+@pytest.mark.parametrize("pe, weights, width, family", INTEGER_CASES)
+def test_integer_products_equal_block_quantized_activations_in_torch(native_library, pe, weights, width, family):
     """The default quantized path against its own reference: position by position within float rounding, but where
     an activation lands on a rounding boundary (torch and the core differ upstream in their last bits, and one code
     rounds the other way: a few positions of a sequence). The float path matches the reference nowhere. int4 at
     width 96: the attention's products (96 inputs) in float32, the feed-forward's (384) in integers."""
-    model = configured_model(pe, "gqa", True, "tanh", weights, n_embd=width, n_head=4)
+    model = configured_model(pe, "gqa", True, "tanh", weights, family, n_embd=width, n_head=4)
     ids = random_ids(2, BLOCK_SIZE)
     with torch.inference_mode():
         expected = integer_reference(model)(ids)

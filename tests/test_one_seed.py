@@ -58,7 +58,7 @@ def linear_bytes(linear: ManasLinear) -> bytes:
     return b"".join(
         [
             struct.pack("<4i", linear.kind, n_in, n_out, linear.group),
-            array(ctypes.string_at(linear.weight, weight_bytes[linear.kind])),
+            array(bytes_at(linear.weight, weight_bytes[linear.kind])),
             array(bytes_at(linear.scales, 2 * scales)),  # bfloat16
             array(bytes_at(linear.zeros, 2 * zeros)),
             array(floats_at(linear.bias, n_out)),
@@ -77,8 +77,12 @@ CONFIG_FIELDS = (
     "n_head",
     "n_kv_head",
     "n_embd",
+    "head_size",
+    "ffn_width",
     "rope",
     "gelu_tanh",
+    "rms_norm",
+    "swiglu",
     "integer_products",
 )
 
@@ -89,14 +93,15 @@ def write_dump(path: Path, m: ManasModel, prompt: list[int], seed_prompt: list[i
     C = m.n_embd
     parts = [
         b"MANASDMP",
-        struct.pack("<9i", *(getattr(m, name) for name in CONFIG_FIELDS)),
+        struct.pack(f"<{len(CONFIG_FIELDS)}i", *(getattr(m, name) for name in CONFIG_FIELDS)),
         struct.pack("<fd", m.norm_eps, m.rope_base),
         array(floats_at(m.token_embedding, m.vocab_size * C)),
         array(floats_at(m.position_embedding, m.block_size * C)),
     ]
     for layer in m.layers[: m.n_layer]:
         parts += [norm_bytes(layer.ln_attention, C), linear_bytes(layer.qkv), linear_bytes(layer.output)]
-        parts += [norm_bytes(layer.ln_ffn, C), linear_bytes(layer.up), linear_bytes(layer.down)]
+        parts += [norm_bytes(layer.ln_ffn, C), linear_bytes(layer.gate), linear_bytes(layer.up)]
+        parts += [linear_bytes(layer.down)]
     parts += [norm_bytes(m.final_norm, C), linear_bytes(m.lm_head)]
     parts += [struct.pack(f"<i{len(prompt)}i", len(prompt), *prompt)]
     parts += [struct.pack(f"<i{len(seed_prompt)}i", len(seed_prompt), *seed_prompt)]

@@ -9,6 +9,18 @@ from dataclasses import asdict, dataclass, fields
 
 POSITION_ENCODINGS = ("learned", "rope")
 GELU_APPROXIMATIONS = ("tanh", "none")  # F.gelu's `approximate` values
+NORMS = ("layernorm", "rmsnorm")  # GPT-2's LayerNorm; Llama's RMSNorm (weight only, no mean subtracted)
+MLPS = ("gelu", "swiglu")  # GPT-2's up → GELU → down; Llama's down(silu(gate(x)) · up(x))
+# The fields Llama-family models added (FORMAT.md, version 3), with the values that mean GPT-2's block. A config
+# that leaves them so is written without them, as earlier versions wrote it.
+FAMILY_DEFAULTS = {
+    "norm": "layernorm",
+    "mlp": "gelu",
+    "ffn_hidden": None,
+    "head_dim": None,
+    "tie_embeddings": True,
+    "qkv_bias": None,
+}
 # The longest context any released model uses (2^20 positions). No tensor backs block_size with rope, so a bound
 # keeps a file's claim from sizing what position-dependent state there is (the static KV cache's window).
 MAX_BLOCK_SIZE = 1 << 20
@@ -35,13 +47,19 @@ class GPTConfig:
     norm_eps: float = 1e-5
     gelu_approximate: str = "tanh"  # "tanh": GPT-2's GELU; "none": the exact erf GELU (nanoGPT's nn.GELU())
     dropout: float = 0.0
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    ffn_hidden: int | None = None  # the MLP's hidden width; None: 4 n_embd
+    head_dim: int | None = None  # None: n_embd / n_head
+    tie_embeddings: bool = True  # the output layer is the token embedding (GPT-2), or a matrix of its own
+    qkv_bias: bool | None = None  # biases on q, k, v; None: as `bias` (Qwen2: true with bias false)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         self._check_types()
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
-            if getattr(self, name) <= 0:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "head_dim"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} (2^20), got {self.block_size}")
@@ -49,12 +67,12 @@ class GPTConfig:
             raise ValueError(
                 f"position_encoding must be one of {', '.join(POSITION_ENCODINGS)}, got {self.position_encoding!r}"
             )
-        if self.n_embd % self.n_head:
+        if self.head_dim is None and self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
         if self.position_encoding == "rope" and self.head_size % 2:
-            raise ValueError(f"head size n_embd/n_head ({self.head_size}) must be even with rope position encoding")
+            raise ValueError(f"the head size ({self.head_size}) must be even with rope position encoding")
         if not 0 < self.rope_base < math.inf:
             raise ValueError(f"rope_base must be positive, got {self.rope_base!r}")
         if not 0 < self.norm_eps < math.inf:
@@ -65,13 +83,18 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        for name, allowed in (("norm", NORMS), ("mlp", MLPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
     def _check_types(self) -> None:
         """Each field has its declared type exactly: a bool is not an int, a string is not a bool ("false" would be
         true); an int is accepted where a float is declared."""
         for field in fields(self):
             value = getattr(self, field.name)
-            kind = field.type.split(" | ")[0]  # n_kv_head's None was replaced above
+            kind = field.type.split(" | ")[0]
+            if value is None and field.type.endswith("| None"):
+                continue
             valid = {
                 "int": isinstance(value, int) and not isinstance(value, bool),
                 "float": isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -83,10 +106,35 @@ class GPTConfig:
 
     @property
     def head_size(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden features."""
+        return self.ffn_hidden or 4 * self.n_embd
+
+    @property
+    def attention_width(self) -> int:
+        """The query heads side by side: n_head × head size (n_embd unless head_dim says otherwise)."""
+        return self.n_head * self.head_size
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def is_gpt2_family(self) -> bool:
+        """Whether the block is GPT-2's (FORMAT.md versions 1 and 2 describe it), every Llama-family field at its
+        default."""
+        return all(getattr(self, name) == value for name, value in FAMILY_DEFAULTS.items())
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, the Llama-family ones only where they differ from GPT-2's block (as earlier versions wrote)."""
+        return {
+            name: value
+            for name, value in asdict(self).items()
+            if name not in FAMILY_DEFAULTS or value != FAMILY_DEFAULTS[name]
+        }
 
     @classmethod
     def from_dict(cls, values: dict) -> GPTConfig:
@@ -98,19 +146,21 @@ class GPTConfig:
 
 
 def parameter_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The name and shape of every persistent tensor of GPT(config), in state_dict order, lm_head (tied) excluded:
+    """The name and shape of every persistent tensor of GPT(config), in state_dict order, lm_head only when untied:
     what a checkpoint must hold, known without building the model. A generator, so that a config claiming a
     million layers costs nothing until a file's tensors run out."""
-    C, kv_width = config.n_embd, config.n_kv_head * config.head_size
+    C, kv_width, hidden = config.n_embd, config.n_kv_head * config.head_size, config.ffn_width
 
-    def linear(name: str, out_features: int, in_features: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    def linear(
+        name: str, out_features: int, in_features: int, bias: bool = config.bias
+    ) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{name}.weight", (out_features, in_features)
-        if config.bias:
+        if bias:
             yield f"{name}.bias", (out_features,)
 
     def norm(name: str) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{name}.weight", (C,)
-        if config.bias:
+        if config.bias and config.norm == "layernorm":  # RMSNorm has no bias
             yield f"{name}.bias", (C,)
 
     yield "token_embedding.weight", (config.vocab_size, C)
@@ -118,12 +168,16 @@ def parameter_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]
         yield "position_embedding.weight", (config.block_size, C)
     for i in range(config.n_layer):
         yield from norm(f"blocks.{i}.ln_attention")
-        yield from linear(f"blocks.{i}.attention.qkv", C + 2 * kv_width, C)
-        yield from linear(f"blocks.{i}.attention.output", C, C)
+        yield from linear(f"blocks.{i}.attention.qkv", config.attention_width + 2 * kv_width, C, config.has_qkv_bias)
+        yield from linear(f"blocks.{i}.attention.output", C, config.attention_width)
         yield from norm(f"blocks.{i}.ln_ffn")
-        yield from linear(f"blocks.{i}.ffn.up", 4 * C, C)
-        yield from linear(f"blocks.{i}.ffn.down", C, 4 * C)
+        if config.mlp == "swiglu":
+            yield from linear(f"blocks.{i}.ffn.gate", hidden, C)
+        yield from linear(f"blocks.{i}.ffn.up", hidden, C)
+        yield from linear(f"blocks.{i}.ffn.down", C, hidden)
     yield from norm("final_norm")
+    if not config.tie_embeddings:
+        yield "lm_head.weight", (config.vocab_size, C)
 
 
 def stored_names(kind: str) -> tuple[str, ...]:

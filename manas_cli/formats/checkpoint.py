@@ -14,13 +14,12 @@ from ..torch_engine.model import GPT
 from ..torch_engine.quantize import QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization
 from .header import (
     FORMAT,
-    FORMAT_VERSION,
-    QUANTIZED_FORMAT_VERSION,
     TIED,
     Checkpoint,
     MappedCheckpoint,
     check_vocabulary,
     companion_name,
+    format_version,
     not_finite,
     open_checkpoint,
 )
@@ -55,7 +54,7 @@ def save_checkpoint(
     metadata = {
         **(extra_metadata or {}),
         "format": FORMAT,
-        "format_version": QUANTIZED_FORMAT_VERSION if kind else FORMAT_VERSION,
+        "format_version": format_version(model.config, kind),
         **({"quantization": kind} if kind else {}),
         **({"group_size": str(model.lm_head.group_size)} if kind == "int4" else {}),
         "config": json.dumps(model.config.to_dict()),
@@ -67,9 +66,12 @@ def save_checkpoint(
 
 
 def stored_state(model: GPT, kind: str | None) -> dict[str, torch.Tensor]:
-    """The model's tensors by their stored names. Format 1 leaves out the tied lm_head; format 2 stores the
-    quantized output layer in the token embedding's place (it is that matrix, quantized), and no float copy of it."""
+    """The model's tensors by their stored names. A tied lm_head is left out of a float file; a quantized one stores
+    it in the token embedding's place (it is that matrix, quantized), and no float copy of it. An untied output
+    layer is stored under its own name."""
     state = model.state_dict()
+    if not model.config.tie_embeddings:
+        return state
     if not kind:
         del state[TIED]
         return state
@@ -90,9 +92,11 @@ def load_checkpoint(
     # A real (random) init, then overwritten: cheaper than building on the meta device, whose init imports
     # torch._dynamo (over a second of every command's start-up). Its size is now backed by the file's tensors.
     model = GPT(header.config)
-    quantized = _split_quantized(state, header.quantization) if header.quantization else {}
+    tied = header.config.tie_embeddings
+    quantized = _split_quantized(state, header.quantization, tied) if header.quantization else {}
     model.load_state_dict(state, strict=False, assign=True)
-    model.lm_head.weight = model.token_embedding.weight  # assign=True replaced the tied parameter
+    if tied:
+        model.lm_head.weight = model.token_embedding.weight  # assign=True replaced the tied parameter
     model = model.to(device=device, dtype=dtype).eval()
     if quantized:  # after the cast: it would cast the scales too
         load_quantized(model, quantized, header.quantization)
@@ -100,15 +104,16 @@ def load_checkpoint(
     return Checkpoint(model, header.encoding, header.tokenizer_spec, path, header.metadata)
 
 
-def _split_quantized(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-    """Take a version-2 file's quantized matrices and their scales (and zeros) out of `state`, by module name (the
-    stored token embedding is the output layer), and leave the token embedding as its dequantized rows."""
+def _split_quantized(state: dict[str, torch.Tensor], kind: str, tied: bool) -> dict[str, torch.Tensor]:
+    """Take a quantized file's matrices and their scales (and zeros) out of `state`, by module name (a tied model's
+    stored token embedding is the output layer), and leave the tied token embedding as its dequantized rows."""
     quantized = {}
     for name in [name for name, tensor in state.items() if tensor.dtype in (torch.int8, torch.uint8)]:
         module = "lm_head." if name == "token_embedding.weight" else name.removesuffix("weight")
         for suffix in stored_names(kind):
             quantized[module + suffix] = state.pop(companion_name(name, suffix))
-    state["token_embedding.weight"] = dequantize_stored(quantized, "lm_head", kind)
+    if tied:
+        state["token_embedding.weight"] = dequantize_stored(quantized, "lm_head", kind)
     return quantized
 
 
@@ -126,13 +131,15 @@ def check_finite(model: GPT, path: Path | str) -> None:
     """Every weight finite as the model will compute with it, checked after the cast to the run's dtype (1e300 is
     finite in a float64 file and infinite as float32) and dequantized (an int8 row's largest code times its scale)."""
     # A quantized file's embedding is its output layer's rows dequantized: name the stored tensor at fault first.
+    tied = model.config.tie_embeddings
     for name, tensor in sorted(model.state_dict().items(), key=lambda item: item[0] == "token_embedding.weight"):
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise not_finite(path, name.replace("lm_head.", "token_embedding.", 1), dtype_name(tensor.dtype))
+            stored = name.replace("lm_head.", "token_embedding.", 1) if tied else name
+            raise not_finite(path, stored, dtype_name(tensor.dtype))
     for name in quantizable(model):
         layer = model.get_submodule(name)
         if isinstance(layer, QuantizedLinear) and (overflowing := layer.overflowing_tensor()):
-            stored = "token_embedding" if name == "lm_head" else name  # format 2 stores the output layer there
+            stored = "token_embedding" if name == "lm_head" and model.config.tie_embeddings else name
             raise not_finite(path, f"{stored}.{overflowing}", "float32")
 
 

@@ -23,6 +23,8 @@ from .tokenizer import build_encoding, parse_spec, vocabulary_size
 FORMAT = "manas-gpt"
 FORMAT_VERSION = "1"
 QUANTIZED_FORMAT_VERSION = "2"  # format 1 with quantized matrices (FORMAT.md, "Version 2: quantized weights")
+FAMILY_FORMAT_VERSION = "3"  # Llama-family configs, float or quantized (FORMAT.md, "Version 3")
+VERSIONS = (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, FAMILY_FORMAT_VERSION)
 TIED = "lm_head.weight"  # tied to token_embedding.weight: never stored, tied again on load
 
 
@@ -38,14 +40,29 @@ CODE_DTYPES = {"int8": ("I8",), "int4": ("U8",)}
 ITEMSIZES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1}
 
 
+def format_version(config: GPTConfig, kind: str | None) -> str:
+    """The earliest version that describes such a file: GPT-2's block keeps versions 1 and 2, which older readers
+    read; a Llama-family field needs 3."""
+    if not config.is_gpt2_family:
+        return FAMILY_FORMAT_VERSION
+    return QUANTIZED_FORMAT_VERSION if kind else FORMAT_VERSION
+
+
+def quantized_matrix(config: GPTConfig, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a quantized file stores this tensor quantized: every matrix the model multiplies by, so every 2-D
+    tensor but the position table and an untied token embedding (looked up, never multiplied)."""
+    looked_up = name == "position_embedding.weight" or (name == "token_embedding.weight" and not config.tie_embeddings)
+    return len(shape) == 2 and not looked_up
+
+
 def stored_tensors(
     config: GPTConfig, kind: str | None = None, group_size: int = INT4_GROUP_SIZE
 ) -> Iterator[tuple[str, tuple[int, ...], tuple[str, ...]]]:
     """Name, shape and allowed dtypes of every tensor a checkpoint of this config holds, lazily. Format 2 stores
-    each matrix the model multiplies by (every 2-D tensor but the position table) quantized: int8 (rows, cols)
+    each matrix the model multiplies by (quantized_matrix) quantized: int8 (rows, cols)
     and one scale per row, or int4 codes two to a byte (rows, cols/2) and a scale and a zero per group."""
     for name, shape in parameter_shapes(config):
-        if kind is None or len(shape) != 2 or name == "position_embedding.weight":
+        if kind is None or not quantized_matrix(config, name, shape):
             yield name, shape, FLOAT_DTYPES
         elif kind == "int8":
             yield name, shape, CODE_DTYPES[kind]
@@ -85,8 +102,9 @@ class Header:
 
     @property
     def quantization(self) -> str | None:
-        """ "int8" or "int4" for a version-2 file, else None."""
-        return self.metadata["quantization"] if self.metadata["format_version"] == QUANTIZED_FORMAT_VERSION else None
+        """ "int8" or "int4" for a quantized file (version 2, or 3 with a quantization), else None."""
+        version = self.metadata["format_version"]
+        return self.metadata.get("quantization") if version != FORMAT_VERSION else None
 
     @property
     def group_size(self) -> int:
@@ -109,8 +127,18 @@ def read_header(f: BinaryIO, path: Path) -> Header:
         config = GPTConfig.from_dict(json.loads(metadata["config"]))
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
         raise CheckpointError(f"{path}: invalid config: {first_line(exc)}") from None
-    if metadata["format_version"] == QUANTIZED_FORMAT_VERSION and metadata["quantization"] == "int4":
-        _check_group_size(metadata.get("group_size"), config.n_embd, path)
+    if (metadata["format_version"] == FAMILY_FORMAT_VERSION) == config.is_gpt2_family:
+        raise CheckpointError(
+            f"{path}: format_version {metadata['format_version']} with "
+            + (
+                "a GPT-2 block's config: version 3 is for Llama-family configs"
+                if config.is_gpt2_family
+                else "Llama-family config fields (norm, mlp, ffn_hidden, head_dim, tie_embeddings, qkv_bias) needs "
+                "format_version 3"
+            )
+        )
+    if metadata["format_version"] != FORMAT_VERSION and metadata.get("quantization") == "int4":
+        _check_group_size(metadata.get("group_size"), config, path)
     try:
         spec = parse_spec(metadata.get("tokenizer", "null"))
         encoding = build_encoding(spec)
@@ -230,12 +258,19 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
             "`manas convert` imports nanoGPT and Hugging Face GPT-2 weights"
         )
     version = metadata.get("format_version")
-    if version not in (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION):
+    if version not in VERSIONS:
         raise CheckpointError(
-            f"{path}: unsupported format_version {version!r} "
-            f"(this manas reads {FORMAT_VERSION}, and {QUANTIZED_FORMAT_VERSION} with int8 or int4 weights)"
+            f"{path}: unsupported format_version {version!r} (this manas reads {FORMAT_VERSION}, "
+            f"{QUANTIZED_FORMAT_VERSION} with int8 or int4 weights, and {FAMILY_FORMAT_VERSION} for Llama-family "
+            "models)"
         )
-    if version == QUANTIZED_FORMAT_VERSION and metadata.get("quantization") not in QUANTIZATIONS:
+    quantization = metadata.get("quantization")
+    if version == FAMILY_FORMAT_VERSION and quantization is not None and quantization not in QUANTIZATIONS:
+        raise CheckpointError(
+            f"{path}: format_version {version} with quantization {quantization!r}: "
+            f"this manas reads {' or '.join(map(repr, QUANTIZATIONS))}, or no quantization key for float weights"
+        )
+    if version == QUANTIZED_FORMAT_VERSION and quantization not in QUANTIZATIONS:
         raise CheckpointError(
             f"{path}: format_version {version} with quantization {metadata.get('quantization')!r}: "
             f"this manas reads {' or '.join(map(repr, QUANTIZATIONS))}"
@@ -243,19 +278,22 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
     return metadata
 
 
-def _check_group_size(value: str | None, n_embd: int, path: Path) -> None:
-    """An int4 file's group_size: an even count (two codes a byte) that divides every row (n_embd or 4 n_embd long)."""
+def _check_group_size(value: str | None, config: GPTConfig, path: Path) -> None:
+    """An int4 file's group_size: an even count (two codes a byte) that divides every row (n_embd, the MLP's and
+    the heads' widths long)."""
+    widths = (config.n_embd, config.ffn_width, config.attention_width)
     if not (
         isinstance(value, str)
         and value.isascii()
         and value.isdigit()
         and len(value) <= 9
         and int(value) > 0
-        and n_embd % int(value) == 0
+        and all(width % int(value) == 0 for width in widths)
         and int(value) % 2 == 0
     ):
         raise CheckpointError(
-            f"{path}: int4 group_size {value!r} must be an even count that divides the rows (n_embd {n_embd})"
+            f"{path}: int4 group_size {value!r} must be an even count that divides the rows "
+            f"({', '.join(map(str, sorted(set(widths))))} values)"
         )
 
 

@@ -40,14 +40,15 @@ class MappedWeights:
         return total
 
     def vector(self, name: str):
-        """A float tensor as float32; None when the file has none of that name (no bias; a quantized file's
+        """A float tensor as float32; None when the file has none of that name (no bias; a quantized file's tied
         token embedding, which the core dequantizes from the output layer's codes)."""
-        if name not in self.mapped.header.tensors or (self.quantization and name == "token_embedding.weight"):
+        quantized_table = self.quantization and self.config.tie_embeddings and name == "token_embedding.weight"
+        if name not in self.mapped.header.tensors or quantized_table:
             return None
         return ctypes.cast(self._converted(name, bfloat16=False), POINTER(c_float))
 
     def linear(self, name: str) -> ManasLinear:
-        stored = "token_embedding" if name == "lm_head" else name  # the tied output layer is stored once
+        stored = self._output_layer if name == "lm_head" else name  # a tied output layer is stored once
         weight = f"{stored}.weight"
         rows, columns = self.mapped.header.tensors[weight].shape
         bias = self.vector(f"{name}.bias")
@@ -70,9 +71,14 @@ class MappedWeights:
             )
         if overflow := self.library.manas_quantized_overflow(ctypes.byref(layer)):
             raise not_finite(self.mapped.path, f"{stored}.{('scales', 'zeros')[overflow - 1]}", "float32")
-        if name == "lm_head":
+        if stored == "token_embedding":
             self._check_embedding(layer)
         return layer
+
+    @property
+    def _output_layer(self) -> str:
+        """Where the output layer is stored: as the token embedding when tied, else under its own name."""
+        return "token_embedding" if self.config.tie_embeddings else "lm_head"
 
     def _address(self, name: str) -> int:
         """Where tensor `name` starts in the mapping; its extent, every byte its shape implies, was checked with the

@@ -32,6 +32,7 @@ class ManasLayer(ctypes.Structure):
         ("qkv", ManasLinear),
         ("output", ManasLinear),
         ("ln_ffn", ManasNorm),
+        ("gate", ManasLinear),
         ("up", ManasLinear),
         ("down", ManasLinear),
     ]
@@ -45,8 +46,12 @@ class ManasModel(ctypes.Structure):
         ("n_head", c_int32),
         ("n_kv_head", c_int32),
         ("n_embd", c_int32),
+        ("head_size", c_int32),
+        ("ffn_width", c_int32),
         ("rope", c_int32),
         ("gelu_tanh", c_int32),
+        ("rms_norm", c_int32),
+        ("swiglu", c_int32),
         ("norm_eps", c_float),
         ("rope_base", c_double),
         ("token_embedding", POINTER(c_float)),
@@ -157,6 +162,7 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
     def norm(name: str) -> ManasNorm:
         return ManasNorm(weights.vector(f"{name}.weight"), weights.vector(f"{name}.bias"))
 
+    swiglu = config.mlp == "swiglu"
     layers = (ManasLayer * config.n_layer)(
         *(
             ManasLayer(
@@ -164,6 +170,7 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
                 weights.linear(f"blocks.{i}.attention.qkv"),
                 weights.linear(f"blocks.{i}.attention.output"),
                 norm(f"blocks.{i}.ln_ffn"),
+                weights.linear(f"blocks.{i}.ffn.gate") if swiglu else ManasLinear(),
                 weights.linear(f"blocks.{i}.ffn.up"),
                 weights.linear(f"blocks.{i}.ffn.down"),
             )
@@ -178,8 +185,12 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
         config.n_head,
         config.n_kv_head,
         config.n_embd,
+        config.head_size,
+        config.ffn_width,
         not learned,
         config.gelu_approximate == "tanh",
+        config.norm == "rmsnorm",
+        swiglu,
         config.norm_eps,
         config.rope_base,
         weights.vector("token_embedding.weight"),

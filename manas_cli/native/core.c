@@ -25,7 +25,7 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 5
+#define MANAS_ABI_VERSION 6
 #define MANAS_ARITHMETIC_VERSION 1 /* manas_arithmetic_version */
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
@@ -50,12 +50,21 @@ typedef struct {
 
 typedef struct { const float *weight, *bias; } ManasNorm;  /* bias may be NULL */
 
-typedef struct { ManasNorm ln_attention; ManasLinear qkv, output; ManasNorm ln_ffn; ManasLinear up, down; } ManasLayer;
+typedef struct {
+    ManasNorm ln_attention;
+    ManasLinear qkv, output;
+    ManasNorm ln_ffn;
+    ManasLinear gate, up, down;  /* gate: SwiGLU's (n_out 0 in a GELU MLP) */
+} ManasLayer;
 
 typedef struct {
     int32_t vocab_size, block_size, n_layer, n_head, n_kv_head, n_embd;
+    int32_t head_size;   /* hs: n_embd / n_head, unless the model says otherwise (the heads are n_head hs wide) */
+    int32_t ffn_width;   /* the MLP's hidden features (4 n_embd in GPT-2) */
     int32_t rope;        /* 1: rotary positions; 0: learned (position_embedding) */
     int32_t gelu_tanh;   /* 1: GPT-2's tanh GELU; 0: the exact erf GELU */
+    int32_t rms_norm;    /* 1: RMSNorm (Llama); 0: LayerNorm (GPT-2) */
+    int32_t swiglu;      /* 1: down(silu(gate x) · up x) (Llama); 0: down(gelu(up x)) (GPT-2) */
     float norm_eps;
     double rope_base;
     const float *token_embedding, *position_embedding;  /* (vocab, C); (block_size, C) or NULL */
@@ -772,18 +781,19 @@ static void int4_input(int n, const float *x, float *out) {
 }
 
 /* The scratch every call shares, carved from the caller's buffer (manas_scratch_bytes sizes it, carve lays it
-   out). C is n_embd, hs the head size. */
+   out). C is n_embd, hs the head size, A = n_head hs the heads' width, F the MLP's, W the widest of C, A and F. */
 typedef struct {
     float *x;          /* (rows, C): the residual stream */
     float *h;          /* (rows, C): a normed row, or a projection's output before it is added */
-    float *qkv;        /* (rows, C + 2 n_kv_head hs): queries, keys and values */
-    float *attention;  /* (rows, C): the heads' outputs side by side */
-    float *hidden;     /* (rows, 4C): the feed-forward's inner width */
-    float *reordered;  /* (rows, 4C): an int4 product's input in its blocks' column order (int4_input) */
+    float *qkv;        /* (rows, A + 2 n_kv_head hs): queries, keys and values */
+    float *attention;  /* (rows, A): the heads' outputs side by side */
+    float *hidden;     /* (rows, F): the feed-forward's inner width */
+    float *gated;      /* (rows, F): SwiGLU's gate, before it multiplies hidden */
+    float *reordered;  /* (rows, W): an int4 product's input in its blocks' column order (int4_input) */
     float *angles;     /* (rows, hs): the rotary angles of each row's position */
-    float *tiles;      /* (threads, TILE, 4C): each thread's dequantized weight rows (an int4 prefill) */
+    float *tiles;      /* (threads, TILE, W): each thread's dequantized weight rows (an int4 prefill) */
     float *scores;     /* (threads, block_size): each thread's attention weights */
-    float *quantized;  /* (rows, quantized_floats(4C)): an integer product's input rows (quantize_row) */
+    float *quantized;  /* (rows, quantized_floats(W)): an integer product's input rows (quantize_row) */
 } Scratch;
 
 /* Whether an int4 layer's products run in integers: whole groups of QGROUP columns, and weight groups of whole
@@ -929,18 +939,27 @@ static inline float gelu(float x, int tanh_approximation) {
     return 0.5f * x * (2.0f - 2.0f / (exponential(2.0f * u) + 1.0f));
 }
 
-/* GELU in place over rows of the feed-forward's hidden features, split over the pool by rows. */
-typedef struct { float *hidden; int width, tanh_approximation; } Gelu;
+/* SiLU's x · sigmoid(x) = x / (1 + e^−x), over the core's exponential (clamped, so x far below zero gives a
+   value within 1e-36 of 0, never a NaN). */
+static inline float silu(float x) { return x / (1.0f + exponential(-x)); }
 
-static void gelu_rows(void *context, int begin, int end, int thread) {
-    const Gelu *g = context;
+/* The MLP's activation in place over rows of its hidden features, split over the pool by rows: GELU, or with a
+   gate (SwiGLU) silu(gate) · hidden. */
+typedef struct { float *hidden; const float *gate; int width, tanh_approximation; } Activate;
+
+static void activate_rows(void *context, int begin, int end, int thread) {
+    const Activate *a = context;
     (void)thread;
-    float *hidden = g->hidden + (size_t)begin * g->width;
-    size_t n = (size_t)(end - begin) * g->width;
-    if (g->tanh_approximation)  /* two loops, so the tanh one vectorizes */
+    size_t first = (size_t)begin * a->width, n = (size_t)(end - begin) * a->width;
+    float *hidden = a->hidden + first;
+    if (a->gate) {
+        const float *gate = a->gate + first;
+        for (size_t i = 0; i < n; i++) hidden[i] = silu(gate[i]) * hidden[i];
+    } else if (a->tanh_approximation) {  /* two loops, so the tanh one vectorizes */
         for (size_t i = 0; i < n; i++) hidden[i] = gelu(hidden[i], 1);
-    else
+    } else {
         for (size_t i = 0; i < n; i++) hidden[i] = gelu(hidden[i], 0);
+    }
 }
 
 /* LayerNorm over C features: (x − mean) / sqrt(var + eps) · weight + bias, the variance the biased one. */
@@ -953,10 +972,24 @@ static void layernorm(int C, float eps, const ManasNorm *norm, const float *x, f
         for (int i = 0; i < C; i++) out[i] += norm->bias[i];
 }
 
+/* RMSNorm over C features: x / sqrt(mean(x²) + eps) · weight (no mean taken out, no bias). */
+static void rmsnorm(int C, float eps, const ManasNorm *norm, const float *x, float *out) {
+    for (int i = 0; i < C; i++) out[i] = x[i] * x[i];
+    float rstd = 1.0f / sqrtf(sum(C, out) / (float)C + eps);
+    for (int i = 0; i < C; i++) out[i] = x[i] * rstd * norm->weight[i];
+}
+
+/* The model's norm of `rows` rows of C features, x into out. */
+static void normalize(const ManasModel *m, const ManasNorm *norm, int rows, const float *x, float *out) {
+    size_t C = (size_t)m->n_embd;
+    for (size_t r = 0; r < (size_t)rows; r++)
+        (m->rms_norm ? rmsnorm : layernorm)((int)C, m->norm_eps, norm, x + r * C, out + r * C);
+}
+
 /* Each row's cos and sin of pos · base^(−2i/head_size), computed in double and rounded to float, as
    torch_engine/rotary.py's rope_tables. */
 static void rope_angles(const ManasModel *m, int position, float *angles) {
-    int half = m->n_embd / m->n_head / 2;
+    int half = m->head_size / 2;
     for (int i = 0; i < half; i++) {
         double angle = (double)position * own_exp(-(double)(2 * i) / (double)(2 * half) * own_log(m->rope_base));
         double sine, cosine;
@@ -1009,8 +1042,8 @@ typedef struct {
 static void attend_heads(void *context, int begin, int end, int thread) {
     const Attend *a = context;
     const ManasModel *m = a->model;
-    int hs = m->n_embd / m->n_head, group = m->n_head / m->n_kv_head, kv_width = m->n_kv_head * hs;
-    int qkv_width = m->n_embd + 2 * kv_width;
+    int hs = m->head_size, group = m->n_head / m->n_kv_head, kv_width = m->n_kv_head * hs;
+    int width = m->n_head * hs, qkv_width = width + 2 * kv_width;
     float *scores = a->scores + (size_t)thread * m->block_size;
     float scale = 1.0f / sqrtf((float)hs);
     for (int task = begin; task < end; task++) {
@@ -1035,19 +1068,19 @@ static void attend_heads(void *context, int begin, int end, int thread) {
         float total = (float)exp_below(positions, scores, highest, scores);
         for (int t = 0; t < positions; t++) scores[t] /= total;
         mix_values(hs, positions, scores, cache->v + layer_offset + kv_head * hs, kv_width,
-                   a->attention + (size_t)row * m->n_embd + head * hs);
+                   a->attention + (size_t)row * width + head * hs);
     }
 }
 
 /* Rotate (rope) the row's queries and keys, then write its key and value into its cache at its position. */
 static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, int position, const float *angles,
                       float *qkv) {
-    int hs = m->n_embd / m->n_head, kv_width = m->n_kv_head * hs;
+    int hs = m->head_size, kv_width = m->n_kv_head * hs, width = m->n_head * hs;
     if (m->rope)
         for (int head = 0; head < m->n_head + m->n_kv_head; head++) rotate(hs, angles, qkv + head * hs);
     size_t offset = ((size_t)layer * cache->capacity + position) * kv_width;
-    memcpy(cache->k + offset, qkv + m->n_embd, kv_width * sizeof(float));
-    memcpy(cache->v + offset, qkv + m->n_embd + kv_width, kv_width * sizeof(float));
+    memcpy(cache->k + offset, qkv + width, kv_width * sizeof(float));
+    memcpy(cache->v + offset, qkv + width + kv_width, kv_width * sizeof(float));
 }
 
 /* Weight row o of a quantized layer as the float32 values dequantize_rows / dequantize_groups give: q × scale;
@@ -1070,18 +1103,21 @@ static void embed(const ManasModel *m, int token, float *x) {
 /* Lays Scratch's parts out from base, one after the other, each on its own cache lines; their bytes in all. With
    base NULL, only counts them. */
 static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char *base) {
-    size_t R = (size_t)rows, C = (size_t)m->n_embd, hs = C / (size_t)m->n_head;
+    size_t R = (size_t)rows, C = (size_t)m->n_embd, hs = (size_t)m->head_size, A = (size_t)m->n_head * hs;
+    size_t F = (size_t)m->ffn_width, W = C > A ? C : A;
+    W = W > F ? W : F;
     struct { float **part; size_t floats; } table[] = {
         {&s->x, R * C},
         {&s->h, R * C},
-        {&s->qkv, R * (C + 2 * (size_t)m->n_kv_head * hs)},
-        {&s->attention, R * C},
-        {&s->hidden, R * 4 * C},
-        {&s->reordered, R * 4 * C},
+        {&s->qkv, R * (A + 2 * (size_t)m->n_kv_head * hs)},
+        {&s->attention, R * A},
+        {&s->hidden, R * F},
+        {&s->gated, m->swiglu ? R * F : 0},
+        {&s->reordered, R * W},
         {&s->angles, R * hs},
-        {&s->tiles, (size_t)threads * TILE * 4 * C},
+        {&s->tiles, (size_t)threads * TILE * W},
         {&s->scores, (size_t)threads * (size_t)m->block_size},
-        {&s->quantized, R * quantized_floats(4 * m->n_embd)},
+        {&s->quantized, R * quantized_floats((int)W)},
     };
     size_t offset = 0;
     for (size_t i = 0; i < sizeof table / sizeof *table; i++) {
@@ -1117,7 +1153,7 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
                          const int32_t *logit_rows, float *logits, void *scratch) {
     Scratch s;
     carve(&s, m, rows, pool ? pool->threads : 1, scratch);
-    int C = m->n_embd, hs = C / m->n_head, qkv_width = C + 2 * m->n_kv_head * hs;
+    int C = m->n_embd, hs = m->head_size, qkv_width = (m->n_head + 2 * m->n_kv_head) * hs;
     for (int r = 0; r < rows; r++) {
         float *x = s.x + (size_t)r * C;
         embed(m, tokens[r], x);
@@ -1130,7 +1166,7 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
     }
     for (int layer = 0; layer < m->n_layer; layer++) {
         const ManasLayer *block = &m->layers[layer];
-        for (int r = 0; r < rows; r++) layernorm(C, m->norm_eps, &block->ln_attention, s.x + (size_t)r * C, s.h + (size_t)r * C);
+        normalize(m, &block->ln_attention, rows, s.x, s.h);
         matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, rows);
         for (int r = 0; r < rows; r++)
             cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width);
@@ -1138,14 +1174,16 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
         parallel_for(pool, attend_heads, &attend, rows * m->n_head);
         matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, rows);
         for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];
-        for (int r = 0; r < rows; r++) layernorm(C, m->norm_eps, &block->ln_ffn, s.x + (size_t)r * C, s.h + (size_t)r * C);
+        normalize(m, &block->ln_ffn, rows, s.x, s.h);
         matmul(pool, &s, &block->up, m->integer_products, s.h, s.hidden, rows);
-        parallel_for(pool, gelu_rows, &(Gelu){s.hidden, 4 * C, m->gelu_tanh}, rows);
+        if (m->swiglu) matmul(pool, &s, &block->gate, m->integer_products, s.h, s.gated, rows);
+        Activate activate = {s.hidden, m->swiglu ? s.gated : NULL, m->ffn_width, m->gelu_tanh};
+        parallel_for(pool, activate_rows, &activate, rows);
         matmul(pool, &s, &block->down, m->integer_products, s.hidden, s.h, rows);
         for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];
     }
     for (int k = 0; k < n_logits; k++)
-        layernorm(C, m->norm_eps, &m->final_norm, s.x + (size_t)logit_rows[k] * C, s.h + (size_t)k * C);
+        normalize(m, &m->final_norm, 1, s.x + (size_t)logit_rows[k] * C, s.h + (size_t)k * C);
     matmul(pool, &s, &m->lm_head, m->integer_products, s.h, logits, n_logits);
 }
 

@@ -1,4 +1,5 @@
-"""A decoder-only, pre-LayerNorm GPT: GPT-2's architecture, or rotary positions with grouped-query attention."""
+"""A decoder-only, pre-norm GPT: GPT-2's architecture, or rotary positions with grouped-query attention, and the
+Llama family's choices (RMSNorm, a SwiGLU MLP, an untied output layer, biases on q, k, v only, its own head size)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class CausalSelfAttention(nn.Module):
         self.n_kv_head = config.n_kv_head
         self.head_size = config.head_size
         kv_width = config.n_kv_head * config.head_size
-        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_width, bias=config.bias)
-        self.output = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.qkv = nn.Linear(config.n_embd, config.attention_width + 2 * kv_width, bias=config.has_qkv_bias)
+        self.output = nn.Linear(config.attention_width, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,23 +110,39 @@ class RotaryAttention(CausalSelfAttention):
 
 
 class FeedForward(nn.Module):
+    """GPT-2's MLP, down(gelu(up(x))), or with mlp="swiglu" Llama's gated one, down(silu(gate(x)) · up(x))."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.up = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.down = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.gated = config.mlp == "swiglu"
+        if self.gated:
+            self.gate = nn.Linear(config.n_embd, config.ffn_width, bias=config.bias)
+        self.up = nn.Linear(config.n_embd, config.ffn_width, bias=config.bias)
+        self.down = nn.Linear(config.ffn_width, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.gelu_approximate = config.gelu_approximate
 
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return F.silu(self.gate(x)) * self.up(x)
+        return F.gelu(self.up(x), approximate=self.gelu_approximate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(self.down(F.gelu(self.up(x), approximate=self.gelu_approximate)), self.dropout, self.training)
+        return dropout(self.down(self.activation(x)), self.dropout, self.training)
+
+
+def norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_attention = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.ln_attention = norm(config)
         self.attention = RotaryAttention(config) if config.position_encoding == "rope" else CausalSelfAttention(config)
-        self.ln_ffn = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.ln_ffn = norm(config)
         self.ffn = FeedForward(config)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, cache=None) -> torch.Tensor:
@@ -145,9 +162,10 @@ class GPT(nn.Module):
         if config.position_encoding == "learned":
             self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.final_norm = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.final_norm = norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.token_embedding.weight  # weight tying, as GPT-2
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_embedding.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections that write into the residual stream
         for name, parameter in self.named_parameters():
@@ -162,7 +180,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_parameters(self) -> int:
-        """The weights' values, counted as in the float model whatever their storage: the output layer (tied, or a
+        """The weights' values, counted as in the float model whatever their storage: a tied output layer (or its
         quantized copy) is the token embedding, and quantization's scales and zeros are not parameters."""
         return sum(math.prod(shape) for _, shape in parameter_shapes(self.config))
 

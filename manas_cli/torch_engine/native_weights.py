@@ -29,7 +29,7 @@ class TorchWeights:
         module_name, _, attribute = name.rpartition(".")
         if module_name == "position_embedding" and getattr(self.model, "position_embedding", None) is None:
             return None
-        return pointer(getattr(self.model.get_submodule(module_name), attribute))
+        return pointer(getattr(self.model.get_submodule(module_name), attribute, None))  # RMSNorm has no bias
 
     def linear(self, name: str) -> ManasLinear:
         layer = self.model.get_submodule(name)

@@ -281,10 +281,11 @@ def _replace(model: GPT, name: str, module: nn.Module) -> None:
 
 
 def check_quantizable(config: GPTConfig, kind: str) -> None:
-    """int4's groups must divide every row: the rows are n_embd or 4 n_embd values long."""
-    if kind == "int4" and config.n_embd % INT4_GROUP_SIZE:
+    """int4's groups must divide every row: the rows are n_embd, the MLP's or the heads' widths long."""
+    widths = {"n_embd": config.n_embd, "the MLP's width": config.ffn_width, "the heads' width": config.attention_width}
+    if kind == "int4" and (odd := [name for name, width in widths.items() if width % INT4_GROUP_SIZE]):
         raise ValueError(
-            f"int4 quantizes groups of {INT4_GROUP_SIZE} values: n_embd ({config.n_embd}) must be a "
+            f"int4 quantizes groups of {INT4_GROUP_SIZE} values: {odd[0]} ({widths[odd[0]]}) must be a "
             f"multiple of {INT4_GROUP_SIZE}; use int8 for this model"
         )
 
@@ -293,8 +294,8 @@ def check_quantizable(config: GPTConfig, kind: str) -> None:
 def quantize_model(model: GPT, kind: str = "int8", kernel: bool | None = None) -> GPT:
     """Replace the blocks' linear layers and the output layer by quantized ones, in place; embeddings and norms stay.
 
-    The output layer is tied to the token embedding: it gets a quantized copy, and the embedding lookup keeps the
-    float rows. `kernel`: None uses torch's CPU kernel where it exists, False always dequantizes.
+    A tied output layer gets a quantized copy, and the embedding lookup keeps the float rows. `kernel`: None uses
+    torch's CPU kernel where it exists, False always dequantizes.
     """
     if is_quantized(model):
         raise ValueError(f"the model is already quantized to {quantization(model)}")
@@ -335,18 +336,20 @@ def load_quantized(model: GPT, tensors: dict[str, torch.Tensor], kind: str, kern
 @torch.no_grad()
 def dequantize_model(model: GPT) -> GPT:
     """Float nn.Linear layers again, in place, holding the quantized weights dequantized (for exporting a quantized
-    checkpoint to tools that read float weights). The output layer is tied to the token embedding again, which in
-    a checkpoint of version 2 holds those same rows, dequantized. A float model is returned as it is."""
+    checkpoint to tools that read float weights). A tied output layer is tied to the token embedding again, which
+    in a quantized checkpoint holds those same rows, dequantized. A float model is returned as it is."""
     if not is_quantized(model):
         return model
-    for name in quantizable(model)[:-1]:
+    tied = model.config.tie_embeddings
+    for name in quantizable(model)[:-1] if tied else quantizable(model):
         layer = model.get_submodule(name)
         linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
         linear.weight = nn.Parameter(layer.dequantized(model.token_embedding.weight.dtype))
         linear.bias = layer.bias
         _replace(model, name, linear)
-    model.lm_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
-    model.lm_head.weight = model.token_embedding.weight
+    if tied:
+        model.lm_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
+        model.lm_head.weight = model.token_embedding.weight
     return model
 
 

@@ -1,9 +1,10 @@
 """Hugging Face folders, which transformers, vLLM and TGI load and serve: read for convert (config.json, the
 weights, the tokenizer files) and written by export.
 
-Learned-position models are GPT-2 (plain multi-head attention only; gpt2.py); rotary models are Starcoder2
-(starcoder2.py). The tokenizer goes out as vocab.json + merges.txt, derived from the tiktoken ranks, so that Hugging
-Face's byte-level BPE encodes every text to the same ids.
+Learned-position models are GPT-2 (plain multi-head attention only; gpt2.py); rotary models of GPT-2's block are
+Starcoder2 (starcoder2.py); Llama-family ones are Llama, Qwen2 or Mistral (llama.py). The tokenizer goes out as
+vocab.json + merges.txt, derived from the tiktoken ranks, so that Hugging Face's byte-level BPE encodes every text to
+the same ids.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..errors import CheckpointError, InputError, TokenizerError, first_line
 from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
 from ..torch_engine.model import GPT, GPTConfig
 from ..torch_engine.quantize import dequantize_model
-from . import gpt2, starcoder2
+from . import gpt2, llama, starcoder2
 from .checkpoint import check_finite_tensors, load_checkpoint
 from .importing import TIED_HEAD, build_model, check_tied_head, load_pickled_weights, load_safetensors
 from .tokenizer import (
@@ -36,6 +37,7 @@ from .tokenizer import (
 
 # What convert reads from a Hugging Face folder.
 HF_CONFIG, HF_SAFETENSORS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
+HF_INDEX = "model.safetensors.index.json"  # sharded weights: which model-*.safetensors holds each tensor
 HF_VOCAB, HF_MERGES, HF_TOKENIZER = "vocab.json", "merges.txt", "tokenizer.json"
 HF_FOLDER = "Hugging Face {} folder"  # formatted with the architecture read
 HF_WEIGHTS = "Hugging Face {} weights"
@@ -78,14 +80,15 @@ class Exported:
 
 
 def config_from_hf(values: object, source: Path) -> GPTConfig:
-    """A Hugging Face config.json's values as a manas config, by its model_type: GPT-2 or Starcoder2."""
+    """A Hugging Face config.json's values as a manas config, by its model_type: GPT-2, Starcoder2, Llama, Qwen2 or
+    Mistral."""
     if not isinstance(values, dict):
         raise CheckpointError(f"{source}: not a JSON object")
     readers = {gpt2.MODEL_TYPE: gpt2.config_from_hf, starcoder2.MODEL_TYPE: starcoder2.config_from_hf}
+    readers |= dict.fromkeys(llama.ARCHITECTURES, llama.config_from_hf)
     if values.get("model_type") not in readers:
         raise CheckpointError(
-            f"{source}: model_type is {values.get('model_type')!r}; convert reads GPT-2 models (model_type 'gpt2') "
-            "and Starcoder2 models (model_type 'starcoder2') only"
+            f"{source}: model_type is {values.get('model_type')!r}; convert reads {', '.join(map(repr, readers))}"
         )
     return readers[values["model_type"]](values, source)
 
@@ -108,22 +111,58 @@ def load_hf_folder(folder: Path) -> GPT:
     config = read_hf_config(config_path)
     if (folder / HF_SAFETENSORS).is_file():
         return load_hf(load_safetensors(folder / HF_SAFETENSORS), folder, config)
+    if (folder / HF_INDEX).is_file():
+        return load_hf(load_shards(folder / HF_INDEX), folder, config)
+    if not config.is_gpt2_family:
+        raise InputError(
+            f"{folder} holds no model.safetensors or {HF_INDEX}: Llama-family weights import from "
+            "safetensors only (a pickle is never read)"
+        )
     if (folder / HF_PICKLE).is_file():
         state = load_pickled_weights(folder / HF_PICKLE)
         if not isinstance(state, dict):
             raise CheckpointError(f"{folder / HF_PICKLE}: not a state dict")
         return load_hf(state, folder, config)
-    raise InputError(
-        f"{folder} holds neither model.safetensors nor pytorch_model.bin (sharded weights are not supported)"
-    )
+    raise InputError(f"{folder} holds neither model.safetensors, {HF_INDEX} nor pytorch_model.bin")
+
+
+def load_shards(index: Path) -> dict[str, torch.Tensor]:
+    """Sharded weights: every shard the index's weight_map names (plain file names in its folder), each holding
+    exactly the tensors the index places in it."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, RecursionError, AttributeError) as exc:
+        raise CheckpointError(f"{index}: not a readable JSON index ({first_line(exc)})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must be an object from tensor names to shard file names")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
+            raise CheckpointError(f"{index}: weight_map names {shard!r}, which is not a file in {index.parent}")
+        if not (index.parent / shard).is_file():
+            raise CheckpointError(f"{index}: weight_map names {shard}, which is missing from {index.parent}")
+        tensors = load_safetensors(index.parent / shard)
+        if stray := sorted(name for name in tensors if weight_map.get(name) != shard):
+            raise CheckpointError(f"{index.parent / shard}: holds {stray[0]}, which weight_map does not place there")
+        state |= tensors
+    if missing := sorted(set(weight_map) - set(state)):
+        raise CheckpointError(f"{index}: {missing[0]} is placed in {weight_map[missing[0]]}, which does not hold it")
+    return state
 
 
 def hf_kind(template: str, model: GPT) -> tuple[str, GPT]:
-    """(the source's kind, the model): a rope model can only have come from a Starcoder2 folder."""
-    return template.format("Starcoder2" if model.config.position_encoding == "rope" else "GPT-2"), model
+    """(the source's kind, the model): a Llama-family model came from a Llama, Qwen2 or Mistral folder, another rope
+    model from a Starcoder2 one."""
+    config = model.config
+    kind = (
+        "Llama-family" if not config.is_gpt2_family else "Starcoder2" if config.position_encoding == "rope" else "GPT-2"
+    )
+    return template.format(kind), model
 
 
 def load_hf(state: dict[str, torch.Tensor], source: Path, config: GPTConfig) -> GPT:
+    if not config.is_gpt2_family:
+        return build_model(config, llama.state_to_manas(state, config, source), source)
     if config.position_encoding == "rope":
         weights = {name: tensor for name, tensor in state.items() if name != TIED_HEAD}
         renamed = starcoder2.state_to_manas(weights, config, source)
@@ -148,8 +187,23 @@ def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
         return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec
     if combined.is_file():
         spec = spec_from_tokenizer_json(_tokenizer_text(combined, src), src)
-        return f"GPT-2's BPE from {src}'s tokenizer.json (embedded)", spec
+        return f"the byte-level BPE from {src}'s tokenizer.json (embedded)", with_end_of_text(spec, src)
     return None
+
+
+def with_end_of_text(spec: dict, src: Path) -> dict:
+    """The spec naming the token that ends a text, where the folder says it is another than <|endoftext|>:
+    generation_config.json's eos_token_id (the first of a list), else tokenizer_config.json's eos_token."""
+    eos = _json_object(src / "generation_config.json").get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    by_id = {token_id: text for text, token_id in spec["special_tokens"].items()}
+    text = by_id.get(eos) if type(eos) is int else None
+    if text is None:
+        configured = _json_object(src / "tokenizer_config.json").get("eos_token")
+        text = configured.get("content") if isinstance(configured, dict) else configured
+    if text in spec["special_tokens"] and text != END_OF_TEXT:
+        return spec | {"end_of_text": text}
+    return spec
 
 
 def added_tokens(src: Path) -> frozenset[str]:
@@ -197,8 +251,13 @@ def _model_type(config: Path) -> object:
 
 
 def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, dict, dict[str, torch.Tensor]]:
-    """(architecture, config.json, tensors) of the Hugging Face twin: Starcoder2 for rope, else GPT-2."""
+    """(architecture, config.json, tensors) of the Hugging Face twin: Llama or Qwen2 for the Llama family,
+    Starcoder2 for another rope model, else GPT-2."""
     config, dtype = model.config, model.token_embedding.weight.dtype
+    if not config.is_gpt2_family:
+        llama.check_exportable(config, source)
+        name = llama.NAMES[llama.model_type_of(config)]
+        return name, llama.hf_config(config, dtype, end_of_text), llama.hf_state_dict(model)
     if config.position_encoding == "rope":
         starcoder2.check_exportable(config, source)
         return "Starcoder2", starcoder2.hf_config(config, dtype, end_of_text), starcoder2.hf_state_dict(model)

@@ -1,21 +1,19 @@
 """Rotary manas models as Hugging Face's Starcoder2, and back: the same computation under other names and layouts.
 
 Starcoder2ForCausalLM is, layer for layer, manas' rope GPT: pre-LayerNorm with biases, q/k/v/o projections with
-biases, grouped-query heads, a c_fc → GELU(tanh) → c_proj MLP, rotary positions, tied embeddings. Two layouts differ:
-manas fuses q|k|v into one projection, and it rotates each head's interleaved pairs (2i, 2i+1) where Hugging Face
-(and llama.cpp's starcoder2, a NEOX rope) rotates the halves (i, i + head_size/2). Permuting the rows of each query
-and key head maps one onto the other; attention scores are sums over a head's dimensions, so they are unchanged.
+biases, grouped-query heads, a c_fc → GELU(tanh) → c_proj MLP, rotary positions, tied embeddings. The layouts that
+differ (fused q|k|v, interleaved rotary pairs) are rotary_layout.py's.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
 from ..torch_engine.model import GPT, GPTConfig
+from . import rotary_layout
 from .importing import make_config, typed_field
 
 ARCHITECTURE = "Starcoder2ForCausalLM"
@@ -29,26 +27,8 @@ BLOCK_MODULES = {
     "ffn.down": "mlp.c_proj",
 }
 TOP_MODULES = {"token_embedding": "model.embed_tokens", "final_norm": "model.norm"}
-QKV = ("q_proj", "k_proj", "v_proj")
-QKV_MODULES = {f"self_attn.{name}": name for name in QKV}
 # Hugging Face's hidden_act values that manas computes exactly, as F.gelu's `approximate`.
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
-
-
-# --- the rotary layout ---------------------------------------------------------------------------------------------
-
-
-def to_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows (or bias entries) from pairs (2i, 2i+1) to halves (i, i + head_size/2): row i of a
-    head becomes its old row 2i, row head_size/2 + i its old row 2i+1 (LLaMA's Meta → Hugging Face permutation)."""
-    head_size = rows.size(0) // n_heads
-    return rows.reshape(n_heads, head_size // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
-
-
-def from_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of to_rotate_half."""
-    head_size = rows.size(0) // n_heads
-    return rows.reshape(n_heads, 2, head_size // 2, -1).transpose(1, 2).reshape(rows.shape)
 
 
 # --- export ----------------------------------------------------------------------------------------------------------
@@ -116,9 +96,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
             tensors[f"{layer}.{target}.bias"] = own_or_zeros(f"{block}.{module}.bias", rows)
         for kind in ("weight", "bias"):
             fused = own_or_zeros(f"{block}.attention.qkv.{kind}", config.n_embd + 2 * kv_width)
-            q, k, v = fused.split((config.n_embd, kv_width, kv_width))
-            parts = (to_rotate_half(q, config.n_head), to_rotate_half(k, config.n_kv_head), v)
-            for name, part in zip(QKV, parts):
+            for name, part in rotary_layout.split_qkv(fused, config).items():
                 tensors[f"{layer}.self_attn.{name}.{kind}"] = part
     return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
 
@@ -127,46 +105,8 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:
-    """Starcoder2's tensors (without lm_head) under manas' names, q|k|v fused back in manas' rotary layout. Tensors
-    that are missing, extra or misshapen otherwise are left for convert.build_model to name."""
-    inverse = {target: module for module, target in BLOCK_MODULES.items()}
-    kv_width = config.n_kv_head * config.head_size
-    rows = {"q_proj": config.n_embd, "k_proj": kv_width, "v_proj": kv_width}
-    renamed: dict[str, torch.Tensor] = {}
-    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    for name, tensor in state.items():
-        module, _, kind = name.rpartition(".")
-        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
-        if module in TOP_MODULES.values():
-            renamed[f"{_key_of(TOP_MODULES, module)}.{kind}"] = tensor
-        elif layer and layer[2] in QKV_MODULES:
-            part = QKV_MODULES[layer[2]]
-            if tensor.dim() == 0 or tensor.size(0) != rows[part]:
-                raise CheckpointError(
-                    f"{source}: tensor {name} has shape {list(tensor.shape)}, the config needs {rows[part]} rows"
-                )
-            if not tensor.is_floating_point():  # fusing would promote bool or int to float without a word
-                raise CheckpointError(f"{source}: tensor {name} is {tensor.dtype}, not a real floating-point tensor")
-            qkv.setdefault((layer[1], kind), {})[part] = tensor
-        elif layer and layer[2] in inverse:
-            renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = tensor
-        else:
-            raise CheckpointError(f"{source}: unexpected tensor {name}: not part of a Starcoder2 model")
-    for (index, kind), parts in qkv.items():
-        if missing := [name for name in QKV if name not in parts]:
-            raise CheckpointError(f"{source}: missing tensor model.layers.{index}.self_attn.{missing[0]}.{kind}")
-        q, k = from_rotate_half(parts["q_proj"], config.n_head), from_rotate_half(parts["k_proj"], config.n_kv_head)
-        try:
-            renamed[f"blocks.{index}.attention.qkv.{kind}"] = torch.cat((q, k, parts["v_proj"]))
-        except RuntimeError:
-            raise CheckpointError(
-                f"{source}: q_proj, k_proj and v_proj.{kind} of layer {index} differ in shape"
-            ) from None
-    return renamed
-
-
-def _key_of(mapping: dict[str, str], value: str) -> str:
-    return next(key for key, item in mapping.items() if item == value)
+    """Starcoder2's tensors (without lm_head) under manas' names."""
+    return rotary_layout.state_to_manas(state, config, source, BLOCK_MODULES, TOP_MODULES, "Starcoder2")
 
 
 STARCODER2_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")

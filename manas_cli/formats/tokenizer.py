@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,19 @@ MAX_SPECIAL_TOKENS = 4096
 MAX_SPECIAL_TOKENS_TOTAL_CHARS = 65536
 # GPT-2's pre-tokenizer split (tiktoken's r50k_base pattern).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# GPT-2's split after Hugging Face's Digits(individual_digits) pre-tokenizer (SmolLM2's): every digit a piece of its
+# own, so no space joins a digit, and a run of spaces before a digit ends there whole (as it ends a piece).
+DIGITS_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
+NORMALIZATIONS = ("NFC",)  # what a tokenizer may ask of the text before it is split (Qwen2's)
+
+
+class Encoding(tiktoken.Encoding):
+    """tiktoken's encoding of an embedded BPE, with what its spec adds: the Unicode normalization the text gets
+    before it is split (None, or NFC), and the special token that ends a text."""
+
+    def __init__(self, *, normalization: str | None, end_of_text: str, **values) -> None:
+        super().__init__(**values)
+        self.normalization, self.end_of_text = normalization, end_of_text
 
 
 def encode_ranks(ranks: dict[bytes, int]) -> str:
@@ -100,8 +114,8 @@ def spec_from_hf_files(
 
 def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
     """A Hugging Face tokenizer.json (what transformers 5 saves in place of vocab.json and merges.txt) holding a
-    byte-level BPE with GPT-2's pre-tokenizer: its `model.vocab`, `model.merges` (as "a b" strings or [a, b]
-    pairs) and `added_tokens`; any other kind of model or pre-tokenizer is refused by name."""
+    byte-level BPE: its `model.vocab`, `model.merges` (as "a b" strings or [a, b] pairs), `added_tokens`, the split
+    its pre-tokenizer makes (split_pattern) and its normalizer; any other kind is refused by name."""
     try:
         value = json.loads(tokenizer_json)
     except (ValueError, RecursionError) as exc:
@@ -112,13 +126,10 @@ def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
         raise TokenizerError(
             f"{source}: tokenizer.json's model is {kind!r}, not a BPE: manas reads byte-level BPEs only"
         )
-    pre = value.get("pre_tokenizer")
-    kind = pre.get("type") if isinstance(pre, dict) else None
-    if kind != "ByteLevel" or pre.get("use_regex", True) is not True:
-        raise TokenizerError(
-            f"{source}: tokenizer.json's pre-tokenizer is {kind!r}, not GPT-2's ByteLevel split: "
-            "manas reads GPT-2-style byte-level BPEs only"
-        )
+    if model.get("byte_fallback"):
+        raise TokenizerError(f"{source}: {SENTENCEPIECE_STYLE} (its model has byte_fallback)")
+    pat_str = split_pattern(value.get("pre_tokenizer"), source)
+    normalization = _normalization(value.get("normalizer"), source)
     merges = [
         (number, " ".join(merge) if isinstance(merge, list) else merge)
         for number, merge in enumerate(model.get("merges") or [], start=1)
@@ -126,16 +137,68 @@ def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
     if not all(isinstance(merge, str) for _, merge in merges):
         raise TokenizerError(f"{source}: tokenizer.json's model.merges must be 'a b' strings or [a, b] pairs")
     added = value.get("added_tokens") or []
-    if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str) for t in added):
-        raise TokenizerError(f"{source}: tokenizer.json's added_tokens must be a list of objects with a 'content'")
-    return spec_from_vocab_and_merges(
+    if not isinstance(added, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("content"), str) and type(t.get("id")) is int for t in added
+    ):
+        raise TokenizerError(
+            f"{source}: tokenizer.json's added_tokens must be a list of objects with a 'content' and an integer 'id'"
+        )
+    spec = spec_from_vocab_and_merges(
         model.get("vocab"),
         merges,
         frozenset(t["content"] for t in added),
         source,
         "tokenizer.json's model.vocab",
         "merge {} of tokenizer.json",
+        pat_str=pat_str,
     )
+    # Added tokens outside model.vocab (<|endoftext|> in Qwen2's and SmolLM2's) are special tokens of their own ids.
+    vocab = model.get("vocab")
+    spec["special_tokens"] |= {t["content"]: t["id"] for t in added if t["content"] not in vocab}
+    return checked_spec(spec | ({"normalization": normalization} if normalization else {}), source)
+
+
+SENTENCEPIECE_STYLE = (
+    "tokenizer.json is a SentencePiece-style BPE (Llama 2's and TinyLlama's): manas runs byte-level BPEs only "
+    "(SmolLM2's, Qwen2's, Llama 3's, GPT-2's)"
+)
+
+
+def split_pattern(pre: object, source: str | Path) -> str:
+    """The tiktoken pattern that splits text as a tokenizer.json's pre-tokenizer does, for the byte-level BPEs manas
+    reads: GPT-2's ByteLevel split; individual digits, then GPT-2's split (SmolLM2); a Split by a regex, each match
+    a piece, then a ByteLevel that only maps bytes (Llama 3, Qwen2). Anything else is refused by name."""
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    steps = [step if isinstance(step, dict) else {} for step in (steps if isinstance(steps, list) else [])]
+    kinds = [step.get("type") for step in steps]
+    if "Metaspace" in kinds:
+        raise TokenizerError(f"{source}: {SENTENCEPIECE_STYLE} (its pre-tokenizer is Metaspace)")
+    if any(step.get("add_prefix_space") for step in steps):
+        raise TokenizerError(f"{source}: tokenizer.json's ByteLevel adds a prefix space, which tiktoken cannot")
+    splits = [step.get("use_regex", True) for step in steps if step.get("type") == "ByteLevel"]
+    if kinds == ["ByteLevel"] and splits == [True]:
+        return GPT2_PAT_STR
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") is True and splits == [True]:
+        return DIGITS_PAT_STR
+    if kinds == ["Split", "ByteLevel"] and splits == [False]:
+        split, pattern = steps[0], (steps[0].get("pattern") or {}).get("Regex")
+        if split.get("behavior") == "Isolated" and not split.get("invert") and isinstance(pattern, str) and pattern:
+            return pattern
+    shown = " + ".join(str(kind) for kind in kinds) or repr(pre)
+    raise TokenizerError(
+        f"{source}: tokenizer.json's pre-tokenizer ({shown}) is not one manas reads: GPT-2's ByteLevel, Digits + "
+        "ByteLevel (SmolLM2), or Split by a regex + ByteLevel (Llama 3, Qwen2)"
+    )
+
+
+def _normalization(normalizer: object, source: str | Path) -> str | None:
+    """None for no normalizer, "NFC" for Unicode's (Qwen2's); anything else is refused by name."""
+    kind = normalizer.get("type") if isinstance(normalizer, dict) else normalizer
+    if kind is None or (kind == "Sequence" and not normalizer.get("normalizers")):
+        return None
+    if kind in NORMALIZATIONS:
+        return kind
+    raise TokenizerError(f"{source}: tokenizer.json's normalizer {kind!r} is not one manas runs (none, or NFC)")
 
 
 def spec_from_vocab_and_merges(
@@ -146,6 +209,7 @@ def spec_from_vocab_and_merges(
     vocab_name: str,
     merge_name: str,
     markers: bool = False,
+    pat_str: str = GPT2_PAT_STR,
 ) -> dict:
     """A byte-level BPE's vocabulary (token in GPT-2's byte alphabet → id) and its merges, numbered, in the order
     they apply. tiktoken merges whichever adjacent pair's concatenation has the lowest rank, Hugging Face only the
@@ -195,7 +259,7 @@ def spec_from_vocab_and_merges(
     if missing := [byte for byte in range(256) if bytes([byte]) not in ranks]:
         raise TokenizerError(f"{source}: {vocab_name} has no token for byte {missing[0]}: not a byte-level BPE")
     _check_merges_as_ranks(ranks, pairs, byte_of, source)
-    return checked_spec(bpe_spec(ranks, special_tokens=special), source)
+    return checked_spec(bpe_spec(ranks, pat_str, special_tokens=special), source)
 
 
 def _is_marker(token: str) -> bool:
@@ -307,13 +371,24 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
                 raise TokenizerError(f"the embedded BPE tokenizer lacks a valid {key!r} entry")
         ranks = decode_ranks(spec["ranks"])
         check_bpe(spec["pat_str"], ranks, spec["special_tokens"])
+        normalization, end_of_text = spec.get("normalization"), spec.get("end_of_text", END_OF_TEXT)
+        if normalization is not None and normalization not in NORMALIZATIONS:
+            raise TokenizerError(
+                f"the embedded BPE tokenizer's normalization must be NFC or absent, got {normalization!r}"
+            )
+        if end_of_text != END_OF_TEXT and end_of_text not in spec["special_tokens"]:
+            raise TokenizerError(
+                f"the embedded BPE tokenizer's end_of_text {end_of_text!r} is not one of its special tokens"
+            )
         try:
             with tiktoken_errors():
-                return tiktoken.Encoding(
+                return Encoding(
                     name="manas-bpe",
                     pat_str=spec["pat_str"],
                     mergeable_ranks=ranks,
                     special_tokens=spec["special_tokens"],
+                    normalization=normalization,
+                    end_of_text=end_of_text,
                 )
         except ValueError as exc:  # the pattern does not compile
             raise TokenizerError(f"the embedded BPE tokenizer's pat_str is invalid: {first_line(exc)}") from None
@@ -434,8 +509,10 @@ def parse_spec(text: str) -> dict:
 
 
 def end_of_text_id(encoding: tiktoken.Encoding) -> int | None:
-    """The id of <|endoftext|>, or None for a vocabulary without one (nanoGPT's character-level models)."""
-    return encoding.encode_single_token(END_OF_TEXT) if END_OF_TEXT in encoding.special_tokens_set else None
+    """The id of the token that ends a text (<|endoftext|>, or the one an embedded spec names), or None for a
+    vocabulary without one (nanoGPT's character-level models)."""
+    token = getattr(encoding, "end_of_text", END_OF_TEXT)
+    return encoding.encode_single_token(token) if token in encoding.special_tokens_set else None
 
 
 def _has_token(encoding: tiktoken.Encoding, piece: bytes) -> bool:
@@ -454,6 +531,8 @@ def encode_text(encoding: tiktoken.Encoding, text: str) -> list[int]:
         if unknown:
             shown = ", ".join(repr(ch) for ch in unknown[:10])
             raise TokenizerError(f"the model's vocabulary has no token for {shown}: remove them from the prompt")
+    if normalization := getattr(encoding, "normalization", None):
+        text = unicodedata.normalize(normalization, text)
     with tiktoken_errors():
         return encoding.encode_ordinary(text)
 

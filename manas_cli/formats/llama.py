@@ -1,0 +1,187 @@
+"""Llama-family models as Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM, and back.
+
+The three are one decoder (RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP) with different defaults:
+Qwen2 has biases on q, k, v only; Llama may have them on every attention projection (attention_bias) and on the MLP
+(mlp_bias); Mistral may restrict attention to a sliding window, which manas does not run. Each maps onto a manas
+config field by field (engine/config.py); the rotary layout is rotary_layout.py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..engine.config import GPTConfig
+from ..errors import CheckpointError
+from ..torch_engine.model import GPT
+from . import rotary_layout
+from .importing import make_config, typed_field
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+NAMES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+BLOCK_MODULES = {
+    "ln_attention": "input_layernorm",
+    "attention.output": "self_attn.o_proj",
+    "ln_ffn": "post_attention_layernorm",
+    "ffn.gate": "mlp.gate_proj",
+    "ffn.up": "mlp.up_proj",
+    "ffn.down": "mlp.down_proj",
+}
+TOP_MODULES = {"token_embedding": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# The rope parameters that mean plain rotary positions (transformers 5 spells them rope_parameters).
+PLAIN_ROPE = {"rope_type": "default"}
+
+
+def config_from_hf(values: dict, source: Path) -> GPTConfig:
+    """A Hugging Face Llama, Qwen2 or Mistral config.json as a manas config, refusing by name every option whose
+    computation manas does not run."""
+    model_type = values["model_type"]
+    if missing := [key for key in SHAPE_FIELDS if key not in values]:
+        raise CheckpointError(f"{source}: the {NAMES[model_type]} config lacks {', '.join(missing)}")
+    field = typed_field(values, source)
+    if (activation := values.get("hidden_act", "silu")) != "silu":
+        raise CheckpointError(f"{source}: hidden_act {activation!r} is not supported (only 'silu', SwiGLU's)")
+    rope = values.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_parameters must be an object of rope_type and rope_theta, got {rope!r}")
+    rope_field = typed_field(rope, source, "rope_parameters.")
+    n_head, n_embd = field("num_attention_heads", int), field("hidden_size", int)
+    head_dim = None if values.get("head_dim") is None else field("head_dim", int)
+    kv_heads = None if values.get("num_key_value_heads") is None else field("num_key_value_heads", int)
+    config = make_config(
+        source,
+        position_encoding="rope",
+        vocab_size=field("vocab_size", int),
+        block_size=field("max_position_embeddings", int, 2048),
+        n_layer=field("num_hidden_layers", int),
+        n_head=n_head,
+        n_kv_head=kv_heads,
+        n_embd=n_embd,
+        rope_base=rope_field("rope_theta", float, field("rope_theta", float, 10000.0)),
+        norm_eps=field("rms_norm_eps", float, 1e-6),
+        dropout=field("attention_dropout", float, 0.0),
+        norm="rmsnorm",
+        mlp="swiglu",
+        ffn_hidden=field("intermediate_size", int),
+        # the usual head size is left implicit, as a config written by manas leaves it
+        head_dim=None if n_head and head_dim == n_embd / n_head else head_dim,
+        tie_embeddings=field("tie_word_embeddings", bool, False),
+        **_biases(values, model_type, field, source),
+    )
+    _refuse_unsupported(values, rope, config, source)
+    return config
+
+
+def _biases(values: dict, model_type: str, field, source: Path) -> dict[str, bool]:
+    """manas' bias fields: Qwen2's q, k, v biases; Llama's attention_bias (q, k, v and o) with mlp_bias."""
+    if model_type == "qwen2":
+        return {"bias": False, "qkv_bias": True}
+    attention, mlp = field("attention_bias", bool, False), field("mlp_bias", bool, False)
+    if attention != mlp:
+        raise CheckpointError(
+            f"{source}: attention_bias={attention} with mlp_bias={mlp} has no manas equivalent (manas puts biases on "
+            "q, k, v only, or on every projection)"
+        )
+    return {"bias": attention, "qkv_bias": None}
+
+
+def _refuse_unsupported(values: dict, rope: dict, config: GPTConfig, source: Path) -> None:
+    window = values.get("sliding_window")
+    sliding = values.get("use_sliding_window", values["model_type"] == "mistral")
+    unsupported = {
+        # a window as long as the context masks nothing
+        "sliding_window": sliding and window is not None and not (type(window) is int and window >= config.block_size),
+        "rope_scaling": values.get("rope_scaling") is not None,
+        "rope_parameters": rope.get("rope_type", "default") != "default"
+        or not set(rope) <= {"rope_type", "rope_theta"},
+        "pretraining_tp": values.get("pretraining_tp", 1) != 1,
+    }
+    if changed := [name for name, differs in unsupported.items() if differs]:
+        name = changed[0]
+        raise CheckpointError(f"{source}: {name}={values.get(name, rope)!r} has no manas equivalent")
+
+
+def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors under manas' names; a tied model's lm_head, where the file repeats it, must equal the
+    token embedding and is dropped."""
+    head = state.get("lm_head.weight") if config.tie_embeddings else None
+    weights = {name: t for name, t in state.items() if not (config.tie_embeddings and name == "lm_head.weight")}
+    renamed = rotary_layout.state_to_manas(weights, config, source, BLOCK_MODULES, TOP_MODULES, "Llama-family")
+    embedding = renamed.get("token_embedding.weight")
+    if head is not None and embedding is not None and not torch.equal(head, embedding):
+        raise CheckpointError(
+            f"{source}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
+        )
+    return renamed
+
+
+# --- export ----------------------------------------------------------------------------------------------------------
+
+
+def model_type_of(config: GPTConfig) -> str:
+    """Qwen2 for q, k, v biases alone, else Llama (whose attention_bias and mlp_bias cover manas' `bias`)."""
+    return "qwen2" if config.has_qkv_bias and not config.bias else "llama"
+
+
+def check_exportable(config: GPTConfig, source: Path) -> None:
+    if config.norm != "rmsnorm" or config.mlp != "swiglu" or config.position_encoding != "rope":
+        raise CheckpointError(
+            f"{source}: a model with norm={config.norm!r}, mlp={config.mlp!r} and {config.position_encoding} "
+            "positions is not a Llama-family model; it exports as GPT-2 or Starcoder2 only when it has their block"
+        )
+    if config.bias and not config.has_qkv_bias:
+        raise CheckpointError(f"{source}: biases on the projections but not on q, k, v have no Hugging Face model")
+
+
+def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) -> dict:
+    model_type = model_type_of(config)
+    values = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.block_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.ffn_width,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.head_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+        "rope_scaling": None,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": config.dropout,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": end_of_text,
+        "eos_token_id": end_of_text,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if model_type == "llama":
+        values |= {"attention_bias": config.bias, "mlp_bias": config.bias, "pretraining_tp": 1}
+    else:
+        values |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": config.n_layer}
+    return values
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """The Hugging Face model's tensors: q, k, v split in the rotate-half layout, lm_head only when untied."""
+    config, state = model.config, model.state_dict()
+    tensors = {}
+    for name, tensor in state.items():
+        module, _, kind = name.rpartition(".")
+        parts = module.split(".", 2)
+        if module == "lm_head" and config.tie_embeddings:
+            continue
+        if module in TOP_MODULES:
+            tensors[f"{TOP_MODULES[module]}.{kind}"] = tensor
+        elif parts[2] == "attention.qkv":
+            for part, split in rotary_layout.split_qkv(tensor, config).items():
+                tensors[f"model.layers.{parts[1]}.self_attn.{part}.{kind}"] = split
+        else:
+            tensors[f"model.layers.{parts[1]}.{BLOCK_MODULES[parts[2]]}.{kind}"] = tensor
+    return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}

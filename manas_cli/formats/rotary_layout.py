@@ -1,0 +1,89 @@
+"""What every rotary model from Hugging Face shares with manas' (Starcoder2, Llama, Qwen2, Mistral): the same
+attention under other names and layouts. manas fuses q|k|v into one projection, and it rotates each head's
+interleaved pairs (2i, 2i+1) where Hugging Face (and llama.cpp's NEOX rope) rotates the halves (i, i + head_size/2).
+Permuting the rows of each query and key head maps one onto the other; attention scores are sums over a head's
+dimensions, so they are unchanged."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from ..engine.config import GPTConfig
+from ..errors import CheckpointError
+
+QKV = ("q_proj", "k_proj", "v_proj")
+QKV_MODULES = {f"self_attn.{name}": name for name in QKV}  # inside model.layers.N
+
+
+def to_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder each head's rows (or bias entries) from pairs (2i, 2i+1) to halves (i, i + head_size/2): row i of a
+    head becomes its old row 2i, row head_size/2 + i its old row 2i+1 (LLaMA's Meta → Hugging Face permutation)."""
+    head_size = rows.size(0) // n_heads
+    return rows.reshape(n_heads, head_size // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def from_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of to_rotate_half."""
+    head_size = rows.size(0) // n_heads
+    return rows.reshape(n_heads, 2, head_size // 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def split_qkv(fused: torch.Tensor, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """manas' fused q|k|v weight (or bias) as Hugging Face's q_proj, k_proj, v_proj, in its rotate-half layout."""
+    kv_width = config.n_kv_head * config.head_size
+    q, k, v = fused.split((config.attention_width, kv_width, kv_width))
+    return dict(zip(QKV, (to_rotate_half(q, config.n_head), to_rotate_half(k, config.n_kv_head), v)))
+
+
+def state_to_manas(
+    state: dict[str, torch.Tensor],
+    config: GPTConfig,
+    source: Path,
+    block_modules: dict[str, str],
+    top_modules: dict[str, str],
+    architecture: str,
+) -> dict[str, torch.Tensor]:
+    """A Hugging Face rotary model's tensors under manas' names, q|k|v fused back in manas' rotary layout.
+    block_modules: manas' module names inside blocks.N → theirs inside model.layers.N; top_modules: the rest.
+    Tensors that are missing, extra or misshapen otherwise are left for importing.build_model to name."""
+    inverse = {target: module for module, target in block_modules.items()}
+    kv_width = config.n_kv_head * config.head_size
+    rows = {"q_proj": config.attention_width, "k_proj": kv_width, "v_proj": kv_width}
+    renamed: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        module, _, kind = name.rpartition(".")
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+        if module in top_modules.values():
+            renamed[f"{_key_of(top_modules, module)}.{kind}"] = tensor
+        elif layer and layer[2] in QKV_MODULES:
+            part = QKV_MODULES[layer[2]]
+            if tensor.dim() == 0 or tensor.size(0) != rows[part]:
+                raise CheckpointError(
+                    f"{source}: tensor {name} has shape {list(tensor.shape)}, the config needs {rows[part]} rows"
+                )
+            if not tensor.is_floating_point():  # fusing would promote bool or int to float without a word
+                raise CheckpointError(f"{source}: tensor {name} is {tensor.dtype}, not a real floating-point tensor")
+            qkv.setdefault((layer[1], kind), {})[part] = tensor
+        elif layer and layer[2] in inverse:
+            renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = tensor
+        else:
+            raise CheckpointError(f"{source}: unexpected tensor {name}: not part of a {architecture} model")
+    for (index, kind), parts in qkv.items():
+        if missing := [name for name in QKV if name not in parts]:
+            raise CheckpointError(f"{source}: missing tensor model.layers.{index}.self_attn.{missing[0]}.{kind}")
+        q, k = from_rotate_half(parts["q_proj"], config.n_head), from_rotate_half(parts["k_proj"], config.n_kv_head)
+        try:
+            renamed[f"blocks.{index}.attention.qkv.{kind}"] = torch.cat((q, k, parts["v_proj"]))
+        except RuntimeError:
+            raise CheckpointError(
+                f"{source}: q_proj, k_proj and v_proj.{kind} of layer {index} differ in shape"
+            ) from None
+    return renamed
+
+
+def _key_of(mapping: dict[str, str], value: str) -> str:
+    return next(key for key, item in mapping.items() if item == value)

@@ -1,0 +1,216 @@
+"""Llama-family models (Llama, Qwen2, Mistral) from Hugging Face folders that transformers writes: `manas convert`
+reads them (sharded or not, with their byte-level tokenizer.json), both engines compute transformers' logits, and
+every option manas does not run, every folder whose parts disagree, is refused with one line naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+from conftest import native_model
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.formats.header import open_checkpoint, read_metadata
+from manas_cli.formats.huggingface import byte_level_bpe
+from manas_cli.formats.tokenizer import build_encoding, encode_text, end_of_text_id
+from test_convert import assert_converted, assert_refused, run_manas
+
+torch.set_num_threads(1)
+
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TEXTS = [
+    "Hello world, the theatre's 12345 seats  678\n\n  tabs\tand émigrés",
+    "numbers 2024-12-03:  1 2   3\r\n\r\nend",
+    "e\u0301 composed differently from \u00e9, and 'LL 'Ve it",
+    "   leading spaces and trailing   ",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tokenizer_json(spec: dict, pre_tokenizer: str) -> str:
+    """A byte-level BPE tokenizer.json written by Hugging Face's own `tokenizers`, over the tiny spec's ranks (so its
+    merges are a real BPE's), with one of the pre-tokenizers these families use."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    bpe = byte_level_bpe(build_encoding(spec), Path("tiny"))
+    merges = [tuple(merge.split(" ")) for merge in bpe.merges]
+    tokenizer = Tokenizer(models.BPE(vocab=bpe.tokens, merges=merges))
+    tokenizer.pre_tokenizer = {
+        "gpt2": pre_tokenizers.ByteLevel(add_prefix_space=False),
+        "smollm2": pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        ),
+        "qwen2": pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ),
+    }[pre_tokenizer]
+    if pre_tokenizer == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIALS)
+    return tokenizer.to_str()
+
+
+# The families, as transformers' config classes build them: a few layers of a small width, every option that
+# changes the computation set as the real models set it.
+SHAPE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+FAMILIES = {
+    "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=100000.0), "smollm2"),
+    "tinyllama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5), "gpt2"),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0), "qwen2"),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None), "gpt2"),
+    "head-dim": ("LlamaConfig", dict(head_dim=32, attention_bias=True, mlp_bias=True), "gpt2"),
+}
+
+
+def hf_folder(folder: Path, spec: dict, family: str, shard: bool = False, **changes) -> torch.nn.Module:
+    """A random model of the family saved as transformers saves it, with a tokenizer.json and generation config."""
+    import transformers
+
+    config_class, options, pre_tokenizer = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**SHAPE, **options, **changes})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # wider than the init's 0.02, so the logits are far from uniform
+        for name, parameter in model.named_parameters():
+            scale = 0.15 if parameter.dim() == 2 else 0.1
+            parameter.add_(torch.randn_like(parameter) * scale)
+    model.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
+    (folder / "tokenizer.json").write_text(tokenizer_json(spec, pre_tokenizer))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 269}))  # <|im_end|>
+    return model
+
+
+def converted(tmp_path: Path, folder: Path) -> Path:
+    out = tmp_path / "model.safetensors"
+    assert_converted(run_manas("convert", folder, "--out", out), out)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_llama_family_folder_converts_and_both_engines_compute_transformers_logits(
+    tmp_path, tiny_bpe_spec, native_library, family
+):
+    hf_model = hf_folder(tmp_path / "hf", tiny_bpe_spec, family, shard=family == "qwen2")
+    if family == "qwen2":
+        assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    out = converted(tmp_path, tmp_path / "hf")
+    assert read_metadata(out)["format_version"] == "3"
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+    scale = expected.abs().max()
+    with torch.no_grad():
+        assert ((load_checkpoint(out).model(ids) - expected).abs().max() / scale) <= 1e-4
+    native = native_model(open_checkpoint(out), native_library, float_activations=True)
+    from conftest import all_logits
+
+    assert ((all_logits(native, ids) - expected).abs().max() / scale) <= 1e-4
+
+
+@pytest.mark.parametrize("pre_tokenizer", ["gpt2", "smollm2", "qwen2"])
+def test_tokenizer_json_splits_as_hugging_faces_tokenizers_does(tmp_path, tiny_bpe_spec, pre_tokenizer):
+    """GPT-2's split, SmolLM2's digits before it, Qwen2's own regex with NFC: the ids of Hugging Face's tokenizer."""
+    from tokenizers import Tokenizer
+
+    from manas_cli.formats.tokenizer import spec_from_tokenizer_json
+
+    text = tokenizer_json(tiny_bpe_spec, pre_tokenizer)
+    encoding = build_encoding(spec_from_tokenizer_json(text, "tokenizer.json"))
+    hf = Tokenizer.from_str(text)
+    for sample in TEXTS:
+        assert encode_text(encoding, sample) == hf.encode(sample, add_special_tokens=False).ids, sample
+
+
+def test_the_folders_end_of_text_token_ends_generation(tmp_path, tiny_bpe_spec):
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "qwen2")
+    checkpoint = load_checkpoint(converted(tmp_path, tmp_path / "hf"))
+    assert end_of_text_id(checkpoint.encoding) == 269
+    assert checkpoint.tokenizer_spec["end_of_text"] == "<|im_end|>"
+
+
+def test_a_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path, tiny_bpe_spec):
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "tinyllama")
+    tokenizer = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    tokenizer["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+    (tmp_path / "hf" / "tokenizer.json").write_text(json.dumps(tokenizer))
+    out = tmp_path / "model.safetensors"
+    assert_refused(run_manas("convert", tmp_path / "hf", "--out", out), "SentencePiece-style BPE")
+    assert not out.exists()
+
+
+def edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def index_of(folder: Path) -> Path:
+    return folder / "model.safetensors.index.json"
+
+
+def missing_shard(folder: Path) -> None:
+    next(folder.glob("model-00002-*.safetensors")).unlink()
+
+
+def shard_outside_the_folder(folder: Path) -> None:
+    index = json.loads(index_of(folder).read_text())
+    index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+    index_of(folder).write_text(json.dumps(index))
+
+
+def index_names_a_tensor_no_shard_holds(folder: Path) -> None:
+    index = json.loads(index_of(folder).read_text())
+    index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = index["weight_map"]["model.norm.weight"]
+    index_of(folder).write_text(json.dumps(index))
+
+
+BAD_FOLDERS = [
+    (lambda f: edit_json(f / "config.json", hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (
+        lambda f: edit_json(f / "config.json", intermediate_size=128),
+        "ffn.gate.weight has shape [160, 64], the config needs [128, 64]",
+    ),
+    (lambda f: edit_json(f / "config.json", num_hidden_layers=3), "missing tensor for blocks.2"),
+    (lambda f: edit_json(f / "config.json", rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (lambda f: edit_json(f / "config.json", model_type="mistral", sliding_window=64), "sliding_window=64"),
+    (lambda f: edit_json(f / "config.json", model_type="gemma"), "model_type is 'gemma'"),
+    (lambda f: edit_json(f / "config.json", attention_bias=True), "attention_bias=True with mlp_bias=False"),
+    (missing_shard, "which is missing from"),
+    (shard_outside_the_folder, "'../elsewhere.safetensors', which is not a file in"),
+    (index_names_a_tensor_no_shard_holds, "model.layers.9.mlp.up_proj.weight is placed in"),
+]
+
+
+@pytest.mark.parametrize(("damage", "message"), BAD_FOLDERS, ids=[message for _, message in BAD_FOLDERS])
+def test_a_folder_whose_parts_disagree_is_refused_naming_the_file_and_field(tmp_path, tiny_bpe_spec, damage, message):
+    folder = tmp_path / "hf"
+    hf_folder(folder, tiny_bpe_spec, "smollm2", shard=True)
+    damage(folder)
+    out = tmp_path / "model.safetensors"
+    assert_refused(run_manas("convert", folder, "--out", out), message)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_llama_family_weights_never_come_from_a_pickle(tmp_path, tiny_bpe_spec):
+    folder = tmp_path / "hf"
+    hf_folder(folder, tiny_bpe_spec, "smollm2")
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    assert_refused(run_manas("convert", folder, "--out", tmp_path / "m.safetensors"), "a pickle is never read")

@@ -172,7 +172,7 @@ def split_pattern(pre: object, source: str | Path) -> str:
     steps = [step if isinstance(step, dict) else {} for step in (steps if isinstance(steps, list) else [])]
     kinds = [step.get("type") for step in steps]
     if "Metaspace" in kinds:
-        raise TokenizerError(f"{source}: {SENTENCEPIECE_STYLE} (its pre-tokenizer is Metaspace)")
+        raise TokenizerError(f"{source}: {SENTENCEPIECE_STYLE} (its pre-tokenizer is 'Metaspace')")
     if any(step.get("add_prefix_space") for step in steps):
         raise TokenizerError(f"{source}: tokenizer.json's ByteLevel adds a prefix space, which tiktoken cannot")
     splits = [step.get("use_regex", True) for step in steps if step.get("type") == "ByteLevel"]

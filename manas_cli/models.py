@@ -30,6 +30,7 @@ class ModelOptions:
     cache: str = "dynamic"  # the KV cache's allocation
     engine: str = "auto"  # "auto", "native" or "torch"
     float_activations: bool = False  # the core's int8 and int4 products in float32, not in integers
+    ctx: int | None = None  # the window kept, at most the model's block_size; None: the model's
     debug: bool = False  # --debug: show the compiler's message when the native core does not build
 
 
@@ -97,6 +98,7 @@ def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = No
         from .formats.mapped_weights import MappedWeights
 
         mapped = _naming_the_environment(options, lambda: open_checkpoint(path))
+        keep_window(mapped.header.config, options.ctx)
         weights = partial(MappedWeights, mapped)
         try:
             opened = _naming_the_environment(
@@ -125,6 +127,7 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
     checkpoint = _naming_the_environment(options, lambda: load_checkpoint(path, device=device, dtype=dtype))
     if options.quantize is not None:
         quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
+    keep_window(checkpoint.model.config, options.ctx)
     opened = choose_engine(
         options.engine, checkpoint.model, threads.threads, unavailable, on_compile, options.float_activations
     )
@@ -133,6 +136,13 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
     elif not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
         use_decode_layout(checkpoint.model)
     return LoadedModel(checkpoint, threads, opened)
+
+
+def keep_window(config, ctx: int | None) -> None:
+    """--ctx: the window kept is ctx tokens, at most the model's own. Everything that crops, caches and re-prefills
+    reads block_size, so a smaller one is the whole change; the tensors (a learned position table) keep their rows."""
+    if ctx is not None:
+        config.block_size = min(ctx, config.block_size)
 
 
 def open_native(

@@ -64,7 +64,7 @@ def tokenizer_json(spec: dict, pre_tokenizer: str) -> str:
 # The families, as transformers' config classes build them: a few layers of a small width, every option that
 # changes the computation set as the real models set it.
 SHAPE = dict(
-    vocab_size=300,
+    vocab_size=270,  # the tiny BPE's 267 tokens and SPECIALS: every id decodable, as the CLI samples
     hidden_size=64,
     intermediate_size=160,
     num_hidden_layers=2,
@@ -214,3 +214,86 @@ def test_llama_family_weights_never_come_from_a_pickle(tmp_path, tiny_bpe_spec):
     hf_folder(folder, tiny_bpe_spec, "smollm2")
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
     assert_refused(run_manas("convert", folder, "--out", tmp_path / "m.safetensors"), "a pickle is never read")
+
+
+# ---- the window: --ctx, crop-and-recompute past it -------------------------------------------------------------------
+
+CTX = 16
+PROMPT = "the theatre in the city"
+SAMPLERS = {"greedy": ("-t", "0"), "seeded": ("-t", "0.9", "--top-k", "40", "--seed", "7")}
+
+
+@pytest.fixture(scope="module")
+def llama_files(tmp_path_factory, tiny_bpe_spec) -> dict[str, Path]:
+    """A SmolLM2-shaped folder converted, and its int8 and int4 copies (`manas quantize`)."""
+    folder = tmp_path_factory.mktemp("llama")
+    hf_folder(folder / "hf", tiny_bpe_spec, "smollm2")
+    files = {"float32": converted(folder, folder / "hf")}
+    for bits, name in ((8, "int8"), (4, "int4")):
+        files[name] = folder / f"{name}.safetensors"
+        assert_converted(
+            run_manas("quantize", files["float32"], "--bits", str(bits), "--out", files[name]), files[name]
+        )
+    return files
+
+
+def crop_and_recompute(path: Path, engine: str, prompt: str, tokens: int, seed: int | None, **sampling) -> list[int]:
+    """nanoGPT's generate with the window cut to CTX: the whole model over the last CTX tokens at every step."""
+    from manas_cli.engine.generation import generate_reference
+    from manas_cli.engine.sampling import Sampler
+    from manas_cli.models import ModelOptions, open_model
+
+    loaded = open_model(ModelOptions(checkpoint=path, engine=engine, ctx=CTX, threads=1))
+    runner, eot = loaded.engine, end_of_text_id(loaded.checkpoint.encoding)
+    assert runner.config.block_size == CTX
+    sampler = Sampler(generator=runner.generator(seed) if seed is not None else None, seed=seed or 0, **sampling)
+    ids = encode_text(loaded.checkpoint.encoding, prompt)
+    out = []
+    for step in generate_reference(runner, [ids], sampler, tokens, eot):
+        if step.tokens[0] == eot:
+            break
+        out.append(step.tokens[0])
+    return out
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("engine", ["native", "torch"])
+def test_generation_past_a_ctx_window_equals_crop_and_recompute(llama_files, native_library, engine, weights, sampler):
+    path = llama_files[weights]
+    flags = SAMPLERS[sampler]
+    env = {} if engine == "native" else {"MANAS_ENGINE": "torch"}
+    run = run_manas("generate", "-c", path, "-p", PROMPT, "-n", "48", "--ctx", str(CTX), *flags, "--json", env=env)
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout)
+    assert record["engine"] == engine and record["re_prefills"] > 0
+    settings = {"temperature": 0.0} if sampler == "greedy" else {"temperature": 0.9, "top_k": 40}
+    seed = 7 if sampler == "seeded" else None
+    assert record["tokens"] == crop_and_recompute(path, engine, PROMPT, 48, seed, **settings)
+
+
+def test_greedy_past_the_window_is_transformers_own_crop_and_recompute(tmp_path, tiny_bpe_spec):
+    """An independent reference: transformers' model over the last CTX tokens, step after step."""
+    hf_model = hf_folder(tmp_path / "hf", tiny_bpe_spec, "qwen2")
+    out = converted(tmp_path, tmp_path / "hf")
+    run = run_manas("generate", "-c", out, "-p", PROMPT, "-n", "40", "--ctx", str(CTX), "-t", "0", "--json")
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout)
+    ids = encode_text(load_checkpoint(out).encoding, PROMPT)
+    expected = []
+    with torch.no_grad():
+        for _ in range(len(record["tokens"])):
+            token = hf_model(torch.tensor([ids[-CTX:]])).logits[0, -1].argmax().item()
+            ids.append(token)
+            expected.append(token)
+    assert record["tokens"] == expected
+
+
+def test_ctx_comes_from_the_environment_and_never_exceeds_the_models_window(llama_files):
+    path = llama_files["float32"]
+    run = run_manas("inspect-cache", "-c", path, "-p", PROMPT, "--json", env={"MANAS_CTX": "100000"})
+    assert run.returncode == 0, run.stderr
+    run = run_manas("generate", "-c", path, "-p", PROMPT, "-n", "30", "-t", "0", "--json", env={"MANAS_CTX": "8"})
+    assert json.loads(run.stdout)["re_prefills"] > 0
+    bad = run_manas("generate", "-c", path, "-p", PROMPT, "--ctx", "0")
+    assert bad.returncode == 2 and "--ctx" in bad.stderr

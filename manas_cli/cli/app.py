@@ -137,6 +137,17 @@ FloatActivationsOption = Annotated[
         "(llama.cpp's q8_0 way; faster; docs/quantization.md has its measured cost).",
     ),
 ]
+ContextOption = Annotated[
+    Optional[int],
+    typer.Option(
+        "--ctx",
+        envvar="MANAS_CTX",
+        show_envvar=True,
+        min=1,
+        help="The window in tokens manas keeps, at most the model's own (Llama-family models declare 8,192 to "
+        "32,768): past it, the cropped window is prefilled again, as for every model. Default: the model's.",
+    ),
+]
 CacheOption = Annotated[
     Allocation,
     typer.Option(
@@ -157,6 +168,7 @@ MODEL_FLAGS = {
     "threads": (ThreadsOption, None),
     "engine": (EngineOption, Engine.auto),
     "float_activations": (FloatActivationsOption, False),
+    "ctx": (ContextOption, None),
 }
 
 
@@ -194,6 +206,7 @@ def model_options_of(
     quantize: Optional[Enum],
     engine: Enum,
     float_activations: bool,
+    ctx: Optional[int] = None,
     cache: Enum = Allocation.dynamic,
 ):
     """The model flags as the library takes them (models.ModelOptions); --debug is the run's (process.main)."""
@@ -210,6 +223,7 @@ def model_options_of(
         cache=cache.value,
         engine=engine.value,
         float_activations=float_activations,
+        ctx=ctx,
         debug=bool(get_current_context().obj),
     )
 

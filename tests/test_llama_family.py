@@ -22,7 +22,7 @@ from test_convert import assert_converted, assert_refused, run_manas
 
 torch.set_num_threads(1)
 
-QWEN2_SPLIT = (
+QWEN2_SPLIT = (  # tokenizer.QWEN2_PAT_STR, as Qwen2.5 writes it
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 TEXTS = [
@@ -297,3 +297,53 @@ def test_ctx_comes_from_the_environment_and_never_exceeds_the_models_window(llam
     assert json.loads(run.stdout)["re_prefills"] > 0
     bad = run_manas("generate", "-c", path, "-p", PROMPT, "--ctx", "0")
     assert bad.returncode == 2 and "--ctx" in bad.stderr
+
+
+# ---- export back: Hugging Face and GGUF ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["tinyllama", "qwen2-gpt2-split", "head-dim"])
+def test_export_hf_gives_transformers_the_same_model(tmp_path, tiny_bpe_spec, family):
+    """Llama or Qwen2 as they came (tokenizers of GPT-2's split export as vocab.json and merges.txt)."""
+    from transformers import AutoModelForCausalLM
+
+    changes = {"model_type": "qwen2"} if family.startswith("qwen2") else {}
+    hf_model = hf_folder(tmp_path / "hf", tiny_bpe_spec, "qwen2" if family.startswith("qwen2") else family)
+    if family.startswith("qwen2"):  # the same weights, a GPT-2-split tokenizer
+        (tmp_path / "hf" / "tokenizer.json").write_text(tokenizer_json(tiny_bpe_spec, "gpt2"))
+    out = converted(tmp_path, tmp_path / "hf")
+    result = run_manas("export", out, "--format", "hf", "--out", tmp_path / "back")
+    assert result.returncode == 0, result.stderr
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back) is type(hf_model) and back.config.model_type == (changes.get("model_type") or "llama")
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf_model(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family, architecture, pre", [("tinyllama", "llama", "gpt-2"), ("qwen2", "qwen2", "qwen2")])
+def test_export_gguf_writes_llama_cpps_llama_and_qwen2(tmp_path, tiny_bpe_spec, family, architecture, pre):
+    """llama.cpp's llama rotates interleaved pairs (manas' layout: Hugging Face's q and k permuted back, as
+    convert_hf_to_gguf.py does), its qwen2 the halves (Hugging Face's, as it is)."""
+    gguf = pytest.importorskip("gguf")
+    from manas_cli.formats.rotary_layout import from_rotate_half
+
+    hf_model = hf_folder(tmp_path / "hf", tiny_bpe_spec, family)
+    out = converted(tmp_path, tmp_path / "hf")
+    result = run_manas("export", out, "--format", "gguf", "--outtype", "f32", "--out", tmp_path / "m.gguf")
+    assert result.returncode == 0, result.stderr
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+
+    def field(name: str):
+        value = reader.fields[name]
+        return value.contents() if hasattr(value, "contents") else value.parts[value.data[0]].tolist()
+
+    assert field("general.architecture") == architecture
+    assert field(f"{architecture}.feed_forward_length") == SHAPE["intermediate_size"]
+    assert field(f"{architecture}.attention.layer_norm_rms_epsilon") == pytest.approx(hf_model.config.rms_norm_eps)
+    assert field("tokenizer.ggml.pre") == pre
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    q = hf_model.model.layers[0].self_attn.q_proj.weight.detach()
+    expected = from_rotate_half(q, SHAPE["num_attention_heads"]) if architecture == "llama" else q
+    assert torch.equal(tensors["blk.0.attn_q.weight"].reshape(q.shape), expected)
+    assert ("output.weight" in tensors) == (not hf_model.config.tie_word_embeddings)

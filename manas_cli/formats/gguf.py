@@ -3,9 +3,10 @@
 GGUF names llama.cpp's own architectures. The model's Hugging Face tensors map onto them as llama.cpp's converter
 (convert_hf_to_gguf.py) maps them, with the names of the gguf package's TensorNameMap: GPT-2's are `gpt2` (Conv1D
 weights transposed back to out×in), Starcoder2's are `starcoder2` (queries and keys already in the rotate-half
-layout of llama.cpp's NEOX rope). llama.cpp's gpt2 reads head_count_kv, so learned-position models with
-grouped-query attention export too, though Hugging Face's GPT-2 has no such thing. The tokenizer goes along as
-GGUF's byte-level BPE.
+layout of llama.cpp's NEOX rope), Qwen2's `qwen2` (NEOX too) and Llama's `llama`, whose rope rotates interleaved
+pairs as manas does (the queries and keys permuted back from Hugging Face's layout, as the converter does).
+llama.cpp's gpt2 reads head_count_kv, so learned-position models with grouped-query attention export too, though
+Hugging Face's GPT-2 has no such thing. The tokenizer goes along as GGUF's byte-level BPE.
 """
 
 from __future__ import annotations
@@ -22,16 +23,22 @@ from ..errors import CheckpointError, MissingDependencyError, first_line
 from ..files import atomic_write, check_output_file
 from ..torch_engine.model import GPT, GPTConfig
 from ..torch_engine.quantize import dequantize_model
-from . import starcoder2
+from . import llama, rotary_layout, starcoder2
 from .checkpoint import load_checkpoint
 from .gpt2 import hf_state_dict, is_gpt2_linear_weight
-from .huggingface import ByteLevelBPE, byte_level_bpe
-from .tokenizer import END_OF_TEXT
+from .huggingface import GPT2_SPLIT_PATTERNS, ByteLevelBPE, byte_level_bpe
+from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, QWEN2_PAT_STR
 
 OUTTYPES = ("f32", "f16", "q8_0")
 ARCHITECTURES = {"learned": "gpt2", "rope": "starcoder2"}  # position encoding → llama.cpp architecture
-# llama.cpp's name for GPT-2's split pattern, the only one byte_level_bpe lets through for tokenizers with merges.
-PRE_TOKENIZER = "gpt-2"
+# llama.cpp's names for the split patterns it runs as Hugging Face does: GPT-2's (either spelling), SmolLM2's digits
+# before it, Qwen2's.
+PRE_TOKENIZERS = dict.fromkeys(GPT2_SPLIT_PATTERNS, "gpt-2") | {DIGITS_PAT_STR: "smollm", QWEN2_PAT_STR: "qwen2"}
+
+
+def architecture_of(config: GPTConfig) -> str:
+    """llama.cpp's architecture for the model: the Llama family's Hugging Face twin's, else by position encoding."""
+    return llama.model_type_of(config) if not config.is_gpt2_family else ARCHITECTURES[config.position_encoding]
 
 
 @dataclass
@@ -70,8 +77,10 @@ def as_float32(value: float) -> float:
 
 
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
-    """Refuse what llama.cpp's gpt2 and starcoder2 would compute or stop differently."""
-    if config.gelu_approximate != "tanh":
+    """Refuse what llama.cpp's gpt2, starcoder2, llama and qwen2 would compute or stop differently."""
+    if not config.is_gpt2_family:
+        llama.check_exportable(config, source)
+    elif config.gelu_approximate != "tanh":
         raise CheckpointError(
             f"{source}: the model uses the exact GELU (gelu_approximate={config.gelu_approximate!r}), but llama.cpp's "
             "gpt2 and starcoder2 compute GELU's tanh approximation; only gelu_approximate='tanh' models export to GGUF"
@@ -101,13 +110,18 @@ def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
     """The model's Hugging Face tensors under llama.cpp's names, float32, in PyTorch's (out, in) layout: GGUF lists
     dimensions innermost first, so the gguf writer records this as llama.cpp's {in, out}."""
     config = model.config
-    architecture = ARCHITECTURES[config.position_encoding]
-    hf_tensors = starcoder2.hf_state_dict(model) if architecture == "starcoder2" else hf_state_dict(model)
+    architecture = architecture_of(config)
+    hf_tensors = {"starcoder2": starcoder2.hf_state_dict, "gpt2": hf_state_dict}.get(architecture, llama.hf_state_dict)(
+        model
+    )
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.n_layer)
     tensors = {}
     for name, tensor in hf_tensors.items():
         if architecture == "gpt2" and is_gpt2_linear_weight(name.removeprefix("transformer.")):
             tensor = tensor.t()  # Conv1D's in×out back to out×in, as llama.cpp's converter does
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            heads = config.n_head if ".q_proj." in name else config.n_kv_head
+            tensor = rotary_layout.from_rotate_half(tensor, heads)  # llama.cpp's llama rope: interleaved pairs
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous().numpy()
     return tensors
 
@@ -128,7 +142,7 @@ def tensor_type(gguf: Any, name: str, tensor: np.ndarray, outtype: str) -> Any:
 
 
 def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, outtype: str) -> None:
-    """Every hyperparameter llama.cpp's loader reads for gpt2 and starcoder2."""
+    """Every hyperparameter llama.cpp's loader reads for gpt2, starcoder2, llama and qwen2."""
     file_types = {
         "f32": gguf.LlamaFileType.ALL_F32,
         "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -140,17 +154,22 @@ def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, ou
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.block_size)
     writer.add_embedding_length(config.n_embd)
-    writer.add_feed_forward_length(4 * config.n_embd)
+    writer.add_feed_forward_length(config.ffn_width)
     writer.add_block_count(config.n_layer)
     writer.add_head_count(config.n_head)
     writer.add_head_count_kv(config.n_kv_head)
-    writer.add_layer_norm_eps(config.norm_eps)
+    if config.norm == "rmsnorm":
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        writer.add_key_length(config.head_size)
+        writer.add_value_length(config.head_size)
+    else:
+        writer.add_layer_norm_eps(config.norm_eps)
     if config.position_encoding == "rope":
         writer.add_rope_dimension_count(config.head_size)
         writer.add_rope_freq_base(config.rope_base)
 
 
-def add_tokenizer(writer: Any, gguf: Any, bpe: ByteLevelBPE, vocab_size: int, end_of_text: int) -> None:
+def add_tokenizer(writer: Any, gguf: Any, bpe: ByteLevelBPE, pre: str, vocab_size: int, end_of_text: int) -> None:
     """GGUF's byte-level BPE ("gpt2"): every id's token, its type, the merges in the order they apply. Ids without a
     token (a vocabulary padded past the tokenizer) get placeholders that no text encodes to, as llama.cpp's
     converter writes them."""
@@ -160,7 +179,7 @@ def add_tokenizer(writer: Any, gguf: Any, bpe: ByteLevelBPE, vocab_size: int, en
         for token, i in table.items():
             tokens[i], types[i] = token, kind
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(PRE_TOKENIZER)
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(bpe.merges)
@@ -177,10 +196,12 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
     checkpoint = load_checkpoint(checkpoint_path)
     model = dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
     config = model.config
-    end_of_text = checkpoint.encoding._special_tokens.get(END_OF_TEXT)
+    end_of_text = checkpoint.encoding._special_tokens.get(getattr(checkpoint.encoding, "end_of_text", END_OF_TEXT))
     check_exportable(config, end_of_text, checkpoint_path)
-    bpe = byte_level_bpe(checkpoint.encoding, checkpoint_path)  # refuses split patterns llama.cpp does not have
-    architecture = ARCHITECTURES[config.position_encoding]
+    # refuses split patterns llama.cpp does not have
+    bpe = byte_level_bpe(checkpoint.encoding, checkpoint_path, tuple(PRE_TOKENIZERS))
+    pre = PRE_TOKENIZERS.get(checkpoint.encoding._pat_str, "gpt-2")  # a tokenizer without merges splits nothing
+    architecture = architecture_of(config)
     tensors = gguf_tensors(gguf, model)
     # Quantized before the file is opened: whatever fails, fails before anything is written.
     typed = {name: (tensor, tensor_type(gguf, name, tensor, outtype)) for name, tensor in tensors.items()}
@@ -193,7 +214,7 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
         writer = gguf.GGUFWriter(tmp, architecture)
         try:
             add_hyperparameters(writer, gguf, config, checkpoint_path.stem, outtype)
-            add_tokenizer(writer, gguf, bpe, config.vocab_size, end_of_text)
+            add_tokenizer(writer, gguf, bpe, pre, config.vocab_size, end_of_text)
             for name, (data, kind) in stored.items():
                 writer.add_tensor(name, data, raw_dtype=kind)
             writer.write_header_to_file()

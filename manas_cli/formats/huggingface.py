@@ -268,11 +268,13 @@ def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, di
 # --- tokenizer -----------------------------------------------------------------------------------------------------
 
 
-def hf_merges(ranks: dict[bytes, int], pat_str: str, source: Path) -> list[tuple[bytes, bytes]]:
+def hf_merges(
+    ranks: dict[bytes, int], pat_str: str, source: Path, patterns: tuple[str, ...] = GPT2_SPLIT_PATTERNS
+) -> list[tuple[bytes, bytes]]:
     """The merge that builds each multi-byte token, in rank order: Hugging Face applies merges by their position in
     merges.txt, tiktoken by the rank of what they build, so this order makes the two agree."""
     multi_byte = sorted((rank, token) for token, rank in ranks.items() if len(token) > 1)
-    if multi_byte and pat_str not in GPT2_SPLIT_PATTERNS:
+    if multi_byte and pat_str not in patterns:
         raise CheckpointError(
             f"{source}: the tokenizer splits text with its own pattern, but Hugging Face's GPT-2 tokenizer always "
             "splits with GPT-2's, so it would encode differently; only GPT-2-pattern BPE tokenizers export"
@@ -298,7 +300,10 @@ class ByteLevelBPE:
     merges: list[str]  # "left right", in the order they apply
 
 
-def byte_level_bpe(encoding: tiktoken.Encoding, source: Path) -> ByteLevelBPE:
+def byte_level_bpe(
+    encoding: tiktoken.Encoding, source: Path, patterns: tuple[str, ...] = GPT2_SPLIT_PATTERNS
+) -> ByteLevelBPE:
+    """The encoding's tokens and merges, for a tokenizer whose split pattern the target runs (`patterns`)."""
     # tiktoken keeps the ranks, pattern and special tokens of an Encoding only in these attributes.
     ranks: dict[bytes, int] = encoding._mergeable_ranks
     alias = bytes_to_unicode()
@@ -306,7 +311,7 @@ def byte_level_bpe(encoding: tiktoken.Encoding, source: Path) -> ByteLevelBPE:
     def show(token: bytes) -> str:
         return "".join(alias[byte] for byte in token)
 
-    merges = [f"{show(left)} {show(right)}" for left, right in hf_merges(ranks, encoding._pat_str, source)]
+    merges = [f"{show(left)} {show(right)}" for left, right in hf_merges(ranks, encoding._pat_str, source, patterns)]
     tokens = {show(token): rank for token, rank in ranks.items()}
     for text, token_id in encoding._special_tokens.items():
         if text in tokens:  # one string for two ids: vocab.json would keep one, GGUF would list it twice

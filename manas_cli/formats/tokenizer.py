@@ -31,6 +31,11 @@ GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 # GPT-2's split after Hugging Face's Digits(individual_digits) pre-tokenizer (SmolLM2's): every digit a piece of its
 # own, so no space joins a digit, and a run of spaces before a digit ends there whole (as it ends a piece).
 DIGITS_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
+# Qwen2's split (its tokenizer.json's Split regex), which llama.cpp runs as its "qwen2" pre-tokenizer.
+QWEN2_PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
 NORMALIZATIONS = ("NFC",)  # what a tokenizer may ask of the text before it is split (Qwen2's)
 
 

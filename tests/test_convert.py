@@ -494,13 +494,16 @@ REFUSALS = {
         "missing tensor for blocks.0.ln_attention.bias",
     ),
     "bare-weights-without-config": (setup_bare_safetensors_without_config, "pass --config PATH"),
-    "not-gpt2": (setup_hf_config_of(model_type="llama"), "model_type is 'llama'; convert reads GPT-2 models"),
+    "not-gpt2": (
+        setup_hf_config_of(model_type="gpt_neox"),
+        "model_type is 'gpt_neox'; convert reads 'gpt2', 'starcoder2', 'llama', 'qwen2', 'mistral'",
+    ),
     "layer-scaled-attention": (
         setup_hf_config_of(scale_attn_by_inverse_layer_idx=True),
         "scale_attn_by_inverse_layer_idx=True has no manas equivalent",
     ),
     "relu": (setup_hf_config_of(activation_function="relu"), "activation_function 'relu' is not supported"),
-    "folder-without-weights": (setup_folder_without_weights, "holds neither model.safetensors nor pytorch_model.bin"),
+    "folder-without-weights": (setup_folder_without_weights, "holds neither model.safetensors, model.safetensors.index.json nor pytorch_model.bin"),
     "already-manas": (setup_manas_checkpoint_as_source, "is already a manas checkpoint"),
     "not-a-checkpoint": (setup_not_a_checkpoint, "not a readable PyTorch checkpoint"),
     "two-tokenizers": (setup_two_tokenizers, "both name a tokenizer: pass one of them"),

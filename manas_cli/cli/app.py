@@ -822,7 +822,8 @@ def convert(
         Path,
         typer.Argument(
             help=(
-                "nanoGPT ckpt.pt, a Hugging Face GPT-2 or Starcoder2 folder, or a bare model.safetensors (with "
+                "nanoGPT ckpt.pt, a Hugging Face GPT-2, Starcoder2, Llama, Qwen2 or Mistral folder, or a bare "
+                "model.safetensors (with "
                 "--config)."
             )
         ),
@@ -854,7 +855,8 @@ def convert(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
 ) -> None:
-    """Import nanoGPT or Hugging Face GPT-2 or Starcoder2 weights as a manas checkpoint.
+    """Import nanoGPT or Hugging Face GPT-2, Starcoder2 or Llama-family (Llama, Qwen2, Mistral: SmolLM2, Qwen2.5)
+    weights as a manas checkpoint.
 
     Pickles are read with weights only: a file that would run code is refused.
 
@@ -865,6 +867,8 @@ def convert(
       manas convert out/ckpt.pt --out mine.safetensors --tokenizer-file gpt2.tiktoken
 
       manas convert gpt2/ --out gpt2.safetensors
+
+      manas convert SmolLM2-135M/ --out smollm2.safetensors
 
       manas convert model.safetensors --config config.json --out gpt2.safetensors
     """

@@ -503,7 +503,10 @@ REFUSALS = {
         "scale_attn_by_inverse_layer_idx=True has no manas equivalent",
     ),
     "relu": (setup_hf_config_of(activation_function="relu"), "activation_function 'relu' is not supported"),
-    "folder-without-weights": (setup_folder_without_weights, "holds neither model.safetensors, model.safetensors.index.json nor pytorch_model.bin"),
+    "folder-without-weights": (
+        setup_folder_without_weights,
+        "holds neither model.safetensors, model.safetensors.index.json nor pytorch_model.bin",
+    ),
     "already-manas": (setup_manas_checkpoint_as_source, "is already a manas checkpoint"),
     "not-a-checkpoint": (setup_not_a_checkpoint, "not a readable PyTorch checkpoint"),
     "two-tokenizers": (setup_two_tokenizers, "both name a tokenizer: pass one of them"),

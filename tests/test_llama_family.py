@@ -34,7 +34,7 @@ TEXTS = [
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def tokenizer_json(spec: dict, pre_tokenizer: str) -> str:
+def tokenizer_json(spec: dict, pre_tokenizer: str, bos: str | None = None) -> str:
     """A byte-level BPE tokenizer.json written by Hugging Face's own `tokenizers`, over the tiny spec's ranks (so its
     merges are a real BPE's), with one of the pre-tokenizers these families use."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -58,6 +58,12 @@ def tokenizer_json(spec: dict, pre_tokenizer: str) -> str:
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIALS)
+    if bos is not None:  # Llama 3's way: a template that begins every text with it
+        from tokenizers import processors
+
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+        )
     return tokenizer.to_str()
 
 
@@ -302,23 +308,25 @@ def test_ctx_comes_from_the_environment_and_never_exceeds_the_models_window(llam
 # ---- export back: Hugging Face and GGUF ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["tinyllama", "qwen2-gpt2-split", "head-dim"])
-def test_export_hf_gives_transformers_the_same_model(tmp_path, tiny_bpe_spec, family):
-    """Llama or Qwen2 as they came (tokenizers of GPT-2's split export as vocab.json and merges.txt)."""
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("family", ["tinyllama", "qwen2", "smollm2", "head-dim"])
+def test_export_hf_gives_transformers_the_same_model_and_tokenizer(tmp_path, tiny_bpe_spec, family):
+    """Llama or Qwen2 as they came; a tokenizer of GPT-2's split as vocab.json and merges.txt, SmolLM2's digits and
+    Qwen2's regex (with NFC) as a tokenizer.json that Hugging Face's fast tokenizer runs to the same ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    changes = {"model_type": "qwen2"} if family.startswith("qwen2") else {}
-    hf_model = hf_folder(tmp_path / "hf", tiny_bpe_spec, "qwen2" if family.startswith("qwen2") else family)
-    if family.startswith("qwen2"):  # the same weights, a GPT-2-split tokenizer
-        (tmp_path / "hf" / "tokenizer.json").write_text(tokenizer_json(tiny_bpe_spec, "gpt2"))
+    hf_model = hf_folder(tmp_path / "hf", tiny_bpe_spec, family)
     out = converted(tmp_path, tmp_path / "hf")
     result = run_manas("export", out, "--format", "hf", "--out", tmp_path / "back")
     assert result.returncode == 0, result.stderr
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(back) is type(hf_model) and back.config.model_type == (changes.get("model_type") or "llama")
+    assert type(back) is type(hf_model)
     ids = torch.randint(0, SHAPE["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, hf_model(ids).logits, atol=1e-4, rtol=0)
+    tokenizer, encoding = AutoTokenizer.from_pretrained(tmp_path / "back"), load_checkpoint(out).encoding
+    for sample in TEXTS:
+        assert tokenizer(sample, add_special_tokens=False)["input_ids"] == encode_text(encoding, sample), sample
+    assert (tmp_path / "back" / "tokenizer.json").exists() == (family in ("qwen2", "smollm2"))
 
 
 @pytest.mark.parametrize("family, architecture, pre", [("tinyllama", "llama", "gpt-2"), ("qwen2", "qwen2", "qwen2")])
@@ -347,3 +355,29 @@ def test_export_gguf_writes_llama_cpps_llama_and_qwen2(tmp_path, tiny_bpe_spec, 
     expected = from_rotate_half(q, SHAPE["num_attention_heads"]) if architecture == "llama" else q
     assert torch.equal(tensors["blk.0.attn_q.weight"].reshape(q.shape), expected)
     assert ("output.weight" in tensors) == (not hf_model.config.tie_word_embeddings)
+
+
+def test_a_tokenizer_that_begins_every_prompt_with_a_bos_keeps_doing_so_in_manas_and_its_exports(
+    tmp_path, tiny_bpe_spec
+):
+    """Llama 3's tokenizer.json adds <|begin_of_text|> by a template: manas prepends it to every prompt, and the
+    Hugging Face and GGUF exports say so."""
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from manas_cli.cli.commands.common import encode_prompt
+
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "tinyllama")
+    (tmp_path / "hf" / "tokenizer.json").write_text(tokenizer_json(tiny_bpe_spec, "qwen2", bos="<|im_start|>"))
+    out = converted(tmp_path, tmp_path / "hf")
+    checkpoint = load_checkpoint(out)
+    assert checkpoint.tokenizer_spec["bos"] == "<|im_start|>"
+    ids = encode_prompt(checkpoint, TEXTS[0], Console(stderr=True))
+    assert ids[0] == 268 and ids[1:] == encode_text(checkpoint.encoding, TEXTS[0])
+    assert run_manas("export", out, "--format", "hf", "--out", tmp_path / "back").returncode == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "back")(TEXTS[0])["input_ids"] == ids
+    gguf = pytest.importorskip("gguf")
+    assert run_manas("export", out, "--format", "gguf", "--out", tmp_path / "m.gguf").returncode == 0
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is True
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 268

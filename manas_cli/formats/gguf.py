@@ -27,7 +27,7 @@ from . import llama, rotary_layout, starcoder2
 from .checkpoint import load_checkpoint
 from .gpt2 import hf_state_dict, is_gpt2_linear_weight
 from .huggingface import GPT2_SPLIT_PATTERNS, ByteLevelBPE, byte_level_bpe
-from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, QWEN2_PAT_STR
+from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, QWEN2_PAT_STR, bos_id
 
 OUTTYPES = ("f32", "f16", "q8_0")
 ARCHITECTURES = {"learned": "gpt2", "rope": "starcoder2"}  # position encoding → llama.cpp architecture
@@ -169,7 +169,9 @@ def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, ou
         writer.add_rope_freq_base(config.rope_base)
 
 
-def add_tokenizer(writer: Any, gguf: Any, bpe: ByteLevelBPE, pre: str, vocab_size: int, end_of_text: int) -> None:
+def add_tokenizer(
+    writer: Any, gguf: Any, bpe: ByteLevelBPE, pre: str, vocab_size: int, end_of_text: int, bos: int | None
+) -> None:
     """GGUF's byte-level BPE ("gpt2"): every id's token, its type, the merges in the order they apply. Ids without a
     token (a vocabulary padded past the tokenizer) get placeholders that no text encodes to, as llama.cpp's
     converter writes them."""
@@ -183,9 +185,9 @@ def add_tokenizer(writer: Any, gguf: Any, bpe: ByteLevelBPE, pre: str, vocab_siz
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(bpe.merges)
-    writer.add_bos_token_id(end_of_text)
+    writer.add_bos_token_id(end_of_text if bos is None else bos)
     writer.add_eos_token_id(end_of_text)
-    writer.add_add_bos_token(False)  # manas starts a prompt with its own tokens, never a prepended end-of-text
+    writer.add_add_bos_token(bos is not None)  # as manas: a tokenizer's own BOS, never a prepended end-of-text
     writer.add_add_eos_token(False)
 
 
@@ -214,7 +216,7 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
         writer = gguf.GGUFWriter(tmp, architecture)
         try:
             add_hyperparameters(writer, gguf, config, checkpoint_path.stem, outtype)
-            add_tokenizer(writer, gguf, bpe, pre, config.vocab_size, end_of_text)
+            add_tokenizer(writer, gguf, bpe, pre, config.vocab_size, end_of_text, bos_id(checkpoint.encoding))
             for name, (data, kind) in stored.items():
                 writer.add_tensor(name, data, raw_dtype=kind)
             writer.write_header_to_file()

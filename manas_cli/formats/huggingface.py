@@ -27,8 +27,10 @@ from . import gpt2, llama, starcoder2
 from .checkpoint import check_finite_tensors, load_checkpoint
 from .importing import TIED_HEAD, build_model, check_tied_head, load_pickled_weights, load_safetensors
 from .tokenizer import (
+    DIGITS_PAT_STR,
     END_OF_TEXT,
     GPT2_PAT_STR,
+    QWEN2_PAT_STR,
     bytes_to_unicode,
     merge_parts,
     spec_from_hf_files,
@@ -47,6 +49,9 @@ GPT2_SPLIT_PATTERNS = (
     GPT2_PAT_STR,
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
 )
+
+# Splits a tokenizer.json states exactly (tokenizer.split_pattern's inverse): SmolLM2's digits, Qwen2's regex.
+JSON_SPLIT_PATTERNS = (DIGITS_PAT_STR, QWEN2_PAT_STR)
 
 WRITTEN_FILES = (
     "config.json",
@@ -187,8 +192,28 @@ def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
         return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec
     if combined.is_file():
         spec = spec_from_tokenizer_json(_tokenizer_text(combined, src), src)
-        return f"the byte-level BPE from {src}'s tokenizer.json (embedded)", with_end_of_text(spec, src)
+        spec = with_bos(with_end_of_text(spec, src), combined, src)
+        return f"the byte-level BPE from {src}'s tokenizer.json (embedded)", spec
     return None
+
+
+def with_bos(spec: dict, tokenizer_json: Path, src: Path) -> dict:
+    """The spec naming the token every prompt begins with, where the folder's tokenizer adds one: its
+    tokenizer.json's post-processor template starting with a special token (Llama 3's), or tokenizer_config.json's
+    add_bos_token with its bos_token."""
+    processor = _json_object(tokenizer_json).get("post_processor")
+    steps = processor.get("processors", [processor]) if isinstance(processor, dict) else []
+    for step in steps if isinstance(steps, list) else []:
+        single = step.get("single") if isinstance(step, dict) and step.get("type") == "TemplateProcessing" else None
+        first = single[0] if isinstance(single, list) and single and isinstance(single[0], dict) else {}
+        if isinstance(token := (first.get("SpecialToken") or {}).get("id"), str) and token in spec["special_tokens"]:
+            return spec | {"bos": token}
+    config = _json_object(src / "tokenizer_config.json")
+    token = config.get("bos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if config.get("add_bos_token") is True and isinstance(token, str) and token in spec["special_tokens"]:
+        return spec | {"bos": token}
+    return spec
 
 
 def with_end_of_text(spec: dict, src: Path) -> dict:
@@ -323,7 +348,11 @@ def byte_level_bpe(
 
 
 def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) -> dict[str, str]:
-    """vocab.json, merges.txt and tokenizer_config.json for Hugging Face's GPT2Tokenizer."""
+    """vocab.json, merges.txt and tokenizer_config.json for Hugging Face's GPT2Tokenizer; a tokenizer that splits
+    otherwise (SmolLM2's digits, Qwen2's regex), normalizes or begins prompts with a BOS, as a tokenizer.json."""
+    json_only = getattr(encoding, "normalization", None) or getattr(encoding, "bos", None)
+    if encoding._pat_str in JSON_SPLIT_PATTERNS or json_only:
+        return tokenizer_json_files(encoding, block_size, source)
     bpe = byte_level_bpe(encoding, source)
     vocab = bpe.tokens | bpe.special
     end_of_text = END_OF_TEXT if END_OF_TEXT in bpe.special else None
@@ -345,6 +374,65 @@ def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) 
         "merges.txt": "#version: 0.2\n" + "".join(f"{merge}\n" for merge in bpe.merges),
         "tokenizer_config.json": json_text(config),
     }
+
+
+def tokenizer_json_files(encoding: tiktoken.Encoding, block_size: int, source: Path) -> dict[str, str]:
+    """tokenizer.json (and its tokenizer_config.json) for Hugging Face's fast tokenizer: the byte-level BPE, split
+    as the encoding's pattern splits (the inverse of tokenizer.split_pattern) and normalized as it normalizes."""
+    bpe = byte_level_bpe(encoding, source, GPT2_SPLIT_PATTERNS + JSON_SPLIT_PATTERNS)
+    end_of_text = getattr(encoding, "end_of_text", END_OF_TEXT)
+    end_of_text = end_of_text if end_of_text in bpe.special else None
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    if encoding._pat_str in GPT2_SPLIT_PATTERNS:
+        splits = [byte_level | {"use_regex": True}]
+    elif encoding._pat_str == DIGITS_PAT_STR:
+        splits = [{"type": "Digits", "individual_digits": True}, byte_level | {"use_regex": True}]
+    else:
+        split = {"type": "Split", "pattern": {"Regex": encoding._pat_str}, "behavior": "Isolated", "invert": False}
+        splits = [split, byte_level | {"use_regex": False}]
+    normalization, bos = getattr(encoding, "normalization", None), getattr(encoding, "bos", None)
+    if bos is not None:  # every prompt begins with it, as the folder's own post-processor said
+        first, sequence = {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
+        template = {
+            "type": "TemplateProcessing",
+            "single": [first, sequence],
+            "pair": [first, sequence, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [bpe.special[bos]], "tokens": [bos]}},
+        }
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False}
+            | {"normalized": False, "special": True}
+            for text, i in sorted(bpe.special.items(), key=lambda item: item[1])
+        ],
+        "normalizer": {"type": normalization} if normalization else None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": splits},
+        "post_processor": template if bos is not None else byte_level | {"use_regex": False},
+        "decoder": byte_level | {"use_regex": False},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": bpe.tokens,
+            "merges": [merge.split(" ") for merge in bpe.merges],
+        },
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": block_size,
+        "clean_up_tokenization_spaces": False,
+        "bos_token": bos,
+        "eos_token": end_of_text,
+    }
+    return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False), "tokenizer_config.json": json_text(config)}
 
 
 def json_text(values: dict) -> str:
@@ -382,8 +470,9 @@ def write_folder(out: Path, writers: dict[str, Callable[[Path], None]], *, overw
             return
         for name in writers:
             os.replace(staging / name, out / name)
-        for name in SHADOWING_FILES:
-            (out / name).unlink(missing_ok=True)
+        for name in (*WRITTEN_FILES, *SHADOWING_FILES):
+            if name not in writers:  # a tokenizer of the other form, or weights another tool left
+                (out / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -41,11 +41,12 @@ NORMALIZATIONS = ("NFC",)  # what a tokenizer may ask of the text before it is s
 
 class Encoding(tiktoken.Encoding):
     """tiktoken's encoding of an embedded BPE, with what its spec adds: the Unicode normalization the text gets
-    before it is split (None, or NFC), and the special token that ends a text."""
+    before it is split (None, or NFC), the special token that ends a text, and the one that begins every prompt
+    (None: none, as GPT-2, SmolLM2 and Qwen2 have)."""
 
-    def __init__(self, *, normalization: str | None, end_of_text: str, **values) -> None:
+    def __init__(self, *, normalization: str | None, end_of_text: str, bos: str | None, **values) -> None:
         super().__init__(**values)
-        self.normalization, self.end_of_text = normalization, end_of_text
+        self.normalization, self.end_of_text, self.bos = normalization, end_of_text, bos
 
 
 def encode_ranks(ranks: dict[bytes, int]) -> str:
@@ -376,15 +377,12 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
                 raise TokenizerError(f"the embedded BPE tokenizer lacks a valid {key!r} entry")
         ranks = decode_ranks(spec["ranks"])
         check_bpe(spec["pat_str"], ranks, spec["special_tokens"])
-        normalization, end_of_text = spec.get("normalization"), spec.get("end_of_text", END_OF_TEXT)
+        normalization = spec.get("normalization")
         if normalization is not None and normalization not in NORMALIZATIONS:
             raise TokenizerError(
                 f"the embedded BPE tokenizer's normalization must be NFC or absent, got {normalization!r}"
             )
-        if end_of_text != END_OF_TEXT and end_of_text not in spec["special_tokens"]:
-            raise TokenizerError(
-                f"the embedded BPE tokenizer's end_of_text {end_of_text!r} is not one of its special tokens"
-            )
+        end_of_text, bos = _special_entry(spec, "end_of_text") or END_OF_TEXT, _special_entry(spec, "bos")
         try:
             with tiktoken_errors():
                 return Encoding(
@@ -394,10 +392,25 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
                     special_tokens=spec["special_tokens"],
                     normalization=normalization,
                     end_of_text=end_of_text,
+                    bos=bos,
                 )
         except ValueError as exc:  # the pattern does not compile
             raise TokenizerError(f"the embedded BPE tokenizer's pat_str is invalid: {first_line(exc)}") from None
     raise TokenizerError(f"unknown tokenizer kind {kind!r}: expected 'tiktoken' or 'bpe'")
+
+
+def _special_entry(spec: dict, key: str) -> str | None:
+    """An optional key of an embedded spec naming one of its special tokens (end_of_text, bos), or None."""
+    value = spec.get(key)
+    if value is not None and not (isinstance(value, str) and value in spec["special_tokens"]):
+        raise TokenizerError(f"the embedded BPE tokenizer's {key} {value!r} is not one of its special tokens")
+    return value
+
+
+def bos_id(encoding: tiktoken.Encoding) -> int | None:
+    """The id of the token every prompt begins with (Llama 3's <|begin_of_text|>), or None."""
+    bos = getattr(encoding, "bos", None)
+    return None if bos is None else encoding.encode_single_token(bos)
 
 
 def check_bpe(pat_str: object, ranks: dict[bytes, int], special_tokens: object) -> None:

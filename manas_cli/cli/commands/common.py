@@ -125,18 +125,20 @@ PROMPT_TAIL_CHARS = 300_000
 
 
 def encode_prompt(checkpoint, text: str, console) -> list[int]:
-    """Token ids of the prompt, cropped to the window with a notice; the empty prompt is end-of-text.
+    """Token ids of the prompt, after the tokenizer's BOS where it has one, cropped to the window with a notice; the
+    empty prompt is the BOS, else end-of-text.
 
     Only the text that can reach the window is encoded: block_size tokens never span more than block_size times
     the longest token's bytes in characters, so twice that (the tokens at the cut may differ, and are cropped) is
     exact, up to PROMPT_TAIL_CHARS. That bound also keeps any whitespace run far below the length (~10^6
     characters) at which tiktoken's regex engine overflows its stack and panics."""
-    from ...formats.tokenizer import encode_text, end_of_text_id, longest_token_bytes
+    from ...formats.tokenizer import bos_id, encode_text, end_of_text_id, longest_token_bytes
 
     block_size = checkpoint.model.config.block_size
     tail = min(2 * block_size * longest_token_bytes(checkpoint.encoding), PROMPT_TAIL_CHARS)
     cut = len(text) > tail
-    ids = encode_text(checkpoint.encoding, text[-tail:] if cut else text)
+    bos = bos_id(checkpoint.encoding)
+    ids = ([] if bos is None else [bos]) + encode_text(checkpoint.encoding, text[-tail:] if cut else text)
     if not ids:
         eot = end_of_text_id(checkpoint.encoding)
         if eot is None:

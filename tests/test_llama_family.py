@@ -381,3 +381,30 @@ def test_a_tokenizer_that_begins_every_prompt_with_a_bos_keeps_doing_so_in_manas
     fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
     assert fields["tokenizer.ggml.add_bos_token"].contents() is True
     assert fields["tokenizer.ggml.bos_token_id"].contents() == 268
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_folders_chat_template_is_kept_and_renders_the_ids_transformers_gives(tmp_path, tiny_bpe_spec):
+    """Qwen2.5-Instruct's way: tokenizer_config.json's chat_template, stored in the checkpoint; the messages' ids are
+    transformers' apply_chat_template's (its special tokens as themselves), and serve answers chat with it."""
+    pytest.importorskip("jinja2")
+    from transformers import AutoTokenizer
+
+    from manas_cli.chat import parse_messages, prompt_ids
+
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "qwen2")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    out = converted(tmp_path, tmp_path / "hf")
+    checkpoint = load_checkpoint(out)
+    assert checkpoint.metadata["chat_template"] == CHATML
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[2]}]
+    expected = AutoTokenizer.from_pretrained(tmp_path / "hf").apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert prompt_ids(CHATML, parse_messages(messages), checkpoint.encoding) == expected
+    assert expected.count(268) == 3  # <|im_start|>, one id each time

@@ -220,7 +220,7 @@ def test_a_bad_field_is_a_400_naming_it(server, options, param, message):
 def test_chat_completions_is_a_404_pointing_at_completions(server):
     with pytest.raises(openai.NotFoundError) as raised:
         server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-    assert "/v1/completions" in raised.value.body["message"]
+    assert "/v1/completions" in raised.value.body["message"] and "--chat-template" in raised.value.body["message"]
 
 
 def test_health_and_models(server):

@@ -688,16 +688,25 @@ def serve(
             ),
         ),
     ] = None,
+    chat_template: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="A Jinja chat template for a model without one (a converted instruct model carries its own): "
+            "POST /v1/chat/completions renders the messages through it."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
     *,
     model_options: "ModelOptions",
 ) -> None:
-    """Serve OpenAI's completions API on a local port: any client that speaks it can use the model.
+    """Serve OpenAI's completions and chat API on a local port: any client that speaks it can use the model.
 
     POST /v1/completions (stream, n, stop, seed, logprobs, echo, the penalties, and manas's top_k, min_p,
-    repetition_penalty, repeat_last_n); GET /v1/models; GET /health. Every request joins one continuous batch, and
-    its answer equals `manas generate --json` for that request alone. A base model has no chat template, so
-    /v1/chat/completions answers 404. Ctrl-C or SIGTERM: stop accepting, let what runs finish (10 s), exit 0.
+    repetition_penalty, repeat_last_n); POST /v1/chat/completions for a model with a chat template (messages,
+    stream, n, stop, seed, logprobs and top_logprobs); GET /v1/models and /v1/models/{id}; GET /health. Every
+    request joins one continuous batch, and its answer equals `manas generate --json` for that request alone. A base
+    model has no chat template: /v1/chat/completions answers 404 unless --chat-template gives one. Ctrl-C or
+    SIGTERM: stop accepting, let what runs finish (10 s), exit 0.
 
     Examples:
 
@@ -717,6 +726,7 @@ def serve(
         verbose=verbose,
         max_connections=max_connections,
         max_tokens=max_tokens,
+        chat_template=chat_template,
         model_options=model_options,
     )
 

@@ -15,12 +15,14 @@ from ..torch_engine.model import GPT, GPTConfig
 from .huggingface import (
     HF_CONFIG,
     HF_FOLDER,
+    HF_INDEX,
     HF_MERGES,
     HF_PICKLE,
     HF_SAFETENSORS,
     HF_TOKENIZER,
     HF_VOCAB,
     HF_WEIGHTS,
+    folder_chat_template,
     folder_tokenizer,
     hf_kind,
     load_hf,
@@ -68,8 +70,8 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
 
 def source_files(src: Path) -> tuple[Path, ...]:
     """Every file convert may read from src: src itself, or the files it reads inside a folder."""
-    names = (HF_CONFIG, HF_SAFETENSORS, HF_PICKLE, HF_VOCAB, HF_MERGES, HF_TOKENIZER)
-    return tuple(src / name for name in names) if src.is_dir() else (src,)
+    names = (HF_CONFIG, HF_SAFETENSORS, HF_PICKLE, HF_VOCAB, HF_MERGES, HF_TOKENIZER, HF_INDEX)
+    return (*(src / name for name in names), *sorted(src.glob("*.safetensors"))) if src.is_dir() else (src,)
 
 
 def _require_config(src: Path, config_path: Path | None) -> GPTConfig:
@@ -159,7 +161,9 @@ def convert_checkpoint(
     check_source(src)
     own = folder_tokenizer(src) if tokenizer_file is None and tokenizer_meta is None else None
     description, spec = own or tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
+    template = folder_chat_template(src) if src.is_dir() else None
     kind, model = load_source(src, config_path)
     check_tokenizer_fits(spec, model.config, description)
-    save_checkpoint(dst, model, spec, extra_metadata={"converted_from": kind}, overwrite=force)
+    metadata = {"converted_from": kind, **({"chat_template": template} if template else {})}
+    save_checkpoint(dst, model, spec, extra_metadata=metadata, overwrite=force)
     return Converted(kind, model.config, model.num_parameters(), description)

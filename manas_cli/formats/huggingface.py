@@ -216,6 +216,26 @@ def with_bos(spec: dict, tokenizer_json: Path, src: Path) -> dict:
     return spec
 
 
+def folder_chat_template(src: Path) -> str | None:
+    """The chat template a folder declares: chat_template.jinja (transformers 5), else tokenizer_config.json's
+    chat_template (a string, or a list of named ones: "default"); None for a base model without one."""
+    from ..chat import MAX_TEMPLATE_CHARS
+
+    path = src / "chat_template.jinja"
+    if path.is_file():
+        template = _tokenizer_text(path, src)
+    else:
+        template = _json_object(src / "tokenizer_config.json").get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+    if not isinstance(template, str) or not template.strip():
+        return None
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise TokenizerError(f"{src}: its chat template is over {MAX_TEMPLATE_CHARS:,} characters")
+    return template
+
+
 def with_end_of_text(spec: dict, src: Path) -> dict:
     """The spec naming the token that ends a text, where the folder says it is another than <|endoftext|>:
     generation_config.json's eos_token_id (the first of a list), else tokenizer_config.json's eos_token."""

@@ -541,9 +541,10 @@ def _has_token(encoding: tiktoken.Encoding, piece: bytes) -> bool:
         return False
 
 
-def encode_text(encoding: tiktoken.Encoding, text: str) -> list[int]:
-    """Ordinary text to ids (special-token text stays plain text). A vocabulary without all 256 bytes (a
-    character-level one) cannot spell every character: name those, rather than let tiktoken panic."""
+def encode_text(encoding: tiktoken.Encoding, text: str, special: bool = False) -> list[int]:
+    """Ordinary text to ids: special-token text stays plain text, unless `special` (a chat template's rendering,
+    whose <|im_start|> are the tokens themselves). A vocabulary without all 256 bytes (a character-level one)
+    cannot spell every character: name those, rather than let tiktoken panic."""
     if not all(_has_token(encoding, bytes([b])) for b in range(256)):
         unknown = sorted({ch for ch in text if not _has_token(encoding, ch.encode("utf-8"))})
         if unknown:
@@ -552,7 +553,7 @@ def encode_text(encoding: tiktoken.Encoding, text: str) -> list[int]:
     if normalization := getattr(encoding, "normalization", None):
         text = unicodedata.normalize(normalization, text)
     with tiktoken_errors():
-        return encoding.encode_ordinary(text)
+        return encoding.encode(text, allowed_special="all") if special else encoding.encode_ordinary(text)
 
 
 # The most characters one encode call of a training text gets: far below the whitespace run (about 10^6 characters)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import errno
 import os
+from functools import partial
+from pathlib import Path
 
 import typer
 
+from ...chat import check_template, prompt_ids
 from ...errors import InputError
 from ...models import ModelOptions
-from .common import check_memory, encode_prompt, load_model
+from .common import check_memory, encode_prompt, load_model, read_text_file
 
 # A choice's default ceiling on new tokens (serve --max-tokens): 4 windows, at least 1,024.
 DEFAULT_MAX_TOKENS_WINDOWS, MIN_MAX_TOKENS = 4, 1024
@@ -38,6 +41,7 @@ def run(
     model_options: ModelOptions,
     max_connections: int | None = None,
     max_tokens: int | None = None,
+    chat_template: Path | None = None,
 ) -> None:
     from ..render import say, stderr_console
     from ..server.http import Server, serve
@@ -50,7 +54,9 @@ def run(
             "the API key (--api-key or $MANAS_API_KEY) is empty: give a key, or leave both unset to serve without one"
         )
     console = stderr_console()
+    template = chat_template_text(chat_template)  # a bad file is refused before the model loads
     checkpoint, _, engine = load_model(model_options, console)
+    template = template or model_chat_template(checkpoint)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
     quiet = stderr_console(quiet=True)  # a request's prompt notices are not the server's to print
     scheduler = Scheduler(engine, checkpoint, batch_size, max_queued)
@@ -66,6 +72,7 @@ def run(
             timeout_s,
             max_connections or default_max_connections(),
             max_tokens or default_max_tokens(checkpoint.model.config.block_size),
+            chat=None if template is None else partial(chat_prompt, template, checkpoint),
         )
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
@@ -83,8 +90,32 @@ def run(
             server,
             GRACE_S,
             on_ready=lambda: say(
-                console, f"manas serve: {url}/v1 · model {model_id} · {engine.name} engine · batch size {batch_size}"
+                console,
+                f"manas serve: {url}/v1 · model {model_id} · {engine.name} engine · batch size {batch_size}"
+                + (" · chat" if template else ""),
             ),
         )
     except KeyboardInterrupt:  # a second SIGINT or SIGTERM during the grace period: stop now
         raise typer.Exit(130) from None
+
+
+def chat_prompt(template: str, checkpoint, messages) -> list[int]:
+    """The messages' prompt ids through the template, cropped to the window as a completion's prompt is."""
+    return prompt_ids(template, messages, checkpoint.encoding)[-checkpoint.model.config.block_size :]
+
+
+def chat_template_text(path: Path | None) -> str | None:
+    """--chat-template FILE's template, checked to parse."""
+    if path is None:
+        return None
+    template = read_text_file(path, "chat template", "a chat template is a few kilobytes of Jinja")
+    check_template(template)
+    return template
+
+
+def model_chat_template(checkpoint) -> str | None:
+    """The template the checkpoint stores (converted from its folder's), checked to parse; None for a base model."""
+    template = (checkpoint.metadata or {}).get("chat_template")
+    if template is not None:
+        check_template(template)
+    return template

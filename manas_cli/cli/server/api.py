@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ...settings import GenerationSettings, check, strict_json
+from ...settings import MAX_LOGPROBS, GenerationSettings, check, strict_json
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts per request
@@ -35,6 +35,14 @@ FIELDS = {
     "repeat_last_n": "repeat_last_n",
     "best_of": None,
     "logit_bias": None,
+}
+# /v1/chat/completions': messages in place of prompt, logprobs a flag with top_logprobs its count.
+CHAT_FIELDS = {
+    **{name: setting for name, setting in FIELDS.items() if name not in ("prompt", "echo", "logprobs", "best_of")},
+    "messages": None,
+    "max_completion_tokens": "max_tokens",
+    "logprobs": None,
+    "top_logprobs": None,
 }
 # Fields clients send with their defaults (LangChain, llm): taken at these values, refused, by name, at any other.
 HARMLESS = {"best_of": (None, 1), "logit_bias": (None, {})}
@@ -95,14 +103,61 @@ def _has_lone_surrogate(value: object) -> bool:
     return isinstance(value, list) and any(_has_lone_surrogate(v) for v in value)
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked /v1/chat/completions request; top_logprobs None: no logprobs."""
+
+    messages: list
+    n: int
+    settings: GenerationSettings
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None
+
+
 def parse_completion(value: object, max_tokens: int) -> Completion:
     """The request's fields, each checked by generate's own rule; RequestError names the first that is wrong.
     max_tokens: the server's ceiling on a choice's tokens (serve --max-tokens)."""
+    _check_fields(value, FIELDS)
+    prompts = _prompts(value.get("prompt"))
+    n = _integer(value, "n", 1, 1, MAX_CHOICES)
+    if n * len(prompts) > MAX_CHOICES:
+        raise RequestError(f"n × prompts is {n * len(prompts)}: at most {MAX_CHOICES} choices a request", param="n")
+    stream, include_usage = _stream_options(value)
+    settings = _settings(value, FIELDS, max_tokens, DEFAULT_MAX_TOKENS)
+    return Completion(prompts, n, settings, stream, include_usage, _boolean(value, "echo"))
+
+
+def parse_chat(value: object, max_tokens: int) -> ChatRequest:
+    """A chat request's fields, checked as a completion's; its messages by chat.parse_messages. Without max_tokens
+    (or max_completion_tokens) a choice may run to the server's ceiling, as OpenAI's chat answers run to the end."""
+    from ...chat import parse_messages
+
+    _check_fields(value, CHAT_FIELDS)
+    if value.get("max_tokens") is not None and value.get("max_completion_tokens") is not None:
+        raise RequestError("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+    try:
+        messages = parse_messages(value.get("messages"))
+    except ValueError as exc:
+        raise RequestError(str(exc), param="messages") from None
+    n = _integer(value, "n", 1, 1, MAX_CHOICES)
+    stream, include_usage = _stream_options(value)
+    logprobs = _boolean(value, "logprobs")
+    top = _integer(value, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if value.get("top_logprobs") is not None and not logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    settings = _settings(value, CHAT_FIELDS, max_tokens, max_tokens)
+    if logprobs:  # the core reports the chosen token's with at least one alternative; the reply keeps `top`
+        settings = GenerationSettings(**{**settings.__dict__, "logprobs": max(1, top)})
+    return ChatRequest(messages, n, settings, stream, include_usage, top if logprobs else None)
+
+
+def _check_fields(value: object, fields: dict) -> None:
     if not isinstance(value, dict):
         raise RequestError(f"the body must be a JSON object, not {type(value).__name__}")
     for name in value:
-        if name not in FIELDS:
-            raise RequestError(f"unknown field {name!r}: manas takes {', '.join(FIELDS)}", param=name)
+        if name not in fields:
+            raise RequestError(f"unknown field {name!r}: manas takes {', '.join(fields)}", param=name)
     for name, accepted in HARMLESS.items():
         if value.get(name) not in accepted:
             raise RequestError(
@@ -110,48 +165,46 @@ def parse_completion(value: object, max_tokens: int) -> Completion:
                 f"{' or '.join(json.dumps(a) for a in accepted)}",
                 param=name,
             )
-    prompts = _prompts(value.get("prompt"))
-    n = _integer(value, "n", 1, 1, MAX_CHOICES)
-    if n * len(prompts) > MAX_CHOICES:
-        raise RequestError(f"n × prompts is {n * len(prompts)}: at most {MAX_CHOICES} choices a request", param="n")
-    overrides = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 1.0}  # OpenAI's defaults
-    for name, setting in FIELDS.items():
+    for name in ("model", "user"):
+        if value.get(name) is not None and not isinstance(value[name], str):
+            raise RequestError(f"{name} must be a string", param=name)
+
+
+def _settings(value: dict, fields: dict, max_tokens: int, default_max_tokens: int) -> GenerationSettings:
+    """The generation settings a request's fields set, over OpenAI's defaults, each checked by generate's rule."""
+    overrides = {"max_tokens": default_max_tokens, "temperature": 1.0}  # OpenAI's defaults
+    for name, setting in fields.items():
         if setting is not None and value.get(name) is not None:
             overrides[setting] = value[name]
     if isinstance(overrides.get("stop"), str):
         overrides["stop"] = [overrides["stop"]]
     if len(overrides.get("stop", ())) > MAX_STOPS:
         raise RequestError(f"at most {MAX_STOPS} stop sequences", param="stop")
-    settings = GenerationSettings()
     checked = {}
     for name, setting in overrides.items():
         try:
             checked[name] = check(name, setting)
         except ValueError as exc:
-            raise RequestError(str(exc), param=next(f for f, s in FIELDS.items() if s == name)) from None
+            given = [f for f, s in fields.items() if s == name and value.get(f) is not None]
+            raise RequestError(str(exc), param=(given or [name])[0]) from None
     if checked["max_tokens"] > max_tokens:
         raise RequestError(
             f"max_tokens {checked['max_tokens']:,} is over this server's limit of {max_tokens:,} "
             "(manas serve --max-tokens)",
-            param="max_tokens",
+            param="max_completion_tokens" if value.get("max_completion_tokens") is not None else "max_tokens",
         )
+    return GenerationSettings(**{**GenerationSettings().__dict__, **checked})
+
+
+def _stream_options(value: dict) -> tuple[bool, bool]:
+    """stream, and stream_options.include_usage (only with stream)."""
     stream = _boolean(value, "stream")
     options = value.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise RequestError("stream_options takes only include_usage", param="stream_options")
     if options and not stream:
         raise RequestError("stream_options needs stream: true", param="stream_options")
-    for name in ("model", "user"):
-        if value.get(name) is not None and not isinstance(value[name], str):
-            raise RequestError(f"{name} must be a string", param=name)
-    return Completion(
-        prompts,
-        n,
-        GenerationSettings(**{**settings.__dict__, **checked}),
-        stream,
-        _boolean(options, "include_usage"),
-        _boolean(value, "echo"),
-    )
+    return stream, _boolean(options, "include_usage")
 
 
 def _prompts(prompt: object) -> list[str]:
@@ -216,3 +269,43 @@ def completion_body(request_id: str, created: int, model: str, choices: list[dic
 
 def choice_body(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
     return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+# ---- the chat shapes ----
+
+
+def chat_logprobs(entries: list[dict], top: int) -> dict:
+    """OpenAI's chat logprobs: each token's text, logprob and bytes, with its `top` most likely alternatives."""
+
+    def shown(entry: dict) -> dict:
+        return {"token": entry["text"], "logprob": entry["logprob"], "bytes": entry["bytes"]}
+
+    return {
+        "content": [
+            {**shown(entry), "top_logprobs": [shown(alternative) for alternative in entry["top_logprobs"][:top]]}
+            for entry in entries
+        ]
+    }
+
+
+def chat_body(request_id: str, created: int, model: str, choices: list[dict], usage_: dict | None) -> dict:
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict, finish_reason, logprobs) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }

@@ -21,9 +21,14 @@ from ..render import json_line
 from .api import (
     FINISH_REASONS,
     RequestError,
+    chat_body,
+    chat_choice,
+    chat_chunk,
+    chat_logprobs,
     choice_body,
     completion_body,
     legacy_logprobs,
+    parse_chat,
     parse_completion,
     parse_json,
     usage,
@@ -40,7 +45,8 @@ POLL_S = 0.25  # how often a waiting non-streamed request looks whether its clie
 
 
 class Server(ThreadingHTTPServer):
-    """The listening socket and what every request needs: the engine, the model's name, the key."""
+    """The listening socket and what every request needs: the engine, the model's name, the key; `chat`, the
+    messages' prompt ids through the model's chat template (None: a base model, which has none)."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -57,8 +63,10 @@ class Server(ThreadingHTTPServer):
         timeout_s: float = CLIENT_TIMEOUT_S,
         max_connections: int = 256,
         max_tokens: int = 1024,
+        chat=None,
     ) -> None:
         self.timeout_s, self.max_connections, self.max_tokens = timeout_s, max_connections, max_tokens
+        self.chat = chat
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
         self.scheduler, self.encode, self.model_id = scheduler, encode, model_id
@@ -182,8 +190,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if route is None:
                 raise RequestError(
-                    f"no route {self.command} {self.path}: manas serves GET /health, GET /v1/models "
-                    "and POST /v1/completions",
+                    f"no route {self.command} {self.path}: manas serves GET /health, GET /v1/models, "
+                    "POST /v1/completions and POST /v1/chat/completions",
                     status=404,
                     code="not_found",
                 )
@@ -240,21 +248,34 @@ class Handler(BaseHTTPRequestHandler):
         return {"id": self.server.model_id, "object": "model", "created": self.server.created, "owned_by": "manas"}
 
     def _chat(self) -> None:
-        raise RequestError(
-            "manas serves a base model, which has no chat template: send the text to continue to POST /v1/completions",
-            status=404,
-            code="not_found",
-        )
+        self._authorize()
+        if self.server.chat is None:
+            raise RequestError(
+                "this model has no chat template (a base model): send the text to continue to POST /v1/completions, "
+                "or give the template with manas serve --chat-template FILE",
+                status=404,
+                code="not_found",
+            )
+        request = parse_chat(parse_json(self._body()), self.server.max_tokens)
+        try:
+            ids = self.server.chat(request.messages)
+        except ManasError as exc:  # the template refused these messages, or failed on them
+            raise RequestError(str(exc), param="messages") from None
+        self._run(request, [ids], ChatReply)
 
     def _completions(self) -> None:
         self._authorize()
         request = parse_completion(parse_json(self._body()), self.server.max_tokens)
-        if failure := self.server.scheduler.failure:
-            raise RequestError(failure, status=500, kind="server_error")
         try:
             prompts = [self.server.encode(prompt) for prompt in request.prompts]
         except ManasError as exc:  # a character outside a character-level vocabulary, an empty prompt
             raise RequestError(str(exc), param="prompt") from None
+        self._run(request, prompts, Reply)
+
+    def _run(self, request, prompts: list[list[int]], reply_class: type[Reply]) -> None:
+        """Each prompt's n choices into the batch, then the answer: streamed, or whole when every choice is done."""
+        if failure := self.server.scheduler.failure:
+            raise RequestError(failure, status=500, kind="server_error")
         events: queue.Queue = queue.Queue()
         choices = []
         for p, ids in enumerate(prompts):
@@ -275,7 +296,7 @@ class Handler(BaseHTTPRequestHandler):
                 code="rate_limit_exceeded",
             ) from None
         try:
-            reply = Reply(request, prompts, choices, self.server)
+            reply = reply_class(request, prompts, choices, self.server)
             if request.stream:
                 self._stream(reply, events)
             else:
@@ -381,9 +402,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")  # the stream's end is the connection's
         self.end_headers()
         self.close_connection = True
-        if reply.request.echo:
-            for choice in reply.choices:
-                self._event(reply.chunk(choice.index, reply.prompt_text(choice), None, None))
+        for body in reply.opening():
+            self._event(body)
         ended = 0
         while ended < len(reply.choices):
             event = events.get()
@@ -419,6 +439,12 @@ class Reply:
     def choice(self, index: int) -> Choice:
         return self.choices[index]
 
+    def opening(self) -> list[dict]:
+        """The chunks a stream starts with: with echo, each choice's prompt."""
+        if not self.request.echo:
+            return []
+        return [self.chunk(choice.index, self.prompt_text(choice), None, None) for choice in self.choices]
+
     def prompt_text(self, choice: Choice) -> str:
         return self.request.prompts[choice.index // self.request.n]
 
@@ -449,6 +475,42 @@ class Reply:
         logprobs = legacy_logprobs([entry], self._offsets[index])
         self._offsets[index] += len(entry["text"])
         return logprobs
+
+
+class ChatReply(Reply):
+    """A chat request's answer: the assistant's message, chunks of `delta`, OpenAI's chat logprobs."""
+
+    def __init__(self, request, prompts: list[list[int]], choices: list[Choice], server: Server) -> None:
+        self.request, self.prompts, self.choices = request, prompts, choices
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.model, self.created = server.model_id, int(time.time())
+
+    def opening(self) -> list[dict]:
+        """Each choice's first chunk names the role, as OpenAI's do."""
+        return [
+            chat_chunk(self.id, self.created, self.model, c.index, {"role": "assistant", "content": ""}, None, None)
+            for c in self.choices
+        ]
+
+    def body(self) -> dict:
+        choices = [
+            chat_choice(choice.index, choice.stream.text, self.finish_reason(choice), self._logprobs(choice.stream))
+            for choice in self.choices
+        ]
+        return chat_body(self.id, self.created, self.model, choices, self.usage())
+
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        delta = {"content": text} if text or finish_reason is None else {}
+        return chat_chunk(self.id, self.created, self.model, index, delta, finish_reason, logprobs)
+
+    def stream_logprobs(self, index: int, text: str, entry: dict | None) -> dict | None:
+        if self.request.top_logprobs is None or entry is None:
+            return None
+        return chat_logprobs([entry], self.request.top_logprobs)
+
+    def _logprobs(self, stream) -> dict | None:
+        top = self.request.top_logprobs
+        return None if top is None else chat_logprobs(stream.logprobs, top)
 
 
 def serve(server: Server, grace_s: float, on_ready) -> None:

@@ -54,8 +54,10 @@ def default_checkpoint_candidates() -> list[Path]:
 
 
 def resolve_checkpoint(option: Path | None) -> Path:
+    """-c/-m: a path, or a store name (`manas list`) where no such file is; else $MANAS_CHECKPOINT, else the
+    shipped model."""
     if option is not None:
-        return option
+        return by_name(option)
     if os.environ.get(CHECKPOINT_ENV):
         return Path(os.environ[CHECKPOINT_ENV])
     candidates = default_checkpoint_candidates()
@@ -66,6 +68,21 @@ def resolve_checkpoint(option: Path | None) -> Path:
     raise InputError(
         f"no checkpoint given and none found (looked at ${CHECKPOINT_ENV}, {looked}): pass --checkpoint PATH"
     )
+
+
+def by_name(option: Path) -> Path:
+    """A path as given, or the stored model its text names when no file of that name is here."""
+    from . import store
+
+    if option.exists() or not store.is_name(str(option)):
+        return option
+    found = store.find(str(option))
+    if found is None:
+        raise InputError(
+            f"no model {str(option)!r}: no such file, and no such name in the store ({store.models_folder()}); "
+            "`manas list` shows the names, `manas pull REPO` fetches a model from the Hugging Face Hub"
+        )
+    return found
 
 
 def checkpoint_file(path: Path) -> Path:

@@ -87,8 +87,8 @@ CheckpointOption = Annotated[
         "-c",
         "-m",
         help=(
-            "Model file (.safetensors); -m as in llama.cpp, llm and ollama. Default: $MANAS_CHECKPOINT, else the "
-            "model shipped with manas."
+            "Model file (.safetensors), or a store name (manas list, manas pull); -m as in llama.cpp, llm and ollama. "
+            "Default: $MANAS_CHECKPOINT, else the model shipped with manas."
         ),
     ),
 ]
@@ -983,6 +983,66 @@ def quantize_command(
     from .commands import quantize as command
 
     command.run(checkpoint=checkpoint, out=out, kind=f"int{bits}", force=force)
+
+
+@app.command(no_args_is_help=True)
+def pull(
+    repo: Annotated[str, typer.Argument(help="A Hugging Face repository, OWNER/NAME[@REVISION].")],
+    name: Annotated[
+        Optional[str], typer.Option(help="The store name. Default: the repository's name, lower case.")
+    ] = None,
+    quantize: Annotated[
+        Optional[Quantization], typer.Option(help="Store an int8 or int4 copy too, as NAME-int8 or NAME-int4.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a stored model of that name.")] = False,
+) -> None:
+    """Download a model from the Hugging Face Hub and store it under a name that -m/-c take.
+
+    Only the files convert reads are downloaded (config, safetensors weights, tokenizer, generation config, chat
+    template), into the Hugging Face cache ($HF_HOME; $HF_TOKEN, $HF_ENDPOINT and $HF_HUB_OFFLINE are honoured), so
+    an interrupted pull resumes; the store is $MANAS_HOME (default ~/.local/share/manas). Needs the pull extra
+    (huggingface_hub).
+
+    Examples:
+
+      manas pull HuggingFaceTB/SmolLM2-135M-Instruct
+
+      manas pull Qwen/Qwen2.5-0.5B-Instruct --name qwen --quantize int8
+
+      manas generate -m smollm2-135m-instruct -p 'The capital of France is'
+    """
+    from .commands import store as command
+
+    command.pull(repo=repo, name=name, quantize=quantize.value if quantize else None, force=force)
+
+
+@app.command("list")
+def list_command(json_output: JsonOption = False) -> None:
+    """The models in the store ($MANAS_HOME) and the shipped one: name, architecture, parameters, weights, size,
+    window, whether it has a chat template. Each name is what -m/-c take.
+
+    Examples:
+
+      manas list
+
+      manas list --json | jq -r '.[].name'
+    """
+    from .commands import store as command
+
+    command.list_models(as_json=json_output)
+
+
+@app.command("rm", no_args_is_help=True)
+def rm_command(name: Annotated[str, typer.Argument(help="A store name (manas list).")]) -> None:
+    """Remove a model from the store ($MANAS_HOME); the shipped model stays.
+
+    Examples:
+
+      manas rm smollm2-135m-instruct-int8
+    """
+    from .commands import store as command
+
+    command.remove(name=name)
 
 
 @app.command("tokenizer", no_args_is_help=True)

@@ -374,3 +374,11 @@ def sample_record(stream, stats, storage: dict, seed: int, engine: Engine, setti
     if settings.logprobs:
         record["logprobs"] = stream.logprobs
     return record
+
+
+def plain_table(headers: list[str], rows: list[list[str]]) -> str:
+    """Columns aligned by spaces, as `ollama list` prints them: readable on a terminal, cut by awk in a pipe."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+    return "\n".join(
+        "   ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [headers, *rows]
+    )

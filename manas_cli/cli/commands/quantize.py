@@ -7,6 +7,8 @@ from pathlib import Path
 from ...files import check_output_file
 from ...models import quantize_checkpoint
 
+KEPT_METADATA = ("chat_template", "converted_from")  # what the quantized copy still is: its chat, its source
+
 
 def run(*, checkpoint: Path, out: Path, kind: str, force: bool) -> None:
     from ...formats.checkpoint import load_checkpoint, save_checkpoint
@@ -15,7 +17,8 @@ def run(*, checkpoint: Path, out: Path, kind: str, force: bool) -> None:
     check_output_file(out, force, inputs=(checkpoint,))
     loaded = load_checkpoint(checkpoint)
     quantize_checkpoint(loaded, kind, "there is nothing to quantize")
-    save_checkpoint(out, loaded.model, loaded.tokenizer_spec, overwrite=force)
+    kept = {key: value for key, value in (loaded.metadata or {}).items() if key in KEPT_METADATA}
+    save_checkpoint(out, loaded.model, loaded.tokenizer_spec, kept, overwrite=force)
     stderr_console().print(
         f"quantized {checkpoint} to {kind}: {checkpoint.stat().st_size:,} → {out.stat().st_size:,} bytes\nwrote {out}"
     )

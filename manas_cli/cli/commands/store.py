@@ -1,0 +1,67 @@
+"""`manas pull`, `manas list` and `manas rm`: the model store (store.py), by name."""
+
+from __future__ import annotations
+
+import json
+
+from ...errors import InputError
+
+
+def pull(*, repo: str, name: str | None, quantize: str | None, force: bool) -> None:
+    """Download REPO[@REVISION]'s files that convert reads, convert them into the store under a name, and with
+    --quantize store a quantized copy too (`NAME-int8`)."""
+    from ... import store
+    from ...formats.convert import convert_checkpoint
+    from ..render import stderr_console
+    from . import quantize as quantize_command
+
+    console = stderr_console()
+    repository, revision = store.parse_repo(repo)
+    name = name or store.default_name(repository)
+    out = store.stored_path(name)
+    copy = store.stored_path(f"{name}-{quantize}") if quantize else None
+    for path in (out, copy):
+        if path is not None and path.exists() and not force:
+            raise InputError(f"{path.stem} is in the store already: pass --force to replace it, or --name another")
+    folder = store.download(repository, revision, progress=console.is_terminal)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = convert_checkpoint(folder, out, force=force)
+    console.print(f"pulled {repo}: {result.source_kind}, {result.parameters:,} parameters, stored as {name} ({out})")
+    if copy is not None:
+        quantize_command.run(checkpoint=out, out=copy, kind=quantize, force=force)
+    console.print(f"run it: manas generate -m {name} -p 'Hello'")
+
+
+def list_models(*, as_json: bool) -> None:
+    from ... import store
+    from ..render import plain_table
+
+    entries = store.entries()
+    if as_json:
+        print(json.dumps([_as_dict(entry) for entry in entries], indent=2))
+        return
+    rows = [
+        [
+            entry.name + (" (shipped)" if entry.shipped else ""),
+            entry.architecture,
+            f"{entry.parameters / 1e6:,.1f}M",
+            entry.weights,
+            f"{entry.size_bytes / 2**20:,.1f} MiB",
+            f"{entry.window:,}",
+            "yes" if entry.chat_template else "no",
+        ]
+        for entry in entries
+    ]
+    print(plain_table(["NAME", "ARCHITECTURE", "PARAMETERS", "WEIGHTS", "SIZE", "WINDOW", "CHAT"], rows))
+
+
+def remove(*, name: str) -> None:
+    from ... import store
+    from ..render import stderr_console
+
+    path = store.remove(name)
+    stderr_console().print(f"removed {name} ({path})")
+
+
+def _as_dict(entry) -> dict:
+    return {**entry.__dict__, "path": str(entry.path)}

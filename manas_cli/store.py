@@ -1,0 +1,190 @@
+"""The model store: checkpoints by name under $MANAS_HOME (default: the user's data folder, ~/.local/share/manas),
+filled by `manas pull` from the Hugging Face Hub, listed by `manas list`, removed by `manas rm`. A name is what
+-c/-m take in place of a path; the shipped model is in the store as `shakespeare`. Reading the list reads headers
+only (no torch)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError, MissingDependencyError, first_line
+
+HOME_ENV = "MANAS_HOME"
+SUFFIX = ".safetensors"
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # a store name: one path component, lower case
+# What convert reads from a Hub repository: nothing else is downloaded (no pickles, no other formats).
+PULLED_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+]
+
+
+def home() -> Path:
+    """$MANAS_HOME, else $XDG_DATA_HOME/manas, else ~/.local/share/manas."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV])
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "manas"
+
+
+def models_folder() -> Path:
+    return home() / "models"
+
+
+def is_name(text: str) -> bool:
+    return bool(NAME.fullmatch(text)) and not text.endswith(SUFFIX)
+
+
+def shipped() -> dict[str, Path]:
+    """The models that come with manas, by name."""
+    from .models import default_checkpoint_candidates
+
+    found = [path for path in default_checkpoint_candidates() if path.is_file()]
+    return {found[0].stem: found[0]} if found else {}
+
+
+def find(name: str) -> Path | None:
+    """The checkpoint a store name stands for, or None."""
+    if not is_name(name):
+        return None
+    path = models_folder() / f"{name}{SUFFIX}"
+    return path if path.is_file() else shipped().get(name)
+
+
+def names() -> dict[str, Path]:
+    """Every model in the store, the shipped ones first."""
+    stored = {}
+    if models_folder().is_dir():
+        for path in sorted(models_folder().glob(f"*{SUFFIX}")):
+            if is_name(path.stem) and path.is_file():
+                stored[path.stem] = path
+    return {**shipped(), **stored}
+
+
+@dataclass
+class Entry:
+    """A model as `manas list` shows it."""
+
+    name: str
+    path: Path
+    architecture: str
+    parameters: int
+    weights: str
+    size_bytes: int
+    window: int
+    chat_template: bool
+    shipped: bool
+
+
+def describe(name: str, path: Path, is_shipped: bool) -> Entry:
+    """A stored checkpoint's entry, from its header alone."""
+    from .engine.config import parameter_shapes
+    from .formats.header import read_header
+
+    with path.open("rb") as f:
+        header = read_header(f, path)
+    config = header.config
+    architecture = (
+        "llama-family"
+        if not config.is_gpt2_family
+        else "gpt2"
+        if config.position_encoding == "learned"
+        else "gpt (rope)"
+    )
+    return Entry(
+        name,
+        path,
+        architecture,
+        sum(math.prod(shape) for _, shape in parameter_shapes(config)),
+        header.quantization or "float",
+        path.stat().st_size,
+        config.block_size,
+        bool(header.metadata.get("chat_template")),
+        is_shipped,
+    )
+
+
+def entries() -> list[Entry]:
+    """Every model in the store; one whose file cannot be read is skipped (`manas rm` removes it by name)."""
+    from .errors import ManasError
+
+    listed, built_in = [], shipped()
+    for name, path in names().items():
+        try:
+            listed.append(describe(name, path, name in built_in))
+        except (ManasError, OSError):
+            continue
+    return listed
+
+
+def remove(name: str) -> Path:
+    """Delete a stored model by name; the shipped model and unknown names are refused."""
+    if name in shipped():
+        raise InputError(f"{name} is the model shipped with manas: it cannot be removed")
+    path = models_folder() / f"{name}{SUFFIX}" if is_name(name) else None
+    if path is None or not path.is_file():
+        raise InputError(f"no model named {name!r} in the store ({models_folder()}): `manas list` shows the names")
+    path.unlink()
+    return path
+
+
+def default_name(repo: str) -> str:
+    """A repository's store name: its last part, lower case (HuggingFaceTB/SmolLM2-135M-Instruct →
+    smollm2-135m-instruct)."""
+    return re.sub(r"[^a-z0-9._-]", "-", repo.rsplit("/", 1)[-1].lower()).strip("-.") or "model"
+
+
+def parse_repo(text: str) -> tuple[str, str | None]:
+    """REPO[@REVISION] as (repo, revision or None)."""
+    repo, _, revision = text.partition("@")
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", repo) or ".." in repo:
+        raise InputError(f"{text!r} is not a Hugging Face repository: give OWNER/NAME, optionally @REVISION")
+    return repo, revision or None
+
+
+def download(repo: str, revision: str | None, progress: bool) -> Path:
+    """The repository's files that convert reads, into the Hugging Face cache ($HF_HOME; $HF_ENDPOINT, $HF_TOKEN
+    and offline mode honoured). A connection that drops is resumed by huggingface_hub within the pull; a pull that
+    fails leaves no partial file (the library downloads to a temporary file it removes), and files already
+    complete are not downloaded again."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+        from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, logging
+    except ImportError:
+        raise MissingDependencyError(
+            'manas pull needs huggingface_hub: pip install "manas-cli[pull]" (from a clone: pip install -e ".[pull]")'
+        ) from None
+    (enable_progress_bars if progress else disable_progress_bars)()
+    logging.set_verbosity_error()  # its retry warnings are not the user's to read: a failure is one error line
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=PULLED_FILES))
+    except RepositoryNotFoundError:
+        raise InputError(f"no repository {repo} on the Hub (or it is private: set $HF_TOKEN)") from None
+    except LocalEntryNotFoundError:
+        raise InputError(f"{repo} is not in the Hugging Face cache, and the Hub cannot be reached (offline?)") from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise InputError(f"cannot download {repo}: {first_line(exc)}") from None
+    except Exception as exc:  # httpx's protocol and network errors, after the library's own retries
+        raise InputError(f"cannot download {repo} ({type(exc).__name__}: {first_line(exc)}): pull again") from None
+
+
+def stored_path(name: str) -> Path:
+    if not is_name(name):
+        raise InputError(
+            f"{name!r} is not a store name: lower-case letters, digits, '.', '_' and '-', up to 100 characters"
+        )
+    return models_folder() / f"{name}{SUFFIX}"

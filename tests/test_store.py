@@ -1,0 +1,104 @@
+"""Models by name: `manas pull` from a Hub on loopback ($HF_ENDPOINT) into the store ($MANAS_HOME), `manas list`,
+`manas rm`, and -m NAME wherever a checkpoint is taken; an interrupted download leaves nothing in the store and
+resumes; offline mode reads the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_fixtures import manas
+from local_hub import local_hub
+from test_llama_family import CHATML, hf_folder
+
+pytest.importorskip("huggingface_hub")
+
+REPO = "TinyOrg/Tiny-Chat-135M"
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory, tiny_bpe_spec):
+    """A SmolLM2-shaped instruct model's repository as transformers writes it, with its chat template."""
+    folder = tmp_path_factory.mktemp("repo")
+    hf_folder(folder, tiny_bpe_spec, "smollm2")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    (folder / "README.md").write_text("not downloaded: convert does not read it")
+    return folder
+
+
+def environment(tmp_path, hub) -> dict[str, str | None]:
+    """The local Hub, a cache and a store of the test's own; online (other test modules set offline mode)."""
+    store = str(tmp_path / "store")
+    return {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "MANAS_HOME": store, "HF_HUB_OFFLINE": None}
+
+
+def test_pull_stores_the_model_by_name_and_every_command_takes_the_name(tmp_path, repository):
+    with local_hub(REPO, repository) as hub:
+        env = environment(tmp_path, hub)
+        manas("pull", REPO, "--quantize", "int8", **env).ok()
+        assert not any("README" in path for path, _ in hub.requests)  # only what convert reads
+    listed = {entry["name"]: entry for entry in json.loads(manas("list", "--json", **env).ok().out)}
+    assert set(listed) == {"shakespeare", "tiny-chat-135m", "tiny-chat-135m-int8"}
+    entry = listed["tiny-chat-135m"]
+    assert (entry["architecture"], entry["weights"], entry["window"], entry["chat_template"]) == (
+        "llama-family",
+        "float",
+        512,
+        True,
+    )
+    assert listed["tiny-chat-135m-int8"]["weights"] == "int8" and listed["tiny-chat-135m-int8"]["chat_template"]
+    assert listed["shakespeare"]["shipped"] and not listed["shakespeare"]["chat_template"]
+    by_name = manas("generate", "-m", "tiny-chat-135m", "-p", "the", "-n", "8", "-t", "0", "--json", **env).ok()
+    by_path = manas("generate", "-c", entry["path"], "-p", "the", "-n", "8", "-t", "0", "--json", **env).ok()
+    assert by_name.json()["tokens"] == by_path.json()["tokens"]
+    text = manas("list", **env).ok().out
+    assert text.splitlines()[0].split() == ["NAME", "ARCHITECTURE", "PARAMETERS", "WEIGHTS", "SIZE", "WINDOW", "CHAT"]
+    manas("rm", "tiny-chat-135m-int8", **env).ok()
+    assert "tiny-chat-135m-int8" not in manas("list", fresh=True, **env).ok().out
+
+
+def test_an_interrupted_download_leaves_nothing_behind_and_the_next_pull_completes(tmp_path, repository):
+    with local_hub(REPO, repository) as hub:
+        env = environment(tmp_path, hub)
+        hub.cut["model.safetensors"] = 4_000  # the connection drops every 4 kB, more often than the client retries
+        failed = manas("pull", REPO, "--name", "tiny", **env)
+        assert failed.returncode == 1 and failed.err.startswith("error: ") and "Traceback" not in failed.err
+        assert len(failed.err.strip().splitlines()) == 1
+        assert not (tmp_path / "store" / "models").exists() or not list((tmp_path / "store" / "models").iterdir())
+        assert not [path for path in (tmp_path / "hf").rglob("*") if "incomplete" in path.name]
+        del hub.cut["model.safetensors"]
+        hub.requests.clear()
+        manas("pull", REPO, "--name", "tiny", fresh=True, **env).ok()
+        fetched = [path.rsplit("/", 1)[-1] for path, _ in hub.requests if "/resolve/" in path]
+        assert fetched == ["model.safetensors"]  # what was complete is not fetched again
+    assert (tmp_path / "store" / "models" / "tiny.safetensors").is_file()
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # the cache alone
+    manas("pull", REPO, "--name", "again", **offline).ok()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["pull", "not a repo"], "is not a Hugging Face repository"),
+        (["pull", "TinyOrg/absent"], "no repository TinyOrg/absent"),
+        (["pull", REPO, "--name", "Bad/Name"], "is not a store name"),
+        (["rm", "shakespeare"], "the model shipped with manas"),
+        (["rm", "absent"], "no model named 'absent' in the store"),
+        (["generate", "-m", "absent", "-p", "x"], "`manas list` shows the names"),
+    ],
+)
+def test_store_mistakes_are_one_error_line(tmp_path, repository, args, message):
+    with local_hub(REPO, repository) as hub:
+        run = manas(*args, **environment(tmp_path, hub))
+    assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err, run.err
+    assert len(run.err.strip().splitlines()) == 1
+
+
+def test_pulling_a_name_twice_needs_force(tmp_path, repository):
+    with local_hub(REPO, repository) as hub:
+        env = environment(tmp_path, hub)
+        manas("pull", REPO, "--name", "t", **env).ok()
+        again = manas("pull", REPO, "--name", "t", fresh=True, **env)
+        assert again.returncode == 1 and "--force" in again.err
+        manas("pull", REPO, "--name", "t", "--force", **env).ok()

@@ -985,6 +985,62 @@ def quantize_command(
     command.run(checkpoint=checkpoint, out=out, kind=f"int{bits}", force=force)
 
 
+@app.command()
+@takes_model_flags(cache=False)
+def chat(
+    system: Annotated[
+        Optional[str], typer.Option(help="The system prompt (the template's default without it).")
+    ] = None,
+    chat_template: Annotated[
+        Optional[Path], typer.Option(help="A Jinja chat template for a model without one.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="The most tokens of one answer.")] = 512,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "-t", callback=_checked("temperature"), help="0 is greedy.")
+    ] = 0.7,
+    top_p: Annotated[Optional[float], typer.Option(callback=_checked("top_p"), help="Nucleus sampling.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample among the k most likely.")] = None,
+    seed: Annotated[Optional[int], typer.Option(callback=_checked("seed"), help="Seed each answer's sampler.")] = None,
+    stats: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--stats/--no-stats", help="A line of speed and cache figures under each answer. Default: on a terminal."
+        ),
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON object a line per answer: text, finish_reason, token counts.")
+    ] = False,
+    *,
+    model_options: "ModelOptions",
+) -> None:
+    """Chat with an instruct model in the terminal, or send it one message per line from a pipe.
+
+    The messages go through the model's chat template (or --chat-template FILE); the conversation's KV cache is
+    kept between turns, so each turn prefills only what it adds (the native engine), and every answer is what
+    manas generate gives the whole rendered prompt. At the prompt: a line ending in a backslash continues, three
+    quotes open and close a block; /reset, /system TEXT; Ctrl-C stops an answer, Ctrl-D (or /bye) ends.
+
+    Examples:
+
+      manas chat -m smollm2-135m-instruct
+
+      printf 'Hello!\nWhat did I just say?\n' | manas chat -m qwen2.5-0.5b-instruct -t 0
+    """
+    from .commands import chat as command
+
+    settings = GenerationSettings(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=()
+    )
+    command.run(
+        system=system,
+        chat_template=chat_template,
+        settings=settings,
+        stats=stats,
+        json_output=json_output,
+        model_options=model_options,
+    )
+
+
 @app.command(no_args_is_help=True)
 def pull(
     repo: Annotated[str, typer.Argument(help="A Hugging Face repository, OWNER/NAME[@REVISION].")],

@@ -73,9 +73,13 @@ def generate(
     overflow: str = "recompute",
     session=None,
     logprobs: int = 0,
+    reuse: int = 0,
 ) -> Iterator[Step]:
     """Yield max_new_tokens steps (fewer if every row has produced eot_id) from a KV cache, on either engine
     (prompt: (B, T) token ids, lists or a tensor).
+
+    reuse=K: the session's cache already holds the prompt's first K tokens (a conversation's earlier turns): the
+    prefill runs only the rest (session.extend), with the logits of a whole prefill.
 
     overflow="recompute": when the cache is full, prefill the last block_size tokens, so every token equals
     crop-and-recompute's. overflow="shift": prefill only the last block_size // 2, buying that many cached decode
@@ -86,6 +90,8 @@ def generate(
     session = session or engine.new_session()
 
     def cached(first: bool, windows: list[list[int]]) -> tuple[str, object, int]:
+        if first and reuse:
+            return "prefill", session.extend(windows, reuse), session.positions
         kind, logits = prefill_if_due(session, windows, first, keep) or (
             "decode",
             session.decode([window[-1] for window in windows]),

@@ -86,6 +86,28 @@ class NativeSession:
         self.positions, self.batch_size = T, B
         return logits
 
+    def extend(self, token_ids, keep: int):
+        """A prefill that keeps the first `keep` cached positions, which must hold the rows' first `keep` tokens
+        (a conversation's earlier turns), and runs only the rest: the logits of each row's last position, the same
+        bits a prefill of the whole rows gives (each position's arithmetic reads only its own past). Falls back to
+        the whole prefill where nothing can be kept."""
+        rows = prefill_rows(token_ids, self.block_size)
+        B, T = len(rows), len(rows[0])
+        if not 0 < keep <= min(self.positions, T - 1) or B != self.batch_size:
+            return self.prefill(rows)
+        self.positions = keep  # what was cached past `keep` is written over
+        try:
+            self.allocate(B, T)
+            caches = [self.cache(b) for b in range(B) for _ in range(keep, T)]
+            tokens = [token for row in rows for token in row[keep:]]
+            logit_rows = [(b + 1) * (T - keep) - 1 for b in range(B)]
+            logits = self.model.run(tokens, list(range(keep, T)) * B, caches, logit_rows)
+        except BaseException:
+            self.reset()
+            raise
+        self.positions = T
+        return logits
+
     def run_prompts(self, ids: list[list[int]], logits_from: int) -> Logits:
         """Each batch row's tokens from position 0 into its cache; the logits of each row's positions logits_from
         .. T − 1, (B·(T − logits_from), vocab): all of them for scoring, the last for a prefill."""

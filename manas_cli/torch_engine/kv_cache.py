@@ -83,6 +83,11 @@ class CacheSession:
         self.layers, self.batch_size = layers, token_ids.size(0)
         return logits
 
+    def extend(self, token_ids: torch.Tensor | list[list[int]], keep: int) -> torch.Tensor:
+        """NativeSession.extend's interface: here the whole prefill again (the model's multi-position attention
+        assumes it starts at position 0), the same logits, only not incremental."""
+        return self.prefill(token_ids)
+
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """Append one position per row ((B, 1) ids, or a list of B) and return its logits (B, 1, vocab)."""
@@ -138,7 +143,7 @@ def check_cacheable(model: GPT) -> None:
     if config.position_encoding == "learned" and getattr(model, "position_embedding", None) is None:
         raise ValueError("learned position encoding but the model has no position_embedding table")
     expected_kind = RotaryAttention if config.position_encoding == "rope" else CausalSelfAttention
-    qkv_width = config.n_embd + 2 * config.n_kv_head * config.head_size
+    qkv_width = config.attention_width + 2 * config.n_kv_head * config.head_size
     for i, block in enumerate(model.blocks):
         attention = block.attention
         if type(attention) is not expected_kind:

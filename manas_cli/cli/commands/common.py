@@ -154,3 +154,24 @@ def encode_prompt(checkpoint, text: str, console) -> list[int]:
             f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)"
         )
     return ids[-block_size:]
+
+
+def chat_template_text(path: Path | None) -> str | None:
+    """--chat-template FILE's template, checked to parse."""
+    from ...chat import check_template
+
+    if path is None:
+        return None
+    template = read_text_file(path, "chat template", "a chat template is a few kilobytes of Jinja")
+    check_template(template)
+    return template
+
+
+def model_chat_template(checkpoint) -> str | None:
+    """The template the checkpoint stores (converted from its folder's), checked to parse; None for a base model."""
+    from ...chat import check_template
+
+    template = (checkpoint.metadata or {}).get("chat_template")
+    if template is not None:
+        check_template(template)
+    return template

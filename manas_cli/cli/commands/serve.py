@@ -9,10 +9,10 @@ from pathlib import Path
 
 import typer
 
-from ...chat import check_template, prompt_ids
+from ...chat import prompt_ids
 from ...errors import InputError
 from ...models import ModelOptions
-from .common import check_memory, encode_prompt, load_model, read_text_file
+from .common import chat_template_text, check_memory, encode_prompt, load_model, model_chat_template
 
 # A choice's default ceiling on new tokens (serve --max-tokens): 4 windows, at least 1,024.
 DEFAULT_MAX_TOKENS_WINDOWS, MIN_MAX_TOKENS = 4, 1024
@@ -102,20 +102,3 @@ def run(
 def chat_prompt(template: str, checkpoint, messages) -> list[int]:
     """The messages' prompt ids through the template, cropped to the window as a completion's prompt is."""
     return prompt_ids(template, messages, checkpoint.encoding)[-checkpoint.model.config.block_size :]
-
-
-def chat_template_text(path: Path | None) -> str | None:
-    """--chat-template FILE's template, checked to parse."""
-    if path is None:
-        return None
-    template = read_text_file(path, "chat template", "a chat template is a few kilobytes of Jinja")
-    check_template(template)
-    return template
-
-
-def model_chat_template(checkpoint) -> str | None:
-    """The template the checkpoint stores (converted from its folder's), checked to parse; None for a base model."""
-    template = (checkpoint.metadata or {}).get("chat_template")
-    if template is not None:
-        check_template(template)
-    return template

@@ -1,0 +1,145 @@
+"""`manas chat`: a conversation in the terminal, or one message per line from a pipe (conversation.py keeps the
+cache between turns; this module reads, prints and handles the keys)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from ...errors import InputError
+from ...models import ModelOptions
+from ...settings import GenerationSettings
+from .common import chat_template_text, load_model, model_chat_template, require_stdout
+
+HELP = "/reset forgets the conversation · /system TEXT sets the system prompt · Ctrl-C stops an answer · Ctrl-D ends"
+CONTINUE = "\\"  # a line ending so continues on the next
+BLOCK = '"""'  # a line of three quotes opens and closes a multi-line message, as in ollama
+
+
+def run(
+    *,
+    system: str | None,
+    chat_template: Path | None,
+    settings: GenerationSettings,
+    stats: bool | None,
+    json_output: bool,
+    model_options: ModelOptions,
+) -> None:
+    from ...conversation import Conversation
+    from ..render import json_line, say, stderr_console
+
+    require_stdout()
+    console = stderr_console()
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    show_stats = stats if stats is not None else interactive
+    template = chat_template_text(chat_template)
+    checkpoint, _, engine = load_model(model_options, console)
+    template = template or model_chat_template(checkpoint)
+    if template is None:
+        raise InputError(
+            f"{checkpoint.path.name} has no chat template (a base model): give one with --chat-template FILE, or "
+            "use manas generate to continue a text"
+        )
+    conversation = Conversation(engine, checkpoint.encoding, template, system)
+    if interactive:
+        say(console, f"chatting with {checkpoint.path.stem} · {HELP}")
+    for message in messages(interactive):
+        if message == "/reset":
+            conversation.reset()
+            say(console, "the conversation is forgotten")
+        elif message.startswith("/system"):
+            conversation.system = message.removeprefix("/system").strip() or None
+            conversation.reset()
+            say(console, "system prompt set; the conversation starts again")
+        elif message.startswith("/"):
+            say(console, f"unknown command {message.split()[0]}: {HELP}")
+        elif json_output:
+            print(json_line(answer_record(conversation.reply(message, settings, lambda text: None, lambda: False))))
+            sys.stdout.flush()
+        else:
+            answer = answer_one(conversation, message, settings)
+            if show_stats:
+                say(console, stats_line(answer))
+
+
+def answer_one(conversation, message: str, settings: GenerationSettings):
+    """One answer streamed to stdout; Ctrl-C (SIGINT) stops it and keeps the conversation."""
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    try:
+        answer = conversation.reply(message, settings, _write, lambda: bool(interrupted))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return answer
+
+
+def _write(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def stats_line(answer) -> str:
+    stats = answer.stats
+    new = stats.prompt_tokens - answer.reused
+    cut = " · stopped" if answer.finish_reason == "interrupted" else ""
+    return (
+        f"{stats.generated_tokens} tokens · {stats.decode_tokens_per_s:.1f} tok/s · first token "
+        f"{stats.ttft_s * 1000:.0f} ms · prefilled {new} of {stats.prompt_tokens} prompt tokens "
+        f"({answer.reused} cached){cut}"
+    )
+
+
+def answer_record(answer) -> dict:
+    """--json: one object a line per answer."""
+    stats = answer.stats
+    return {
+        "text": answer.text,
+        "finish_reason": answer.finish_reason,
+        "prompt_tokens": stats.prompt_tokens,
+        "reused_tokens": answer.reused,
+        "generated_tokens": stats.generated_tokens,
+        "ttft_s": stats.ttft_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+    }
+
+
+def messages(interactive: bool) -> Iterator[str]:
+    """The user's messages: from a pipe one a line; at a terminal a line, a line continued by a final backslash,
+    or a block between two lines of three quotes. Ctrl-C at the prompt clears it; Ctrl-D (or /bye) ends."""
+    if not interactive:
+        for line in sys.stdin if sys.stdin is not None else ():
+            if line.strip():
+                yield line.rstrip("\n")
+        return
+    while True:
+        try:
+            message = _read_message()
+        except KeyboardInterrupt:
+            sys.stderr.write("\n")
+            continue
+        except EOFError:
+            sys.stderr.write("\n")
+            return
+        if message.strip() == "/bye":
+            return
+        if message.strip():
+            yield message.strip()
+
+
+def _read_message() -> str:
+    line = input(">>> ")
+    if line.strip() == BLOCK:
+        lines = []
+        while (line := input("... ")).strip() != BLOCK:
+            lines.append(line)
+        return "\n".join(lines)
+    lines = [line]
+    while lines[-1].endswith(CONTINUE):
+        lines[-1] = lines[-1][: -len(CONTINUE)]
+        lines.append(input("... "))
+    return "\n".join(lines)

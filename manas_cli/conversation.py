@@ -1,0 +1,89 @@
+"""A conversation with an instruct model: its messages, and the KV cache that keeps them between turns, so that a
+turn prefills only the tokens its rendering adds after what the cache already holds (on the native engine; torch
+prefills the whole again). Each turn's answer is what `manas generate` gives the rendered prompt alone: the cache
+keeps only the positions whose tokens are the prompt's own, and extending a prefill gives a whole prefill's bits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .chat import Message, prompt_ids
+from .engine.engines import Engine
+from .engine.generation import GenerationStats, generate
+from .requests import Requests
+from .settings import GenerationSettings
+
+
+@dataclass
+class Answer:
+    text: str
+    finish_reason: str  # "length", "stop", "end_of_text", or "interrupted"
+    stats: GenerationStats
+    reused: int  # prompt tokens the cache already held
+
+
+@dataclass
+class Conversation:
+    engine: Engine
+    encoding: object
+    template: str
+    system: str | None = None
+    messages: list[Message] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.requests = Requests(self.engine, self.encoding)
+        self.session = self.engine.new_session()
+        self.cached: list[int] = []  # the tokens at the cache's positions 0 .. len − 1
+
+    def reset(self) -> None:
+        """Forget the messages (the system prompt stays)."""
+        self.messages, self.cached = [], []
+        self.session.reset()
+
+    def prompt(self, user: str) -> list[int]:
+        """The ids the next answer follows: the whole conversation rendered, cropped to the window."""
+        system = [Message("system", self.system)] if self.system else []
+        ids = prompt_ids(self.template, [*system, *self.messages, Message("user", user)], self.encoding)
+        return ids[-self.engine.config.block_size :]
+
+    def reply(
+        self, user: str, settings: GenerationSettings, on_text: Callable[[str], None], stopped: Callable[[], bool]
+    ) -> Answer:
+        """The assistant's answer to `user`, its text handed to on_text as it comes; stopped() ends it early (the
+        answer so far is kept). The user's message and the answer join the conversation."""
+        ids = self.prompt(user)
+        reused = self._reusable(ids)
+        request = self.requests.prepare(settings, record=True)
+        stream = request.streams[0]
+        stats = GenerationStats(prompt_tokens=len(ids))
+        fed = list(ids)
+        steps = generate(
+            self.engine, [ids], request.sampler, settings.max_tokens, self.requests.eot, "recompute",
+            self.session, settings.logprobs, reused,
+        )  # fmt: skip
+        interrupted = False
+        for step in steps:
+            stats.update(step)
+            on_text(stream.feed(step.tokens[0], step.logprobs[0] if step.logprobs else None))
+            fed.append(step.tokens[0])
+            if stream.finished:
+                break
+            if stopped():
+                interrupted = True
+                break
+        on_text(stream.finish("interrupted" if interrupted else "length"))
+        # The cache holds every token fed to it: the prompt and each sampled token but the last (never decoded).
+        fed = fed[:-1]
+        self.cached = fed if len(fed) == self.session.positions else []
+        self.messages += [Message("user", user), Message("assistant", stream.text)]
+        return Answer(stream.text, stream.finish_reason, stats, reused)
+
+    def _reusable(self, ids: list[int]) -> int:
+        """How many of the prompt's first tokens the cache holds at the same positions."""
+        common = 0
+        for held, wanted in zip(self.cached, ids):
+            if held != wanted:
+                break
+            common += 1
+        return min(common, len(ids) - 1)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
-from conftest import BLOCK_SIZE, all_logits, make_model, native_model, needs_compiler, step_logits
+from conftest import BLOCK_SIZE, all_logits, cache_layers, make_model, native_model, needs_compiler, step_logits
 from manas_cli.engine.threads import usable_cpus
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.native import build
@@ -674,3 +674,24 @@ def test_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp
         ids = random_ids(2, BLOCK_SIZE)
         logits = [all_logits(native_model(model, library), ids) for library in libraries]
         assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+def test_a_prefill_extended_from_a_kept_or_copied_prefix_is_a_whole_prefill_bit_for_bit(
+    native_library, weights, family
+):
+    """What a chat's turns and the server's prefix cache rest on: the first positions kept (extend) or copied from a
+    snapshot (restore), the rest prefilled, give the logits and the cache a prefill of the whole gives."""
+    native = native_model(configured_model("rope", "gqa", True, "tanh", weights, family), native_library)
+    ids = random_ids(1, BLOCK_SIZE, seed=7)[0].tolist()
+    whole = NativeSession(native)
+    expected = step_logits(whole.prefill([ids])).clone()
+    earlier = NativeSession(native)
+    earlier.prefill([ids[:9] + [5, 6]])  # an earlier turn: its first 9 tokens are this prompt's
+    assert torch.equal(step_logits(earlier.extend([ids], 9)), expected)
+    copied = NativeSession(native)
+    copied.restore(earlier.snapshot(), 9)
+    assert torch.equal(step_logits(copied.extend([ids], 9)), expected)
+    for session in (earlier, copied):
+        assert all(torch.equal(a, b) for pair in zip(cache_layers(session), cache_layers(whole)) for a, b in zip(*pair))

@@ -197,3 +197,40 @@ def test_a_template_that_does_not_parse_is_refused_at_start(checkpoints, tmp_pat
     path.write_text("{% for message in messages %}")
     run = manas("serve", "-c", checkpoints["rope-gqa"].path, "--port", "0", "--chat-template", path)
     assert run.returncode == 1 and run.err.startswith("error: the chat template does not parse")
+
+
+# ---- the exact prefix cache ----
+
+
+def test_a_chat_through_the_prefix_cache_answers_as_a_server_without_it(checkpoints, tmp_path):
+    """Turn after turn, each request starts with the one before: the cache copies that start and prefills the rest,
+    and every answer is the one a server without the cache gives (the native engine: bit for bit). A terse template,
+    so that four turns fit the tiny model's 32-token window."""
+    path, terse = checkpoints["rope-gqa"].path, tmp_path / "terse.jinja"
+    terse.write_text("{% for message in messages %}{{ message.content }}\n{% endfor %}")
+    with running_server(path, "--chat-template", str(terse)) as cached:
+        with running_server(path, "--chat-template", str(terse), "--prefix-cache-mb", "0") as plain:
+            messages = [{"role": "system", "content": "Be."}]
+            for turn in ("Hi", "Go", "Be", "No"):
+                messages.append({"role": "user", "content": turn})
+                answers = [
+                    server.client().chat.completions.create(
+                        model="m", messages=messages, max_tokens=2, temperature=0.8, seed=11, logprobs=True
+                    )
+                    for server in (cached, plain)
+                ]
+                assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+                assert answers[0].choices[0].logprobs == answers[1].choices[0].logprobs  # the same floats
+                messages.append({"role": "assistant", "content": answers[0].choices[0].message.content})
+            assert "prefix_cache" not in plain.health()
+        health = cached.health()["prefix_cache"]
+        assert health["hits"] >= 3 and health["reused_tokens"] > 3 * 3
+
+
+def test_the_prefix_cache_stays_within_its_memory(checkpoints):
+    with running_server(checkpoints["rope-gqa"].path, "--prefix-cache-mb", "0.1") as live:
+        client = live.client()
+        for i in range(40):
+            client.completions.create(model="m", prompt=f"ROMEO {i}: " * 3, max_tokens=1, temperature=0)
+        health = live.health()["prefix_cache"]
+        assert 0 < health["bytes"] <= 0.1 * 2**20 and health["entries"] < 40

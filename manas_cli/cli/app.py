@@ -695,6 +695,15 @@ def serve(
             "POST /v1/chat/completions renders the messages through it."
         ),
     ] = None,
+    prefix_cache_mb: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Memory for the exact prefix cache (native engine): a prompt that starts as a recent one did (a "
+            "shared system prompt, a chat's earlier turns) copies that start's K/V and prefills only the rest, its "
+            "answer unchanged bit for bit; least recently used out first. 0 turns it off.",
+        ),
+    ] = 256,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
     *,
     model_options: "ModelOptions",
@@ -727,6 +736,7 @@ def serve(
         max_connections=max_connections,
         max_tokens=max_tokens,
         chat_template=chat_template,
+        prefix_cache_mb=prefix_cache_mb,
         model_options=model_options,
     )
 

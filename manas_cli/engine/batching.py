@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..errors import NumericalError
 from .engines import Engine
 from .generation import overflow_keep, slide
+from .prefix_cache import PrefixCache
 from .sampling import Sampler
 from .session import prefill_if_due
 
@@ -56,6 +57,21 @@ class Row:
         self.state = engine.sampling_state(request.sampler, 1, request.logprobs)
         self.steps = 0
 
+    def prefill(self, prefixes) -> tuple[str, object]:
+        """The first step: the window prefilled, or, where the prefix cache holds its start (an engine whose
+        sessions take snapshots: the native one), that start copied in and only the rest prefilled; the window
+        then kept for later requests."""
+        reusable = prefixes is not None and hasattr(self.session, "snapshot")
+        keep, snapshot = prefixes.find(self.window) if reusable else (0, None)
+        if snapshot is not None:
+            self.session.restore(snapshot, keep)
+            logits = self.session.extend([self.window], keep)
+        else:
+            logits = self.session.prefill([self.window])
+        if reusable:
+            prefixes.add(self.window, self.session.snapshot())
+        return "prefill", logits
+
     def take(self, logits, kind: str, started: float) -> Token:
         """Sample this row's next token from its logits (one row)."""
         position = len(self.request.prompt) - 1 + self.steps
@@ -77,13 +93,14 @@ def generate_batched(
     eot_id: int | None = None,
     overflow: str = "recompute",
     finished: Callable[[int], bool] = lambda key: False,
+    prefixes: PrefixCache | None = None,
 ) -> Iterator[list[Token]]:
     """Yield, step after step, the new tokens of up to batch_size requests decoding together.
 
     take(wait) gives the next request, or None: with wait, None only once there are no more; without, None also
     when none has come yet. Requests are taken as rows free up, waiting only when no row is decoding, so a request
     is never held back for one that has not arrived. finished(key) lets the caller end a request early (a stop
-    string), checked after each step."""
+    string), checked after each step. prefixes: an exact prefix cache for the prompts' prefills."""
     keep = overflow_keep(overflow, engine.config.block_size)
     rows: list[Row] = []
     while True:
@@ -94,7 +111,7 @@ def generate_batched(
         started = time.perf_counter()
         made, decoding = {}, []
         for row in rows:
-            due = prefill_if_due(row.session, [row.window], row.steps == 0, keep)
+            due = row.prefill(prefixes) if row.steps == 0 else prefill_if_due(row.session, [row.window], False, keep)
             if due is None:
                 decoding.append(row)
             else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 from ctypes import c_float
+from dataclasses import dataclass
 
 from ..engine.session import allocation_description, decode_tokens, grown_size, prefill_rows
 from .binding import ManasCache
@@ -108,6 +109,28 @@ class NativeSession:
         self.positions = T
         return logits
 
+    def snapshot(self) -> Snapshot:
+        """A copy of row 0's cached keys and values (the prefix cache's)."""
+        n, layers = self.positions * self.position_floats, self.model.config.n_layer
+        k, v = (c_float * (layers * n))(), (c_float * (layers * n))()
+        for copy, cached in ((k, self.k), (v, self.v)):
+            for layer in range(layers):
+                source = ctypes.addressof(cached) + 4 * layer * self.size * self.position_floats
+                ctypes.memmove(ctypes.addressof(copy) + 4 * layer * n, source, 4 * n)
+        return Snapshot(self.positions, k, v)
+
+    def restore(self, snapshot: Snapshot, keep: int) -> None:
+        """One row holding a snapshot's first `keep` positions, as the prefill that made them left them."""
+        positions, k, v = snapshot.positions, snapshot.k, snapshot.v
+        self.reset()
+        self.allocate(1, keep)
+        n, kept = positions * self.position_floats, keep * self.position_floats
+        for copy, cached in ((k, self.k), (v, self.v)):
+            for layer in range(self.model.config.n_layer):
+                target = ctypes.addressof(cached) + 4 * layer * self.size * self.position_floats
+                ctypes.memmove(target, ctypes.addressof(copy) + 4 * layer * n, 4 * kept)
+        self.positions, self.batch_size = keep, 1
+
     def run_prompts(self, ids: list[list[int]], logits_from: int) -> Logits:
         """Each batch row's tokens from position 0 into its cache; the logits of each row's positions logits_from
         .. T − 1, (B·(T − logits_from), vocab): all of them for scoring, the last for a prefill."""
@@ -152,6 +175,19 @@ class NativeSession:
         config = self.model.config
         shape = [self.batch_size, config.n_kv_head, self.positions, config.head_size]
         return [(shape, shape, 2 * 4 * math.prod(shape))] * (config.n_layer if self.k is not None else 0)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A row's cached keys and values, copied: k and v each (n_layer, positions, n_kv_head, head_size) float32."""
+
+    positions: int
+    k: object
+    v: object
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * ctypes.sizeof(self.k)
 
 
 def decode_rows(model: NativeGPT, tokens: list[int], sessions: list[NativeSession]) -> Logits:

@@ -42,6 +42,7 @@ def run(
     max_connections: int | None = None,
     max_tokens: int | None = None,
     chat_template: Path | None = None,
+    prefix_cache_mb: float = 0,
 ) -> None:
     from ..render import say, stderr_console
     from ..server.http import Server, serve
@@ -59,7 +60,7 @@ def run(
     template = template or model_chat_template(checkpoint)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
     quiet = stderr_console(quiet=True)  # a request's prompt notices are not the server's to print
-    scheduler = Scheduler(engine, checkpoint, batch_size, max_queued)
+    scheduler = Scheduler(engine, checkpoint, batch_size, max_queued, prefix_cache_bytes=int(prefix_cache_mb * 2**20))
     model_id = checkpoint.path.stem
     try:
         server = Server(

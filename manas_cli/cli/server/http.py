@@ -226,7 +226,15 @@ class Handler(BaseHTTPRequestHandler):
         if failure := scheduler.failure:
             self._json(503, {"status": "error", "error": failure})
         else:
-            self._json(200, {"status": "ok", "rows": scheduler.rows, "queued": scheduler.queued})
+            body = {"status": "ok", "rows": scheduler.rows, "queued": scheduler.queued}
+            if (prefixes := scheduler.prefixes) is not None:
+                body["prefix_cache"] = {
+                    "entries": len(prefixes.entries),
+                    "bytes": prefixes.bytes,
+                    "hits": prefixes.hits,
+                    "reused_tokens": prefixes.reused_tokens,
+                }
+            self._json(200, body)
 
     def _models(self) -> None:
         self._authorize()

@@ -75,8 +75,19 @@ class Scheduler:
     """Runs generate_batched on its own thread. submit() queues choices; each choice's events carry its text as
     it is released, then None once it is done (budget, end-of-text, stop string, or cancelled)."""
 
-    def __init__(self, engine, checkpoint, batch_size: int, max_queued: int, overflow: str = "recompute") -> None:
+    def __init__(
+        self,
+        engine,
+        checkpoint,
+        batch_size: int,
+        max_queued: int,
+        overflow: str = "recompute",
+        prefix_cache_bytes: int = 0,
+    ) -> None:
+        from ...engine.prefix_cache import PrefixCache
+
         self.engine, self.checkpoint = engine, checkpoint
+        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.batch_size, self.max_queued, self.overflow = batch_size, max_queued, overflow
         self.requests = Requests(engine, checkpoint.encoding)
         self._waiting: queue.Queue[Choice] = queue.Queue()
@@ -176,7 +187,7 @@ class Scheduler:
         from ...engine.batching import generate_batched
 
         steps = generate_batched(
-            self.engine, self._take, self.batch_size, self.requests.eot, self.overflow, self._finished
+            self.engine, self._take, self.batch_size, self.requests.eot, self.overflow, self._finished, self.prefixes
         )
         try:
             for tokens in steps:

@@ -102,3 +102,32 @@ def test_pulling_a_name_twice_needs_force(tmp_path, repository):
         again = manas("pull", REPO, "--name", "t", fresh=True, **env)
         assert again.returncode == 1 and "--force" in again.err
         manas("pull", REPO, "--name", "t", "--force", **env).ok()
+
+
+def test_the_readme_first_commands_run_as_written(tmp_path, repository):
+    """pull → chat → serve, as the README shows them, against a Hub on loopback serving that repository's name."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from cli_fixtures import MANAS, cli_env
+    from test_serve import READY
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## First commands", 1)[1].split("```text", 1)[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, re.S)
+    pull, chat, serve = [line.split("#")[0].split() for line in block.splitlines() if line.strip()]
+    with local_hub(pull[2], repository) as hub:
+        env = cli_env(**{k: v for k, v in environment(tmp_path, hub).items() if v is not None})
+        env.pop("HF_HUB_OFFLINE", None)
+        run = lambda words, **options: subprocess.run([*MANAS, *words[1:]], env=env, timeout=300, **options)  # noqa: E731
+        assert run(pull, capture_output=True).returncode == 0
+        answer = run(chat, input=b"Hello!\n", capture_output=True)
+        assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
+        server = subprocess.Popen([*MANAS, *serve[1:], "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            ready = server.stderr.readline()
+            assert READY.search(ready) and ready.rstrip().endswith("· chat"), ready  # its chat endpoint is on
+        finally:
+            server.terminate()
+            assert server.wait(timeout=60) == 0

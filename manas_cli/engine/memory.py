@@ -10,11 +10,12 @@ from .config import GPTConfig
 
 def run_bytes(config: GPTConfig, rows: int, positions: int, itemsize: int) -> int:
     """About what `rows` sequences of `positions` cost beside the weights: their KV cache, and the activations of
-    a prefill over all of them (q|k|v, the feed-forward's 4× width, the residual stream, and attention scores in
-    case the kernel materializes them), plus float32 logits."""
+    a prefill over all of them (q|k|v, the feed-forward's width (twice, gated), the residual stream, and attention
+    scores in case the kernel materializes them), plus float32 logits."""
     kv_width = config.n_kv_head * config.head_size
     cache = 2 * config.n_layer * kv_width * positions
-    activations = (config.n_embd + 2 * kv_width + 6 * config.n_embd + config.n_head * positions) * positions
+    widths = config.attention_width + 2 * kv_width + 2 * config.ffn_width + 2 * config.n_embd
+    activations = (widths + config.n_head * positions) * positions
     return rows * ((cache + activations) * itemsize + 2 * config.vocab_size * 4)
 
 
@@ -44,6 +45,11 @@ def check_fits(engine, rows: int, positions: int, lower: str) -> None:
         raise InputError(
             f"this run needs about {_gib(needed)} ({rows:,} × {positions:,} positions of KV cache and activations) "
             f"but {_gib(available)} is free: lower {lower}"
+            + (
+                f", or keep a shorter window with --ctx (the model's is {positions:,})"
+                if positions == engine.config.block_size
+                else ""
+            )
         )
 
 

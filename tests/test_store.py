@@ -49,7 +49,7 @@ def test_pull_stores_the_model_by_name_and_every_command_takes_the_name(tmp_path
     )
     assert listed["tiny-chat-135m-int8"]["weights"] == "int8" and listed["tiny-chat-135m-int8"]["chat_template"]
     assert listed["shakespeare"]["shipped"] and not listed["shakespeare"]["chat_template"]
-    by_name = manas("generate", "-m", "tiny-chat-135m", "-p", "the", "-n", "8", "-t", "0", "--json", **env).ok()
+    by_name = manas("generate", "--model", "tiny-chat-135m", "-p", "the", "-n", "8", "-t", "0", "--json", **env).ok()
     by_path = manas("generate", "-c", entry["path"], "-p", "the", "-n", "8", "-t", "0", "--json", **env).ok()
     assert by_name.json()["tokens"] == by_path.json()["tokens"]
     text = manas("list", **env).ok().out

@@ -84,10 +84,12 @@ CheckpointOption = Annotated[
     Optional[Path],
     typer.Option(
         "--checkpoint",
+        "--model",
         "-c",
         "-m",
         help=(
-            "Model file (.safetensors), or a store name (manas list, manas pull); -m as in llama.cpp, llm and ollama. "
+            "Model file (.safetensors), or a store name (manas list, manas pull); --model and -m as in llama.cpp, "
+            "llm and ollama. "
             "Default: $MANAS_CHECKPOINT, else the model shipped with manas."
         ),
     ),

@@ -64,7 +64,7 @@ class Row:
         reusable = prefixes is not None and hasattr(self.session, "snapshot")
         keep, snapshot = prefixes.find(self.window) if reusable else (0, None)
         if snapshot is not None:
-            self.session.restore(snapshot, keep)
+            self.session.restore(snapshot, keep, len(self.window))
             logits = self.session.extend([self.window], keep)
         else:
             logits = self.session.prefill([self.window])

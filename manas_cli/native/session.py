@@ -119,11 +119,12 @@ class NativeSession:
                 ctypes.memmove(ctypes.addressof(copy) + 4 * layer * n, source, 4 * n)
         return Snapshot(self.positions, k, v)
 
-    def restore(self, snapshot: Snapshot, keep: int) -> None:
-        """One row holding a snapshot's first `keep` positions, as the prefill that made them left them."""
+    def restore(self, snapshot: Snapshot, keep: int, room: int = 0) -> None:
+        """One row holding a snapshot's first `keep` positions, as the prefill that made them left them, in a cache
+        with room for `room` positions (the prompt it will be extended to: allocated once, not grown)."""
         positions, k, v = snapshot.positions, snapshot.k, snapshot.v
         self.reset()
-        self.allocate(1, keep)
+        self.allocate(1, max(keep, room))
         n, kept = positions * self.position_floats, keep * self.position_floats
         for copy, cached in ((k, self.k), (v, self.v)):
             for layer in range(self.model.config.n_layer):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from .chat import Message, prompt_ids
 from .engine.engines import Engine
 from .engine.generation import GenerationStats, generate
+from .engine.prefix_cache import common_start
 from .requests import Requests
 from .settings import GenerationSettings
 
@@ -80,10 +81,6 @@ class Conversation:
         return Answer(stream.text, stream.finish_reason, stats, reused)
 
     def _reusable(self, ids: list[int]) -> int:
-        """How many of the prompt's first tokens the cache holds at the same positions."""
-        common = 0
-        for held, wanted in zip(self.cached, ids):
-            if held != wanted:
-                break
-            common += 1
-        return min(common, len(ids) - 1)
+        """How many of the prompt's first tokens the cache holds at the same positions (one is always left to
+        prefill: its logits are the answer's first)."""
+        return min(common_start(self.cached, ids), len(ids) - 1)

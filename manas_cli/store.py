@@ -60,7 +60,7 @@ def find(name: str) -> Path | None:
     """The checkpoint a store name stands for, or None."""
     if not is_name(name):
         return None
-    path = models_folder() / f"{name}{SUFFIX}"
+    path = stored_path(name)
     return path if path.is_file() else shipped().get(name)
 
 
@@ -134,7 +134,7 @@ def remove(name: str) -> Path:
     """Delete a stored model by name; the shipped model and unknown names are refused."""
     if name in shipped():
         raise InputError(f"{name} is the model shipped with manas: it cannot be removed")
-    path = models_folder() / f"{name}{SUFFIX}" if is_name(name) else None
+    path = stored_path(name) if is_name(name) else None
     if path is None or not path.is_file():
         raise InputError(f"no model named {name!r} in the store ({models_folder()}): `manas list` shows the names")
     path.unlink()

@@ -299,6 +299,9 @@ def test_ctx_comes_from_the_environment_and_never_exceeds_the_models_window(llam
     path = llama_files["float32"]
     run = run_manas("inspect-cache", "-c", path, "-p", PROMPT, "--json", env={"MANAS_CTX": "100000"})
     assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["block_size"] == SHAPE["max_position_embeddings"]  # capped at the model's
+    run = run_manas("inspect-cache", "-c", path, "-p", PROMPT, "--json", env={"MANAS_CTX": "16"})
+    assert json.loads(run.stdout)["block_size"] == 16
     run = run_manas("generate", "-c", path, "-p", PROMPT, "-n", "30", "-t", "0", "--json", env={"MANAS_CTX": "8"})
     assert json.loads(run.stdout)["re_prefills"] > 0
     bad = run_manas("generate", "-c", path, "-p", PROMPT, "--ctx", "0")

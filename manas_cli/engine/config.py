@@ -119,6 +119,11 @@ class GPTConfig:
         return self.n_head * self.head_size
 
     @property
+    def row_widths(self) -> dict[str, int]:
+        """The lengths of the weight matrices' rows, by what they are: int4's groups must divide each."""
+        return {"n_embd": self.n_embd, "the MLP's width": self.ffn_width, "the heads' width": self.attention_width}
+
+    @property
     def has_qkv_bias(self) -> bool:
         return self.bias if self.qkv_bias is None else self.qkv_bias
 

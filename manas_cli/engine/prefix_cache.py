@@ -27,7 +27,7 @@ class PrefixCache:
         at least one token of the window is always left to prefill (its logits are the answer's first)."""
         best, found = 0, None
         for tokens in self.entries:
-            common = _common_start(tokens, window)
+            common = common_start(tokens, window)
             if common > best:
                 best, found = common, tokens
         best = min(best, len(window) - 1)
@@ -48,7 +48,8 @@ class PrefixCache:
             self.bytes -= self.entries.popitem(last=False)[1].nbytes
 
 
-def _common_start(a, b) -> int:
+def common_start(a, b) -> int:
+    """How many first items a and b share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

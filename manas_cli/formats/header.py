@@ -281,7 +281,7 @@ def _checked_metadata(metadata: dict, path: Path) -> dict[str, str]:
 def _check_group_size(value: str | None, config: GPTConfig, path: Path) -> None:
     """An int4 file's group_size: an even count (two codes a byte) that divides every row (n_embd, the MLP's and
     the heads' widths long)."""
-    widths = (config.n_embd, config.ffn_width, config.attention_width)
+    widths = tuple(config.row_widths.values())
     if not (
         isinstance(value, str)
         and value.isascii()

@@ -282,7 +282,7 @@ def _replace(model: GPT, name: str, module: nn.Module) -> None:
 
 def check_quantizable(config: GPTConfig, kind: str) -> None:
     """int4's groups must divide every row: the rows are n_embd, the MLP's or the heads' widths long."""
-    widths = {"n_embd": config.n_embd, "the MLP's width": config.ffn_width, "the heads' width": config.attention_width}
+    widths = config.row_widths
     if kind == "int4" and (odd := [name for name, width in widths.items() if width % INT4_GROUP_SIZE]):
         raise ValueError(
             f"int4 quantizes groups of {INT4_GROUP_SIZE} values: {odd[0]} ({widths[odd[0]]}) must be a "

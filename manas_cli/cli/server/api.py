@@ -260,8 +260,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_body(request_id: str, created: int, model: str, choices: list[dict], usage_: dict | None) -> dict:
-    body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+def completion_body(
+    request_id: str, created: int, model: str, choices: list[dict], usage_: dict | None, kind: str = "text_completion"
+) -> dict:
+    """A whole answer: `kind` is the object OpenAI names it (text_completion, chat.completion)."""
+    body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_
     return body
@@ -286,13 +289,6 @@ def chat_logprobs(entries: list[dict], top: int) -> dict:
             for entry in entries
         ]
     }
-
-
-def chat_body(request_id: str, created: int, model: str, choices: list[dict], usage_: dict | None) -> dict:
-    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices}
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:

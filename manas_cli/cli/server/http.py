@@ -21,7 +21,6 @@ from ..render import json_line
 from .api import (
     FINISH_REASONS,
     RequestError,
-    chat_body,
     chat_choice,
     chat_chunk,
     chat_logprobs,
@@ -505,7 +504,7 @@ class ChatReply(Reply):
             chat_choice(choice.index, choice.stream.text, self.finish_reason(choice), self._logprobs(choice.stream))
             for choice in self.choices
         ]
-        return chat_body(self.id, self.created, self.model, choices, self.usage())
+        return completion_body(self.id, self.created, self.model, choices, self.usage(), "chat.completion")
 
     def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}

@@ -1,15 +1,18 @@
 """A generation request's parts, built in one place for `generate`, `--jsonl` and the server (the library builds
 requests and samplers; the CLI and the server only call it, as in mlx-lm): its seed, chosen when the settings leave
-it open; its sampler, made for the engine; and the text streams its rows' tokens become text through."""
+it open; its sampler, made for the engine; the text streams its rows' tokens become text through; and the prompt's
+token ids, cropped to the window."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .engine.batching import Request
 from .engine.engines import Engine
 from .engine.sampling import Sampler, choose_seed, make_sampler
-from .formats.tokenizer import decodable, end_of_text_id
+from .errors import InputError
+from .formats.tokenizer import bos_id, decodable, encode_text, end_of_text_id, longest_token_bytes
 from .settings import GenerationSettings
 from .streaming import TextStream
 
@@ -40,3 +43,36 @@ class Requests:
         sampler = make_sampler(settings, seed, self.allowed, self.engine)
         streams = [TextStream(self.encoding, self.eot, settings.stop, record) for _ in range(rows)]
         return Prepared(settings, seed, sampler, streams)
+
+
+# The most prompt characters ever encoded: a window's worth for GPT-2 (1024 tokens of up to 128 bytes, twice over),
+# and well under the whitespace run (~10^6 characters) that overflows tiktoken's regex stack.
+PROMPT_TAIL_CHARS = 300_000
+
+
+def encode_prompt(checkpoint, text: str, notify: Callable[[str], None] = lambda notice: None) -> list[int]:
+    """Token ids of the prompt, after the tokenizer's BOS where it has one, cropped to the window with a notice; the
+    empty prompt is the BOS, else end-of-text. A crop is told to `notify` (a console's print, or nothing).
+
+    Only the text that can reach the window is encoded: block_size tokens never span more than block_size times
+    the longest token's bytes in characters, so twice that (the tokens at the cut may differ, and are cropped) is
+    exact, up to PROMPT_TAIL_CHARS. That bound also keeps any whitespace run far below the length (~10^6
+    characters) at which tiktoken's regex engine overflows its stack and panics."""
+    block_size = checkpoint.model.config.block_size
+    tail = min(2 * block_size * longest_token_bytes(checkpoint.encoding), PROMPT_TAIL_CHARS)
+    cut = len(text) > tail
+    bos = bos_id(checkpoint.encoding)
+    ids = ([] if bos is None else [bos]) + encode_text(checkpoint.encoding, text[-tail:] if cut else text)
+    if not ids:
+        eot = end_of_text_id(checkpoint.encoding)
+        if eot is None:
+            raise InputError("the prompt is empty and this model's vocabulary has no <|endoftext|> to start from")
+        ids = [eot]
+    if cut:
+        notify(
+            f"notice: the prompt has {len(text)} characters; encoding its last {tail} and keeping its last "
+            f"{min(len(ids), block_size)} tokens (the model's block_size is {block_size})"
+        )
+    elif len(ids) > block_size:
+        notify(f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)")
+    return ids[-block_size:]

@@ -365,17 +365,16 @@ def test_a_tokenizer_that_begins_every_prompt_with_a_bos_keeps_doing_so_in_manas
 ):
     """Llama 3's tokenizer.json adds <|begin_of_text|> by a template: manas prepends it to every prompt, and the
     Hugging Face and GGUF exports say so."""
-    from rich.console import Console
     from transformers import AutoTokenizer
 
-    from manas_cli.cli.commands.common import encode_prompt
+    from manas_cli.requests import encode_prompt
 
     hf_folder(tmp_path / "hf", tiny_bpe_spec, "tinyllama")
     (tmp_path / "hf" / "tokenizer.json").write_text(tokenizer_json(tiny_bpe_spec, "qwen2", bos="<|im_start|>"))
     out = converted(tmp_path, tmp_path / "hf")
     checkpoint = load_checkpoint(out)
     assert checkpoint.tokenizer_spec["bos"] == "<|im_start|>"
-    ids = encode_prompt(checkpoint, TEXTS[0], Console(stderr=True))
+    ids = encode_prompt(checkpoint, TEXTS[0])
     assert ids[0] == 268 and ids[1:] == encode_text(checkpoint.encoding, TEXTS[0])
     assert run_manas("export", out, "--format", "hf", "--out", tmp_path / "back").returncode == 0
     assert AutoTokenizer.from_pretrained(tmp_path / "back")(TEXTS[0])["input_ids"] == ids

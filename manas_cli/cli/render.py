@@ -9,8 +9,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
-from ..engine.engines import Engine
-from ..settings import GenerationSettings
+from ..records import json_line
 
 
 def stderr_console(quiet: bool = False) -> Console:
@@ -127,18 +126,6 @@ class Output:
         import shutil
 
         return "─" * min(80, shutil.get_terminal_size().columns) + "\n"
-
-
-# Legal raw inside a JSON string, but line ends to str.splitlines() and other splitters: escaped, so that a record
-# with such a character in its text is still one line. (json.dumps already escapes every C0 control character.)
-LINE_SEPARATORS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def json_line(record: dict) -> str:
-    """One JSON object on one line for any line splitter; the text stays readable UTF-8 otherwise."""
-    import json
-
-    return json.dumps(record, ensure_ascii=False).translate(LINE_SEPARATORS)
 
 
 def format_bytes(count: int) -> str:
@@ -349,31 +336,6 @@ def cache_view(report: dict, header: dict):
         totals.append("re-prefills at sequence positions " + ranges(report["re_prefill_positions"]))
         totals.append(recompute_explanation(report["block_size"]))
     return Group(*lines, table, Text(""), *map(Text, totals))
-
-
-def sample_record(stream, stats, storage: dict, seed: int, engine: Engine, settings: GenerationSettings) -> dict:
-    """One --json line: the contract fields first, extras after. What reproduces it: the seed, the settings, the
-    engine and, on the native one, the core's arithmetic version."""
-    record = {
-        "text": stream.text,
-        "tokens": stream.tokens,
-        "finish_reason": stream.finish_reason,
-        "prompt_tokens": stats.prompt_tokens,
-        "generated_tokens": len(stream.tokens),
-        "ttft_s": stats.ttft_s,
-        "prefill_tokens_per_s": stats.prefill_tokens_per_s,
-        "decode_tokens_per_s": stats.decode_tokens_per_s,
-        "re_prefills": stats.re_prefills,
-        "cache": storage,
-        "seed": seed,
-        "weights": engine.weights,
-        "engine": engine.name,
-        "arithmetic_version": engine.arithmetic_version,
-        **settings.record(),
-    }
-    if settings.logprobs:
-        record["logprobs"] = stream.logprobs
-    return record
 
 
 def plain_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -49,7 +49,8 @@ def run(
 ) -> None:
     from ...engine.bench import run_bench
     from ...engine.bench import sweep as sweep_positions
-    from ..render import bench_table, is_noisy, json_line, noise_warning, stderr_console, sweep_chart, token_progress
+    from ...records import json_line
+    from ..render import bench_table, is_noisy, noise_warning, stderr_console, sweep_chart, token_progress
 
     require_stdout()
     console = stderr_console()

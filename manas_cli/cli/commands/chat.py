@@ -28,7 +28,8 @@ def run(
     model_options: ModelOptions,
 ) -> None:
     from ...conversation import Conversation
-    from ..render import json_line, say, stderr_console
+    from ...records import json_line
+    from ..render import say, stderr_console
 
     require_stdout()
     console = stderr_console()

@@ -119,43 +119,6 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
     return read_stdin(advice)
 
 
-# The most prompt characters ever encoded: a window's worth for GPT-2 (1024 tokens of up to 128 bytes, twice over),
-# and well under the whitespace run (~10^6 characters) that overflows tiktoken's regex stack.
-PROMPT_TAIL_CHARS = 300_000
-
-
-def encode_prompt(checkpoint, text: str, console) -> list[int]:
-    """Token ids of the prompt, after the tokenizer's BOS where it has one, cropped to the window with a notice; the
-    empty prompt is the BOS, else end-of-text.
-
-    Only the text that can reach the window is encoded: block_size tokens never span more than block_size times
-    the longest token's bytes in characters, so twice that (the tokens at the cut may differ, and are cropped) is
-    exact, up to PROMPT_TAIL_CHARS. That bound also keeps any whitespace run far below the length (~10^6
-    characters) at which tiktoken's regex engine overflows its stack and panics."""
-    from ...formats.tokenizer import bos_id, encode_text, end_of_text_id, longest_token_bytes
-
-    block_size = checkpoint.model.config.block_size
-    tail = min(2 * block_size * longest_token_bytes(checkpoint.encoding), PROMPT_TAIL_CHARS)
-    cut = len(text) > tail
-    bos = bos_id(checkpoint.encoding)
-    ids = ([] if bos is None else [bos]) + encode_text(checkpoint.encoding, text[-tail:] if cut else text)
-    if not ids:
-        eot = end_of_text_id(checkpoint.encoding)
-        if eot is None:
-            raise InputError("the prompt is empty and this model's vocabulary has no <|endoftext|> to start from")
-        ids = [eot]
-    if cut:
-        console.print(
-            f"notice: the prompt has {len(text)} characters; encoding its last {tail} and keeping its last "
-            f"{min(len(ids), block_size)} tokens (the model's block_size is {block_size})"
-        )
-    elif len(ids) > block_size:
-        console.print(
-            f"notice: the prompt has {len(ids)} tokens; keeping its last {block_size} (the model's block_size)"
-        )
-    return ids[-block_size:]
-
-
 def chat_template_text(path: Path | None) -> str | None:
     """--chat-template FILE's template, checked to parse."""
     from ...chat import check_template

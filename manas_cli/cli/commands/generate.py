@@ -9,7 +9,7 @@ from pathlib import Path
 from ...errors import interrupt_exit_code
 from ...models import ModelOptions
 from ...settings import GenerationSettings
-from .common import check_memory, encode_prompt, load_model, read_prompt, require_stdout
+from .common import check_memory, load_model, read_prompt, require_stdout
 
 # Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
 LATE_TOKENS = 32
@@ -32,9 +32,10 @@ def run(
 
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.threads import ThreadGovernor
-    from ...requests import Requests
+    from ...records import sample_record
+    from ...requests import Requests, encode_prompt
     from ..live import LiveDisplay, piped, shares_terminal
-    from ..render import Output, generation_stats_line, recompute_notice, sample_record, say, stderr_console
+    from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
 
     require_stdout()
     console = stderr_console(quiet=quiet)
@@ -44,7 +45,7 @@ def run(
     text = read_prompt(prompt, prompt_file)
     checkpoint, threads, engine = load_model(model_options, console)
     model, encoding = checkpoint.model, checkpoint.encoding
-    ids = encode_prompt(checkpoint, text, console)
+    ids = encode_prompt(checkpoint, text, console.print)
     batch, block_size, max_tokens = num_samples, model.config.block_size, settings.max_tokens
     positions = min(block_size, len(ids) + max_tokens)
     check_memory(engine, batch, positions, "--num-samples")

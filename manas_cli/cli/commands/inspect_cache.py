@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...models import ModelOptions
-from .common import check_memory, encode_prompt, load_model, read_prompt, require_stdout
+from ...requests import encode_prompt
+from .common import check_memory, load_model, read_prompt, require_stdout
 
 DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 
@@ -16,14 +17,15 @@ def run(
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.sampling import Sampler
     from ...engine.session import cache_report
-    from ..render import cache_view, json_line, stderr_console, token_progress
+    from ...records import json_line
+    from ..render import cache_view, stderr_console, token_progress
 
     require_stdout()
     console = stderr_console()
     text = read_prompt(prompt, prompt_file, default=DEFAULT_PROMPT)
     checkpoint, _, engine = load_model(model_options, console)
     model = checkpoint.model
-    ids = encode_prompt(checkpoint, text, console)
+    ids = encode_prompt(checkpoint, text, console.print)
     positions = min(model.config.block_size, len(ids) + tokens)
     check_memory(engine, 1, positions, "--tokens")
     session = engine.new_session(model_options.cache, capacity=positions)

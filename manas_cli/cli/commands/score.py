@@ -14,45 +14,27 @@ from .common import load_model, read_stdin, read_text_file, require_stdout
 def run(*, text_file: Path | None, stride: int | None, json_output: bool, model_options: ModelOptions) -> None:
     import sys
 
-    from ...engine.scoring import score
-    from ...formats.tokenizer import encode_long_text
-    from ..render import json_line, stderr_console, token_progress
+    from ...records import checked_stride, json_line, score_record, scored_ids
+    from ..render import stderr_console, token_progress
 
     require_stdout()
     console = stderr_console()
     text = read_text(text_file)
     checkpoint, _, engine = load_model(model_options, console)
-    block_size = checkpoint.model.config.block_size
-    stride = block_size // 2 if stride is None else stride
-    if not 1 <= stride <= block_size:
-        raise typer.BadParameter(
-            f"{stride} is not in the range 1 <= stride <= {block_size} (the model's block_size)",
-            param_hint="'--stride'",
-        )
-    ids = encode_long_text(checkpoint.encoding, text)
-    if len(ids) < 2:
-        raise InputError(f"the text is {len(ids)} token long: scoring needs at least 2")
+    try:
+        stride = checked_stride(stride, checkpoint.model.config.block_size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--stride'") from None
+    ids = scored_ids(checkpoint, text)
     with token_progress(console, len(ids) - 1, "scoring") as advance:
-        result = score(engine, ids, len(text), stride, on_window=lambda tokens: advance(tokens=tokens))
-    report = {
-        "nats_per_token": result.nats_per_token,
-        "nats_per_char": result.nats_per_char,
-        "perplexity": result.perplexity,
-        "tokens": result.tokens,
-        "characters": result.characters,
-        "stride": stride,
-        "block_size": block_size,
-        "checkpoint": str(checkpoint.path),
-        "weights": engine.weights,
-        "engine": engine.name,
-    }
+        report = score_record(checkpoint, engine, ids, len(text), stride, lambda tokens: advance(tokens=tokens))
     if json_output:
         print(json_line(report))
         return
     print(
-        f"{result.nats_per_token:.4f} nats/token · {result.nats_per_char:.4f} nats/char · perplexity "
-        f"{result.perplexity:,.2f} · {result.tokens:,} tokens scored ({result.characters:,} characters), window "
-        f"{block_size}, stride {stride} · {engine.weights} weights · {engine.name} engine",
+        f"{report['nats_per_token']:.4f} nats/token · {report['nats_per_char']:.4f} nats/char · perplexity "
+        f"{report['perplexity']:,.2f} · {report['tokens']:,} tokens scored ({report['characters']:,} characters), "
+        f"window {report['block_size']}, stride {stride} · {engine.weights} weights · {engine.name} engine",
         file=sys.stdout,
     )
 

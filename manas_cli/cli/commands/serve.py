@@ -12,7 +12,8 @@ import typer
 from ...chat import prompt_ids
 from ...errors import InputError
 from ...models import ModelOptions
-from .common import chat_template_text, check_memory, encode_prompt, load_model, model_chat_template
+from ...requests import encode_prompt
+from .common import chat_template_text, check_memory, load_model, model_chat_template
 
 # A choice's default ceiling on new tokens (serve --max-tokens): 4 windows, at least 1,024.
 DEFAULT_MAX_TOKENS_WINDOWS, MIN_MAX_TOKENS = 4, 1024
@@ -59,14 +60,13 @@ def run(
     checkpoint, _, engine = load_model(model_options, console)
     template = template or model_chat_template(checkpoint)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
-    quiet = stderr_console(quiet=True)  # a request's prompt notices are not the server's to print
     scheduler = Scheduler(engine, checkpoint, batch_size, max_queued, prefix_cache_bytes=int(prefix_cache_mb * 2**20))
     model_id = checkpoint.path.stem
     try:
         server = Server(
             (host, port),
             scheduler,
-            lambda text: encode_prompt(checkpoint, text, quiet),
+            partial(encode_prompt, checkpoint),
             model_id,
             api_key,
             verbose,

@@ -17,7 +17,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ...errors import ManasError
-from ..render import json_line
+from ...records import json_line
 from .api import (
     FINISH_REASONS,
     RequestError,

@@ -31,15 +31,21 @@ def atomic_write(path: str | Path, write: Callable[[str], None], *, overwrite: b
             if exc.errno is None and _disk_full(path.parent):  # a short write reported without errno (numpy's)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
             raise
-        os.chmod(tmp, _new_file_mode())  # created private (0600) while being written; the result is an ordinary file
-        if overwrite:
-            refuse_special(path)  # checked before the work too; a device may have appeared meanwhile
-            os.replace(tmp, path)
-        else:
-            _claim(tmp, path)
+        publish(tmp, path, overwrite=overwrite)
     finally:
         Path(tmp).unlink(missing_ok=True)
         _unfinished.discard(tmp)
+
+
+def publish(finished: str | Path, path: Path, *, overwrite: bool) -> None:
+    """Give a finished file, written private beside path, path's name and an ordinary file's mode: replacing path
+    (overwrite), or claiming the name with a hard link, which fails if it exists (the caller removes `finished`)."""
+    os.chmod(finished, _new_file_mode())  # created private (0600) while being written
+    if overwrite:
+        refuse_special(path)  # checked before the work too; a device may have appeared meanwhile
+        os.replace(finished, path)
+    else:
+        _claim(str(finished), path)
 
 
 def remove_unfinished() -> None:

@@ -174,30 +174,175 @@ MODEL_FLAGS = {
 }
 
 
-def takes_model_flags(cache: bool = True):
-    """A command decorator: the model flags (MODEL_FLAGS; without --cache where the command's caches are its own)
-    added after the command's own, and given to it as one `model_options: ModelOptions`."""
-    names = [name for name in MODEL_FLAGS if cache or name != "cache"]
+BatchSizeOption = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        max=256,
+        help=(
+            "With --jsonl, and in each of batch generate's actors: requests decoded together, each at its own "
+            "position; a finished one's row goes to the next request. 16 by measurement: on 2 cores, total decode "
+            "tokens/s still grows from 8 to 16 (GPT-2-124M shape 153 to 240, the shipped model 2,084 to 2,626)."
+        ),
+    ),
+]
+OverflowOption = Annotated[
+    Overflow,
+    typer.Option(
+        help=(
+            "When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, "
+            "exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes "
+            "from the cache again: much faster past the window, but the text is no longer identical to the "
+            "reference."
+        )
+    ),
+]
+
+
+# The generation settings' flags, declared once (generate, batch generate): name -> (annotation, default).
+MaxTokensOption = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")]
+TemperatureOption = Annotated[
+    float,
+    typer.Option(
+        "--temperature",
+        "-t",
+        callback=_checked("temperature"),
+        help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).",
+    ),
+]
+TopKOption = Annotated[Optional[int], typer.Option(min=1, help="Sample only from the k most likely tokens.")]
+TopPOption = Annotated[
+    Optional[float],
+    typer.Option(
+        callback=_checked("top_p"),
+        help=(
+            "Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely "
+            "token is always kept."
+        ),
+    ),
+]
+SeedOption = Annotated[
+    Optional[int],
+    typer.Option(
+        callback=_checked("seed"),
+        help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.",
+    ),
+]
+StopOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        metavar="TEXT",
+        callback=_stops_not_empty,
+        help="End before the first occurrence of TEXT, which is not printed. Repeatable.",
+    ),
+]
+MinPOption = Annotated[
+    Optional[float],
+    typer.Option(
+        callback=_checked("min_p"),
+        help=(
+            "Drop tokens less likely than MIN_P times the most likely one (0 ≤ p ≤ 1), after temperature, top-k "
+            "and top-p."
+        ),
+    ),
+]
+RepetitionPenaltyOption = Annotated[
+    float,
+    typer.Option(
+        callback=_checked("repetition_penalty"),
+        help=(
+            "Divide the logits of tokens among the last --repeat-last-n (multiply negative ones), as llama.cpp "
+            "and Hugging Face do; 1 is none, 1.1 a usual choice."
+        ),
+    ),
+]
+RepeatLastNOption = Annotated[
+    int,
+    typer.Option(
+        callback=_checked("repeat_last_n"),
+        help=(
+            "Tokens of the context (prompt included) the repetition penalty looks back over; -1: the whole "
+            "window, 0: none."
+        ),
+    ),
+]
+FrequencyPenaltyOption = Annotated[
+    float,
+    typer.Option(
+        callback=_checked("frequency_penalty"),
+        help=("Subtract this times each token's count in the generated text from its logit, as OpenAI does (-2 to 2)."),
+    ),
+]
+PresencePenaltyOption = Annotated[
+    float,
+    typer.Option(
+        callback=_checked("presence_penalty"),
+        help="Subtract this from the logit of every token already generated, as OpenAI does (-2 to 2).",
+    ),
+]
+LogprobsOption = Annotated[
+    int,
+    typer.Option(
+        callback=_checked("logprobs"),
+        help=(
+            "With --json: each token's log-probability and the N most likely alternatives with theirs (0 to 20), "
+            "from the distribution after the penalties, before temperature and filters."
+        ),
+    ),
+]
+SETTING_FLAGS = {
+    "max_tokens": (MaxTokensOption, 200),
+    "temperature": (TemperatureOption, 0.8),
+    "top_k": (TopKOption, None),
+    "top_p": (TopPOption, None),
+    "seed": (SeedOption, None),
+    "stop": (StopOption, None),
+    "min_p": (MinPOption, None),
+    "repetition_penalty": (RepetitionPenaltyOption, 1.0),
+    "repeat_last_n": (RepeatLastNOption, 64),
+    "frequency_penalty": (FrequencyPenaltyOption, 0.0),
+    "presence_penalty": (PresencePenaltyOption, 0.0),
+    "logprobs": (LogprobsOption, 0),
+}
+
+
+def takes_flags(table: dict, build, name: str):
+    """A command decorator: the flags in `table` (name -> (annotation, default)) added after the command's own, and
+    given to it as one `name` argument, build(**their values)."""
 
     def decorate(command):
-        own = [p for p in inspect.signature(command).parameters.values() if p.name != "model_options"]
+        own = [p for p in inspect.signature(command).parameters.values() if p.name != name]
         flags = [
-            inspect.Parameter(
-                name, inspect.Parameter.KEYWORD_ONLY, annotation=MODEL_FLAGS[name][0], default=MODEL_FLAGS[name][1]
-            )
-            for name in names
+            inspect.Parameter(flag, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+            for flag, (annotation, default) in table.items()
         ]
 
         @functools.wraps(command)
-        def with_model_options(**values):
-            options = model_options_of(**{name: values.pop(name) for name in names})
-            return command(**values, model_options=options)
+        def with_flags(**values):
+            built = build(**{flag: values.pop(flag) for flag in table})
+            return command(**values, **{name: built})
 
-        with_model_options.__signature__ = inspect.Signature([*own, *flags])
-        with_model_options.__annotations__ = {p.name: p.annotation for p in (*own, *flags)}  # what typer reads
-        return with_model_options
+        with_flags.__signature__ = inspect.Signature([*own, *flags])
+        with_flags.__annotations__ = {p.name: p.annotation for p in (*own, *flags)}  # what typer reads
+        return with_flags
 
     return decorate
+
+
+def takes_model_flags(cache: bool = True):
+    """The model flags (MODEL_FLAGS; without --cache where the command's caches are its own), given to the command
+    as one `model_options: ModelOptions`."""
+    table = {flag: value for flag, value in MODEL_FLAGS.items() if cache or flag != "cache"}
+    return takes_flags(table, model_options_of, "model_options")
+
+
+def takes_setting_flags():
+    """The generation settings' flags (SETTING_FLAGS), given to the command as one `settings: GenerationSettings`."""
+    return takes_flags(SETTING_FLAGS, settings_of, "settings")
+
+
+def settings_of(*, stop: Optional[list[str]], **values) -> GenerationSettings:
+    return GenerationSettings(stop=tuple(stop or ()), **values)
 
 
 def model_options_of(
@@ -252,6 +397,7 @@ def root(
 
 @app.command()
 @takes_model_flags()
+@takes_setting_flags()
 def generate(
     prompt_argument: Annotated[
         Optional[str],
@@ -261,139 +407,24 @@ def generate(
     ] = None,
     prompt: PromptOption = None,
     prompt_file: PromptFileOption = None,
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")
-    ] = 200,
-    temperature: Annotated[
-        float,
-        typer.Option(
-            "--temperature",
-            "-t",
-            callback=_checked("temperature"),
-            help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).",
-        ),
-    ] = 0.8,
-    top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample only from the k most likely tokens.")] = None,
-    top_p: Annotated[
-        Optional[float],
-        typer.Option(
-            callback=_checked("top_p"),
-            help=(
-                "Sample from the smallest set of tokens whose probability reaches p (0 < p <= 1); the most likely "
-                "token is always kept."
-            ),
-        ),
-    ] = None,
-    seed: Annotated[
-        Optional[int],
-        typer.Option(
-            callback=_checked("seed"),
-            help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.",
-        ),
-    ] = None,
-    stop: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            metavar="TEXT",
-            callback=_stops_not_empty,
-            help="End before the first occurrence of TEXT, which is not printed. Repeatable.",
-        ),
-    ] = None,
-    min_p: Annotated[
-        Optional[float],
-        typer.Option(
-            callback=_checked("min_p"),
-            help=(
-                "Drop tokens less likely than MIN_P times the most likely one (0 ≤ p ≤ 1), after temperature, top-k "
-                "and top-p."
-            ),
-        ),
-    ] = None,
-    repetition_penalty: Annotated[
-        float,
-        typer.Option(
-            callback=_checked("repetition_penalty"),
-            help=(
-                "Divide the logits of tokens among the last --repeat-last-n (multiply negative ones), as llama.cpp "
-                "and Hugging Face do; 1 is none, 1.1 a usual choice."
-            ),
-        ),
-    ] = 1.0,
-    repeat_last_n: Annotated[
-        int,
-        typer.Option(
-            callback=_checked("repeat_last_n"),
-            help=(
-                "Tokens of the context (prompt included) the repetition penalty looks back over; -1: the whole "
-                "window, 0: none."
-            ),
-        ),
-    ] = 64,
-    frequency_penalty: Annotated[
-        float,
-        typer.Option(
-            callback=_checked("frequency_penalty"),
-            help=(
-                "Subtract this times each token's count in the generated text from its logit, as OpenAI does (-2 to 2)."
-            ),
-        ),
-    ] = 0.0,
-    presence_penalty: Annotated[
-        float,
-        typer.Option(
-            callback=_checked("presence_penalty"),
-            help="Subtract this from the logit of every token already generated, as OpenAI does (-2 to 2).",
-        ),
-    ] = 0.0,
     jsonl: Annotated[
         bool,
         typer.Option(
             "--jsonl",
             help=(
                 "Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any "
-                "setting above by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, "
+                "setting by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, "
                 "repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs); write one --json record "
                 "per line, in input order."
             ),
         ),
     ] = False,
-    batch_size: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            max=256,
-            help=(
-                "With --jsonl: requests decoded together, each at its own position; a finished one's row goes to the "
-                "next request. 16 by measurement: on 2 cores, total decode tokens/s still grows from 8 to 16 "
-                "(GPT-2-124M shape 153 to 240, the shipped model 2,084 to 2,626)."
-            ),
-        ),
-    ] = 16,
-    logprobs: Annotated[
-        int,
-        typer.Option(
-            callback=_checked("logprobs"),
-            help=(
-                "With --json: each token's log-probability and the N most likely alternatives with theirs (0 to 20), "
-                "from the distribution after the penalties, before temperature and filters."
-            ),
-        ),
-    ] = 0,
+    batch_size: BatchSizeOption = 16,
     num_samples: Annotated[
         int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")
     ] = 1,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = False,
-    overflow: Annotated[
-        Overflow,
-        typer.Option(
-            help=(
-                "When the context window is full: 'recompute' re-prefills the last block_size tokens at every step, "
-                "exactly equal to crop-and-recompute sampling; 'shift' re-prefills the last half window, then decodes "
-                "from the cache again: much faster past the window, but the text is no longer identical to the "
-                "reference."
-            )
-        ),
-    ] = Overflow.recompute,
+    overflow: OverflowOption = Overflow.recompute,
     stats: Annotated[
         Optional[bool],
         typer.Option(
@@ -405,6 +436,7 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
     json_output: JsonOption = False,
     *,
+    settings: GenerationSettings,
     model_options: "ModelOptions",
 ) -> None:
     """Generate text from a prompt, streaming it to stdout as it is produced.
@@ -430,20 +462,6 @@ def generate(
         if prompt is not None:
             raise typer.BadParameter("give the prompt once: as an argument or with -p, not both", param_hint="'PROMPT'")
         prompt = prompt_argument
-    settings = GenerationSettings(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        repeat_last_n=repeat_last_n,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-        seed=seed,
-        stop=tuple(stop or ()),
-        logprobs=logprobs,
-    )
     if jsonl:
         from .commands import jsonl as pipeline
 
@@ -463,7 +481,7 @@ def generate(
             model_options=model_options,
         )
         return
-    if logprobs and not json_output:
+    if settings.logprobs and not json_output:
         raise typer.BadParameter(
             "log-probabilities are written in the --json record: add --json", param_hint="'--logprobs'"
         )
@@ -1140,10 +1158,150 @@ def tokenizer_command(
     command.run(src=src, out=out, force=force)
 
 
+batch_app = typer.Typer(
+    name="batch",
+    help="Generate or score every line of a JSONL file on a Ray cluster (or a local Ray instance), each record what "
+    "the line alone gives (docs/scale.md; pip install 'manas-cli[ray]').",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(batch_app)
+
+InputFileArgument = Annotated[Path, typer.Argument(metavar="IN.jsonl", help="One JSON object per line.")]
+BatchOutOption = Annotated[
+    Path,
+    typer.Option(
+        "--out",
+        "-o",
+        help="Where the records go, one per input line, in input order. Written to OUT.partial as they come and "
+        "renamed to OUT when all are there.",
+    ),
+]
+RayOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--ray",
+        envvar="RAY_ADDRESS",
+        show_envvar=True,
+        metavar="ADDRESS",
+        help="The Ray cluster (HOST:PORT of its head, or 'auto'). Default: a local Ray instance on this machine, "
+        "listening on loopback only.",
+    ),
+]
+ActorsOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, help="Actors, each with the model loaded once. Default: the cluster's CPUs over --threads."),
+]
+ResumeOption = Annotated[
+    bool, typer.Option("--resume", help="Go on from the records an interrupted run left in OUT.partial.")
+]
+ForceOption = Annotated[bool, typer.Option("--force", "-f", help="Replace OUT if it exists.")]
+
+
+def task_lines_option(default: int) -> type:
+    return Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help=f"Lines each Ray task takes (default {default}): more keeps an actor's rows full, fewer spreads the "
+            "work and redoes less when a worker dies.",
+        ),
+    ]
+
+
+@batch_app.command("generate", no_args_is_help=True)
+@takes_model_flags(cache=False)
+@takes_setting_flags()
+def batch_generate(
+    source: InputFileArgument,
+    out: BatchOutOption,
+    ray: RayOption = None,
+    actors: ActorsOption = None,
+    resume: ResumeOption = False,
+    force: ForceOption = False,
+    task_lines: task_lines_option(256) = 256,
+    batch_size: BatchSizeOption = 16,
+    overflow: OverflowOption = Overflow.recompute,
+    *,
+    settings: GenerationSettings,
+    model_options: "ModelOptions",
+) -> None:
+    """Generate for every line of IN.jsonl on Ray: the records --jsonl writes, in input order.
+
+    A line is what `manas generate --jsonl` reads: 'prompt', optionally 'id' and any setting by its name; the flags
+    give the settings' defaults. Each record equals the one `manas generate --jsonl` writes for the line alone
+    (seeded and greedy ones bit for bit on the native engine; their timings aside). The model is a file every node
+    can read, or a store name pulled on each node.
+
+    Examples:
+
+      manas batch generate prompts.jsonl --out records.jsonl -n 64 -t 0
+
+      manas batch generate prompts.jsonl -o records.jsonl --ray 10.0.0.5:6379 -m smollm2-135m-instruct
+
+      manas batch generate prompts.jsonl -o records.jsonl --resume
+    """
+    from .commands import batch as command
+
+    options = {"batch_size": batch_size, "overflow": overflow.value, **vars(settings)}
+    command.run(
+        job=command.Job("generate", options, task_lines),
+        source=source,
+        out=out,
+        address=ray,
+        actors=actors,
+        resume=resume,
+        force=force,
+        model_options=model_options,
+    )
+
+
+@batch_app.command("score", no_args_is_help=True)
+@takes_model_flags(cache=False)
+def batch_score(
+    source: InputFileArgument,
+    out: BatchOutOption,
+    ray: RayOption = None,
+    actors: ActorsOption = None,
+    resume: ResumeOption = False,
+    force: ForceOption = False,
+    task_lines: task_lines_option(16) = 16,
+    stride: Annotated[
+        Optional[int], typer.Option(help="Tokens each window advances by (default: half the window), as score's.")
+    ] = None,
+    *,
+    model_options: "ModelOptions",
+) -> None:
+    """Score every line of IN.jsonl on Ray: score --json's record for each line's text, in input order.
+
+    A line is {"text": ..., optionally "id" and "stride"}; each record is {"id", and the fields `manas score --json`
+    writes for the text alone}, or {"id", "line", "error"} for a line that is bad input.
+
+    Examples:
+
+      manas batch score corpus.jsonl --out scores.jsonl
+
+      manas batch score corpus.jsonl -o scores.jsonl --ray auto --actors 8 --stride 512
+    """
+    from .commands import batch as command
+
+    command.run(
+        job=command.Job("score", {"stride": stride}, task_lines),
+        source=source,
+        out=out,
+        address=ray,
+        actors=actors,
+        resume=resume,
+        force=force,
+        model_options=model_options,
+    )
+
+
 def summarize_commands() -> None:
     """The top-level help lists each command with its docstring's first sentence whole (click would cut it at 45
     characters with '...')."""
-    for info in app.registered_commands:
+    for info in [*app.registered_commands, *batch_app.registered_commands]:
         first = " ".join(info.callback.__doc__.split("\n\n")[0].split())  # its lines joined, indents dropped
         info.short_help = first.split(". ")[0].rstrip(".")
 

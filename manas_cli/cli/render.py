@@ -162,15 +162,17 @@ def generation_stats_line(stats, storage: dict, seed: int | None = None) -> str:
 
 
 @contextmanager
-def token_progress(console: Console, total: int, description: str) -> Iterator:
-    """On a terminal, a bar over `total` tokens with the elapsed time and an estimate of what is left, redrawn ten
-    times a second; yields the callback to call after each token (or several), which may give a new description."""
+def token_progress(console: Console, total: int, description: str, unit: str = "tokens") -> Iterator:
+    """On a terminal, a bar over `total` tokens (or other units) with the elapsed time, the rate and an estimate of
+    what is left, redrawn ten times a second; yields the callback to call after each token (or several), which may
+    give a new description."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed:,}/{task.total:,} tokens"),
+        TextColumn("{task.completed:,}/{task.total:,} " + unit),
+        TextColumn("{task.fields[rate]}"),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
@@ -178,10 +180,12 @@ def token_progress(console: Console, total: int, description: str) -> Iterator:
         disable=not console.is_terminal,
         transient=True,
     )
-    task = progress.add_task(description, total=total)
+    task = progress.add_task(description, total=total, rate="")
 
     def advance(label: str | None = None, tokens: int = 1) -> None:
         progress.update(task, advance=tokens, **({"description": label} if label else {}))
+        speed = progress.tasks[task].speed
+        progress.update(task, rate="" if speed is None else f"{speed:,.1f}/s")
 
     with progress:
         yield advance

@@ -1,0 +1,201 @@
+"""`manas batch generate|score IN.jsonl --out OUT.jsonl`: the lines of a file through the Ray Data classes
+(manas_cli.ray_data) on a Ray cluster, or on a local Ray instance; the records written in input order, into
+OUT.partial as they come and to OUT once all are there, so a killed job leaves no half OUT and `--resume` goes on
+from the records already written."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...batch import RawLine, read_raw_lines
+from ...errors import InputError, ManasError, interrupt_exit_code
+from ...files import check_output_file, publish, refuse_inputs
+from ...models import ModelOptions, checkpoint_file, resolve_checkpoint
+
+RAY_MISSING = 'manas batch runs on Ray, which is not installed: pip install "manas-cli[ray]"'
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What runs on the actors: the Ray Data class, its keyword arguments, and the lines each task takes."""
+
+    kind: str  # "generate" or "score"
+    options: dict  # the class's keyword arguments beyond the model's
+    task_lines: int
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def read_lines(source: Path) -> list[RawLine]:
+    """IN's non-blank lines (each at most batch.MAX_LINE_BYTES, as --jsonl reads them), read on this machine."""
+    try:
+        with source.open("rb") as f:
+            return list(read_raw_lines(f))
+    except FileNotFoundError:
+        raise InputError(f"input file {source} does not exist") from None
+    except IsADirectoryError:
+        raise InputError(f"input file {source} is a directory, not a file") from None
+    except OSError as exc:
+        raise InputError(f"cannot read input file {source}: {exc.strerror}") from None
+
+
+def records_done(partial: Path, resume: bool) -> tuple[int, int]:
+    """How many records an interrupted run left in OUT.partial (a last line cut short is dropped), and how many of
+    them are error records; without --resume, a partial file is refused rather than lost."""
+    if not partial.exists():
+        return 0, 0
+    if not resume:
+        raise InputError(
+            f"{partial} holds the records of an interrupted run: add --resume to go on from them, or delete it to "
+            "start again"
+        )
+    with partial.open("rb+") as f:
+        data = f.read()
+        whole = data.rfind(b"\n") + 1  # a record is written whole, but a kill can still cut the last one
+        f.truncate(whole)
+    records = data[:whole].splitlines()
+    try:
+        return len(records), sum("error" in json.loads(record) for record in records)
+    except ValueError:
+        raise InputError(f"{partial} is not a file of records (JSON lines): is it this job's?") from None
+
+
+def model_argument(model_options: ModelOptions, address: str | None) -> str | None:
+    """The model as the actors are to open it: a file found here, as an absolute path (the workers' folder is not
+    ours); a name or path not found here, as given, when a cluster is named (its nodes may have it: docs/scale.md)."""
+    try:
+        return str(checkpoint_file(resolve_checkpoint(model_options.checkpoint)).resolve())
+    except InputError:
+        if address is None or model_options.checkpoint is None:
+            raise
+        return str(model_options.checkpoint)
+
+
+def start_ray(address: str | None):
+    """Ray, connected to the cluster at `address`, or to a new local instance. A local instance, or a cluster at a
+    loopback address, stays on loopback: Ray otherwise swaps 127.0.0.1 for the machine's outside address and
+    listens on every interface (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's switch for that; set before Ray is
+    imported, as Ray reads it then)."""
+    host = (address or "").rpartition(":")[0]
+    if address is None or host in LOOPBACK_HOSTS:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray
+        import ray.data  # noqa: F401 (Ray Data is the `ray[data]` part of the extra)
+    except ImportError:
+        raise InputError(RAY_MISSING) from None
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise InputError(f"cannot reach the Ray cluster at {address}: {first_line(exc)}") from None
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True  # the records come back in input order
+    context.enable_progress_bars = False  # ours shows records/s and ETA
+    context.print_on_execution_start = False
+    return ray
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def cause(exc: BaseException) -> ManasError | None:
+    """The manas error an actor raised (a model it cannot open), through Ray's wrappers."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, ManasError):
+            return seen
+        if isinstance(getattr(seen, "cause", None), BaseException):
+            seen = seen.cause
+        else:
+            seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def records(ray, lines: list[RawLine], job: Job, model: str | None, model_options: ModelOptions, actors: int):
+    """The records of `lines`, in their order, as Ray's actors make them."""
+    from ...ray_data import Generator, Scorer
+
+    threads = model_options.threads or 1
+    keys = {
+        "device": model_options.device,
+        "dtype": model_options.dtype,
+        "threads": threads,
+        "engine": model_options.engine,
+        "quantize": model_options.quantize,
+        "float_activations": model_options.float_activations,
+        "ctx": model_options.ctx,
+    }
+    rows = [{"line": line.number, "request": line.text, "unreadable": line.error} for line in lines]
+    dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // job.task_lines)))
+    mapped = dataset.map_batches(
+        Generator if job.kind == "generate" else Scorer,
+        fn_constructor_args=(model,),
+        fn_constructor_kwargs={**keys, **job.options},
+        batch_size=job.task_lines,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_cpus=threads,
+    )
+    for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
+        yield from zip(batch["record"].tolist(), batch["failed"].tolist())
+
+
+def default_actors(ray, threads: int) -> int:
+    """As many actors as the cluster has CPUs for, at `threads` each."""
+    return max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
+
+
+def run(
+    *,
+    job: Job,
+    source: Path,
+    out: Path,
+    address: str | None,
+    actors: int | None,
+    resume: bool,
+    force: bool,
+    model_options: ModelOptions,
+) -> None:
+    import typer
+
+    from ..render import say, stderr_console, token_progress
+
+    console = stderr_console()
+    partial = partial_path(out)
+    check_output_file(out, force, inputs=(source,))
+    refuse_inputs(partial, (source,))
+    lines = read_lines(source)
+    done, failed = records_done(partial, resume)
+    if done > len(lines):
+        raise InputError(f"{partial} holds {done} records and {source} only {len(lines)} lines: is it this job's?")
+    model = model_argument(model_options, address)
+    ray = start_ray(address)
+    actors = actors or default_actors(ray, model_options.threads or 1)
+    descriptor = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # private until published
+    with os.fdopen(descriptor, "a", encoding="utf-8") as written:
+        with token_progress(console, len(lines) - done, f"{job.kind} on {actors} actors", "records") as advance:
+            try:
+                for record, bad in records(ray, lines[done:], job, model, model_options, actors):
+                    written.write(record + "\n")
+                    written.flush()  # a record is on disk whole before the next, for --resume
+                    failed += bad
+                    advance()
+            except ray.exceptions.RayError as exc:
+                raise cause(exc) or ManasError(f"the Ray job failed: {first_line(exc)}") from None
+            except KeyboardInterrupt as exc:
+                say(console, f"interrupted: the records so far are in {partial}; --resume goes on from them")
+                raise typer.Exit(interrupt_exit_code(exc)) from None
+        os.fsync(written.fileno())
+    publish(partial, out, overwrite=force)
+    partial.unlink(missing_ok=True)
+    say(console, f"{len(lines):,} records in {out} ({done:,} from the interrupted run) · {actors} actors")
+    if failed:
+        console.print(f"error: {failed} of {len(lines)} lines failed (their records have an 'error' field)")
+        raise typer.Exit(1)

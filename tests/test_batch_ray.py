@@ -1,0 +1,213 @@
+"""`manas batch` and the Ray Data classes on a real Ray cluster: a head and a second node on 127.0.0.1, started by
+Ray's own multi-node-on-one-machine utility (ray.cluster_utils.Cluster; `ray start` cannot keep a second node on
+loopback: see docs/scale.md), every socket it listens on checked to be a loopback one. Each record must equal what
+`manas generate --jsonl` or `manas score --json` writes for the line alone, in input order, through a worker killed
+mid-run and a driver killed and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from cli_fixtures import MANAS, cli_env, manas
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]' (CI installs it)")
+
+pytestmark = pytest.mark.xdist_group("ray")  # one cluster for the module, on one test worker
+
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.safetensors"
+TIMINGS = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s")  # a run's speed, not its result
+LONG = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\n" * 14  # past 256 tokens
+
+
+def mixed_lines() -> list[bytes]:
+    """200 requests: greedy, seeded, stop strings, past the shipped model's 256-token window, and bad lines."""
+    prompts = ["ROMEO:", "JULIET:\n", "KING RICHARD III:\nNow is the", "", "O, ", "First Citizen:\n"]
+    lines = []
+    for index in range(200):
+        request = {"prompt": prompts[index % len(prompts)], "max_tokens": 4 + index % 13}
+        if index % 3 == 0:
+            request["temperature"] = 0
+        else:
+            request.update(seed=index, top_k=1 + index % 40, top_p=0.9)
+        if index % 7 == 0:
+            request["stop"] = ["\n", "e"]
+        if index % 5 == 1:
+            request["id"] = f"request-{index}"
+        if index % 50 == 10:
+            request.update(prompt=LONG, max_tokens=20)
+        lines.append(json.dumps(request).encode())
+    lines[17], lines[33], lines[99] = b"not json", b'{"prompt": 5}', b'{"prompt": "x", "temperature": -1}'
+    lines[140], lines[141] = b"\xff\xfe not UTF-8", b"[]"
+    return lines
+
+
+def comparable(record: dict, line: bytes) -> dict:
+    """A record without its timings; an unseeded line's seed is drawn at random (its greedy text is not)."""
+    drawn = b'"seed"' not in line
+    return {key: value for key, value in record.items() if key not in TIMINGS and not (drawn and key == "seed")}
+
+
+def listening_sockets() -> set[tuple[str, str]]:
+    """(local address in /proc's hex, port) of every TCP socket listening on this machine."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A":  # LISTEN
+                    found.add(tuple(fields[1].split(":")))
+    return found
+
+
+def is_loopback(hex_address: str) -> bool:
+    if len(hex_address) == 8:  # IPv4, little-endian: 127.x.x.x ends in 7F
+        return hex_address.endswith("7F")
+    return hex_address == "0" * 31 + "1" or (
+        hex_address[:24] == "0000000000000000FFFF0000" and hex_address[-2:] == "7F"
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head and a second node, one CPU each, both on 127.0.0.1: (its address, the sockets it listens on)."""
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray's modules as they load: loopback only
+    before = listening_sockets()
+    head = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+    nodes = Cluster(initialize_head=True, head_node_args=head)
+    nodes.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    nodes.wait_for_nodes()
+    try:
+        yield nodes.address, listening_sockets() - before
+    finally:
+        nodes.shutdown()
+
+
+def batch(*args, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*MANAS, "batch", *map(str, args)], capture_output=True, env=cli_env(**env), timeout=600, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def requests(tmp_path_factory) -> tuple[Path, list[bytes], list[dict]]:
+    """The input file, its non-blank lines, and `manas generate --jsonl`'s records for them (the reference)."""
+    lines = mixed_lines()
+    source = tmp_path_factory.mktemp("batch") / "in.jsonl"
+    source.write_bytes(b"\n".join(lines[:50] + [b"", b"   "] + lines[50:]) + b"\n")  # blank lines are skipped
+    reference = manas("generate", "--jsonl", "--prompt-file", source, "-c", SHIPPED, "--threads", "1")
+    assert reference.returncode == 1  # the bad lines
+    return source, lines, reference.json_lines()
+
+
+def assert_same_records(out: Path, lines: list[bytes], reference: list[dict]) -> None:
+    records = [json.loads(text) for text in out.read_text(encoding="utf-8").splitlines()]
+    assert len(records) == len(reference) == len(lines)
+    for record, expected, line in zip(records, reference, lines):
+        assert comparable(record, line) == comparable(expected, line)
+    assert sum("error" in record for record in records) == 5
+
+
+def test_the_cluster_is_two_nodes_listening_on_loopback_only(cluster):
+    address, sockets = cluster
+    assert sockets, "the cluster listens somewhere"
+    assert all(is_loopback(host) for host, _ in sockets), sockets
+    assert address.startswith("127.0.0.1:")
+
+
+def test_batch_generate_on_two_nodes_equals_jsonl_line_by_line(cluster, requests, tmp_path):
+    source, lines, reference = requests
+    out = tmp_path / "out.jsonl"
+    run = batch("generate", source, "--out", out, "--ray", cluster[0], "--actors", 2, "--task-lines", 25, "-c", SHIPPED)
+    assert run.returncode == 1, run.stderr.decode()  # as --jsonl: some lines failed
+    assert b"error: 5 of 200 lines failed" in run.stderr
+    assert_same_records(out, lines, reference)
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_batch_score_equals_score_json_text_by_text(cluster, tmp_path):
+    texts = [LONG[index * 17 : index * 17 + 20 + index * 29] for index in range(48)] + ["a", "ROMEO: O"]
+    source = tmp_path / "texts.jsonl"
+    source.write_text("".join(json.dumps({"text": text, "id": index}) + "\n" for index, text in enumerate(texts)))
+    out = tmp_path / "scores.jsonl"
+    run = batch("score", source, "-o", out, "--ray", cluster[0], "--actors", 2, "--task-lines", 8, "-c", SHIPPED)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+
+    def alone(text: str) -> dict | str:
+        """score --json's record, or the error line it prints instead."""
+        done = manas("score", "--json", "-c", SHIPPED.resolve(), "--threads", "1", stdin=text.encode())
+        return done.json() if done.returncode == 0 else done.err.strip().removeprefix("error: ")
+
+    with ThreadPoolExecutor(2) as pool:
+        expected = list(pool.map(alone, texts))
+    assert run.returncode == 1 and len(records) == 50
+    assert isinstance(expected[48], str)  # one token: `manas score` refuses it; batch score writes its error record
+    for index, (record, score) in enumerate(zip(records, expected)):
+        assert record == (
+            {"id": index, "line": index + 1, "error": score} if isinstance(score, str) else {"id": index, **score}
+        )
+
+
+def ray_workers() -> list[int]:
+    """The processes of this machine's Ray actors that run the Generator."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"MapBatches(Generator)" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_records(partial: Path, count: int, process: subprocess.Popen) -> None:
+    while process.poll() is None:
+        if partial.exists() and partial.read_bytes().count(b"\n") >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the job ended before writing {count} records: {process.stderr.read().decode()}")
+
+
+def start_batch(cluster, source: Path, out: Path, *args) -> subprocess.Popen:
+    command = [*MANAS, "batch", "generate", source, "-o", out, "--ray", cluster[0], "-c", SHIPPED, *args]
+    return subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+
+
+def test_a_worker_killed_mid_run_is_retried_and_every_record_written_once(cluster, requests, tmp_path):
+    source, lines, reference = requests
+    out = tmp_path / "out.jsonl"
+    job = start_batch(cluster, source, out, "--actors", 2, "--task-lines", 10)
+    wait_for_records(tmp_path / "out.jsonl.partial", 10, job)
+    workers = ray_workers()
+    assert workers
+    os.kill(workers[0], signal.SIGKILL)
+    _, stderr = job.communicate(timeout=600)
+    assert job.returncode == 1, stderr.decode()
+    assert_same_records(out, lines, reference)
+
+
+def test_resume_after_the_driver_is_killed_writes_each_record_once(cluster, requests, tmp_path):
+    source, lines, reference = requests
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"
+    job = start_batch(cluster, source, out, "--actors", 1, "--task-lines", 10)
+    wait_for_records(partial, 30, job)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    assert not out.exists() and partial.exists()
+    again = batch("generate", source, "-o", out, "--ray", cluster[0], "-c", SHIPPED)
+    assert again.returncode == 1 and b"--resume" in again.stderr  # a partial run is never overwritten unasked
+    assert partial.exists()
+    resumed = batch("generate", source, "-o", out, "--ray", cluster[0], "-c", SHIPPED, "--resume")
+    assert resumed.returncode == 1, resumed.stderr.decode()
+    assert_same_records(out, lines, reference)
+    assert not partial.exists()

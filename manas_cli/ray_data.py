@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import fields
 from pathlib import Path
 
 from .batch import RawLine, generate_records, score_line
@@ -45,12 +46,23 @@ def assigned_cpus() -> int:
         return 1
 
 
-def plain(value: object) -> object:
+# The columns that hold integers. Arrow hands an integer column with a missing value to numpy as floats (NaN for
+# the missing one), so a whole float there is taken back as the integer it was (exactly, up to 2^53).
+INTEGERS = {field.name for field in fields(GenerationSettings) if field.type in ("int", "int | None")} | {
+    "id",
+    "line",
+    "stride",
+}
+
+
+def plain(name: str, value: object) -> object:
     """A batch's cell as JSON takes it: numpy scalars and arrays as Python's; None for a missing one (NaN)."""
     if hasattr(value, "tolist"):
         value = value.tolist()
     if isinstance(value, float) and math.isnan(value):
         return None
+    if isinstance(value, float) and name in INTEGERS and value.is_integer():
+        return int(value)
     return value
 
 
@@ -58,7 +70,7 @@ def batch_rows(batch) -> list[dict]:
     """A batch (a dict of columns, or a pandas DataFrame) as rows of plain values."""
     columns = {name: list(batch[name]) for name in batch}
     count = len(next(iter(columns.values()), []))
-    return [{name: plain(cells[index]) for name, cells in columns.items()} for index in range(count)]
+    return [{name: plain(name, cells[index]) for name, cells in columns.items()} for index in range(count)]
 
 
 def raw_line(row: dict, place: int) -> RawLine:

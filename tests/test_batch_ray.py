@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -204,6 +205,8 @@ def test_resume_after_the_driver_is_killed_writes_each_record_once(cluster, requ
     job.send_signal(signal.SIGKILL)
     job.wait()
     assert not out.exists() and partial.exists()
+    with partial.open("ab") as f:
+        f.write(b'{"id": 31, "text": "cut sh')  # as a kill in the middle of a write would leave it
     again = batch("generate", source, "-o", out, "--ray", cluster[0], "-c", SHIPPED)
     assert again.returncode == 1 and b"--resume" in again.stderr  # a partial run is never overwritten unasked
     assert partial.exists()
@@ -211,3 +214,26 @@ def test_resume_after_the_driver_is_killed_writes_each_record_once(cluster, requ
     assert resumed.returncode == 1, resumed.stderr.decode()
     assert_same_records(out, lines, reference)
     assert not partial.exists()
+
+
+def test_the_ray_data_example_in_docs_runs_as_written_and_gives_jsonl_records(cluster, tmp_path):
+    """docs/scale.md's pipeline, run as a user's script against the cluster ($RAY_ADDRESS): its records are
+    --jsonl's for the same two requests."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "scale.md").read_text()
+    section = docs.split("## In a Ray pipeline", 1)[1]
+    (script,) = re.findall(r"```python\n(.*?)```", section, re.S)[:1]
+    (tmp_path / "example.py").write_text(script)
+    run = subprocess.run(
+        [MANAS[0], "example.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        env=cli_env(RAY_ADDRESS=cluster[0], RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr.decode()
+    lines = b'{"prompt": "ROMEO:", "seed": 1}\n{"prompt": "JULIET:", "temperature": 0}\n'
+    expected = manas("generate", "--jsonl", "-n", "32", "--threads", "1", stdin=lines).ok().json_lines()
+    records = [json.loads(line) for line in run.stdout.decode().splitlines()]
+    assert [comparable(record, line) for record, line in zip(records, lines.splitlines())] == [
+        comparable({**record, "id": None}, line) for record, line in zip(expected, lines.splitlines())
+    ]

@@ -1160,8 +1160,13 @@ def tokenizer_command(
 
 batch_app = typer.Typer(
     name="batch",
-    help="Generate or score every line of a JSONL file on a Ray cluster (or a local Ray instance), each record what "
-    "the line alone gives (docs/scale.md; pip install 'manas-cli[ray]').",
+    help="Generate or score every line of a JSONL file on a Ray cluster or a local Ray instance, each record what "
+    "the line alone gives.\n\n"
+    "The records are written in input order, to OUT.partial as they come and to OUT when all are there; --resume "
+    "goes on after a killed job. Needs Ray: pip install 'manas-cli[ray]'. docs/scale.md has the details.\n\n"
+    "Examples:\n\n"
+    "  manas batch generate prompts.jsonl --out records.jsonl -n 64 -t 0\n\n"
+    "  manas batch score corpus.jsonl --out scores.jsonl --ray 10.0.0.5:6379",
     no_args_is_help=True,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -1300,10 +1305,15 @@ def batch_score(
 
 def summarize_commands() -> None:
     """The top-level help lists each command with its docstring's first sentence whole (click would cut it at 45
-    characters with '...')."""
+    characters with '...'); a group of commands (batch) with its help's."""
     for info in [*app.registered_commands, *batch_app.registered_commands]:
-        first = " ".join(info.callback.__doc__.split("\n\n")[0].split())  # its lines joined, indents dropped
-        info.short_help = first.split(". ")[0].rstrip(".")
+        info.short_help = first_sentence(info.callback.__doc__)
+    for group in app.registered_groups:
+        group.short_help = first_sentence(group.typer_instance.info.help)
 
+
+def first_sentence(text: str) -> str:
+    first = " ".join(text.split("\n\n")[0].split())  # its lines joined, indents dropped
+    return first.split(". ")[0].rstrip(".")
 
 summarize_commands()

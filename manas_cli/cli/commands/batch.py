@@ -6,6 +6,7 @@ from the records already written."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,14 +68,22 @@ def records_done(partial: Path, resume: bool) -> tuple[int, int]:
 
 
 def model_argument(model_options: ModelOptions, address: str | None) -> str | None:
-    """The model as the actors are to open it: a file found here, as an absolute path (the workers' folder is not
-    ours); a name or path not found here, as given, when a cluster is named (its nodes may have it: docs/scale.md)."""
+    """The model as the actors are to open it. A store name stays a name, for each node's own store (checked here
+    when the instance is local); a file found here goes as its absolute path (a worker's folder is not ours); a
+    path not found here goes as given when a cluster is named (its nodes may have it: docs/scale.md)."""
+    from ... import store
+
+    option = model_options.checkpoint
+    if option is not None and not option.exists() and store.is_name(str(option)):
+        if address is None:
+            resolve_checkpoint(option)  # not in this machine's store: say so before Ray starts
+        return str(option)
     try:
-        return str(checkpoint_file(resolve_checkpoint(model_options.checkpoint)).resolve())
+        return str(checkpoint_file(resolve_checkpoint(option)).resolve())
     except InputError:
-        if address is None or model_options.checkpoint is None:
+        if address is None or option is None:
             raise
-        return str(model_options.checkpoint)
+        return str(option)
 
 
 def start_ray(address: str | None):
@@ -94,6 +103,7 @@ def start_ray(address: str | None):
         ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise InputError(f"cannot reach the Ray cluster at {address}: {first_line(exc)}") from None
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its plan and progress lines: ours are on a terminal
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # the records come back in input order
     context.enable_progress_bars = False  # ours shows records/s and ETA
@@ -134,12 +144,13 @@ def records(ray, lines: list[RawLine], job: Job, model: str | None, model_option
         "ctx": model_options.ctx,
     }
     rows = [{"line": line.number, "request": line.text, "unreadable": line.error} for line in lines]
-    dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // job.task_lines)))
+    per_task = max(1, min(job.task_lines, -(-len(rows) // actors)))  # a short job still gives every actor some
+    dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
     mapped = dataset.map_batches(
         Generator if job.kind == "generate" else Scorer,
         fn_constructor_args=(model,),
         fn_constructor_kwargs={**keys, **job.options},
-        batch_size=job.task_lines,
+        batch_size=per_task,
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=threads,
     )
@@ -195,7 +206,8 @@ def run(
         os.fsync(written.fileno())
     publish(partial, out, overwrite=force)
     partial.unlink(missing_ok=True)
-    say(console, f"{len(lines):,} records in {out} ({done:,} from the interrupted run) · {actors} actors")
+    resumed = f" ({done:,} of them from the interrupted run)" if done else ""
+    say(console, f"{len(lines):,} records in {out}{resumed} · {actors} actors")
     if failed:
         console.print(f"error: {failed} of {len(lines)} lines failed (their records have an 'error' field)")
         raise typer.Exit(1)

@@ -1,0 +1,116 @@
+"""Issue 38's goals: `manas batch generate` on Ray beside one `manas generate --jsonl` process, the shipped model,
+1,000 prompts of 64 new tokens each (seeded, so that every record can be compared).
+
+  local: `manas batch generate --actors 2` on a local Ray instance (1 thread each; Ray's start-up included)
+         against `manas generate --jsonl --threads 2`, whole processes taking turns. Goal: within 1.25× its wall time.
+  nodes: the same job on one loopback node and on two (ray.cluster_utils.Cluster, one CPU and one actor per node,
+         the cluster started before the clock): the records identical, each node's records/s.
+
+    python benchmarks/goal_ray.py --runs 2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from harness import MANAS, ROOT, realtime, run_goals
+
+SHIPPED = ROOT / "checkpoints" / "shakespeare.safetensors"
+PROMPTS = 1000
+NEW_TOKENS = 64
+OPENINGS = ["ROMEO:", "JULIET:\n", "KING RICHARD III:\nNow is the", "First Citizen:\n", "O, ", "MENENIUS:\n"]
+TIMINGS = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s")
+
+
+def prompts_file(folder: Path) -> Path:
+    path = folder / "prompts.jsonl"
+    lines = [json.dumps({"prompt": OPENINGS[i % len(OPENINGS)], "seed": i}) for i in range(PROMPTS)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def results(text: str) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in text.splitlines()]
+
+
+def timed_run(command: list[str], env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    started = time.perf_counter()
+    done = subprocess.run(realtime(command), capture_output=True, text=True, env=env, check=True)
+    return time.perf_counter() - started, done
+
+
+def jsonl(source: Path) -> tuple[float, list[dict]]:
+    command = [*MANAS, "generate", "--jsonl", "--prompt-file", str(source), "-c", str(SHIPPED)]
+    seconds, done = timed_run(command + ["-n", str(NEW_TOKENS), "--threads", "2"])
+    return seconds, results(done.stdout)
+
+
+def batch(source: Path, out: Path, actors: int, address: str | None = None) -> tuple[float, list[dict]]:
+    out.unlink(missing_ok=True)
+    command = [*MANAS, "batch", "generate", str(source), "-o", str(out), "-c", str(SHIPPED), "-n", str(NEW_TOKENS)]
+    command += ["--actors", str(actors), "--threads", "1"] + (["--ray", address] if address else [])
+    seconds, _ = timed_run(command)
+    return seconds, results(out.read_text())
+
+
+def goal_local(args) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        source = prompts_file(Path(folder))
+        times = {"jsonl": [], "ray": []}
+        for _ in range(args.runs):
+            seconds, expected = jsonl(source)
+            times["jsonl"].append(seconds)
+            seconds, records = batch(source, Path(folder) / "out.jsonl", 2)
+            times["ray"].append(seconds)
+            assert records == expected, "a Ray record differs from --jsonl's"
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "prompts": PROMPTS,
+        "new_tokens": NEW_TOKENS,
+        "jsonl_s": times["jsonl"],
+        "ray_2_actors_s": times["ray"],
+        "ratio": round(medians["ray"] / medians["jsonl"], 3),
+        "goal": "ratio <= 1.25",
+        "records_equal": True,
+    }
+
+
+def goal_nodes(args) -> dict:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only; read as Ray loads
+    from ray.cluster_utils import Cluster
+
+    report = {}
+    with tempfile.TemporaryDirectory() as folder:
+        source = prompts_file(Path(folder))
+        outputs = {}
+        for nodes in (1, 2):
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+            )
+            for _ in range(nodes - 1):
+                cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+            cluster.wait_for_nodes()
+            try:
+                seconds, outputs[nodes] = batch(source, Path(folder) / "out.jsonl", nodes, cluster.address)
+            finally:
+                cluster.shutdown()
+            report[f"{nodes}_nodes"] = {
+                "wall_s": round(seconds, 2),
+                "records_per_s": round(PROMPTS / seconds, 1),
+                "records_per_s_per_node": round(PROMPTS / seconds / nodes, 1),
+            }
+    report["records_identical"] = outputs[1] == outputs[2]
+    return report
+
+
+GOALS = {"local": goal_local, "nodes": goal_nodes}
+
+if __name__ == "__main__":
+    run_goals(GOALS, __doc__)

@@ -25,11 +25,17 @@ def refused(run, message: str) -> None:
     assert len(run.err.strip().splitlines()) == 1
 
 
+def without_ray(folder: Path) -> str:
+    """A PYTHONPATH under which `import ray` fails as it does where Ray is not installed."""
+    (folder / "no-ray" / "ray").mkdir(parents=True)
+    (folder / "no-ray" / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    return str(folder / "no-ray")
+
+
 def test_without_ray_installed_the_error_says_how_to_install_it(tmp_path, source):
-    absent = tmp_path / "no-ray"
-    (absent / "ray").mkdir(parents=True)
-    (absent / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")  # as if not installed
-    run = manas("batch", "generate", source, "-o", tmp_path / "out.jsonl", "-c", SHIPPED, PYTHONPATH=str(absent))
+    run = manas(
+        "batch", "generate", source, "-o", tmp_path / "out.jsonl", "-c", SHIPPED, PYTHONPATH=without_ray(tmp_path)
+    )
     refused(run, 'pip install "manas-cli[ray]"')
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -63,3 +69,12 @@ def test_a_missing_input_and_a_missing_model_are_one_error_line(tmp_path, source
     refused(manas("batch", "generate", tmp_path / "absent.jsonl", "-o", tmp_path / "o.jsonl"), "does not exist")
     missing_model = manas("batch", "score", source, "-o", tmp_path / "o.jsonl", "-m", "absent-model")
     refused(missing_model, "no model 'absent-model'")
+
+
+def test_resume_of_a_run_cut_before_its_rename_only_publishes(tmp_path, source):
+    """Every record written, the rename not yet done: --resume moves the file into place, without starting Ray."""
+    record = '{"id": 1, "text": "x"}\n'
+    (tmp_path / "out.jsonl.partial").write_text(record)
+    manas("batch", "generate", source, "-o", tmp_path / "out.jsonl", "--resume", PYTHONPATH=without_ray(tmp_path)).ok()
+    assert (tmp_path / "out.jsonl").read_text() == record
+    assert not (tmp_path / "out.jsonl.partial").exists()

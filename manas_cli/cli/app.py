@@ -1316,4 +1316,5 @@ def first_sentence(text: str) -> str:
     first = " ".join(text.split("\n\n")[0].split())  # its lines joined, indents dropped
     return first.split(". ")[0].rstrip(".")
 
+
 summarize_commands()

@@ -100,7 +100,8 @@ def start_ray(address: str | None):
     except ImportError:
         raise InputError(RAY_MISSING) from None
     try:
-        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        # "local": a new instance, never the last cluster this machine started (which Ray would join otherwise)
+        ray.init(address=address or "local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise InputError(f"cannot reach the Ray cluster at {address}: {first_line(exc)}") from None
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its plan and progress lines: ours are on a terminal
@@ -144,14 +145,17 @@ def records(ray, lines: list[RawLine], job: Job, model: str | None, model_option
         "ctx": model_options.ctx,
     }
     rows = [{"line": line.number, "request": line.text, "unreadable": line.error} for line in lines]
-    per_task = max(1, min(job.task_lines, -(-len(rows) // actors)))  # a short job still gives every actor some
+    # At least 4 tasks an actor where the lines allow, so that none waits long for the last one's; a short job
+    # still gives every actor some.
+    per_task = max(1, min(job.task_lines, -(-len(rows) // (4 * actors))))
     dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
     mapped = dataset.map_batches(
         Generator if job.kind == "generate" else Scorer,
         fn_constructor_args=(model,),
         fn_constructor_kwargs={**keys, **job.options},
         batch_size=per_task,
-        compute=ray.data.ActorPoolStrategy(size=actors),
+        # Two tasks at a time an actor, not Ray's four: the first actor up would queue the whole of a short job.
+        compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
         num_cpus=threads,
     )
     for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
@@ -187,27 +191,28 @@ def run(
     if done > len(lines):
         raise InputError(f"{partial} holds {done} records and {source} only {len(lines)} lines: is it this job's?")
     model = model_argument(model_options, address)
-    ray = start_ray(address)
-    actors = actors or default_actors(ray, model_options.threads or 1)
     descriptor = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # private until published
     with os.fdopen(descriptor, "a", encoding="utf-8") as written:
-        with token_progress(console, len(lines) - done, f"{job.kind} on {actors} actors", "records") as advance:
-            try:
-                for record, bad in records(ray, lines[done:], job, model, model_options, actors):
-                    written.write(record + "\n")
-                    written.flush()  # a record is on disk whole before the next, for --resume
-                    failed += bad
-                    advance()
-            except ray.exceptions.RayError as exc:
-                raise cause(exc) or ManasError(f"the Ray job failed: {first_line(exc)}") from None
-            except KeyboardInterrupt as exc:
-                say(console, f"interrupted: the records so far are in {partial}; --resume goes on from them")
-                raise typer.Exit(interrupt_exit_code(exc)) from None
+        if done < len(lines):  # else an interrupted run wrote them all, and only the rename was left
+            ray = start_ray(address)
+            actors = actors or default_actors(ray, model_options.threads or 1)
+            with token_progress(console, len(lines) - done, f"{job.kind} on {actors} actors", "records") as advance:
+                try:
+                    for record, bad in records(ray, lines[done:], job, model, model_options, actors):
+                        written.write(record + "\n")
+                        written.flush()  # a record is on disk whole before the next, for --resume
+                        failed += bad
+                        advance()
+                except ray.exceptions.RayError as exc:
+                    raise cause(exc) or ManasError(f"the Ray job failed: {first_line(exc)}") from None
+                except KeyboardInterrupt as exc:
+                    say(console, f"interrupted: the records so far are in {partial}; --resume goes on from them")
+                    raise typer.Exit(interrupt_exit_code(exc)) from None
         os.fsync(written.fileno())
     publish(partial, out, overwrite=force)
     partial.unlink(missing_ok=True)
     resumed = f" ({done:,} of them from the interrupted run)" if done else ""
-    say(console, f"{len(lines):,} records in {out}{resumed} · {actors} actors")
+    say(console, f"{len(lines):,} records in {out}{resumed}")
     if failed:
         console.print(f"error: {failed} of {len(lines)} lines failed (their records have an 'error' field)")
         raise typer.Exit(1)

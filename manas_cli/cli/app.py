@@ -1204,6 +1204,22 @@ ResumeOption = Annotated[
 ForceOption = Annotated[bool, typer.Option("--force", "-f", help="Replace OUT if it exists.")]
 
 
+# The flags both batch commands take, declared once: name -> (annotation, default; required where none).
+BATCH_FLAGS = {
+    "source": (InputFileArgument, inspect.Parameter.empty),
+    "out": (BatchOutOption, inspect.Parameter.empty),
+    "ray": (RayOption, None),
+    "actors": (ActorsOption, None),
+    "resume": (ResumeOption, False),
+    "force": (ForceOption, False),
+}
+
+
+def batch_files_of(*, ray: Optional[str], **values) -> dict:
+    """The batch flags as commands.batch.run takes them: --ray is the cluster's address."""
+    return {"address": ray, **values}
+
+
 def task_lines_option(default: int) -> type:
     return Annotated[
         int,
@@ -1218,17 +1234,13 @@ def task_lines_option(default: int) -> type:
 @batch_app.command("generate", no_args_is_help=True)
 @takes_model_flags(cache=False)
 @takes_setting_flags()
+@takes_flags(BATCH_FLAGS, batch_files_of, "files")
 def batch_generate(
-    source: InputFileArgument,
-    out: BatchOutOption,
-    ray: RayOption = None,
-    actors: ActorsOption = None,
-    resume: ResumeOption = False,
-    force: ForceOption = False,
     task_lines: task_lines_option(256) = 256,
     batch_size: BatchSizeOption = 16,
     overflow: OverflowOption = Overflow.recompute,
     *,
+    files: dict,
     settings: GenerationSettings,
     model_options: "ModelOptions",
 ) -> None:
@@ -1250,32 +1262,19 @@ def batch_generate(
     from .commands import batch as command
 
     options = {"batch_size": batch_size, "overflow": overflow.value, **vars(settings)}
-    command.run(
-        job=command.Job("generate", options, task_lines),
-        source=source,
-        out=out,
-        address=ray,
-        actors=actors,
-        resume=resume,
-        force=force,
-        model_options=model_options,
-    )
+    command.run(job=command.Job("generate", options, task_lines), **files, model_options=model_options)
 
 
 @batch_app.command("score", no_args_is_help=True)
 @takes_model_flags(cache=False)
+@takes_flags(BATCH_FLAGS, batch_files_of, "files")
 def batch_score(
-    source: InputFileArgument,
-    out: BatchOutOption,
-    ray: RayOption = None,
-    actors: ActorsOption = None,
-    resume: ResumeOption = False,
-    force: ForceOption = False,
     task_lines: task_lines_option(16) = 16,
     stride: Annotated[
         Optional[int], typer.Option(help="Tokens each window advances by (default: half the window), as score's.")
     ] = None,
     *,
+    files: dict,
     model_options: "ModelOptions",
 ) -> None:
     """Score every line of IN.jsonl on Ray: score --json's record for each line's text, in input order.
@@ -1291,16 +1290,7 @@ def batch_score(
     """
     from .commands import batch as command
 
-    command.run(
-        job=command.Job("score", {"stride": stride}, task_lines),
-        source=source,
-        out=out,
-        address=ray,
-        actors=actors,
-        resume=resume,
-        force=force,
-        model_options=model_options,
-    )
+    command.run(job=command.Job("score", {"stride": stride}, task_lines), **files, model_options=model_options)
 
 
 def summarize_commands() -> None:

@@ -15,6 +15,7 @@ from ...batch import RawLine, read_raw_lines
 from ...errors import InputError, ManasError, interrupt_exit_code
 from ...files import check_output_file, publish, refuse_inputs
 from ...models import ModelOptions, checkpoint_file, resolve_checkpoint
+from .common import read_file
 
 RAY_MISSING = 'manas batch runs on Ray, which is not installed: pip install "manas-cli[ray]"'
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -35,15 +36,7 @@ def partial_path(out: Path) -> Path:
 
 def read_lines(source: Path) -> list[RawLine]:
     """IN's non-blank lines (each at most batch.MAX_LINE_BYTES, as --jsonl reads them), read on this machine."""
-    try:
-        with source.open("rb") as f:
-            return list(read_raw_lines(f))
-    except FileNotFoundError:
-        raise InputError(f"input file {source} does not exist") from None
-    except IsADirectoryError:
-        raise InputError(f"input file {source} is a directory, not a file") from None
-    except OSError as exc:
-        raise InputError(f"cannot read input file {source}: {exc.strerror}") from None
+    return read_file(source, "input file", lambda f: list(read_raw_lines(f)))
 
 
 def records_done(partial: Path, resume: bool) -> tuple[int, int]:

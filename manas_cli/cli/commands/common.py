@@ -3,8 +3,9 @@ prompt and texts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from ...errors import InputError
 from ...models import ModelOptions, open_model
@@ -12,6 +13,8 @@ from ...models import ModelOptions, open_model
 # The most text manas reads as one input (a prompt, a text to score or train on): endless input (`yes |`, a FIFO,
 # /dev/zero) must not take the machine's memory. A generation encodes at most PROMPT_TAIL_CHARS of its prompt.
 MAX_TEXT_BYTES = 64 * 2**20
+
+T = TypeVar("T")
 
 
 def read_bounded(source: BinaryIO, what: str, advice: str) -> str:
@@ -26,16 +29,21 @@ def read_bounded(source: BinaryIO, what: str, advice: str) -> str:
         raise InputError(f"{what} is not valid UTF-8 (byte {exc.start}): convert it to UTF-8") from None
 
 
-def read_text_file(path: Path, what: str, advice: str) -> str:
+def read_file(path: Path, what: str, read: Callable[[BinaryIO], T]) -> T:
+    """read(the open file), a file that cannot be opened or read being one InputError naming `what` it is."""
     try:
         with path.open("rb") as f:
-            text = read_bounded(f, f"{what} {path}", advice)
+            return read(f)
     except FileNotFoundError:
         raise InputError(f"{what} {path} does not exist") from None
     except IsADirectoryError:
         raise InputError(f"{what} {path} is a directory, not a file") from None
     except OSError as exc:
         raise InputError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def read_text_file(path: Path, what: str, advice: str) -> str:
+    text = read_file(path, what, lambda f: read_bounded(f, f"{what} {path}", advice))
     if not text.strip():
         raise InputError(f"{what} {path} is empty")
     return text

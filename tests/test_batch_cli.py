@@ -57,12 +57,14 @@ def test_a_partial_run_is_kept_unless_resume_is_given(tmp_path, source):
     [
         (b'{"id": 1}\n{"id": 2}\n{"id": 3}\n', "holds 3 records and"),  # more records than the input has lines
         (b"not a record\n", "is not a file of records"),
+        (b"[1, 2]\n", "is not a file of records"),
     ],
 )
 def test_resume_refuses_a_partial_file_that_is_not_this_jobs(tmp_path, source, partial, message):
-    (tmp_path / "out.jsonl.partial").write_bytes(partial)
+    (tmp_path / "out.jsonl.partial").write_bytes(partial + b'{"id": 4, "te')  # and a last line cut short
     refused(manas("batch", "generate", source, "-o", tmp_path / "out.jsonl", "--resume"), message)
     assert not (tmp_path / "out.jsonl").exists()
+    assert (tmp_path / "out.jsonl.partial").read_bytes() == partial + b'{"id": 4, "te'  # refused, so left as it was
 
 
 def test_a_missing_input_and_a_missing_model_are_one_error_line(tmp_path, source):

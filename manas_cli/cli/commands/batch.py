@@ -39,9 +39,10 @@ def read_lines(source: Path) -> list[RawLine]:
     return read_file(source, "input file", lambda f: list(read_raw_lines(f)))
 
 
-def records_done(partial: Path, resume: bool) -> tuple[int, int]:
-    """How many records an interrupted run left in OUT.partial (a last line cut short is dropped), and how many of
-    them are error records; without --resume, a partial file is refused rather than lost."""
+def records_done(partial: Path, resume: bool, lines: int) -> tuple[int, int]:
+    """How many records an interrupted run left in OUT.partial, and how many of them are error records; a last line
+    cut short by the kill is dropped from the file, once the rest are known to be this job's records (at most
+    `lines` JSON objects). Without --resume, a partial file is refused rather than lost."""
     if not partial.exists():
         return 0, 0
     if not resume:
@@ -49,15 +50,18 @@ def records_done(partial: Path, resume: bool) -> tuple[int, int]:
             f"{partial} holds the records of an interrupted run: add --resume to go on from them, or delete it to "
             "start again"
         )
-    with partial.open("rb+") as f:
-        data = f.read()
-        whole = data.rfind(b"\n") + 1  # a record is written whole, but a kill can still cut the last one
-        f.truncate(whole)
-    records = data[:whole].splitlines()
+    data = partial.read_bytes()
+    whole = data.rfind(b"\n") + 1  # a record is written whole, but a kill can still cut the last one
     try:
-        return len(records), sum("error" in json.loads(record) for record in records)
+        records = [json.loads(line) for line in data[:whole].splitlines()]
     except ValueError:
-        raise InputError(f"{partial} is not a file of records (JSON lines): is it this job's?") from None
+        records = None
+    if records is None or not all(isinstance(record, dict) for record in records):
+        raise InputError(f"{partial} is not a file of records (JSON lines): is it this job's?")
+    if len(records) > lines:
+        raise InputError(f"{partial} holds {len(records)} records and the input only {lines} lines: is it this job's?")
+    os.truncate(partial, whole)
+    return len(records), sum("error" in record for record in records)
 
 
 def model_argument(model_options: ModelOptions, address: str | None) -> str | None:
@@ -180,9 +184,7 @@ def run(
     check_output_file(out, force, inputs=(source,))
     refuse_inputs(partial, (source,))
     lines = read_lines(source)
-    done, failed = records_done(partial, resume)
-    if done > len(lines):
-        raise InputError(f"{partial} holds {done} records and {source} only {len(lines)} lines: is it this job's?")
+    done, failed = records_done(partial, resume, len(lines))
     model = model_argument(model_options, address)
     descriptor = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # private until published
     with os.fdopen(descriptor, "a", encoding="utf-8") as written:

@@ -104,6 +104,7 @@ def start_ray(address: str | None):
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its plan and progress lines: ours are on a terminal
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # the records come back in input order
+    context.max_consecutive_actor_init_deaths = 3  # a worker killed while it loads the model is replaced, not fatal
     context.enable_progress_bars = False  # ours shows records/s and ETA
     context.print_on_execution_start = False
     return ray

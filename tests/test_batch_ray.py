@@ -89,6 +89,7 @@ def cluster():
     nodes.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     nodes.wait_for_nodes()
     try:
+        assert len(nodes.list_all_nodes()) == 2
         yield nodes.address, listening_sockets() - before
     finally:
         nodes.shutdown()

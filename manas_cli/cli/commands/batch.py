@@ -130,18 +130,10 @@ def cause(exc: BaseException) -> ManasError | None:
 
 def records(ray, lines: list[RawLine], job: Job, model: str | None, model_options: ModelOptions, actors: int):
     """The records of `lines`, in their order, as Ray's actors make them."""
-    from ...ray_data import Generator, Scorer
+    from ...ray_data import MODEL_KEYS, Generator, Scorer
 
     threads = model_options.threads or 1
-    keys = {
-        "device": model_options.device,
-        "dtype": model_options.dtype,
-        "threads": threads,
-        "engine": model_options.engine,
-        "quantize": model_options.quantize,
-        "float_activations": model_options.float_activations,
-        "ctx": model_options.ctx,
-    }
+    keys = {**{name: getattr(model_options, name) for name in MODEL_KEYS}, "threads": threads}
     rows = [{"line": line.number, "request": line.text, "unreadable": line.error} for line in lines]
     # At least 4 tasks an actor where the lines allow, so that none waits long for the last one's; a short job
     # still gives every actor some.

@@ -26,6 +26,7 @@ from manas_cli.engine.threads import usable_cpus
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.native import build
 from manas_cli.native.binding import declare
+from manas_cli.native.model import linears
 from manas_cli.native.session import NativeSession, decode_rows
 from manas_cli.torch_engine.model import GPT, use_decode_layout
 from manas_cli.torch_engine.quantize import is_quantized, quantizable, quantize_model
@@ -244,18 +245,45 @@ def test_the_shipped_model_on_the_core_matches_torch_over_its_whole_window(nativ
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_the_core_reads_the_torch_models_own_memory(native_library):
-    """No copy: a change to the torch model's weights is what the core computes with next."""
+def test_the_core_reads_the_torch_models_own_memory_but_its_layers_panels(native_library):
+    """One copy, made at load: the linear layers' rows regrouped as panels (core.c, PANEL_UNIT); every other
+    tensor is the torch model's own memory, so a change to it is what the core computes with next."""
     model = make_model("rope", "gqa")
     native = native_model(model, native_library)
     ids = random_ids(1, 4)
     before = all_logits(native, ids)
     with torch.no_grad():
-        model.blocks[0].ffn.up.weight.mul_(2)
+        model.blocks[0].ffn.up.weight.mul_(2)  # 32 float32 inputs: 128-byte rows, read from the panels
+    assert torch.equal(all_logits(native, ids), before)
+    with torch.no_grad():
+        model.blocks[0].ffn.up.weight.div_(2)
+        model.blocks[0].ln_ffn.weight.mul_(2)
     after = all_logits(native, ids)
     assert not torch.equal(before, after)
     with torch.inference_mode():
         assert relative_error(after, model(ids)) <= 1e-4
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+def test_panels_change_where_weights_are_read_never_the_bits(native_library, weights):
+    """Rows read from panels or as stored, the same logits bit for bit: an output layer of 301 rows (the last panel
+    part padding), layers of 64 and 256 inputs (int8 rows of 64 bytes packed; int4's 32-byte rows of the
+    attention read as stored), both integer and float products, prefill and decode."""
+    model = configured_model("rope", "gqa", True, "tanh", weights, n_embd=64, vocab_size=301)
+    ids = random_ids(2, BLOCK_SIZE, seed=5)
+    for float_activations in (False, True):
+        packed = native_model(model, native_library, float_activations=float_activations)
+        stored = native_model(model, native_library, float_activations=float_activations)
+        layers = [layer for layer in linears(stored.bound) if layer.panels]
+        assert layers and packed.panel_bytes > 0
+        for layer in layers:
+            layer.panels = None
+        assert torch.equal(all_logits(packed, ids), all_logits(stored, ids))
+        sessions = [NativeSession(packed), NativeSession(stored)]
+        first, second = (step_logits(session.prefill(ids[:, :5])) for session in sessions)
+        assert torch.equal(first, second)
+        first, second = (step_logits(session.decode(ids[:, 5:6])) for session in sessions)
+        assert torch.equal(first, second)
 
 
 def test_the_core_refuses_weights_it_does_not_run(native_library):

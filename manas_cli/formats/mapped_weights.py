@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 from ctypes import POINTER, c_float, c_uint16
 
-from ..native.binding import WEIGHTS_F32, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear
+from ..native.binding import WEIGHTS_F32, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear, stored_bytes
 from .header import ITEMSIZES, MappedCheckpoint, companion_name, not_finite
 
 STORED = {"F32": 0, "F16": 1, "BF16": 2, "F64": 3}  # core.c's STORED_* codes
@@ -74,6 +75,19 @@ class MappedWeights:
         if stored == "token_embedding":
             self._check_embedding(layer)
         return layer
+
+    def release(self, linear: ManasLinear) -> None:
+        """Drops the mapped pages of a layer's rows once the core reads them from a copy (native/model.py,
+        pack_panels), so the weights are resident once, not twice: a page touched again (the tied embedding's
+        rows) comes back from the file. Rows in a converted copy, or in a file read whole, stay."""
+        mapping = self.mapped.mapping
+        start = (linear.weight or 0) - self._base
+        if not isinstance(mapping, mmap.mmap) or not 0 <= start <= len(mapping) - stored_bytes(linear):
+            return
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # the whole pages inside the rows
+        end = (start + stored_bytes(linear)) // mmap.PAGESIZE * mmap.PAGESIZE
+        if first < end:
+            mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     @property
     def _output_layer(self) -> str:

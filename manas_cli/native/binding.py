@@ -19,6 +19,7 @@ class ManasLinear(ctypes.Structure):
         ("scales", POINTER(c_uint16)),
         ("zeros", POINTER(c_uint16)),
         ("bias", POINTER(c_float)),
+        ("panels", c_void_p),
     ]
 
 
@@ -127,6 +128,8 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.manas_convert.argtypes, library.manas_convert.restype = [c_void_p, c_int, c_int64, c_int, c_void_p], c_int64
     library.manas_first_not_finite.argtypes, library.manas_first_not_finite.restype = [c_void_p, c_int64], c_int64
     library.manas_quantized_overflow.argtypes = [POINTER(ManasLinear)]
+    library.manas_panel_bytes.argtypes, library.manas_panel_bytes.restype = [POINTER(ManasLinear)], c_size_t
+    library.manas_pack.argtypes, library.manas_pack.restype = [POINTER(ManasLinear), c_void_p], None
     library.manas_dequantized_finite.argtypes = [POINTER(ManasLinear), c_void_p]
     library.manas_philox.argtypes, library.manas_philox.restype = (
         [POINTER(c_uint32), POINTER(c_uint32), POINTER(c_uint32)],
@@ -151,6 +154,13 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 WEIGHTS_KINDS = {"float32": WEIGHTS_F32, "int8": WEIGHTS_INT8, "int4": WEIGHTS_INT4}
+
+
+def stored_bytes(linear: ManasLinear) -> int:
+    """The bytes of a layer's weight rows as stored (core.c's row_bytes times n_out): float32 values, int8 codes,
+    int4 nibble pairs."""
+    per_value = {WEIGHTS_F32: 4.0, WEIGHTS_INT8: 1.0, WEIGHTS_INT4: 0.5}[linear.kind]
+    return int(linear.n_out * linear.n_in * per_value)
 
 
 def bind(config, weights, integer_products: bool = True) -> ManasModel:

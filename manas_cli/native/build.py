@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("core.c")
 # (core.c, "dots"); the lanes it writes out let the compiler vectorize without reassociating anything.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden")
 LIBRARIES = ("-lm",)
-ABI_VERSION = 6  # core.c's MANAS_ABI_VERSION: a library of another version is never used
+ABI_VERSION = 7  # core.c's MANAS_ABI_VERSION: a library of another version is never used
 COMPILE_TIMEOUT_S = 60  # the core compiles in 1-5 s; a compiler still running after this has hung
 DIGEST_BYTES = 65  # a SHA-256 in hex and a newline: a digest file is never read further
 

@@ -25,7 +25,7 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 6
+#define MANAS_ABI_VERSION 7
 #define MANAS_ARITHMETIC_VERSION 1 /* manas_arithmetic_version */
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
@@ -46,6 +46,7 @@ typedef struct {
     const uint16_t *scales;  /* bfloat16: one per row (int8); int4 (out, in/group) */
     const uint16_t *zeros;   /* bfloat16, int4 (out, in/group): the value of code 8 */
     const float *bias;       /* (out,) or NULL */
+    const void *panels;      /* the weight rows regrouped for streaming (manas_pack), or NULL: read as stored */
 } ManasLinear;
 
 typedef struct { const float *weight, *bias; } ManasNorm;  /* bias may be NULL */
@@ -374,22 +375,53 @@ static inline size_t int4_group(const ManasLinear *linear, size_t o, size_t i) {
    int4 row is read in whole blocks of INT4_BLOCK (two chunks each), whatever its group size. */
 static inline int whole_chunks(int kind, int n) { return kind == WEIGHTS_INT4 ? n / INT4_BLOCK * 2 : n / LANES; }
 
-/* Chunks c .. c + step − 1 of weight row o as float32 lanes (chunk c: values 16c .. 16c + 15 in the order the
-   products use), step 1 for float32 and int8, 2 for int4: float32 as stored; int8 codes as they are (the row's
-   scale multiplies the sum, in finish); int4 dequantized by INT4_VALUE, zero + (code − 8) × scale, a block of 32
-   columns at a time: its 16 bytes' low nibbles (the block's even columns) are chunk c,
+/* Panels: a layer's weight rows regrouped once at load (manas_pack) in the order the products read them. A tile
+   reads its TILE rows a PANEL_UNIT of each at a time; stored, those units lie a row apart, TILE streams through
+   memory, and one thread's loads then wait on memory: GPT-2-shape float32 products read 24 GB/s of this host's
+   32 (a streaming read's). In a panel a tile's units lie side by side, each tile's weights one stream: 31 GB/s.
+   Panel t holds rows TILE t .. TILE t + TILE − 1 (zeros past n_out), unit u of each row in turn. */
+#define PANEL_UNIT 64
+
+/* The bytes of one weight row as stored: n_in float32 values, int8 codes, or int4 nibble pairs. */
+static inline size_t row_bytes(const ManasLinear *linear) {
+    size_t n = (size_t)linear->n_in;
+    return linear->kind == WEIGHTS_F32 ? n * sizeof(float) : linear->kind == WEIGHTS_INT8 ? n : n / 2;
+}
+
+/* Where weight row o is read: byte b of it at start + b / PANEL_UNIT × stride + b % PANEL_UNIT. Every read of a
+   row (a chunk, a block, a group) lies within one unit. */
+typedef struct {
+    const uint8_t *start;
+    size_t stride;
+} Row;
+
+static inline Row weight_row(const ManasLinear *linear, size_t o) {
+    size_t bytes = row_bytes(linear);
+    if (linear->panels)
+        return (Row){(const uint8_t *)linear->panels + o / TILE * TILE * bytes + o % TILE * PANEL_UNIT,
+                     TILE * PANEL_UNIT};
+    return (Row){(const uint8_t *)linear->weight + o * bytes, PANEL_UNIT};
+}
+
+static inline const uint8_t *row_byte(Row row, size_t b) {
+    return row.start + b / PANEL_UNIT * row.stride + b % PANEL_UNIT;
+}
+
+/* Chunks c .. c + step − 1 of weight row o (read at `row`) as float32 lanes (chunk c: values 16c .. 16c + 15 in
+   the order the products use), step 1 for float32 and int8, 2 for int4: float32 as stored; int8 codes as they are
+   (the row's scale multiplies the sum, in finish); int4 dequantized by INT4_VALUE, zero + (code − 8) × scale, a
+   block of 32 columns at a time: its 16 bytes' low nibbles (the block's even columns) are chunk c,
    their high nibbles (its odd columns) chunk c + 1, and x is reordered to match (int4_input). A block lies in one
    group when the group size is a multiple of 32 (one scale for all lanes); else each lane takes its own. */
-static inline __attribute__((always_inline)) void weight_lanes(int kind, const ManasLinear *linear, int o, int c,
-                                                               Lanes *chunks) {
-    size_t n = (size_t)linear->n_in;
+static inline __attribute__((always_inline)) void weight_lanes(int kind, const ManasLinear *linear, Row row, int o,
+                                                               int c, Lanes *chunks) {
     if (kind == WEIGHTS_F32) {
-        chunks[0] = load_lanes((const float *)linear->weight + o * n + (size_t)c * LANES);
+        chunks[0] = load_lanes((const float *)row_byte(row, (size_t)c * LANES * sizeof(float)));
     } else if (kind == WEIGHTS_INT8) {
-        chunks[0] = int8_lanes((const int8_t *)linear->weight + o * n + (size_t)c * LANES);
+        chunks[0] = int8_lanes((const int8_t *)row_byte(row, (size_t)c * LANES));
     } else {
         size_t first = (size_t)c / 2 * INT4_BLOCK;  /* the block's first column */
-        const uint8_t *bytes = (const uint8_t *)linear->weight + (o * n + first) / 2;
+        const uint8_t *bytes = row_byte(row, first / 2);
         int one_group = linear->group % INT4_BLOCK == 0;
         Lanes scale, zero;
         if (one_group) {
@@ -583,15 +615,17 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
        one row of x, is otherwise latency-bound on them (int8 at GPT-2 size here: 136 against 105 tok/s for the
        next tile, 10% more again for the one after; int4's shorter rows need the distance). A hint, not a read. */
     int ahead = o0 + (1 + PREFETCH_TILES) * OT <= linear->n_out;
-    size_t row_bytes = kind == INT4_INTEGER ? n / 2 : n, group_bytes = kind == INT4_INTEGER ? QGROUP / 2 : QGROUP;
+    size_t tile_bytes = OT * row_bytes(linear), group_bytes = kind == INT4_INTEGER ? QGROUP / 2 : QGROUP;
     size_t row_groups = kind == INT4_INTEGER ? n / (size_t)linear->group : 0;  /* int4's weight groups per row */
+    Row rows[TILE];
+    for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
     for (size_t g = 0; g < groups; g++) {
         /* the weight groups (within a row) of this group's two blocks: a division per group, not per row */
         size_t first = kind == INT4_INTEGER ? g * QGROUP / (size_t)linear->group : 0;
         size_t second = kind == INT4_INTEGER ? (g * QGROUP + QBLOCK) / (size_t)linear->group : 0;
         for (int o = 0; o < OT; o++) {
-            const uint8_t *w = (const uint8_t *)linear->weight + (size_t)(o0 + o) * row_bytes + g * group_bytes;
-            if (ahead) __builtin_prefetch(w + (size_t)PREFETCH_TILES * OT * row_bytes);  /* that row, as far along */
+            const uint8_t *w = row_byte(rows[o], g * group_bytes);
+            if (ahead) __builtin_prefetch(w + PREFETCH_TILES * tile_bytes);  /* that row, as far along */
             if (kind == INT4_INTEGER) {
                 const float *scales = grouped + (size_t)o * 2 * row_groups, *zeros = scales + row_groups;
                 Lanes scale = halves(scales[first], scales[second]), zero = halves(zeros[first], zeros[second]);
@@ -635,9 +669,11 @@ static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT,
     }
     Lanes lane[TILE][TILE] = {{{0}}};
     int n = linear->n_in, chunks = whole_chunks(kind, n), step = kind == WEIGHTS_INT4 ? 2 : 1;
+    Row rows[TILE];
+    for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
     for (int c = 0; c < chunks; c += step) {
         Lanes ws[TILE][2];
-        for (int o = 0; o < OT; o++) weight_lanes(kind, linear, o0 + o, c, ws[o]);
+        for (int o = 0; o < OT; o++) weight_lanes(kind, linear, rows[o], o0 + o, c, ws[o]);
         for (int k = 0; k < step; k++)
             for (int r = 0; r < RT; r++) {
                 Lanes xs = load_lanes(x[r] + (c + k) * LANES);
@@ -737,8 +773,9 @@ static void dequantize_tile(const ManasLinear *linear, int o0, int count, float 
         float *row = buffer + (size_t)k * n;
         for (int c = 0; c < chunks; c += step) {
             Lanes values[2];
-            if (kind == WEIGHTS_INT8) weight_lanes(WEIGHTS_INT8, linear, o0 + k, c, values);
-            else weight_lanes(WEIGHTS_INT4, linear, o0 + k, c, values);
+            Row at = weight_row(linear, (size_t)(o0 + k));
+            if (kind == WEIGHTS_INT8) weight_lanes(WEIGHTS_INT8, linear, at, o0 + k, c, values);
+            else weight_lanes(WEIGHTS_INT4, linear, at, o0 + k, c, values);
             memcpy(row + (size_t)c * LANES, values, step * sizeof(Lanes));
         }
         for (int i = chunks * LANES; i < n; i++) row[i] = weight_at(kind, linear, o0 + k, i);
@@ -1296,6 +1333,29 @@ EXPORT int manas_dequantized_finite(const ManasLinear *linear, float *row) {
             if (!isfinite(row[i])) return 0;
     }
     return 1;
+}
+
+/* The bytes of a layer's panels (see PANEL_UNIT), or 0 where it keeps its rows as stored: rows that are not whole
+   units (a row's last unit would mix it with the next), or no layer. */
+EXPORT size_t manas_panel_bytes(const ManasLinear *linear) {
+    size_t bytes = row_bytes(linear);
+    if (!linear->weight || bytes == 0 || bytes % PANEL_UNIT) return 0;
+    return ((size_t)linear->n_out + TILE - 1) / TILE * TILE * bytes;
+}
+
+/* Writes the layer's panels to out, manas_panel_bytes of it: each row's units to their places, then zeros in the
+   last panel's rows past n_out. */
+EXPORT void manas_pack(const ManasLinear *linear, void *out) {
+    size_t bytes = row_bytes(linear), units = bytes / PANEL_UNIT, rows = (size_t)linear->n_out;
+    size_t padded = (rows + TILE - 1) / TILE * TILE;
+    for (size_t o = 0; o < padded; o++) {
+        uint8_t *panel = (uint8_t *)out + o / TILE * TILE * bytes + o % TILE * PANEL_UNIT;
+        const uint8_t *row = (const uint8_t *)linear->weight + o * bytes;
+        for (size_t u = 0; u < units; u++) {
+            if (o < rows) memcpy(panel + u * TILE * PANEL_UNIT, row + u * PANEL_UNIT, PANEL_UNIT);
+            else memset(panel + u * TILE * PANEL_UNIT, 0, PANEL_UNIT);
+        }
+    }
 }
 
 /* ---- sampling: penalties, temperature, top-k, top-p, min-p and the draw, over one row of logits ---- */

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
+from collections.abc import Callable
 from ctypes import c_float, c_int32
 
 from ..engine.config import GPTConfig, parameter_shapes
 from ..engine.threads import usable_cpus
-from .binding import ManasCache, bind
+from .binding import ManasCache, ManasLinear, ManasModel, bind
 
 
 class Logits:
@@ -47,6 +49,8 @@ class NativeGPT:
         self.library = library
         self.bound = bind(self.config, weights, integer_products=not float_activations)
         self._alive = weights  # the tensors and converted copies the bound pointers point into
+        self._panels = pack_panels(self.bound, library, weights.release)
+        self.panel_bytes = sum(len(panels) for panels in self._panels)
         self._scratch = ctypes.create_string_buffer(0)
         self._scratch_rows = -1
         self.set_threads(threads)
@@ -97,6 +101,29 @@ class NativeGPT:
             self._scratch,
         )
         return logits
+
+
+def linears(model: ManasModel) -> list[ManasLinear]:
+    """The model's linear layers, as views into its structs (setting a field sets the core's)."""
+    names = ("qkv", "output", "gate", "up", "down")
+    return [*(getattr(model.layers[i], name) for i in range(model.n_layer) for name in names), model.lm_head]
+
+
+def pack_panels(model: ManasModel, library: ctypes.CDLL, release: Callable[[ManasLinear], None]) -> list[mmap.mmap]:
+    """Each layer's weights regrouped once as the core's products stream them (core.c, PANEL_UNIT), into memory of
+    its own (page-aligned; the list keeps it alive), then release(layer) told its rows as stored are read no more
+    by the products. A layer the core cannot regroup is read as stored."""
+    kept = []
+    for linear in linears(model):
+        if size := library.manas_panel_bytes(ctypes.byref(linear)):
+            panels = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            panels.madvise(mmap.MADV_HUGEPAGE)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(panels))
+            library.manas_pack(ctypes.byref(linear), address)
+            linear.panels = address
+            kept.append(panels)
+            release(linear)
+    return kept
 
 
 def int32s(values: list[int]):

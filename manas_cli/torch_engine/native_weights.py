@@ -52,6 +52,9 @@ class TorchWeights:
             WEIGHTS_F32, layer.in_features, layer.out_features, 0, layer.weight.data_ptr(), None, None, bias
         )
 
+    def release(self, linear: ManasLinear) -> None:
+        """The model's tensors stay: they are torch's, and torch may run the model too."""
+
 
 def pointer(tensor, kind=c_float):
     """A tensor's memory as a C pointer; it must be contiguous in the layout core.c reads (nn.Linear's (out, in))."""

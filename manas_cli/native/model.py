@@ -117,7 +117,6 @@ def pack_panels(model: ManasModel, library: ctypes.CDLL, release: Callable[[Mana
     for linear in linears(model):
         if size := library.manas_panel_bytes(ctypes.byref(linear)):
             panels = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            panels.madvise(mmap.MADV_HUGEPAGE)
             address = ctypes.addressof(ctypes.c_char.from_buffer(panels))
             library.manas_pack(ctypes.byref(linear), address)
             linear.panels = address

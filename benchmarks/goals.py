@@ -21,6 +21,8 @@ goal_llama_cpp   llama-cpp, llama-cpp-medium, llama-cpp-shipped: manas float32/i
                  f32/q8_0/q4_0 on GPT-2's 124M and 355M shapes and the shipped model (needs
                  `bash ../shared/tools/build-llamacpp.sh`; skipped with a message without it).
 goal_llama_server  llama-server: `manas serve` beside llama.cpp's `llama-server`, 1, 16 and 64 clients (the same).
+goal_kernels     f32-bandwidth, past-window: GPT-2-shape float32 decode on one thread against the machine's read
+                 bandwidth; `manas generate -n 1024` past the shipped model's window (issue 34).
 
 Decode speed depends on the machine and its load: compare the ratios of one run, not numbers across runs; the
 report gives the load average before and after. Two threads on a busy machine are slower than one (OpenMP's
@@ -34,6 +36,7 @@ import goal_cache
 import goal_dtype
 import goal_gpt2_vs_hf
 import goal_int8
+import goal_kernels
 import goal_llama_cpp
 import goal_llama_server
 import goal_pipelines
@@ -52,6 +55,7 @@ MODULES = (
     goal_pipelines,
     goal_llama_cpp,
     goal_llama_server,
+    goal_kernels,
 )
 GOALS = {name: goal for module in MODULES for name, goal in module.GOALS.items()}
 

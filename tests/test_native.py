@@ -266,10 +266,10 @@ def test_the_core_reads_the_torch_models_own_memory_but_its_layers_panels(native
 
 @pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
 def test_panels_change_where_weights_are_read_never_the_bits(native_library, weights):
-    """Rows read from panels or as stored, the same logits bit for bit: an output layer of 301 rows (the last panel
-    part padding), layers of 64 and 256 inputs (int8 rows of 64 bytes packed; int4's 32-byte rows of the
-    attention read as stored), both integer and float products, prefill and decode."""
-    model = configured_model("rope", "gqa", True, "tanh", weights, n_embd=64, vocab_size=301)
+    """Rows read from panels (and int4's scales and zeros laid out with them) or as stored, the same logits bit
+    for bit: an output layer of 301 rows (the last panel part padding), both integer and float products, prefill
+    and decode."""
+    model = configured_model("rope", "gqa", True, "tanh", weights, n_embd=128, vocab_size=301)
     ids = random_ids(2, BLOCK_SIZE, seed=5)
     for float_activations in (False, True):
         packed = native_model(model, native_library, float_activations=float_activations)

@@ -592,16 +592,40 @@ static inline Lanes halves(float a, float b) {
 #endif
 }
 
-/* The scales, then the zeros, of int4 weight rows o0 .. o0 + count − 1 as float32, each row's n_in / group of
-   each: integer_dots reads a block's pair of them per group of QGROUP columns, for every row of x. */
-static void int4_groups(const ManasLinear *linear, int o0, int count, float *out) {
-    size_t row_groups = (size_t)(linear->n_in / linear->group);
-    for (size_t k = 0; k < (size_t)count; k++)
-        for (size_t j = 0; j < row_groups; j++) {
-            size_t at = ((size_t)o0 + k) * row_groups + j;
-            out[2 * k * row_groups + j] = bf16_to_float(linear->scales[at]);
-            out[(2 * k + 1) * row_groups + j] = bf16_to_float(linear->zeros[at]);
+/* An int4 integer product reads, per group of QGROUP columns and row, the scales and zeros of the group's two
+   blocks: a tile's as (n_in / QGROUP groups, TILE rows, 4) bfloat16s, the first block's scale, the second's, then their
+   zeros. A layer with panels holds them so from load (manas_pack); else int4_groups lays out each tile's. */
+#define GROUP_SCALES 4
+
+/* The scales and zeros of int4 weight rows o0 .. o0 + count − 1 (zeros past n_out) as integer_dots reads them. */
+static void int4_groups(const ManasLinear *linear, int o0, int count, uint16_t *out) {
+    size_t row_groups = (size_t)(linear->n_in / linear->group), groups = (size_t)linear->n_in / QGROUP;
+    for (size_t g = 0; g < groups; g++)
+        for (size_t k = 0; k < TILE; k++) {
+            size_t first = (size_t)(o0 + k) * row_groups + g * QGROUP / linear->group;
+            size_t second = (size_t)(o0 + k) * row_groups + (g * QGROUP + QBLOCK) / linear->group;
+            uint16_t *pair = out + (g * TILE + k) * GROUP_SCALES;
+            int real = k < (size_t)count;
+            pair[0] = real ? linear->scales[first] : 0, pair[1] = real ? linear->scales[second] : 0;
+            pair[2] = real ? linear->zeros[first] : 0, pair[3] = real ? linear->zeros[second] : 0;
         }
+}
+
+/* A group's two blocks' scales and zeros (int4_groups' four bfloat16s) as lanes: 0–7 the first block's, 8–15 the
+   second's. AVX-512 places each bfloat16 in its lanes' high halves with one permutation (the low halves zeroed:
+   exactly the float32 bf16_to_float gives). */
+static inline void group_lanes(const uint16_t *pair, Lanes *scale, Lanes *zero) {
+#if defined(__AVX512BW__)
+    __m512i four = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)pair));
+    __m512i scales = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16,
+                                       1 << 16, 1 << 16);
+    __m512i zeros = _mm512_add_epi32(scales, _mm512_set1_epi32(2 << 16));
+    *scale = (Lanes)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, scales, four);
+    *zero = (Lanes)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, zeros, four);
+#else
+    *scale = halves(bf16_to_float(pair[0]), bf16_to_float(pair[1]));
+    *zero = halves(bf16_to_float(pair[2]), bf16_to_float(pair[3]));
+#endif
 }
 
 /* The integer products of a tile: out[r][o] = the lanes' sum over groups of d × group_products (int8: the row's
@@ -609,9 +633,9 @@ static void int4_groups(const ManasLinear *linear, int o0, int count, float *out
    (code − 8)·scale + zero), the groups added in order (madd), then the lanes in sum_lanes' tree: the same bits
    whatever shares the call, on any CPU with the same madd. x[r] is a quantize_row row. int4 takes whole groups of
    64 and weight groups of whole blocks (int4_integer), so each block has one scale and one zero; `grouped` holds
-   the tile's rows' scales and zeros as float32 (int4_groups). */
+   the tile's rows' scales and zeros (int4_groups). */
 static inline __attribute__((always_inline)) void integer_dots(int kind, int RT, int OT, const ManasLinear *linear,
-                                                               const float *const *x, int o0, const float *grouped,
+                                                               const float *const *x, int o0, const uint16_t *grouped,
                                                                float out[TILE][TILE]) {
     Lanes lane[TILE][TILE] = {{{0}}};
     size_t n = (size_t)linear->n_in, groups = (n + QGROUP - 1) / QGROUP, whole = n / QGROUP;
@@ -620,19 +644,15 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
        next tile, 10% more again for the one after; int4's shorter rows need the distance). A hint, not a read. */
     int ahead = o0 + (1 + PREFETCH_TILES) * OT <= linear->n_out;
     size_t tile_bytes = OT * row_bytes(linear), group_bytes = kind == INT4_INTEGER ? QGROUP / 2 : QGROUP;
-    size_t row_groups = kind == INT4_INTEGER ? n / (size_t)linear->group : 0;  /* int4's weight groups per row */
     Row rows[TILE];
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
     for (size_t g = 0; g < groups; g++) {
-        /* the weight groups (within a row) of this group's two blocks: a division per group, not per row */
-        size_t first = kind == INT4_INTEGER ? g * QGROUP / (size_t)linear->group : 0;
-        size_t second = kind == INT4_INTEGER ? (g * QGROUP + QBLOCK) / (size_t)linear->group : 0;
         for (int o = 0; o < OT; o++) {
             const uint8_t *w = row_byte(rows[o], g * group_bytes);
             if (ahead) __builtin_prefetch(w + PREFETCH_TILES * tile_bytes);  /* that row, as far along */
             if (kind == INT4_INTEGER) {
-                const float *scales = grouped + (size_t)o * 2 * row_groups, *zeros = scales + row_groups;
-                Lanes scale = halves(scales[first], scales[second]), zero = halves(zeros[first], zeros[second]);
+                Lanes scale, zero;
+                group_lanes(grouped + (g * TILE + o) * GROUP_SCALES, &scale, &zero);
                 Bytes u = int4_bytes(w);
                 for (int r = 0; r < RT; r++) {
                     const float *d = x[r] + g * QUANTIZED_SPAN;
@@ -665,7 +685,7 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
 /* out[r][o] = x[r] · w[o0 + o] for r < RT, o < OT (compile-time sizes after inlining): each pair in the lane
    order above, whatever the tile's shape. */
 static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT, const ManasLinear *linear,
-                                                       const float *const *x, int o0, const float *grouped,
+                                                       const float *const *x, int o0, const uint16_t *grouped,
                                                        float out[TILE][TILE]) {
     if (kind == INT8_INTEGER || kind == INT4_INTEGER) {
         integer_dots(kind, RT, OT, linear, x, o0, grouped, out);
@@ -743,13 +763,13 @@ typedef struct {
     float *y;        /* (rows, n_out) */
     int rows;
     float *tiles;    /* per thread, TILE rows of n_in floats: a tile of int4 weights dequantized (a float prefill),
-                        or its rows' scales and zeros as float32 (int4_groups) */
+                        or its rows' scales and zeros (int4_groups) where the layer has no panels */
 } Matmul;
 
 /* Output features o0 .. o0 + count − 1 for every row, TILE rows at a time, each weight load serving TILE rows;
    the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it dequantized). */
 static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, const ManasLinear *weights,
-                                                              int w0, int o0, int count, const float *grouped) {
+                                                              int w0, int o0, int count, const uint16_t *grouped) {
     int n_out = m->linear->n_out;
     for (int r0 = 0; r0 < m->rows; r0 += TILE) {
         int rows = m->rows - r0 < TILE ? m->rows - r0 : TILE;
@@ -762,14 +782,37 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
             for (int r = 0; r < rows; r++)
                 for (int o = 0; o < count; o++) {
                     float one[TILE][TILE];
-                    size_t row_groups = grouped ? (size_t)(weights->n_in / weights->group) : 0;
-                    dots(kind, 1, 1, weights, x + r, w0 + o, grouped ? grouped + o * 2 * row_groups : NULL, one);
+                    dots(kind, 1, 1, weights, x + r, w0 + o, grouped ? grouped + o * GROUP_SCALES : NULL, one);
                     out[r][o] = one[0][0];
                 }
         for (int r = 0; r < rows; r++)
             for (int o = 0; o < count; o++)
                 m->y[(size_t)(r0 + r) * n_out + o0 + o] = finish(m->linear, o0 + o, out[r][o]);
     }
+}
+
+/* Whether an int4 layer's products run in integers: whole groups of QGROUP columns, and weight groups of whole
+   blocks, so each activation block meets one scale and one zero. Other int4 layers multiply in float32. */
+static int int4_integer(const ManasLinear *linear) {
+    return linear->n_in % QGROUP == 0 && linear->group % QBLOCK == 0;
+}
+
+/* The bytes of a layer's weight panels, and of the scales and zeros an int4 integer product reads that follow
+   them (int4_groups' layout, tile after tile). */
+static size_t panel_weight_bytes(const ManasLinear *linear) {
+    return ((size_t)linear->n_out + TILE - 1) / TILE * TILE * row_bytes(linear);
+}
+
+static size_t tile_group_scale_count(const ManasLinear *linear) {
+    int int4 = linear->kind == WEIGHTS_INT4 && int4_integer(linear);
+    return int4 ? (size_t)linear->n_in / QGROUP * TILE * GROUP_SCALES : 0;
+}
+
+/* Tile t's scales and zeros in the layer's panels, or NULL where it has none. */
+static const uint16_t *tile_group_scales(const ManasLinear *linear, int t) {
+    if (!linear->panels) return NULL;
+    const uint16_t *all = (const uint16_t *)((const uint8_t *)linear->panels + panel_weight_bytes(linear));
+    return all + (size_t)t * tile_group_scale_count(linear);
 }
 
 /* Rows o0 .. o0 + count − 1 of a quantized layer as float32, in the order of its chunks: the values weight_lanes
@@ -807,8 +850,9 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
         } else if (kind == INT8_INTEGER) {
             matmul_tile(INT8_INTEGER, m, m->linear, o0, o0, count, NULL);
         } else if (kind == INT4_INTEGER) {
-            int4_groups(m->linear, o0, count, buffer);
-            matmul_tile(INT4_INTEGER, m, m->linear, o0, o0, count, buffer);
+            const uint16_t *grouped = tile_group_scales(m->linear, tile);
+            if (!grouped) int4_groups(m->linear, o0, count, (uint16_t *)buffer);
+            matmul_tile(INT4_INTEGER, m, m->linear, o0, o0, count, grouped ? grouped : (const uint16_t *)buffer);
         } else {
             matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count, NULL);
         }
@@ -837,15 +881,9 @@ typedef struct {
     float *reordered;  /* (rows, W): an int4 product's input in its blocks' column order (int4_input) */
     float *angles;     /* (rows, hs): the rotary angles of each row's position */
     float *tiles;      /* (threads, TILE, W): each thread's dequantized weight rows (an int4 prefill) */
-    float *scores;     /* (threads, block_size): each thread's attention weights */
+    float *scores;     /* (threads, ATTEND_ROWS, block_size): each thread's attention weights */
     float *quantized;  /* (rows, quantized_floats(W)): an integer product's input rows (quantize_row) */
 } Scratch;
-
-/* Whether an int4 layer's products run in integers: whole groups of QGROUP columns, and weight groups of whole
-   blocks, so each activation block meets one scale and one zero. Other int4 layers multiply in float32. */
-static int int4_integer(const ManasLinear *linear) {
-    return linear->n_in % QGROUP == 0 && linear->group % QBLOCK == 0;
-}
 
 /* A product's input rows as its kind reads them: int4's reordered (int4_input), the integer kinds' quantized
    (quantize_row), row by row, so a prefill's rows split over the pool. */
@@ -1054,21 +1092,32 @@ static void rotate(int head_size, const float *angles, float *x) {
     }
 }
 
-/* out = Σ_t weights[t] · v_t over the cached values (rows `stride` apart), LANES features at a time in registers,
-   the positions summed in order. */
-static void mix_values(int hs, int positions, const float *weights, const float *values, int stride, float *out) {
+/* For each of `rows` rows k sharing the cached values (rows `stride` apart), in ascending order of their
+   positions: out[k] = Σ_t weights[k][t] · v_t over its own positions, LANES features at a time in registers, the
+   positions summed in order: the same sums whichever rows share the call. */
+#define ATTEND_ROWS 4
+static void mix_values(int hs, int rows, const int *positions, const float *const *weights, const float *values,
+                       int stride, float *const *out) {
+    int shared = positions[0];  /* the positions every row attends: its rows are in ascending order */
     int i = 0;
     for (; i + LANES <= hs; i += LANES) {
-        Lanes sum = {0};
-        for (int t = 0; t < positions; t++)
-            sum = madd(sum, (Lanes){0} + weights[t], load_lanes(values + (size_t)t * stride + i));
-        memcpy(out + i, &sum, sizeof sum);
+        Lanes sum[ATTEND_ROWS] = {{0}};
+        for (int t = 0; t < shared; t++) {
+            Lanes v = load_lanes(values + (size_t)t * stride + i);
+            for (int k = 0; k < rows; k++) sum[k] = madd(sum[k], (Lanes){0} + weights[k][t], v);
+        }
+        for (int k = 0; k < rows; k++) {
+            for (int t = shared; t < positions[k]; t++)
+                sum[k] = madd(sum[k], (Lanes){0} + weights[k][t], load_lanes(values + (size_t)t * stride + i));
+            memcpy(out[k] + i, &sum[k], sizeof sum[k]);
+        }
     }
-    for (; i < hs; i++) {
-        float sum = 0.0f;
-        for (int t = 0; t < positions; t++) sum = madd1(sum, weights[t], values[(size_t)t * stride + i]);
-        out[i] = sum;
-    }
+    for (; i < hs; i++)
+        for (int k = 0; k < rows; k++) {
+            float sum = 0.0f;
+            for (int t = 0; t < positions[k]; t++) sum = madd1(sum, weights[k][t], values[(size_t)t * stride + i]);
+            out[k][i] = sum;
+        }
 }
 
 /* Attention of one query head of one row over its cache's positions 0..position: softmax(q·k / √hs) · v. Tasks
@@ -1084,36 +1133,51 @@ typedef struct {
     int layer, rows;
 } Attend;
 
+/* One row's attention weights over its positions for one head, into scores: softmax(q·k / √hs). */
+static void attention_weights(int hs, int positions, const float *q, const float *keys, int kv_width, float *scores) {
+    float scale = 1.0f / sqrtf((float)hs), highest = -INFINITY;
+    int t = 0;
+    for (; t + 4 <= positions; t += 4) {
+        const float *four[4];
+        for (int k = 0; k < 4; k++) four[k] = keys + (size_t)(t + k) * kv_width;
+        dot4(hs, q, four, scores + t);
+    }
+    for (; t < positions; t++) scores[t] = dot(hs, q, keys + (size_t)t * kv_width);
+    for (t = 0; t < positions; t++) {
+        scores[t] *= scale;
+        highest = scores[t] > highest ? scores[t] : highest;
+    }
+    float total = (float)exp_below(positions, scores, highest, scores);
+    for (t = 0; t < positions; t++) scores[t] /= total;
+}
+
+/* Tasks are (head, row) pairs, head-major. Up to ATTEND_ROWS consecutive rows of one head that share a cache (a
+   prefill's rows) mix its values together: each row's sums are its own, in the same order, but the rows' chains
+   of multiply-adds run side by side instead of one waiting on the last (a value mix was latency-bound). */
 static void attend_heads(void *context, int begin, int end, int thread) {
     const Attend *a = context;
     const ManasModel *m = a->model;
     int hs = m->head_size, group = m->n_head / m->n_kv_head, kv_width = m->n_kv_head * hs;
     int width = m->n_head * hs, qkv_width = width + 2 * kv_width;
-    float *scores = a->scores + (size_t)thread * m->block_size;
-    float scale = 1.0f / sqrtf((float)hs);
-    for (int task = begin; task < end; task++) {
-        int row = task % a->rows, head = task / a->rows, kv_head = head / group;
+    float *scores = a->scores + (size_t)thread * ATTEND_ROWS * m->block_size;
+    for (int task = begin; task < end;) {
+        int row = task % a->rows, head = task / a->rows, kv_head = head / group, rows = 1;
         const ManasCache *cache = &a->caches[row];
-        size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width;
-        const float *q = a->qkv + (size_t)row * qkv_width + head * hs;
-        int positions = a->positions[row] + 1;
-        float highest = -INFINITY;
-        const float *keys = cache->k + layer_offset + kv_head * hs;
-        int t = 0;
-        for (; t + 4 <= positions; t += 4) {
-            const float *four[4];
-            for (int k = 0; k < 4; k++) four[k] = keys + (size_t)(t + k) * kv_width;
-            dot4(hs, q, four, scores + t);
+        while (rows < ATTEND_ROWS && task + rows < end && row + rows < a->rows && a->caches[row + rows].k == cache->k &&
+               a->positions[row + rows] >= a->positions[row + rows - 1])
+            rows++;
+        size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width + (size_t)kv_head * hs;
+        int positions[ATTEND_ROWS];
+        float *weights[ATTEND_ROWS], *out[ATTEND_ROWS];
+        for (int k = 0; k < rows; k++) {
+            positions[k] = a->positions[row + k] + 1;
+            weights[k] = scores + (size_t)k * m->block_size;
+            out[k] = a->attention + (size_t)(row + k) * width + head * hs;
+            const float *q = a->qkv + (size_t)(row + k) * qkv_width + head * hs;
+            attention_weights(hs, positions[k], q, cache->k + layer_offset, kv_width, weights[k]);
         }
-        for (; t < positions; t++) scores[t] = dot(hs, q, keys + (size_t)t * kv_width);
-        for (t = 0; t < positions; t++) {
-            scores[t] *= scale;
-            highest = scores[t] > highest ? scores[t] : highest;
-        }
-        float total = (float)exp_below(positions, scores, highest, scores);
-        for (int t = 0; t < positions; t++) scores[t] /= total;
-        mix_values(hs, positions, scores, cache->v + layer_offset + kv_head * hs, kv_width,
-                   a->attention + (size_t)row * width + head * hs);
+        mix_values(hs, rows, positions, (const float *const *)weights, cache->v + layer_offset, kv_width, out);
+        task += rows;
     }
 }
 
@@ -1161,7 +1225,7 @@ static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char
         {&s->reordered, R * W},
         {&s->angles, R * hs},
         {&s->tiles, (size_t)threads * TILE * W},
-        {&s->scores, (size_t)threads * (size_t)m->block_size},
+        {&s->scores, (size_t)threads * ATTEND_ROWS * (size_t)m->block_size},
         {&s->quantized, R * quantized_floats((int)W)},
     };
     size_t offset = 0;
@@ -1348,21 +1412,27 @@ EXPORT int manas_dequantized_finite(const ManasLinear *linear, float *row) {
 EXPORT size_t manas_panel_bytes(const ManasLinear *linear) {
     size_t bytes = row_bytes(linear);
     if (!linear->weight || bytes == 0 || bytes % PANEL_UNIT) return 0;
-    return ((size_t)linear->n_out + TILE - 1) / TILE * TILE * bytes;
+    size_t tiles = ((size_t)linear->n_out + TILE - 1) / TILE;
+    return panel_weight_bytes(linear) + tiles * tile_group_scale_count(linear) * sizeof(uint16_t);
 }
 
-/* Writes the layer's panels to out, manas_panel_bytes of it: each row's units to their places, then zeros in the
-   last panel's rows past n_out. */
+/* Writes the layer's panels to out, manas_panel_bytes of it: each row's units to their places (zeros in the last
+   panel's rows past n_out), then an int4 integer product's scales and zeros, tile by tile. */
 EXPORT void manas_pack(const ManasLinear *linear, void *out) {
     size_t bytes = row_bytes(linear), units = bytes / PANEL_UNIT, rows = (size_t)linear->n_out;
-    size_t padded = (rows + TILE - 1) / TILE * TILE;
-    for (size_t o = 0; o < padded; o++) {
+    size_t tiles = (rows + TILE - 1) / TILE;
+    for (size_t o = 0; o < tiles * TILE; o++) {
         uint8_t *panel = (uint8_t *)out + o / TILE * TILE * bytes + o % TILE * PANEL_UNIT;
         const uint8_t *row = (const uint8_t *)linear->weight + o * bytes;
         for (size_t u = 0; u < units; u++) {
             if (o < rows) memcpy(panel + u * TILE * PANEL_UNIT, row + u * PANEL_UNIT, PANEL_UNIT);
             else memset(panel + u * TILE * PANEL_UNIT, 0, PANEL_UNIT);
         }
+    }
+    uint16_t *scales = (uint16_t *)((uint8_t *)out + panel_weight_bytes(linear));
+    for (size_t t = 0; tile_group_scale_count(linear) && t < tiles; t++) {
+        int o0 = (int)(t * TILE), count = (int)(rows - t * TILE < TILE ? rows - t * TILE : TILE);
+        int4_groups(linear, o0, count, scales + t * tile_group_scale_count(linear));
     }
 }
 

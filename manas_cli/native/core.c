@@ -550,9 +550,27 @@ static inline Lanes partial_group_products(const int8_t *q, const int8_t *w, int
 #define QUANTIZED_SPAN (LANES + QGROUP / 4 + LANES + LANES)
 static inline size_t quantized_floats(int n) { return ((size_t)n + QGROUP - 1) / QGROUP * QUANTIZED_SPAN; }
 
-/* x (n values) quantized per block of QBLOCK: scale d = max|x| / 127 and codes q = round(x · 127 / max|x|) in
-   [−127, 127], d·q ≈ x; each lane's correction is −offset·Σ q (group_products). A NaN or an infinity keeps its
-   block's scale NaN or infinite, so the product is not finite and the logits' check still catches it. */
+/* A block of QBLOCK values, `count` of them x's (the rest zeros), quantized: codes q = round(x · 127 / max|x|) in
+   [−127, 127], and its scale d = max|x| / 127 returned, d·q ≈ x. Written in loops of fixed length with no early
+   exit, so they vectorize (a max and a rounding are exact in any order). A NaN or an infinity leaves the codes 0
+   and the scale NaN or infinite, so the product is not finite and the logits' check still catches it. */
+static float quantize_block(const float *x, int count, int8_t *codes) {
+    float block[QBLOCK] = {0}, largest = 0.0f;
+    memcpy(block, x, (size_t)count * sizeof *block);
+    int not_a_number = 0;
+    for (int j = 0; j < QBLOCK; j++) {
+        float a = fabsf(block[j]);
+        largest = a > largest ? a : largest;
+        not_a_number |= a != a;
+    }
+    largest = not_a_number ? NAN : largest;
+    float inverse = largest > 0.0f && largest <= FLT_MAX ? 127.0f / largest : 0.0f;
+    for (int j = 0; j < QBLOCK; j++) codes[j] = (int8_t)nearbyintf(block[j] * inverse);
+    return largest / 127.0f;
+}
+
+/* x (n values) quantized per block of QBLOCK (quantize_block), each lane's correction −offset·Σ q
+   (group_products), laid out as QUANTIZED_SPAN describes. */
 static void quantize_row(int n, const float *x, int offset, float *out) {
     int groups = (n + QGROUP - 1) / QGROUP;
     for (int g = 0; g < groups; g++) {
@@ -561,16 +579,8 @@ static void quantize_row(int n, const float *x, int offset, float *out) {
         int32_t *correction = (int32_t *)(scales + LANES + QGROUP / 4);
         for (int half = 0; half < 2; half++) {
             int first = g * QGROUP + half * QBLOCK, count = n - first < 0 ? 0 : n - first < QBLOCK ? n - first : QBLOCK;
-            float largest = 0.0f;
-            for (int j = 0; j < count; j++) {
-                float a = fabsf(x[first + j]);
-                largest = a > largest || a != a ? a : largest;
-                if (largest != largest) break;
-            }
-            float inverse = largest > 0.0f && largest <= FLT_MAX ? 127.0f / largest : 0.0f;
-            for (int l = 0; l < LANES / 2; l++) scales[half * LANES / 2 + l] = largest / 127.0f;
-            for (int j = 0; j < QBLOCK; j++)
-                codes[half * QBLOCK + j] = j < count && inverse > 0.0f ? (int8_t)nearbyintf(x[first + j] * inverse) : 0;
+            float d = quantize_block(x + (count ? first : 0), count, codes + half * QBLOCK);
+            for (int l = 0; l < LANES / 2; l++) scales[half * LANES / 2 + l] = d;
         }
         for (int l = 0; l < LANES; l++) {
             int32_t four = codes[4 * l] + codes[4 * l + 1] + codes[4 * l + 2] + codes[4 * l + 3];
@@ -822,9 +832,9 @@ static void dequantize_tile(const ManasLinear *linear, int o0, int count, float 
     int chunks = whole_chunks(kind, n);
     for (int k = 0; k < count; k++) {
         float *row = buffer + (size_t)k * n;
+        Row at = weight_row(linear, (size_t)(o0 + k));
         for (int c = 0; c < chunks; c += step) {
             Lanes values[2];
-            Row at = weight_row(linear, (size_t)(o0 + k));
             if (kind == WEIGHTS_INT8) weight_lanes(WEIGHTS_INT8, linear, at, o0 + k, c, values);
             else weight_lanes(WEIGHTS_INT4, linear, at, o0 + k, c, values);
             memcpy(row + (size_t)c * LANES, values, step * sizeof(Lanes));

@@ -1015,13 +1015,22 @@ static void own_sincos(double a, double *sine, double *cosine) {
 }
 
 /* e^(x[i] − top) for i < n into out (out may be x; NULL: only summed), 0 below exponential's floor, and their sum in
-   double: softmax's numerator and denominator, and log-sum-exp's (top + log of the sum). top is the largest x. */
+   double: softmax's numerator and denominator, and log-sum-exp's (top + log of the sum). top is the largest x. The
+   exponentials are computed a span at a time in a loop of fixed length, which vectorizes; only the sum, in order,
+   runs one value after another. */
+#define EXP_SPAN 64
 static double exp_below(int n, const float *x, float top, float *out) {
     double total = 0;
-    for (int i = 0; i < n; i++) {
-        float below = x[i] - top, e = below < EXP_FLOOR ? 0.0f : exponential(below);
-        if (out) out[i] = e;
-        total += e;
+    for (int i = 0; i < n; i += EXP_SPAN) {
+        int count = n - i < EXP_SPAN ? n - i : EXP_SPAN;
+        float e[EXP_SPAN] = {0};
+        memcpy(e, x + i, (size_t)count * sizeof *e);
+        for (int j = 0; j < EXP_SPAN; j++) {
+            float below = e[j] - top;
+            e[j] = below < EXP_FLOOR ? 0.0f : exponential(below);
+        }
+        for (int j = 0; j < count; j++) total += e[j];
+        if (out) memcpy(out + i, e, (size_t)count * sizeof *e);
     }
     return total;
 }

@@ -265,7 +265,7 @@ def test_the_core_reads_the_torch_models_own_memory_but_its_layers_panels(native
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
-def test_panels_change_where_weights_are_read_never_the_bits(native_library, weights):
+def test_panels_change_where_weights_are_read_not_the_logits_bit_for_bit(native_library, weights):
     """Rows read from panels (and int4's scales and zeros laid out with them) or as stored, the same logits bit
     for bit: an output layer of 301 rows (the last panel part padding), both integer and float products, prefill
     and decode."""

@@ -565,7 +565,7 @@ static float quantize_block(const float *x, int count, int8_t *codes) {
     }
     largest = not_a_number ? NAN : largest;
     float inverse = largest > 0.0f && largest <= FLT_MAX ? 127.0f / largest : 0.0f;
-    for (int j = 0; j < QBLOCK; j++) codes[j] = (int8_t)nearbyintf(block[j] * inverse);
+    for (int j = 0; j < QBLOCK; j++) codes[j] = (int8_t)nearbyintf(inverse > 0.0f ? block[j] * inverse : 0.0f);
     return largest / 127.0f;
 }
 

@@ -52,13 +52,22 @@ static ManasNorm take_norm(Reader *r) {
     return norm;
 }
 
+/* A linear layer, its weights regrouped into panels as the engine's loader does (native/model.py, pack_panels):
+   every target runs the products manas runs. */
 static ManasLinear take_linear(Reader *r) {
-    ManasLinear linear;
+    ManasLinear linear = {0};
     linear.kind = take_int(r), linear.n_in = take_int(r), linear.n_out = take_int(r), linear.group = take_int(r);
     linear.weight = take_array(r);
     linear.scales = take_array(r);
     linear.zeros = take_array(r);
     linear.bias = take_array(r);
+    size_t bytes = manas_panel_bytes(&linear);
+    if (bytes) {
+        void *panels = aligned_alloc(4096, (bytes + 4095) & ~(size_t)4095);
+        if (!panels) fail("out of memory");
+        manas_pack(&linear, panels);
+        linear.panels = panels;
+    }
     return linear;
 }
 

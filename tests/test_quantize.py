@@ -123,34 +123,35 @@ def gpt2_small_random(seed: int = 0) -> GPT:
     return GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)).eval()
 
 
-def gpt2_quantization_error(kind: str) -> tuple[float, float, int]:
+def gpt2_quantization_error(kind: str) -> tuple[float, float, float]:
     """GPT-2-124M's shape, random init, quantized to `kind`, against float32 on a 64-token prompt: the largest logit
-    difference over the largest logit, the share of the prompt's positions whose top token agrees, and how many of
-    64 greedy tokens agree."""
+    difference over the largest logit, the share of the prompt's positions whose top token agrees, and the share of
+    the 64 steps of float32's greedy continuation whose top token agrees (both models read float32's text, so one
+    step that differs does not change the text the later ones read: counting the greedy tokens two free runs share
+    counts where the first difference fell, which moves with the last bits of the CPU's float kernels)."""
     float_model = gpt2_small_random()
     quantized = quantize_model(copy.deepcopy(float_model), kind)
     prompt = torch.randint(50257, (1, 64), generator=torch.Generator().manual_seed(0))
+    greedy = [step.tokens[0] for step in generate_tokens(engine_of(float_model), prompt, Sampler(0.0), 64)]
+    text = torch.cat([prompt, torch.tensor([greedy[:-1]])], dim=1)
     with torch.inference_mode():
-        logits, quantized_logits = float_model(prompt), quantized(prompt)
-    relative = ((quantized_logits - logits).abs().max() / logits.abs().max()).item()
-    top1 = (quantized_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    greedy = [
-        [step.tokens[0] for step in generate_tokens(engine_of(m), prompt, Sampler(0.0), 64)]
-        for m in (float_model, quantized)
-    ]
-    agreeing = sum(a == b for a, b in zip(*greedy))
+        logits, quantized_logits = float_model(text), quantized(text)
+    tops, quantized_tops = logits.argmax(-1)[0], quantized_logits.argmax(-1)[0]
+    relative = ((quantized_logits - logits)[:, :64].abs().max() / logits[:, :64].abs().max()).item()
+    top1 = (quantized_tops[:64] == tops[:64]).float().mean().item()
+    steps = (quantized_tops[63:] == tops[63:]).float().mean().item()
     print(
         f"{kind}: largest logit difference {relative:.2%} of the largest logit; top-1 agrees at {top1:.0%} of the "
-        f"prompt's positions; {agreeing}/64 greedy tokens agree"
+        f"prompt's positions and at {steps:.0%} of float32's 64 greedy steps"
     )
-    return relative, top1, agreeing
+    return relative, top1, steps
 
 
 def test_int8_on_gpt2_shaped_weights_keeps_logits_close_and_greedy_text_mostly_the_same():
-    """The README's figures: on 1 thread, 64 prompt tokens, 64 greedy tokens."""
-    relative, _, agreeing = gpt2_quantization_error("int8")
+    """The README's figures: on 1 thread, 64 prompt tokens, 64 greedy steps."""
+    relative, _, steps = gpt2_quantization_error("int8")
     assert relative < 0.06  # measured 2.5%
-    assert agreeing >= 32  # measured 56
+    assert steps >= 0.8  # measured 97%
 
 
 # ---- `manas quantize` and the version-2 file ----------------------------------------------------------------------

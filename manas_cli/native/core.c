@@ -222,14 +222,55 @@ EXPORT void manas_pool_free(ManasPool *pool) {
    may vectorize the lanes (they are independent) but cannot reorder a sum; -ffp-contract=off fuses nothing
    behind the code's back, and where the CPU has FMA the code fuses each lane's multiply-add itself (madd). */
 #define LANES 16
-#define TILE 4  /* rows of x and of W per tile: 16 partial-sum vectors, and each weight load serves 4 rows of x */
+#define TILE 4  /* rows of W per tile (a panel's), and at most of x */
+/* A prefill's tiles: TILE × TILE sets of lanes fit AVX-512's 32 registers; with 16 of half the width (AVX2) they
+   would take 32, so there a tile is 3 rows of x by 2 weight rows at a time, 12 registers (GPT-2-shape float32 and
+   int4 prefill +10-25% on an AMD EPYC with AVX2, interleaved A/B). */
+#define ROW_TILE (PARTS == 1 ? TILE : 3)
+#define COLUMN_TILE (PARTS == 1 ? TILE : 2)
 
-typedef float Lanes __attribute__((vector_size(LANES * sizeof(float))));  /* GCC/Clang vectors: lane-wise ops */
+/* A set of LANES lanes, held as PARTS vectors of the CPU's own width: one 512-bit register with AVX-512, two 256-bit
+   ones with AVX, four 128-bit ones elsewhere (SSE2, NEON). GCC keeps a vector wider than the CPU's in memory and
+   moves it piece by piece through general registers (GPT-2-shape float32 prefill 9× slower on an AVX2 host), so
+   a 16-float vector type serves only where the CPU has it. The lanes are the same whatever PARTS is: each part's
+   operations are the lanes' own, so the bits do not change. */
+#if defined(__AVX512F__)
+#define PARTS 1
+#elif defined(__AVX__)
+#define PARTS 2
+#else
+#define PARTS 4
+#endif
+#define PART_LANES (LANES / PARTS)
+typedef float Part __attribute__((vector_size(PART_LANES * sizeof(float))));  /* GCC/Clang vectors: lane-wise ops */
+typedef struct { Part part[PARTS]; } Lanes;
 
+/* Part by part, so each is one load (a copy of the whole would go through smaller pieces, and a store of pieces
+   then a load of the whole waits for them). Unaligned. */
 static inline Lanes load_lanes(const float *p) {
     Lanes v;
-    memcpy(&v, p, sizeof v);  /* an unaligned load */
+    for (int k = 0; k < PARTS; k++) memcpy(&v.part[k], p + k * PART_LANES, sizeof v.part[k]);
     return v;
+}
+
+static inline void store_lanes(float *p, Lanes v) {
+    for (int k = 0; k < PARTS; k++) memcpy(p + k * PART_LANES, &v.part[k], sizeof v.part[k]);
+}
+
+static inline Lanes splat(float x) {
+    Lanes v;
+    for (int p = 0; p < PARTS; p++) v.part[p] = (Part){0} + x;
+    return v;
+}
+
+static inline Lanes add(Lanes a, Lanes b) {
+    for (int p = 0; p < PARTS; p++) a.part[p] += b.part[p];
+    return a;
+}
+
+static inline Lanes multiply(Lanes a, Lanes b) {
+    for (int p = 0; p < PARTS; p++) a.part[p] *= b.part[p];
+    return a;
 }
 
 typedef float Half __attribute__((vector_size(LANES / 2 * sizeof(float))));
@@ -242,15 +283,13 @@ typedef float Eighth __attribute__((vector_size(LANES / 8 * sizeof(float))));
    every FMA that uses it, so a 4×4 tile reloads each weight vector once per row (20 loads per 16 FMAs, the load
    ports the limit); here each is loaded once (8 per 16). float32 prefill at GPT-2's shape: 1.6× faster. */
 static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
-    __asm__("vfmadd231ps %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    __asm__("vfmadd231ps %2, %1, %0" : "+v"(acc.part[0]) : "v"(x.part[0]), "v"(w.part[0]));
     return acc;
 }
 #elif defined(__FMA__)
 static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
-    __m256 a[2], b[2], c[2];
-    memcpy(a, &x, sizeof a), memcpy(b, &w, sizeof b), memcpy(c, &acc, sizeof c);
-    for (int h = 0; h < 2; h++) c[h] = _mm256_fmadd_ps(a[h], b[h], c[h]);
-    memcpy(&acc, c, sizeof acc);
+    for (int p = 0; p < PARTS; p++)
+        acc.part[p] = (Part)_mm256_fmadd_ps((__m256)x.part[p], (__m256)w.part[p], (__m256)acc.part[p]);
     return acc;
 }
 #else
@@ -258,7 +297,8 @@ static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
    computes the same value in software, slower), and compilers turn the loop into the vector unit's fused
    instruction where there is one (aarch64's fmla). A separate multiply and add would round twice: other bits. */
 static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
-    for (int l = 0; l < LANES; l++) acc[l] = fmaf(x[l], w[l], acc[l]);
+    for (int p = 0; p < PARTS; p++)
+        for (int l = 0; l < PART_LANES; l++) acc.part[p][l] = fmaf(x.part[p][l], w.part[p][l], acc.part[p][l]);
     return acc;
 }
 #endif
@@ -283,14 +323,15 @@ static inline float sum_lanes(Lanes lanes) {
 /* sum_lanes of four vectors at once, the same additions of the same lanes (so the same four sums), done on
    shuffled vectors instead of one vector's halves: a tile's reductions cost a quarter of the instructions, which
    matters where rows are short (a 256-wide model spends a third of a product reducing otherwise). */
-#if LANES == 16 && (defined(__clang__) || __GNUC__ >= 12)
+#if LANES == 16 && PARTS == 1 && (defined(__clang__) || __GNUC__ >= 12)
 #define SHUFFLE __builtin_shufflevector
-static inline void sum_lanes4(const Lanes *v, float *out) {
-    Lanes ab = SHUFFLE(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+static inline void sum_lanes4(const Lanes *lanes, float *out) {
+    Part v[4] = {lanes[0].part[0], lanes[1].part[0], lanes[2].part[0], lanes[3].part[0]};
+    Part ab = SHUFFLE(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                SHUFFLE(v[0], v[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    Lanes cd = SHUFFLE(v[2], v[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+    Part cd = SHUFFLE(v[2], v[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                SHUFFLE(v[2], v[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    Lanes abcd = SHUFFLE(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+    Part abcd = SHUFFLE(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
                  SHUFFLE(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     Half pairs = SHUFFLE(abcd, abcd, 0, 1, 4, 5, 8, 9, 12, 13) + SHUFFLE(abcd, abcd, 2, 3, 6, 7, 10, 11, 14, 15);
     Quarter sums = SHUFFLE(pairs, pairs, 0, 2, 4, 6) + SHUFFLE(pairs, pairs, 1, 3, 5, 7);
@@ -304,11 +345,13 @@ static inline void sum_lanes4(const Lanes *v, float *out) {
 
 /* The sum of n values in the lane order of dots. */
 static float sum(int n, const float *x) {
-    Lanes lanes = {0};
+    Lanes lanes = splat(0.0f);
     int i = 0;
-    for (; i + LANES <= n; i += LANES) lanes += load_lanes(x + i);
-    for (int l = 0; i + l < n; l++) lanes[l] += x[i + l];
-    return sum_lanes(lanes);
+    for (; i + LANES <= n; i += LANES) lanes = add(lanes, load_lanes(x + i));
+    float tail[LANES];
+    store_lanes(tail, lanes);
+    for (int l = 0; i + l < n; l++) tail[l] += x[i + l];
+    return sum_lanes(load_lanes(tail));
 }
 
 static inline float bf16_to_float(uint16_t h) {
@@ -323,41 +366,35 @@ static inline float bf16_to_float(uint16_t h) {
    conversions, 4× slower than the whole int8 product. Exact either way: these are small integers. */
 #if defined(__AVX512F__)
 static inline Lanes int8_lanes(const int8_t *p) {
-    return (Lanes)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    return (Lanes){{(Part)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)))}};
 }
 static inline Lanes nibble_lanes(const uint8_t *p, int high) {
     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     bytes = high ? _mm512_srli_epi32(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi32(15));
-    return (Lanes)_mm512_cvtepi32_ps(bytes);
+    return (Lanes){{(Part)_mm512_cvtepi32_ps(bytes)}};
 }
 #elif defined(__AVX2__)
 static inline Lanes int8_lanes(const int8_t *p) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
-    Lanes lanes;
-    memcpy(&lanes, halves, sizeof lanes);
-    return lanes;
+    return (Lanes){{(Part)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                    (Part)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))}};
 }
 static inline Lanes nibble_lanes(const uint8_t *p, int high) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     bytes = high ? _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15)) : _mm_and_si128(bytes, _mm_set1_epi8(15));
-    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
-                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
-    Lanes lanes;
-    memcpy(&lanes, halves, sizeof lanes);
-    return lanes;
+    return (Lanes){{(Part)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+                    (Part)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))}};
 }
 #else
 static inline Lanes int8_lanes(const int8_t *p) {
-    Lanes lanes;
+    float lanes[LANES];
     for (int l = 0; l < LANES; l++) lanes[l] = (float)p[l];
-    return lanes;
+    return load_lanes(lanes);
 }
 static inline Lanes nibble_lanes(const uint8_t *p, int high) {
-    Lanes lanes;
+    float lanes[LANES];
     for (int l = 0; l < LANES; l++) lanes[l] = (float)(high ? p[l] >> 4 : p[l] & 15);
-    return lanes;
+    return load_lanes(lanes);
 }
 #endif
 
@@ -368,8 +405,13 @@ static inline size_t int4_group(const ManasLinear *linear, size_t o, size_t i) {
 }
 
 /* The value int4 code q stands for in a group of this scale and zero, as torch_engine/quantize.py's
-   dequantize_groups computes it: one formula for a single value (weight_at) and for lanes (weight_lanes). */
+   dequantize_groups computes it: one formula for a single value (weight_at) and for lanes (int4_values). */
 #define INT4_VALUE(q, scale, zero) (((q) - (float)INT4_MIDDLE) * (scale) + (zero))
+
+static inline Lanes int4_values(Lanes codes, Lanes scale, Lanes zero) {
+    for (int p = 0; p < PARTS; p++) codes.part[p] = INT4_VALUE(codes.part[p], scale.part[p], zero.part[p]);
+    return codes;
+}
 
 /* How many whole chunks of LANES values a row of n is read in: the rest, its tail, is read value by value. An
    int4 row is read in whole blocks of INT4_BLOCK (two chunks each), whatever its group size. */
@@ -427,19 +469,21 @@ static inline __attribute__((always_inline)) void weight_lanes(int kind, const M
         size_t first = (size_t)c / 2 * INT4_BLOCK;  /* the block's first column */
         const uint8_t *bytes = row_byte(row, first / 2);
         int one_group = linear->group % INT4_BLOCK == 0;
-        Lanes scale, zero;
+        Lanes scale = splat(0.0f), zero = scale;
         if (one_group) {
             size_t g = int4_group(linear, o, first);
-            scale = (Lanes){0} + bf16_to_float(linear->scales[g]), zero = (Lanes){0} + bf16_to_float(linear->zeros[g]);
+            scale = splat(bf16_to_float(linear->scales[g])), zero = splat(bf16_to_float(linear->zeros[g]));
         }
         for (int half = 0; half < 2; half++) {
             if (!one_group) {
+                float scales[LANES], zeros[LANES];
                 for (int l = 0; l < LANES; l++) {
                     size_t g = int4_group(linear, o, first + 2 * l + half);
-                    scale[l] = bf16_to_float(linear->scales[g]), zero[l] = bf16_to_float(linear->zeros[g]);
+                    scales[l] = bf16_to_float(linear->scales[g]), zeros[l] = bf16_to_float(linear->zeros[g]);
                 }
+                scale = load_lanes(scales), zero = load_lanes(zeros);
             }
-            chunks[half] = INT4_VALUE(nibble_lanes(bytes, half), scale, zero);
+            chunks[half] = int4_values(nibble_lanes(bytes, half), scale, zero);
         }
     }
 }
@@ -460,56 +504,68 @@ static inline float weight_at(int kind, const ManasLinear *linear, int o, int i)
    float (exact too): lanes 0–7 the first block's, 8–15 the second's. The weights are made unsigned by an offset
    (int8: w + 128, w xor 0x80; int4: the code, 0–15, stands for code − 8), and the row's correction,
    −offset·Σ q over the lane's four (quantize_row's), takes it back out: the lane is Σ q·(u − offset), exactly.
-   AVX-512 VNNI computes it in one instruction (a 4-byte dot per lane, starting from the correction); AVX2 sums
-   int16 pairs and adds adjacent pairs; elsewhere C sums the four. */
+   AVX-512 VNNI computes it in one instruction (a 4-byte dot per lane, starting from the correction); AVX2
+   multiplies u − offset itself (below); elsewhere C sums the four. */
 #define QGROUP 64
 #define PREFETCH_TILES 2  /* how many tiles of weight rows ahead integer_dots asks for */
-typedef uint8_t Bytes __attribute__((vector_size(QGROUP)));
+typedef uint8_t BytePart __attribute__((vector_size(QGROUP / PARTS)));
+typedef struct { BytePart part[PARTS]; } Bytes;  /* as Lanes: the CPU's own vectors */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-static inline Lanes group_products(Bytes u, const int8_t *q, const int32_t *correction) {
-    __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(correction), (__m512i)u, _mm512_loadu_si512(q));
-    return (Lanes)_mm512_cvtepi32_ps(sums);
+static inline Lanes group_products(Bytes u, int offset, const int8_t *q, const int32_t *correction) {
+    (void)offset;
+    __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(correction), (__m512i)u.part[0], _mm512_loadu_si512(q));
+    return (Lanes){{(Part)_mm512_cvtepi32_ps(sums)}};
 }
 #elif defined(__AVX2__)
-static inline Lanes group_products(Bytes u, const int8_t *q, const int32_t *correction) {
-    uint8_t bytes[QGROUP];
-    memcpy(bytes, &u, sizeof bytes);
-    __m256 halves[2];
+/* AVX2 has no 4-byte dot. Its byte product (maddubs) multiplies unsigned by signed bytes into int16 pairs that
+   saturate, and 2 × 255 × 127 would: so it multiplies the signed weight w = u − offset instead, |w| against q
+   given w's sign (at most 2 × 128 × 127 = 32,512, exact), then sums the pairs into fours (madd against ones). That
+   is Σ q·w itself, the correction's sum already in it: the same integers as above, 5 instructions per 32 bytes. */
+static inline Lanes group_products(Bytes u, int offset, const int8_t *q, const int32_t *correction) {
+    (void)correction;
+    __m256i bytes[2];
+    __m256 sums[2];
+#if PARTS == 1  /* AVX-512 without VNNI: the group's halves of one register */
+    bytes[0] = _mm512_castsi512_si256((__m512i)u.part[0]), bytes[1] = _mm512_extracti64x4_epi64((__m512i)u.part[0], 1);
+#else
+    bytes[0] = (__m256i)u.part[0], bytes[1] = (__m256i)u.part[1];
+#endif
     for (int h = 0; h < 2; h++) {
-        __m256i pairs[2];
-        for (int k = 0; k < 2; k++) {
-            size_t at = (size_t)32 * h + 16 * k;
-            __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + at)));
-            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(bytes + at)));
-            pairs[k] = _mm256_madd_epi16(a, b);  /* 8 sums of 2 */
-        }
-        /* hadd interleaves the two halves' sums of 4 by 128-bit lane; the permute puts them back in order */
-        __m256i fours = _mm256_permute4x64_epi64(_mm256_hadd_epi32(pairs[0], pairs[1]), 0xD8);
-        fours = _mm256_add_epi32(fours, _mm256_loadu_si256((const __m256i *)(correction + 8 * h)));
-        halves[h] = _mm256_cvtepi32_ps(fours);
+        __m256i w = _mm256_sub_epi8(bytes[h], _mm256_set1_epi8((char)offset));
+        __m256i codes = _mm256_loadu_si256((const __m256i *)(q + 32 * h));
+        __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(codes, w));
+        sums[h] = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     }
-    Lanes lanes;
-    memcpy(&lanes, halves, sizeof lanes);
-    return lanes;
+#if PARTS == 1
+    return (Lanes){{(Part)_mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)sums[0]), (__m256d)sums[1], 1)}};
+#else
+    return (Lanes){{(Part)sums[0], (Part)sums[1]}};
+#endif
 }
 #else
-static inline Lanes group_products(Bytes u, const int8_t *q, const int32_t *correction) {
-    Lanes lanes;
+static inline Lanes group_products(Bytes u, int offset, const int8_t *q, const int32_t *correction) {
+    (void)offset;
+    uint8_t bytes[QGROUP];
+    memcpy(bytes, &u, sizeof bytes);
+    float lanes[LANES];
     for (int l = 0; l < LANES; l++) {
         int32_t sum = correction[l];
-        for (int k = 0; k < 4; k++) sum += (int32_t)u[4 * l + k] * q[4 * l + k];
+        for (int k = 0; k < 4; k++) sum += (int32_t)bytes[4 * l + k] * q[4 * l + k];
         lanes[l] = (float)sum;
     }
-    return lanes;
+    return load_lanes(lanes);
 }
 #endif
 
 /* int8 weights as group_products' unsigned bytes: w + 128. */
 static inline Bytes int8_bytes(const int8_t *w) {
     Bytes u;
-    memcpy(&u, w, sizeof u);
-    return u ^ 0x80;
+    for (int p = 0; p < PARTS; p++) {
+        memcpy(&u.part[p], w + p * sizeof u.part[p], sizeof u.part[p]);  /* part by part: as load_lanes */
+        u.part[p] ^= 0x80;
+    }
+    return u;
 }
 
 /* A group of 64 int4 columns (two INT4_BLOCKs, 32 bytes) as group_products' unsigned bytes: each block's low
@@ -520,27 +576,35 @@ static inline Bytes int4_bytes(const uint8_t *w) {
     __m512i both = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
                                             _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)w)));
     both = _mm512_srlv_epi64(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
-    return (Bytes)_mm512_and_si512(both, _mm512_set1_epi8(15));
+    return (Bytes){{(BytePart)_mm512_and_si512(both, _mm512_set1_epi8(15))}};
+#elif defined(__AVX2__)
+    /* [b0 | b1] by 128-bit halves: their low nibbles, their high nibbles, then each block's two side by side */
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)w), mask = _mm256_set1_epi8(15);
+    __m256i low = _mm256_and_si256(bytes, mask), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+    return (Bytes){{(BytePart)_mm256_permute2x128_si256(low, high, 0x20),
+                    (BytePart)_mm256_permute2x128_si256(low, high, 0x31)}};
 #else
-    Bytes u;
+    uint8_t bytes[QGROUP];
     for (int b = 0; b < 2; b++)
         for (int j = 0; j < INT4_BLOCK / 2; j++) {
-            u[32 * b + j] = w[16 * b + j] & 15;
-            u[32 * b + 16 + j] = w[16 * b + j] >> 4;
+            bytes[32 * b + j] = w[16 * b + j] & 15;
+            bytes[32 * b + 16 + j] = w[16 * b + j] >> 4;
         }
+    Bytes u;
+    memcpy(&u, bytes, sizeof u);
     return u;
 #endif
 }
 
 /* A row's last, partial group of int8 products (count < QGROUP values), in C, reading no weight past the row. */
 static inline Lanes partial_group_products(const int8_t *q, const int8_t *w, int count) {
-    Lanes lanes = {0};
+    float lanes[LANES] = {0};
     for (int l = 0; 4 * l < count; l++) {
         int32_t sum = 0;
         for (int k = 0; k < 4 && 4 * l + k < count; k++) sum += (int32_t)q[4 * l + k] * w[4 * l + k];
         lanes[l] = (float)sum;
     }
-    return lanes;
+    return load_lanes(lanes);
 }
 
 /* A row of n activations quantized for the integer products, as quantize_row lays it out in the scratch, per
@@ -593,11 +657,10 @@ static void quantize_row(int n, const float *x, int offset, float *out) {
 /* Lanes 0–7 a, lanes 8–15 b: a weight group's scale (or zero) for each block of a group. */
 static inline Lanes halves(float a, float b) {
 #if defined(__AVX512F__)
-    return (Lanes)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+    return (Lanes){{(Part)_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b))}};
 #else
-    Half h[2] = {(Half){0} + a, (Half){0} + b};
     Lanes lanes;
-    memcpy(&lanes, h, sizeof lanes);
+    for (int p = 0; p < PARTS; p++) lanes.part[p] = (Part){0} + (p < PARTS / 2 ? a : b);
     return lanes;
 #endif
 }
@@ -630,12 +693,46 @@ static inline void group_lanes(const uint16_t *pair, Lanes *scale, Lanes *zero) 
     __m512i scales = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16,
                                        1 << 16, 1 << 16);
     __m512i zeros = _mm512_add_epi32(scales, _mm512_set1_epi32(2 << 16));
-    *scale = (Lanes)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, scales, four);
-    *zero = (Lanes)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, zeros, four);
+    scale->part[0] = (Part)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, scales, four);
+    zero->part[0] = (Part)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, zeros, four);
 #else
     *scale = halves(bf16_to_float(pair[0]), bf16_to_float(pair[1]));
     *zero = halves(bf16_to_float(pair[2]), bf16_to_float(pair[3]));
 #endif
+}
+
+/* Group g of a tile's integer products added to its lanes: whole (count 0), or a row's last, partial group of
+   count < QGROUP columns (int8 only: int4 takes whole groups). `prefetch`: how far ahead to ask for the rows, or 0. */
+static inline __attribute__((always_inline)) void integer_group(int kind, int RT, int OT, const Row *rows,
+                                                                const float *const *x, size_t g, int count,
+                                                                size_t prefetch, const uint16_t *grouped,
+                                                                Lanes lane[TILE][TILE]) {
+    size_t group_bytes = kind == INT4_INTEGER ? QGROUP / 2 : QGROUP;
+    for (int o = 0; o < OT; o++) {
+        const uint8_t *w = row_byte(rows[o], g * group_bytes);
+        if (prefetch) __builtin_prefetch(w + prefetch);  /* that row, as far along */
+        if (kind == INT4_INTEGER) {
+            Lanes scale, zero;
+            group_lanes(grouped + (g * TILE + o) * GROUP_SCALES, &scale, &zero);
+            Bytes u = int4_bytes(w);
+            for (int r = 0; r < RT; r++) {
+                const float *d = x[r] + g * QUANTIZED_SPAN;
+                const int8_t *q = (const int8_t *)(d + LANES);
+                Lanes products = group_products(u, INT4_MIDDLE, q, (const int32_t *)(d + LANES + QGROUP / 4));
+                Lanes sums = load_lanes(d + LANES + QGROUP / 4 + LANES);
+                lane[r][o] = madd(madd(lane[r][o], zero, sums), multiply(load_lanes(d), scale), products);
+            }
+        } else {
+            Bytes u = count ? (Bytes){{{0}}} : int8_bytes((const int8_t *)w);
+            for (int r = 0; r < RT; r++) {
+                const float *d = x[r] + g * QUANTIZED_SPAN;
+                const int8_t *q = (const int8_t *)(d + LANES);
+                Lanes products = count ? partial_group_products(q, (const int8_t *)w, count)
+                                       : group_products(u, 128, q, (const int32_t *)(d + LANES + QGROUP / 4));
+                lane[r][o] = madd(lane[r][o], products, load_lanes(d));
+            }
+        }
+    }
 }
 
 /* The integer products of a tile: out[r][o] = the lanes' sum over groups of d × group_products (int8: the row's
@@ -647,42 +744,19 @@ static inline void group_lanes(const uint16_t *pair, Lanes *scale, Lanes *zero) 
 static inline __attribute__((always_inline)) void integer_dots(int kind, int RT, int OT, const ManasLinear *linear,
                                                                const float *const *x, int o0, const uint16_t *grouped,
                                                                float out[TILE][TILE]) {
-    Lanes lane[TILE][TILE] = {{{0}}};
-    size_t n = (size_t)linear->n_in, groups = (n + QGROUP - 1) / QGROUP, whole = n / QGROUP;
+    Lanes lane[TILE][TILE];
+    for (int r = 0; r < RT; r++)
+        for (int o = 0; o < OT; o++) lane[r][o] = splat(0.0f);
+    size_t n = (size_t)linear->n_in, whole = n / QGROUP;
     /* Fetching the rows of the tile after next while these are read keeps the loads from waiting: a decode step,
        one row of x, is otherwise latency-bound on them (int8 at GPT-2 size here: 136 against 105 tok/s for the
        next tile, 10% more again for the one after; int4's shorter rows need the distance). A hint, not a read. */
     int ahead = o0 + (1 + PREFETCH_TILES) * OT <= linear->n_out;
-    size_t tile_bytes = OT * row_bytes(linear), group_bytes = kind == INT4_INTEGER ? QGROUP / 2 : QGROUP;
+    size_t prefetch = ahead ? PREFETCH_TILES * OT * row_bytes(linear) : 0;
     Row rows[TILE];
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
-    for (size_t g = 0; g < groups; g++) {
-        for (int o = 0; o < OT; o++) {
-            const uint8_t *w = row_byte(rows[o], g * group_bytes);
-            if (ahead) __builtin_prefetch(w + PREFETCH_TILES * tile_bytes);  /* that row, as far along */
-            if (kind == INT4_INTEGER) {
-                Lanes scale, zero;
-                group_lanes(grouped + (g * TILE + o) * GROUP_SCALES, &scale, &zero);
-                Bytes u = int4_bytes(w);
-                for (int r = 0; r < RT; r++) {
-                    const float *d = x[r] + g * QUANTIZED_SPAN;
-                    const int8_t *q = (const int8_t *)(d + LANES);
-                    Lanes products = group_products(u, q, (const int32_t *)(d + LANES + QGROUP / 4));
-                    Lanes sums = load_lanes(d + LANES + QGROUP / 4 + LANES);
-                    lane[r][o] = madd(madd(lane[r][o], zero, sums), load_lanes(d) * scale, products);
-                }
-            } else {
-                Bytes u = g < whole ? int8_bytes((const int8_t *)w) : (Bytes){0};
-                for (int r = 0; r < RT; r++) {
-                    const float *d = x[r] + g * QUANTIZED_SPAN;
-                    const int8_t *q = (const int8_t *)(d + LANES);
-                    Lanes products = g < whole ? group_products(u, q, (const int32_t *)(d + LANES + QGROUP / 4))
-                                               : partial_group_products(q, (const int8_t *)w, (int)(n - g * QGROUP));
-                    lane[r][o] = madd(lane[r][o], products, load_lanes(d));
-                }
-            }
-        }
-    }
+    for (size_t g = 0; g < whole; g++) integer_group(kind, RT, OT, rows, x, g, 0, prefetch, grouped, lane);
+    if (whole * QGROUP < n) integer_group(kind, RT, OT, rows, x, whole, (int)(n - whole * QGROUP), 0, grouped, lane);
     for (int r = 0; r < RT; r++) {
         if (OT == 4) {
             sum_lanes4(lane[r], out[r]);
@@ -701,7 +775,9 @@ static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT,
         integer_dots(kind, RT, OT, linear, x, o0, grouped, out);
         return;
     }
-    Lanes lane[TILE][TILE] = {{{0}}};
+    Lanes lane[TILE][TILE];
+    for (int r = 0; r < RT; r++)
+        for (int o = 0; o < OT; o++) lane[r][o] = splat(0.0f);
     int n = linear->n_in, chunks = whole_chunks(kind, n), step = kind == WEIGHTS_INT4 ? 2 : 1;
     Row rows[TILE];
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
@@ -719,9 +795,13 @@ static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT,
             }
     }
     for (int r = 0; r < RT; r++) {
-        for (int o = 0; o < OT; o++)
+        for (int o = 0; o < OT && chunks * LANES < n; o++) {
+            float tail[LANES];
+            store_lanes(tail, lane[r][o]);
             for (int i = chunks * LANES; i < n; i++)
-                lane[r][o][i % LANES] = madd1(lane[r][o][i % LANES], x[r][i], weight_at(kind, linear, o0 + o, i));
+                tail[i % LANES] = madd1(tail[i % LANES], x[r][i], weight_at(kind, linear, o0 + o, i));
+            lane[r][o] = load_lanes(tail);
+        }
         if (OT == 4) {
             sum_lanes4(lane[r], out[r]);
         } else {
@@ -732,24 +812,30 @@ static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT,
 
 /* A float32 dot product in the same lane order (attention's q · k). */
 static float dot(int n, const float *a, const float *b) {
-    Lanes lanes = {0};
+    Lanes lanes = splat(0.0f);
     int i = 0;
     for (; i + LANES <= n; i += LANES) lanes = madd(lanes, load_lanes(a + i), load_lanes(b + i));
-    for (int l = 0; i + l < n; l++) lanes[l] = madd1(lanes[l], a[i + l], b[i + l]);
-    return sum_lanes(lanes);
+    float tail[LANES];
+    store_lanes(tail, lanes);
+    for (int l = 0; i + l < n; l++) tail[l] = madd1(tail[l], a[i + l], b[i + l]);
+    return sum_lanes(load_lanes(tail));
 }
 
 /* dot(n, a, b[k]) for four vectors b, each the same arithmetic as dot's, reduced together (attention's q against
    four cached keys). */
 static void dot4(int n, const float *a, const float *const *b, float *out) {
-    Lanes lanes[4] = {{0}};
+    Lanes lanes[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
     int i = 0;
     for (; i + LANES <= n; i += LANES) {
         Lanes x = load_lanes(a + i);
         for (int k = 0; k < 4; k++) lanes[k] = madd(lanes[k], x, load_lanes(b[k] + i));
     }
-    for (int k = 0; k < 4; k++)
-        for (int l = 0; i + l < n; l++) lanes[k][l] = madd1(lanes[k][l], a[i + l], b[k][i + l]);
+    for (int k = 0; k < 4 && i < n; k++) {
+        float tail[LANES];
+        store_lanes(tail, lanes[k]);
+        for (int l = 0; i + l < n; l++) tail[l] = madd1(tail[l], a[i + l], b[k][i + l]);
+        lanes[k] = load_lanes(tail);
+    }
     sum_lanes4(lanes, out);
 }
 
@@ -776,25 +862,34 @@ typedef struct {
                         or its rows' scales and zeros (int4_groups) where the layer has no panels */
 } Matmul;
 
-/* Output features o0 .. o0 + count − 1 for every row, TILE rows at a time, each weight load serving TILE rows;
+/* Output features o0 .. o0 + count − 1 for every row, ROW_TILE rows at a time, each weight load serving them all;
    the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it dequantized). */
 static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, const ManasLinear *weights,
                                                               int w0, int o0, int count, const uint16_t *grouped) {
     int n_out = m->linear->n_out;
-    for (int r0 = 0; r0 < m->rows; r0 += TILE) {
-        int rows = m->rows - r0 < TILE ? m->rows - r0 : TILE;
+    for (int r0 = 0; r0 < m->rows; r0 += ROW_TILE) {
+        int rows = m->rows - r0 < ROW_TILE ? m->rows - r0 : ROW_TILE;
         const float *x[TILE];
         for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * m->stride;
         float out[TILE][TILE];
-        if (rows == TILE && count == TILE) dots(kind, TILE, TILE, weights, x, w0, grouped, out);
-        else if (rows == 1 && count == TILE) dots(kind, 1, TILE, weights, x, w0, grouped, out);
-        else
+        if (rows == ROW_TILE && count == TILE) {
+            for (int c = 0; c < TILE; c += COLUMN_TILE) {
+                float part[TILE][TILE];
+                const uint16_t *at = grouped ? grouped + c * GROUP_SCALES : NULL;  /* int4's rows c.. of the tile */
+                dots(kind, ROW_TILE, COLUMN_TILE, weights, x, w0 + c, at, part);
+                for (int r = 0; r < ROW_TILE; r++)
+                    for (int o = 0; o < COLUMN_TILE; o++) out[r][c + o] = part[r][o];
+            }
+        } else if (rows == 1 && count == TILE) {
+            dots(kind, 1, TILE, weights, x, w0, grouped, out);
+        } else {
             for (int r = 0; r < rows; r++)
                 for (int o = 0; o < count; o++) {
                     float one[TILE][TILE];
                     dots(kind, 1, 1, weights, x + r, w0 + o, grouped ? grouped + o * GROUP_SCALES : NULL, one);
                     out[r][o] = one[0][0];
                 }
+        }
         for (int r = 0; r < rows; r++)
             for (int o = 0; o < count; o++)
                 m->y[(size_t)(r0 + r) * n_out + o0 + o] = finish(m->linear, o0 + o, out[r][o]);
@@ -1120,15 +1215,16 @@ static void mix_values(int hs, int rows, const int *positions, const float *cons
     int shared = positions[0];  /* the positions every row attends: its rows are in ascending order */
     int i = 0;
     for (; i + LANES <= hs; i += LANES) {
-        Lanes sum[ATTEND_ROWS] = {{0}};
+        Lanes sum[ATTEND_ROWS];
+        for (int k = 0; k < ATTEND_ROWS; k++) sum[k] = splat(0.0f);
         for (int t = 0; t < shared; t++) {
             Lanes v = load_lanes(values + (size_t)t * stride + i);
-            for (int k = 0; k < rows; k++) sum[k] = madd(sum[k], (Lanes){0} + weights[k][t], v);
+            for (int k = 0; k < rows; k++) sum[k] = madd(sum[k], splat(weights[k][t]), v);
         }
         for (int k = 0; k < rows; k++) {
             for (int t = shared; t < positions[k]; t++)
-                sum[k] = madd(sum[k], (Lanes){0} + weights[k][t], load_lanes(values + (size_t)t * stride + i));
-            memcpy(out[k] + i, &sum[k], sizeof sum[k]);
+                sum[k] = madd(sum[k], splat(weights[k][t]), load_lanes(values + (size_t)t * stride + i));
+            store_lanes(out[k] + i, sum[k]);
         }
     }
     for (; i < hs; i++)

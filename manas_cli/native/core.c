@@ -862,13 +862,15 @@ typedef struct {
                         or its rows' scales and zeros (int4_groups) where the layer has no panels */
 } Matmul;
 
-/* Output features o0 .. o0 + count − 1 for every row, ROW_TILE rows at a time, each weight load serving them all;
-   the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it dequantized). */
+/* Output features o0 .. o0 + count − 1 for rows r_begin .. r_end − 1, ROW_TILE rows at a time, each weight load
+   serving them all; the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it
+   dequantized). */
 static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, const ManasLinear *weights,
-                                                              int w0, int o0, int count, const uint16_t *grouped) {
+                                                              int w0, int o0, int count, const uint16_t *grouped,
+                                                              int r_begin, int r_end) {
     int n_out = m->linear->n_out;
-    for (int r0 = 0; r0 < m->rows; r0 += ROW_TILE) {
-        int rows = m->rows - r0 < ROW_TILE ? m->rows - r0 : ROW_TILE;
+    for (int r0 = r_begin; r0 < r_end; r0 += ROW_TILE) {
+        int rows = r_end - r0 < ROW_TILE ? r_end - r0 : ROW_TILE;
         const float *x[TILE];
         for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * m->stride;
         float out[TILE][TILE];
@@ -938,30 +940,48 @@ static void dequantize_tile(const ManasLinear *linear, int o0, int count, float 
     }
 }
 
+/* Weight tile `tile` against rows r_begin .. r_end − 1, in the products' kind (one copy of the loops per kind). */
+static void tile_product(const Matmul *m, int tile, int r_begin, int r_end, float *buffer) {
+    int o0 = tile * TILE, count = m->linear->n_out - o0 < TILE ? m->linear->n_out - o0 : TILE;
+    switch (m->kind) {
+    case WEIGHTS_F32: matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count, NULL, r_begin, r_end); break;
+    case WEIGHTS_INT8: matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count, NULL, r_begin, r_end); break;
+    case INT8_INTEGER: matmul_tile(INT8_INTEGER, m, m->linear, o0, o0, count, NULL, r_begin, r_end); break;
+    case INT4_INTEGER: {
+        const uint16_t *grouped = tile_group_scales(m->linear, tile);
+        if (!grouped) int4_groups(m->linear, o0, count, (uint16_t *)buffer);
+        grouped = grouped ? grouped : (const uint16_t *)buffer;
+        matmul_tile(INT4_INTEGER, m, m->linear, o0, o0, count, grouped, r_begin, r_end);
+        break;
+    }
+    default: matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count, NULL, r_begin, r_end); break;
+    }
+}
+
+/* A prefill takes the weights TILE_BLOCK tiles at a time (GPT-2's width: 16 × 12 KiB of float32 panels, which stay
+   in L2) past ROW_BLOCK rows of x at a time, so a tile's loads of x, most of its loads, find them in L1 or near it
+   rather than streaming every row of x from L2 again for each tile (GPT-2-shape pp64 on an AVX2 host, interleaved
+   A/B: float32 +8%, int8 +14%, int4 +20%; rows of 4 row tiles gained less, 16 lost). Each output's products are
+   still one dots call: the blocking orders the calls, never a sum. */
+#define TILE_BLOCK 16
+#define ROW_BLOCK (8 * ROW_TILE)
+
 static void matmul_tiles(void *context, int begin, int end, int thread) {
     const Matmul *m = context;
-    int n_out = m->linear->n_out, kind = m->kind;
     float *buffer = m->tiles + (size_t)thread * TILE * m->linear->n_in;
-    for (int tile = begin; tile < end; tile++) {
-        int o0 = tile * TILE, count = n_out - o0 < TILE ? n_out - o0 : TILE;
-        if (kind == WEIGHTS_F32) {
-            matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count, NULL);  /* one copy of the loops per kind */
-        } else if (kind == WEIGHTS_INT4 && m->rows > TILE) {  /* a prefill: dequantize once for all its rows */
+    if (m->kind == WEIGHTS_INT4 && m->rows > TILE) {  /* a float prefill of int4: dequantize once for all its rows */
+        for (int tile = begin; tile < end; tile++) {
+            int o0 = tile * TILE, count = m->linear->n_out - o0 < TILE ? m->linear->n_out - o0 : TILE;
             dequantize_tile(m->linear, o0, count, buffer);
             ManasLinear dequantized = {.kind = WEIGHTS_F32, .n_in = m->linear->n_in, .n_out = count, .weight = buffer};
-            matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count, NULL);
-        } else if (kind == WEIGHTS_INT8) {
-            matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count, NULL);
-        } else if (kind == INT8_INTEGER) {
-            matmul_tile(INT8_INTEGER, m, m->linear, o0, o0, count, NULL);
-        } else if (kind == INT4_INTEGER) {
-            const uint16_t *grouped = tile_group_scales(m->linear, tile);
-            if (!grouped) int4_groups(m->linear, o0, count, (uint16_t *)buffer);
-            matmul_tile(INT4_INTEGER, m, m->linear, o0, o0, count, grouped ? grouped : (const uint16_t *)buffer);
-        } else {
-            matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count, NULL);
+            matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count, NULL, 0, m->rows);
         }
+        return;
     }
+    for (int first = begin; first < end; first += TILE_BLOCK)
+        for (int r0 = 0; r0 < m->rows; r0 += ROW_BLOCK)
+            for (int tile = first; tile < end && tile < first + TILE_BLOCK; tile++)
+                tile_product(m, tile, r0, r0 + ROW_BLOCK < m->rows ? r0 + ROW_BLOCK : m->rows, buffer);
 }
 
 /* A row x with each whole block of 32 reordered to its even columns, then its odd ones, the tail as it is: the

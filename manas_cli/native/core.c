@@ -519,11 +519,11 @@ static inline Lanes group_products(Bytes u, int offset, const int8_t *q, const i
 }
 #elif defined(__AVX2__)
 /* AVX2 has no 4-byte dot. Its byte product (maddubs) multiplies unsigned by signed bytes into int16 pairs that
-   saturate, and 2 × 255 × 127 would: so it multiplies the signed weight w = u − offset instead, |w| against q
-   given w's sign (at most 2 × 128 × 127 = 32,512, exact), then sums the pairs into fours (madd against ones). That
-   is Σ q·w itself, the correction's sum already in it: the same integers as above, 5 instructions per 32 bytes. */
+   saturate: int4's codes (u ≤ 15) multiply as they are, the pairs summed into fours (madd against ones) and the
+   correction added, as above; int8's offset weights would overflow (2 × 255 × 127), so there the signed weight
+   w = u − offset is multiplied instead, |w| against q given w's sign (at most 2 × 128 × 127 = 32,512, exact),
+   which is Σ q·w itself, no correction needed. The same integers either way. */
 static inline Lanes group_products(Bytes u, int offset, const int8_t *q, const int32_t *correction) {
-    (void)correction;
     __m256i bytes[2];
     __m256 sums[2];
 #if PARTS == 1  /* AVX-512 without VNNI: the group's halves of one register */
@@ -532,10 +532,16 @@ static inline Lanes group_products(Bytes u, int offset, const int8_t *q, const i
     bytes[0] = (__m256i)u.part[0], bytes[1] = (__m256i)u.part[1];
 #endif
     for (int h = 0; h < 2; h++) {
-        __m256i w = _mm256_sub_epi8(bytes[h], _mm256_set1_epi8((char)offset));
-        __m256i codes = _mm256_loadu_si256((const __m256i *)(q + 32 * h));
-        __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(codes, w));
-        sums[h] = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        __m256i codes = _mm256_loadu_si256((const __m256i *)(q + 32 * h)), pairs;
+        if (offset < 128) {  /* int4: u ≤ 15, so u against q is exact (2 × 15 × 127), and the correction goes on */
+            pairs = _mm256_maddubs_epi16(bytes[h], codes);
+        } else {
+            __m256i w = _mm256_sub_epi8(bytes[h], _mm256_set1_epi8((char)offset));
+            pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(codes, w));
+        }
+        __m256i fours = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        if (offset < 128) fours = _mm256_add_epi32(fours, _mm256_loadu_si256((const __m256i *)(correction + 8 * h)));
+        sums[h] = _mm256_cvtepi32_ps(fours);
     }
 #if PARTS == 1
     return (Lanes){{(Part)_mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)sums[0]), (__m256d)sums[1], 1)}};

@@ -707,43 +707,47 @@ static inline void group_lanes(const uint16_t *pair, Lanes *scale, Lanes *zero) 
 #endif
 }
 
-/* Group g of a tile's integer products added to its lanes: whole (count 0), or a row's last, partial group of
-   count < QGROUP columns (int8 only: int4 takes whole groups). `prefetch`: how far ahead to ask for the rows, or 0.
-   int4 unpacks a weight row's group and meets every row of x with it; int8 takes all its weight rows' bytes first,
-   then each row of x meets them all, so only one row of x is live at a time: taken int4's way, GCC held all four
-   rows of x and spilled a 4 × 4 tile's lanes every group (GPT-2-shape int8 prefill +5-10% on AVX-512; int4's
-   way round is the faster for int4, whose lanes take a scale and a zero per weight row besides). */
-static inline __attribute__((always_inline)) void integer_group(int kind, int RT, int OT, const Row *rows,
-                                                                const float *const *x, size_t g, int count,
-                                                                size_t prefetch, const uint16_t *grouped,
-                                                                Lanes lane[TILE][TILE]) {
-    size_t group_bytes = kind == INT4_INTEGER ? QGROUP / 2 : QGROUP;
-    const uint8_t *w[TILE];
-    Bytes u[TILE];
+/* Group g of an int4 tile's integer products added to its lanes (int4 takes whole groups). `prefetch`: how far
+   ahead to ask for the rows, or 0. Each weight row's group is unpacked once and meets every row of x. */
+static inline __attribute__((always_inline)) void int4_group_dots(int RT, int OT, const Row *rows,
+                                                                  const float *const *x, size_t g, size_t prefetch,
+                                                                  const uint16_t *grouped, Lanes lane[TILE][TILE]) {
     for (int o = 0; o < OT; o++) {
-        w[o] = row_byte(rows[o], g * group_bytes);
-        if (prefetch) __builtin_prefetch(w[o] + prefetch);  /* that row, as far along */
-        if (kind == INT4_INTEGER) {
-            Lanes scale, zero;
-            group_lanes(grouped + (g * TILE + o) * GROUP_SCALES, &scale, &zero);
-            u[o] = int4_bytes(w[o]);
-            for (int r = 0; r < RT; r++) {
-                const float *d = x[r] + g * QUANTIZED_SPAN;
-                const int8_t *q = (const int8_t *)(d + LANES);
-                Lanes products = group_products(u[o], INT4_MIDDLE, q, (const int32_t *)(d + LANES + QGROUP / 4));
-                Lanes sums = load_lanes(d + LANES + QGROUP / 4 + LANES);
-                lane[r][o] = madd(madd(lane[r][o], zero, sums), multiply(load_lanes(d), scale), products);
-            }
-        } else if (!count) {
-            u[o] = int8_bytes((const int8_t *)w[o]);
+        const uint8_t *w = row_byte(rows[o], g * QGROUP / 2);
+        if (prefetch) __builtin_prefetch(w + prefetch);  /* that row, as far along */
+        Lanes scale, zero;
+        group_lanes(grouped + (g * TILE + o) * GROUP_SCALES, &scale, &zero);
+        Bytes u = int4_bytes(w);
+        for (int r = 0; r < RT; r++) {
+            const float *d = x[r] + g * QUANTIZED_SPAN;
+            const int8_t *q = (const int8_t *)(d + LANES);
+            Lanes products = group_products(u, INT4_MIDDLE, q, (const int32_t *)(d + LANES + QGROUP / 4));
+            Lanes sums = load_lanes(d + LANES + QGROUP / 4 + LANES);
+            lane[r][o] = madd(madd(lane[r][o], zero, sums), multiply(load_lanes(d), scale), products);
         }
     }
-    if (kind == INT4_INTEGER) return;
+}
+
+/* Group g of an int8 tile's integer products added to its lanes: whole (count 0), or a row's last, partial group
+   of count < QGROUP columns. The tile's weight rows are read first, then each row of x meets them all, so one row
+   of x is live at a time: taken int4's way round, GCC held all four rows of x and spilled a 4 × 4 tile's lanes
+   every group (GPT-2-shape int8 pp64 on AVX-512 +8% on 1 thread, +2% on 2). int4's way is the faster for int4,
+   whose weight rows bring a scale and a zero besides (the other way lost 12%). */
+static inline __attribute__((always_inline)) void int8_group_dots(int RT, int OT, const Row *rows,
+                                                                  const float *const *x, size_t g, int count,
+                                                                  size_t prefetch, Lanes lane[TILE][TILE]) {
+    const int8_t *w[TILE];
+    Bytes u[TILE];
+    for (int o = 0; o < OT; o++) {
+        w[o] = (const int8_t *)row_byte(rows[o], g * QGROUP);
+        if (prefetch) __builtin_prefetch(w[o] + prefetch);  /* that row, as far along */
+        if (!count) u[o] = int8_bytes(w[o]);
+    }
     for (int r = 0; r < RT; r++) {
         const float *d = x[r] + g * QUANTIZED_SPAN;
         const int8_t *q = (const int8_t *)(d + LANES);
         for (int o = 0; o < OT; o++) {
-            Lanes products = count ? partial_group_products(q, (const int8_t *)w[o], count)
+            Lanes products = count ? partial_group_products(q, w[o], count)
                                    : group_products(u[o], 128, q, (const int32_t *)(d + LANES + QGROUP / 4));
             lane[r][o] = madd(lane[r][o], products, load_lanes(d));
         }
@@ -770,8 +774,12 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
     size_t prefetch = ahead ? PREFETCH_TILES * OT * row_bytes(linear) : 0;
     Row rows[TILE];
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
-    for (size_t g = 0; g < whole; g++) integer_group(kind, RT, OT, rows, x, g, 0, prefetch, grouped, lane);
-    if (whole * QGROUP < n) integer_group(kind, RT, OT, rows, x, whole, (int)(n - whole * QGROUP), 0, grouped, lane);
+    for (size_t g = 0; g < whole; g++) {
+        if (kind == INT4_INTEGER) int4_group_dots(RT, OT, rows, x, g, prefetch, grouped, lane);
+        else int8_group_dots(RT, OT, rows, x, g, 0, prefetch, lane);
+    }
+    if (whole * QGROUP < n)  /* int8 only: int4 takes whole groups */
+        int8_group_dots(RT, OT, rows, x, whole, (int)(n - whole * QGROUP), 0, lane);
     for (int r = 0; r < RT; r++) {
         if (OT == 4) {
             sum_lanes4(lane[r], out[r]);

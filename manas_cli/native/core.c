@@ -257,9 +257,11 @@ static inline void store_lanes(float *p, Lanes v) {
     for (int k = 0; k < PARTS; k++) memcpy(p + k * PART_LANES, &v.part[k], sizeof v.part[k]);
 }
 
+/* x in every lane, as it is: x − 0 is x (even −0), so this compiles to a broadcast alone, where (Part){0} + x is an
+   addition the compiler must keep (it turns −0 into +0). */
 static inline Lanes splat(float x) {
     Lanes v;
-    for (int p = 0; p < PARTS; p++) v.part[p] = (Part){0} + x;
+    for (int p = 0; p < PARTS; p++) v.part[p] = x - (Part){0};
     return v;
 }
 
@@ -270,6 +272,16 @@ static inline Lanes add(Lanes a, Lanes b) {
 
 static inline Lanes multiply(Lanes a, Lanes b) {
     for (int p = 0; p < PARTS; p++) a.part[p] *= b.part[p];
+    return a;
+}
+
+/* Lane by lane, b where b > a, else a: a NaN in b is never taken, as in the scalar `b > a ? b : a`. */
+typedef int32_t PartMask __attribute__((vector_size(PART_LANES * sizeof(int32_t))));
+static inline Lanes larger(Lanes a, Lanes b) {
+    for (int p = 0; p < PARTS; p++) {
+        PartMask take = b.part[p] > a.part[p];
+        a.part[p] = (Part)((take & (PartMask)b.part[p]) | (~take & (PartMask)a.part[p]));
+    }
     return a;
 }
 
@@ -1152,23 +1164,29 @@ static void own_sincos(double a, double *sine, double *cosine) {
     *cosine = quadrant == 0 ? c : quadrant == 1 ? -s : quadrant == 2 ? -c : s;
 }
 
-/* e^(x[i] − top) for i < n into out (out may be x; NULL: only summed), 0 below exponential's floor, and their sum in
-   double: softmax's numerator and denominator, and log-sum-exp's (top + log of the sum). top is the largest x. The
-   exponentials are computed a span at a time in a loop of fixed length, which vectorizes; only the sum, in order,
-   runs one value after another. */
+/* e^(x[i] − top) for the count ≤ EXP_SPAN values x into out (which may be x), 0 below exponential's floor: a loop
+   of fixed length, which vectorizes. */
 #define EXP_SPAN 64
+static void exp_span(int count, const float *x, float top, float *out) {
+    float e[EXP_SPAN] = {0};
+    memcpy(e, x, (size_t)count * sizeof *e);
+    for (int j = 0; j < EXP_SPAN; j++) {
+        float below = e[j] - top;
+        e[j] = below < EXP_FLOOR ? 0.0f : exponential(below);
+    }
+    memcpy(out, e, (size_t)count * sizeof *e);
+}
+
+/* e^(x[i] − top) for i < n into out (out may be x; NULL: only summed) and their sum in double: softmax's numerator
+   and denominator, and log-sum-exp's (top + log of the sum). top is the largest x. The exponentials are computed a
+   span at a time; only the sum, in order, runs one value after another. */
 static double exp_below(int n, const float *x, float top, float *out) {
     double total = 0;
     for (int i = 0; i < n; i += EXP_SPAN) {
         int count = n - i < EXP_SPAN ? n - i : EXP_SPAN;
-        float e[EXP_SPAN] = {0};
-        memcpy(e, x + i, (size_t)count * sizeof *e);
-        for (int j = 0; j < EXP_SPAN; j++) {
-            float below = e[j] - top;
-            e[j] = below < EXP_FLOOR ? 0.0f : exponential(below);
-        }
-        for (int j = 0; j < count; j++) total += e[j];
-        if (out) memcpy(out + i, e, (size_t)count * sizeof *e);
+        float e[EXP_SPAN], *span = out ? out + i : e;
+        exp_span(count, x + i, top, span);
+        for (int j = 0; j < count; j++) total += span[j];
     }
     return total;
 }
@@ -1249,33 +1267,67 @@ static void rotate(int head_size, const float *angles, float *x) {
     }
 }
 
-/* For each of `rows` rows k sharing the cached values (rows `stride` apart), in ascending order of their
+/* For each of ROWS rows k sharing the cached values (rows `stride` apart), in ascending order of their
    positions: out[k] = Σ_t weights[k][t] · v_t over its own positions, LANES features at a time in registers, the
    positions summed in order: the same sums whichever rows share the call. */
 #define ATTEND_ROWS 4
-static void mix_values(int hs, int rows, const int *positions, const float *const *weights, const float *values,
-                       int stride, float *const *out) {
+static inline __attribute__((always_inline)) void mix_values(int ROWS, int hs, const int *positions,
+                                                             const float *const *weights, const float *values,
+                                                             int stride, float *const *out) {
     int shared = positions[0];  /* the positions every row attends: its rows are in ascending order */
     int i = 0;
     for (; i + LANES <= hs; i += LANES) {
         Lanes sum[ATTEND_ROWS];
-        for (int k = 0; k < ATTEND_ROWS; k++) sum[k] = splat(0.0f);
+        for (int k = 0; k < ROWS; k++) sum[k] = splat(0.0f);
         for (int t = 0; t < shared; t++) {
             Lanes v = load_lanes(values + (size_t)t * stride + i);
-            for (int k = 0; k < rows; k++) sum[k] = madd(sum[k], splat(weights[k][t]), v);
+            for (int k = 0; k < ROWS; k++) sum[k] = madd(sum[k], splat(weights[k][t]), v);
         }
-        for (int k = 0; k < rows; k++) {
+        for (int k = 0; k < ROWS; k++) {
             for (int t = shared; t < positions[k]; t++)
                 sum[k] = madd(sum[k], splat(weights[k][t]), load_lanes(values + (size_t)t * stride + i));
             store_lanes(out[k] + i, sum[k]);
         }
     }
     for (; i < hs; i++)
-        for (int k = 0; k < rows; k++) {
+        for (int k = 0; k < ROWS; k++) {
             float sum = 0.0f;
             for (int t = 0; t < positions[k]; t++) sum = madd1(sum, weights[k][t], values[(size_t)t * stride + i]);
             out[k][i] = sum;
         }
+}
+
+/* x[t] *= scale for t < n, and the largest result (a NaN never is): each lane keeps its own largest and the lanes
+   meet at the end. The largest is the same in any order (up to a zero's sign, which e^(x − top) cannot tell), so
+   this equals a loop one value at a time, which waited on each compare: a sixth of attention's time. */
+static float scale_to_top(int n, float *x, float scale) {
+    Lanes top = splat(-INFINITY), factor = splat(scale);
+    int t = 0;
+    for (; t + LANES <= n; t += LANES) {
+        Lanes scaled = multiply(load_lanes(x + t), factor);
+        store_lanes(x + t, scaled);
+        top = larger(top, scaled);
+    }
+    float lanes[LANES], highest = -INFINITY;
+    store_lanes(lanes, top);
+    for (int l = 0; l < LANES; l++) highest = lanes[l] > highest ? lanes[l] : highest;
+    for (; t < n; t++) {
+        x[t] *= scale;
+        highest = x[t] > highest ? x[t] : highest;
+    }
+    return highest;
+}
+
+/* One row's scaled scores over its positions for one head, q·k / √hs, into scores; returns the largest. */
+static float attention_scores(int hs, int positions, const float *q, const float *keys, int kv_width, float *scores) {
+    int t = 0;
+    for (; t + 4 <= positions; t += 4) {
+        const float *four[4];
+        for (int k = 0; k < 4; k++) four[k] = keys + (size_t)(t + k) * kv_width;
+        dot4(hs, q, four, scores + t);
+    }
+    for (; t < positions; t++) scores[t] = dot(hs, q, keys + (size_t)t * kv_width);
+    return scale_to_top(positions, scores, 1.0f / sqrtf((float)hs));
 }
 
 /* Attention of one query head of one row over its cache's positions 0..position: softmax(q·k / √hs) · v. Tasks
@@ -1291,27 +1343,32 @@ typedef struct {
     int layer, rows;
 } Attend;
 
-/* One row's attention weights over its positions for one head, into scores: softmax(q·k / √hs). */
-static void attention_weights(int hs, int positions, const float *q, const float *keys, int kv_width, float *scores) {
-    float scale = 1.0f / sqrtf((float)hs), highest = -INFINITY;
-    int t = 0;
-    for (; t + 4 <= positions; t += 4) {
-        const float *four[4];
-        for (int k = 0; k < 4; k++) four[k] = keys + (size_t)(t + k) * kv_width;
-        dot4(hs, q, four, scores + t);
+/* ROWS rows of one head sharing a cache, positions ascending: each row's weights softmax(q·k / √hs) (into
+   weights[k]), then its mix of values (into out[k]). Each row's softmax is exp_below's: its exponentials, their
+   sum in double in order, each divided by it; but the rows' sums run side by side, where one row's alone waits
+   out each addition's latency, and so do their value mixes. Every row's arithmetic is its own. */
+static inline __attribute__((always_inline)) void attend_rows(int ROWS, int hs, const int *positions,
+                                                              const float *const *q, const float *keys,
+                                                              const float *values, int kv_width,
+                                                              float *const *weights, float *const *out) {
+    double total[ATTEND_ROWS] = {0};
+    for (int k = 0; k < ROWS; k++) {
+        float top = attention_scores(hs, positions[k], q[k], keys, kv_width, weights[k]);
+        for (int i = 0; i < positions[k]; i += EXP_SPAN)
+            exp_span(positions[k] - i < EXP_SPAN ? positions[k] - i : EXP_SPAN, weights[k] + i, top, weights[k] + i);
     }
-    for (; t < positions; t++) scores[t] = dot(hs, q, keys + (size_t)t * kv_width);
-    for (t = 0; t < positions; t++) {
-        scores[t] *= scale;
-        highest = scores[t] > highest ? scores[t] : highest;
+    for (int t = 0; t < positions[0]; t++)
+        for (int k = 0; k < ROWS; k++) total[k] += weights[k][t];
+    for (int k = 0; k < ROWS; k++) {
+        for (int t = positions[0]; t < positions[k]; t++) total[k] += weights[k][t];
+        float sum = (float)total[k];
+        for (int t = 0; t < positions[k]; t++) weights[k][t] /= sum;
     }
-    float total = (float)exp_below(positions, scores, highest, scores);
-    for (t = 0; t < positions; t++) scores[t] /= total;
+    mix_values(ROWS, hs, positions, (const float *const *)weights, values, kv_width, out);
 }
 
 /* Tasks are (head, row) pairs, head-major. Up to ATTEND_ROWS consecutive rows of one head that share a cache (a
-   prefill's rows) mix its values together: each row's sums are its own, in the same order, but the rows' chains
-   of multiply-adds run side by side instead of one waiting on the last (a value mix was latency-bound). */
+   prefill's rows) attend together (attend_rows); fewer, one at a time. */
 static void attend_heads(void *context, int begin, int end, int thread) {
     const Attend *a = context;
     const ManasModel *m = a->model;
@@ -1325,16 +1382,20 @@ static void attend_heads(void *context, int begin, int end, int thread) {
                a->positions[row + rows] >= a->positions[row + rows - 1])
             rows++;
         size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width + (size_t)kv_head * hs;
+        const float *keys = cache->k + layer_offset, *values = cache->v + layer_offset, *q[ATTEND_ROWS];
         int positions[ATTEND_ROWS];
         float *weights[ATTEND_ROWS], *out[ATTEND_ROWS];
         for (int k = 0; k < rows; k++) {
             positions[k] = a->positions[row + k] + 1;
             weights[k] = scores + (size_t)k * m->block_size;
             out[k] = a->attention + (size_t)(row + k) * width + head * hs;
-            const float *q = a->qkv + (size_t)(row + k) * qkv_width + head * hs;
-            attention_weights(hs, positions[k], q, cache->k + layer_offset, kv_width, weights[k]);
+            q[k] = a->qkv + (size_t)(row + k) * qkv_width + head * hs;
         }
-        mix_values(hs, rows, positions, (const float *const *)weights, cache->v + layer_offset, kv_width, out);
+        if (rows == ATTEND_ROWS)
+            attend_rows(ATTEND_ROWS, hs, positions, q, keys, values, kv_width, weights, out);
+        else
+            for (int k = 0; k < rows; k++)
+                attend_rows(1, hs, positions + k, q + k, keys, values, kv_width, weights + k, out + k);
         task += rows;
     }
 }

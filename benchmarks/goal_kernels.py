@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import mmap
 import statistics
 import subprocess
 import tempfile
@@ -21,7 +20,7 @@ import torch
 from goal_llama_cpp import manas_bench_rates
 from harness import GPT2_NEW_TOKENS, GPT2_PROMPT_TOKENS, MANAS, gpt2_checkpoint, realtime, run_goals, timed
 from manas_cli.formats.header import open_checkpoint
-from manas_cli.native.model import ask_for_huge_pages
+from manas_cli.native.model import anonymous_memory
 
 
 def read_bandwidth_bytes_per_s(gib: float = 1.0) -> float:
@@ -29,9 +28,7 @@ def read_bandwidth_bytes_per_s(gib: float = 1.0) -> float:
     where Linux gives them, as the core's panels are (on the AVX-512 host 40.5 GB/s where 4 KiB pages gave 37-39):
     the fraction is of what the memory gives, not of what a TLB lets through."""
     torch.set_num_threads(1)
-    memory = mmap.mmap(-1, int(gib * 2**30), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    ask_for_huge_pages(memory)
-    buffer = torch.frombuffer(memory, dtype=torch.float32).fill_(1.0)
+    buffer = torch.frombuffer(anonymous_memory(int(gib * 2**30)), dtype=torch.float32).fill_(1.0)
     buffer.sum()
     return buffer.numel() * 4 / min(timed(buffer.sum) for _ in range(5))
 

@@ -51,7 +51,7 @@ class NativeGPT:
         self.bound = bind(self.config, weights, integer_products=not float_activations)
         self._alive = weights  # the tensors and converted copies the bound pointers point into
         self._panels = pack_panels(self.bound, library, weights.release)
-        self.panel_bytes = sum(len(panels) for panels in self._panels)
+        self.panel_bytes = len(self._panels) if self._panels else 0
         self._scratch = ctypes.create_string_buffer(0)
         self._scratch_rows = -1
         self.set_threads(threads)
@@ -110,31 +110,36 @@ def linears(model: ManasModel) -> list[ManasLinear]:
     return [*(getattr(model.layers[i], name) for i in range(model.n_layer) for name in names), model.lm_head]
 
 
-def pack_panels(model: ManasModel, library: ctypes.CDLL, release: Callable[[ManasLinear], None]) -> list[mmap.mmap]:
-    """Each layer's weights regrouped once as the core's products stream them (core.c, PANEL_UNIT), into memory of
-    its own (page-aligned; the list keeps it alive), then release(layer) told its rows as stored are read no more
-    by the products. A layer the core cannot regroup is read as stored."""
-    kept = []
-    for linear in linears(model):
-        if size := library.manas_panel_bytes(ctypes.byref(linear)):
-            panels = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            ask_for_huge_pages(panels)
-            address = ctypes.addressof(ctypes.c_char.from_buffer(panels))
-            library.manas_pack(ctypes.byref(linear), address)
-            linear.panels = address
-            kept.append(panels)
-            release(linear)
-    return kept
+def pack_panels(model: ManasModel, library: ctypes.CDLL, release: Callable[[ManasLinear], None]) -> mmap.mmap | None:
+    """Each layer's weights regrouped once as the core's products stream them (core.c, PANEL_UNIT), all the layers'
+    in one mapping of their own (page-aligned, each layer on its own cache lines; the caller keeps it alive), then
+    release(layer) told its rows as stored are read no more by the products. A layer the core cannot regroup is
+    read as stored. One mapping, not one a layer, so that a small model's layers (each under 2 MiB) share huge
+    pages too; its pages are touched only as each layer is packed, so the weights stay resident once."""
+    layers = [(linear, library.manas_panel_bytes(ctypes.byref(linear))) for linear in linears(model)]
+    layers = [(linear, size) for linear, size in layers if size]
+    if not layers:
+        return None
+    arena = anonymous_memory(sum(-(-size // 64) * 64 for _, size in layers))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
+    for linear, size in layers:
+        library.manas_pack(ctypes.byref(linear), address)
+        linear.panels = address
+        address += -(-size // 64) * 64
+        release(linear)
+    return arena
 
 
-def ask_for_huge_pages(memory: mmap.mmap) -> None:
-    """Asks Linux to back the memory with 2 MiB pages where it can (a hint; elsewhere nothing). The products stream
-    the panels once a token: with 4 KiB pages every 4 KiB of that stream is another TLB miss and a page the CPU's
-    prefetchers stop at. GPT-2-shape float32 decode on 1 thread, interleaved A/B on the AVX-512 host: +13%, 90% of
-    a streaming read's bandwidth; prefill +13-16% at every type (2 threads: within noise)."""
+def anonymous_memory(nbytes: int) -> mmap.mmap:
+    """nbytes of zeroed memory of its own, in 2 MiB pages where Linux gives them (a hint; elsewhere 4 KiB). The core
+    streams the panels once a token and a decode's cache rows a head at a time: with 4 KiB pages each 4 KiB is
+    another TLB miss and a page the CPU's prefetchers stop at. GPT-2-shape float32 decode on 1 thread, interleaved
+    A/B on the AVX-512 host: +13%, 85-90% of a streaming read's bandwidth; prefill +13-16% at every type."""
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
 
 
 def int32s(values: list[int]):

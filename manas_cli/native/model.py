@@ -132,9 +132,9 @@ def pack_panels(model: ManasModel, library: ctypes.CDLL, release: Callable[[Mana
 
 def anonymous_memory(nbytes: int) -> mmap.mmap:
     """nbytes of zeroed memory of its own, in 2 MiB pages where Linux gives them (a hint; elsewhere 4 KiB). The core
-    streams the panels once a token and a decode's cache rows a head at a time: with 4 KiB pages each 4 KiB is
-    another TLB miss and a page the CPU's prefetchers stop at. GPT-2-shape float32 decode on 1 thread, interleaved
-    A/B on the AVX-512 host: +13%, 85-90% of a streaming read's bandwidth; prefill +13-16% at every type."""
+    streams the panels once a token: with 4 KiB pages each 4 KiB is another TLB miss and a page the CPU's
+    prefetchers stop at (docs/native.md, Panels). Only for what is mapped once, at load: with Linux's `madvise`
+    defrag a fault on a huge page may compact memory first, a stall a per-request buffer would pay each time."""
     memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):

@@ -116,16 +116,16 @@ def pack_panels(model: ManasModel, library: ctypes.CDLL, release: Callable[[Mana
     release(layer) told its rows as stored are read no more by the products. A layer the core cannot regroup is
     read as stored. One mapping, not one a layer, so that a small model's layers (each under 2 MiB) share huge
     pages too; its pages are touched only as each layer is packed, so the weights stay resident once."""
-    layers = [(linear, library.manas_panel_bytes(ctypes.byref(linear))) for linear in linears(model)]
-    layers = [(linear, size) for linear, size in layers if size]
+    sizes = [(linear, library.manas_panel_bytes(ctypes.byref(linear))) for linear in linears(model)]
+    layers = [(linear, -(-size // 64) * 64) for linear, size in sizes if size]  # sizes in whole cache lines
     if not layers:
         return None
-    arena = anonymous_memory(sum(-(-size // 64) * 64 for _, size in layers))
+    arena = anonymous_memory(sum(size for _, size in layers))
     address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
     for linear, size in layers:
         library.manas_pack(ctypes.byref(linear), address)
         linear.panels = address
-        address += -(-size // 64) * 64
+        address += size
         release(linear)
     return arena
 

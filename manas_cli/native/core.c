@@ -1338,10 +1338,13 @@ typedef struct {
     const ManasModel *model;
     const ManasCache *caches;
     const int32_t *positions;
+    const int32_t *sources;  /* row k attends as row sources[k] (its cache, position and query); NULL: as row k */
     const float *qkv;
     float *attention, *scores;
     int layer, rows;
 } Attend;
+
+static inline int source(const Attend *a, int row) { return a->sources ? a->sources[row] : row; }
 
 /* ROWS rows of one head sharing a cache, positions ascending: each row's weights softmax(q·k / √hs) (into
    weights[k]), then its mix of values (into out[k]). Each row's softmax is exp_below's: its exponentials, their
@@ -1377,19 +1380,20 @@ static void attend_heads(void *context, int begin, int end, int thread) {
     float *scores = a->scores + (size_t)thread * ATTEND_ROWS * m->block_size;
     for (int task = begin; task < end;) {
         int row = task % a->rows, head = task / a->rows, kv_head = head / group, rows = 1;
-        const ManasCache *cache = &a->caches[row];
-        while (rows < ATTEND_ROWS && task + rows < end && row + rows < a->rows && a->caches[row + rows].k == cache->k &&
-               a->positions[row + rows] >= a->positions[row + rows - 1])
+        const ManasCache *cache = &a->caches[source(a, row)];
+        while (rows < ATTEND_ROWS && task + rows < end && row + rows < a->rows &&
+               a->caches[source(a, row + rows)].k == cache->k &&
+               a->positions[source(a, row + rows)] >= a->positions[source(a, row + rows - 1)])
             rows++;
         size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width + (size_t)kv_head * hs;
         const float *keys = cache->k + layer_offset, *values = cache->v + layer_offset, *q[ATTEND_ROWS];
         int positions[ATTEND_ROWS];
         float *weights[ATTEND_ROWS], *out[ATTEND_ROWS];
         for (int k = 0; k < rows; k++) {
-            positions[k] = a->positions[row + k] + 1;
+            positions[k] = a->positions[source(a, row + k)] + 1;
             weights[k] = scores + (size_t)k * m->block_size;
             out[k] = a->attention + (size_t)(row + k) * width + head * hs;
-            q[k] = a->qkv + (size_t)(row + k) * qkv_width + head * hs;
+            q[k] = a->qkv + (size_t)source(a, row + k) * qkv_width + head * hs;
         }
         if (rows == ATTEND_ROWS)
             attend_rows(ATTEND_ROWS, hs, positions, q, keys, values, kv_width, weights, out);
@@ -1426,6 +1430,13 @@ static void embed(const ManasModel *m, int token, float *x) {
         memcpy(x, m->token_embedding + (size_t)token * m->n_embd, m->n_embd * sizeof *x);
     else
         dequantize_row(&m->lm_head, token, x);
+}
+
+/* Rows sources[0..n) of x (rows of C) moved to x's first n rows, through spare (n rows): a source may be any row,
+   and each row's values are kept as they are, so a row's arithmetic after the move is what it would have been. */
+static void gather_rows(int C, int n, const int32_t *sources, float *x, float *spare) {
+    for (int k = 0; k < n; k++) memcpy(spare + (size_t)k * C, x + (size_t)sources[k] * C, (size_t)C * sizeof(float));
+    memcpy(x, spare, (size_t)n * C * sizeof(float));
 }
 
 /* Lays Scratch's parts out from base, one after the other, each on its own cache lines; their bytes in all. With
@@ -1498,20 +1509,23 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
         matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, rows);
         for (int r = 0; r < rows; r++)
             cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width);
-        Attend attend = {m, caches, positions, s.qkv, s.attention, s.scores, layer, rows};
-        parallel_for(pool, attend_heads, &attend, rows * m->n_head);
-        matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, rows);
-        for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];
-        normalize(m, &block->ln_ffn, rows, s.x, s.h);
-        matmul(pool, &s, &block->up, m->integer_products, s.h, s.hidden, rows);
-        if (m->swiglu) matmul(pool, &s, &block->gate, m->integer_products, s.h, s.gated, rows);
+        /* Past its keys and values (every row's, cached), the last layer feeds only the logits: it runs on the
+           logit rows alone (a prefill's last), gathered to the front. */
+        int last = layer == m->n_layer - 1, kept = last ? n_logits : rows;
+        if (last) gather_rows(C, n_logits, logit_rows, s.x, s.h);
+        Attend attend = {m, caches, positions, last ? logit_rows : NULL, s.qkv, s.attention, s.scores, layer, kept};
+        parallel_for(pool, attend_heads, &attend, kept * m->n_head);
+        matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, kept);
+        for (size_t i = 0; i < (size_t)kept * C; i++) s.x[i] += s.h[i];
+        normalize(m, &block->ln_ffn, kept, s.x, s.h);
+        matmul(pool, &s, &block->up, m->integer_products, s.h, s.hidden, kept);
+        if (m->swiglu) matmul(pool, &s, &block->gate, m->integer_products, s.h, s.gated, kept);
         Activate activate = {s.hidden, m->swiglu ? s.gated : NULL, m->ffn_width, m->gelu_tanh};
-        parallel_for(pool, activate_rows, &activate, rows);
-        matmul(pool, &s, &block->down, m->integer_products, s.hidden, s.h, rows);
-        for (size_t i = 0; i < (size_t)rows * C; i++) s.x[i] += s.h[i];
+        parallel_for(pool, activate_rows, &activate, kept);
+        matmul(pool, &s, &block->down, m->integer_products, s.hidden, s.h, kept);
+        for (size_t i = 0; i < (size_t)kept * C; i++) s.x[i] += s.h[i];
     }
-    for (int k = 0; k < n_logits; k++)
-        normalize(m, &m->final_norm, 1, s.x + (size_t)logit_rows[k] * C, s.h + (size_t)k * C);
+    normalize(m, &m->final_norm, n_logits, s.x, s.h);
     matmul(pool, &s, &m->lm_head, m->integer_products, s.h, logits, n_logits);
 }
 

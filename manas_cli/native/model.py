@@ -85,6 +85,8 @@ class NativeGPT:
         rows, vocab = len(tokens), self.config.vocab_size
         if any(not 0 <= token < vocab for token in tokens):
             raise IndexError(f"token ids must be in [0, {vocab})")
+        if len(logit_rows) > rows or any(not 0 <= row < rows for row in logit_rows):
+            raise IndexError(f"logit rows must be at most {rows} of the rows [0, {rows})")
         if rows > self._scratch_rows:  # sized for the most rows yet: a decode step asks for no new memory
             needed = self.library.manas_scratch_bytes(ctypes.byref(self.bound), rows, self.threads)
             self._scratch, self._scratch_rows = ctypes.create_string_buffer(needed), rows

@@ -1486,7 +1486,7 @@ EXPORT size_t manas_scratch_bytes(const ManasModel *m, int rows, int threads) {
 /* The forward pass of `rows` rows: row r is token tokens[r] at position positions[r], attending over
    caches[r]'s positions up to its own (earlier positions must be cached already, or be earlier rows of this
    call); each row's key and value are written into its cache. The logits of rows logit_rows[0..n_logits) go to
-   logits (n_logits, vocab). */
+   logits (n_logits, vocab), n_logits ≤ rows; past its keys and values, the last layer runs those rows alone. */
 EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const int32_t *tokens,
                          const int32_t *positions, const ManasCache *caches, int n_logits,
                          const int32_t *logit_rows, float *logits, void *scratch) {

@@ -203,6 +203,16 @@ def test_a_cached_decode_step_is_bit_for_bit_the_full_windows_position(native_li
             logits = step_logits(session.decode(sequence[:, end : end + 1]))
 
 
+@pytest.mark.parametrize("logit_rows", [[3], [-1], [0, 1, 2, 0]], ids=["past-the-rows", "negative", "too-many"])
+def test_the_core_is_never_asked_for_the_logits_of_a_row_it_did_not_run(native_library, logit_rows):
+    """The last layer gathers the logit rows into scratch sized for the call's rows: Python checks them first."""
+    native = native_model(configured_model("rope", "gqa", True, "tanh", "float32"), native_library)
+    session = NativeSession(native)
+    session.allocate(1, 3)
+    with pytest.raises(IndexError, match="logit rows"):
+        native.run([1, 2, 3], [0, 1, 2], [session.cache(0)] * 3, logit_rows)
+
+
 def test_a_pool_of_more_threads_than_cores_sleeps_between_jobs_and_gives_the_same_bits(native_library):
     """More threads than the process's cores: the pool never spins (every wait sleeps on a condition), and a
     prefill and decode steps are what one thread computes, bit for bit."""

@@ -1350,6 +1350,7 @@ typedef struct {
     const float *qkv;
     float *attention, *scores;
     int layer, rows;
+    int alone;  /* rows_alone: set by the caller once the rest is */
 } Attend;
 
 static inline int source(const Attend *a, int row) { return a->sources ? a->sources[row] : row; }
@@ -1440,22 +1441,36 @@ static void attend_row_by_position(const ManasModel *m, int positions, const flo
         }
 }
 
-/* The query heads whose scores a thread holds at once: a decode step's share of them, or ATTEND_ROWS rows. */
+/* The query heads whose scores a thread holds at once: its share of a decode row's, or ATTEND_ROWS rows. */
 static int score_rows(const ManasModel *m) { return m->n_head > ATTEND_ROWS ? m->n_head : ATTEND_ROWS; }
 
-/* Tasks are (head, row) pairs, head-major. Up to ATTEND_ROWS consecutive rows of one head that share a cache (a
-   prefill's rows) attend together (attend_rows); fewer, one at a time. */
+/* Whether every row of the call has its cache to itself (a decode step's rows, one or batched, each its own
+   sequence's), so none has another row to share a head's keys with. */
+static int rows_alone(const Attend *a) {
+    for (int row = 1; row < a->rows; row++)
+        if (a->caches[source(a, row)].k == a->caches[source(a, row - 1)].k) return 0;
+    return 1;
+}
+
+/* Tasks are (head, row) pairs, head-major. Where every row has its cache to itself, each row's heads among the
+   thread's tasks attend position by position (attend_row_by_position). Otherwise up to ATTEND_ROWS consecutive
+   rows of one head that share a cache (a prefill's rows) attend together (attend_rows); fewer, one at a time. */
 static void attend_heads(void *context, int begin, int end, int thread) {
     const Attend *a = context;
     const ManasModel *m = a->model;
     int hs = m->head_size, group = m->n_head / m->n_kv_head, kv_width = m->n_kv_head * hs;
     int width = m->n_head * hs, qkv_width = width + 2 * kv_width;
     float *scores = a->scores + (size_t)thread * score_rows(m) * m->block_size;
-    if (a->rows == 1) {  /* tasks are the heads of one row */
-        const ManasCache *cache = &a->caches[source(a, 0)];
-        size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width;
-        attend_row_by_position(m, a->positions[source(a, 0)] + 1, a->qkv + (size_t)source(a, 0) * qkv_width,
-                               cache->k + layer_offset, cache->v + layer_offset, begin, end, scores, a->attention);
+    if (a->alone) {
+        for (int row = 0; row < a->rows && row < end; row++) {
+            int h0 = begin > row ? (begin - row + a->rows - 1) / a->rows : 0, h1 = (end - 1 - row) / a->rows + 1;
+            if (h0 >= h1) continue;  /* tasks h * rows + row in begin .. end − 1: heads h0 .. h1 − 1 */
+            const ManasCache *cache = &a->caches[source(a, row)];
+            size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width;
+            attend_row_by_position(m, a->positions[source(a, row)] + 1, a->qkv + (size_t)source(a, row) * qkv_width,
+                                   cache->k + layer_offset, cache->v + layer_offset, h0, h1, scores,
+                                   a->attention + (size_t)row * width);
+        }
         return;
     }
     for (int task = begin; task < end;) {
@@ -1593,7 +1608,8 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
            logit rows alone (a prefill's last), gathered to the front. */
         int last = layer == m->n_layer - 1, kept = last ? n_logits : rows;
         if (last) gather_rows(C, n_logits, logit_rows, s.x, s.h);
-        Attend attend = {m, caches, positions, last ? logit_rows : NULL, s.qkv, s.attention, s.scores, layer, kept};
+        Attend attend = {m, caches, positions, last ? logit_rows : NULL, s.qkv, s.attention, s.scores, layer, kept, 0};
+        attend.alone = rows_alone(&attend);
         parallel_for(pool, attend_heads, &attend, kept * m->n_head);
         matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, kept);
         for (size_t i = 0; i < (size_t)kept * C; i++) s.x[i] += s.h[i];

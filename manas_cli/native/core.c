@@ -1386,8 +1386,8 @@ static inline __attribute__((always_inline)) void attend_rows(int ROWS, int hs, 
 }
 
 /* How many positions ahead a decode step's attention asks for the cache: the hardware's prefetcher follows one
-   stream of whole rows, but not far enough ahead at a row's 3 KiB (GPT-2 shape, int8, 544 positions, 1 thread:
-   166 tok/s without, 206 at 8 positions, 191 at 4, 170 at 16). */
+   stream of whole rows, but not far enough ahead at a row's 3 KiB (GPT-2 shape, int8, 544 positions, 1 thread,
+   AMD host: 166 tok/s without, 185–200 at 8 positions, 191 at 4, 170 at 16; 206 at 8 with dot4 inlined). */
 #define ATTEND_PREFETCH_POSITIONS 8
 
 /* Ask for the cache lines of x[0 .. n − 1] (a head's keys or values a few positions on). */
@@ -1415,7 +1415,8 @@ static void attend_row_by_position(const ManasModel *m, int positions, const flo
     for (; t < positions; t++)
         for (int h = h0; h < h1; h++)
             scores[(h - h0) * span + t] = one_score(hs, q + h * hs, keys + h / group * hs, kv_width, t);
-    int same[ATTEND_ROWS] = {positions, positions, positions, positions};
+    int same[ATTEND_ROWS];  /* every head's positions: the row's */
+    for (int k = 0; k < ATTEND_ROWS; k++) same[k] = positions;
     for (int h = h0; h < h1;) {
         int heads = h1 - h < ATTEND_ROWS ? 1 : ATTEND_ROWS;
         float tops[ATTEND_ROWS], *weights[ATTEND_ROWS];

@@ -22,6 +22,7 @@ from rich.cells import chop_cells
 from rich.console import Console
 from rich.text import Text
 
+from .interrupts import held
 from .render import Output, bar, format_bytes, plural, say
 
 REFRESH_S = 0.1  # at most ten frames a second
@@ -102,9 +103,11 @@ class LiveDisplay:
             self._drawing(self.frame)
 
     def _drawing(self, draw: Callable[[], None]) -> None:
-        """Draw, ending the display if that fails: a display problem never stops a generation."""
+        """Draw, whole (a Ctrl-C waits for the frame's end: interrupts.held), ending the display if that fails: a
+        display problem never stops a generation."""
         try:
-            draw()
+            with held():
+                draw()
         except Exception:  # any failure of the display, whatever its kind, ends only the display
             self._end(erase=False)
 

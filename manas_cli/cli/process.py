@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import sys
 import warnings
 
@@ -14,6 +13,7 @@ import typer
 
 from ..errors import ManasError, Terminated, interrupt_exit_code
 from ..files import remove_unfinished
+from . import interrupts
 from .app import app
 
 
@@ -26,8 +26,7 @@ def main() -> None:
     _keep_stderr_descriptor()
     # torch's CPU wheel runs without NumPy (manas needs none) but warns about it at every start: noise on stderr
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    signal.signal(signal.SIGINT, _raise_interrupted)
-    signal.signal(signal.SIGTERM, _raise_interrupted)
+    interrupts.install()
     command = typer.main.get_command(app)
     try:
         # Not command.main(standalone_mode=False): typer's main returns an Exit's code instead of raising it (so
@@ -63,7 +62,7 @@ def main() -> None:
     except Exception as exc:
         _fail_unexpected(exc, debug)
     finally:
-        _cleaning_up.append(0)  # the command is over: let no signal cut this clean-up short
+        interrupts.cleaning_up()
         remove_unfinished()
 
 
@@ -130,20 +129,6 @@ def _out_of_memory(exc: BaseException) -> bool:
     """Python's MemoryError, or torch's allocators failing (its CPU allocator's RuntimeError, CUDA's
     OutOfMemoryError)."""
     return isinstance(exc, MemoryError) or "DefaultCPUAllocator" in str(exc) or "out of memory" in str(exc)
-
-
-def _raise_interrupted(signum: int, frame) -> None:
-    """Ctrl-C, and SIGTERM like it, unwinds so that the clean-up runs: temporary files removed, the text so far and
-    the stats printed, the cursor shown. A second signal (a second Ctrl-C, one that `timeout` forwards) must not
-    cut that short: from the first on, the handler does nothing. (Not SIG_IGN: a signal already pending when the
-    handler changes makes Python print a traceback.)"""
-    if _cleaning_up:
-        return
-    _cleaning_up.append(signum)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
-_cleaning_up: list[int] = []  # the signal that started the clean-up, once one has
 
 
 def _fail(message: str, code: int, debug: bool) -> None:

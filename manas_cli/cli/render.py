@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from rich.console import Console
 
 from ..records import json_line
+from .interrupts import held
 
 
 def stderr_console(quiet: bool = False) -> Console:
@@ -214,8 +215,9 @@ def noise_warning(report: dict) -> str | None:
 
 def say(console: Console, message: str) -> None:
     """A line of talk on stderr: wrapped at words on a terminal (the terminal itself would cut mid-word), one line
-    for a pipe or a file."""
-    console.print(message, soft_wrap=not console.is_terminal)
+    for a pipe or a file. Written whole, a Ctrl-C or not (interrupts.held)."""
+    with held():
+        console.print(message, soft_wrap=not console.is_terminal)
 
 
 def plural(count: int, noun: str) -> str:

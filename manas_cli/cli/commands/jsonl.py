@@ -7,6 +7,7 @@ import io
 import queue
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -89,7 +90,8 @@ def run(
     source = open_input(prompt_file)
     checkpoint, _, engine = load_model(model_options, console)
     check_memory(engine, batch_size, engine.config.block_size, "--batch-size")
-    batch = RecordBatch(LineReader(source).next, defaults, checkpoint, engine, write_record, console.print)
+    notify = partial(say, console)  # a crop notice, written whole (a Ctrl-C then keeps the stats line)
+    batch = RecordBatch(LineReader(source).next, defaults, checkpoint, engine, write_record, notify)
     try:
         batch.run(batch_size, overflow)
     except KeyboardInterrupt as exc:

@@ -10,6 +10,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from ..errors import Terminated
 
@@ -41,10 +42,11 @@ def held() -> Iterator[None]:
             _raise(signum)
 
 
+@dataclass
 class _State:
-    holds = 0  # blocks now running under held()
+    holds: int = 0  # blocks now running under held()
     pending: int | None = None  # a signal that arrived in one, to raise when the outermost ends
-    cleaning_up = False  # from the first signal on (or the command's end), the handler does nothing
+    cleaning_up: bool = False  # from the first signal on (or the command's end), the handler does nothing
 
 
 _state = _State()
@@ -54,8 +56,9 @@ def _raise_interrupted(signum: int, frame) -> None:
     """A second signal (a second Ctrl-C, one that `timeout` forwards) must not cut the first one's clean-up short:
     from the first on, the handler does nothing. (Not SIG_IGN: a signal already pending when the handler changes
     makes Python print a traceback.)"""
-    if _state.cleaning_up or _state.pending is not None:
+    if _state.cleaning_up:
         return
+    _state.cleaning_up = True
     if _state.holds:
         _state.pending = signum
         return
@@ -63,5 +66,4 @@ def _raise_interrupted(signum: int, frame) -> None:
 
 
 def _raise(signum: int) -> None:
-    _state.cleaning_up = True
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()

@@ -228,6 +228,7 @@ EXPORT void manas_pool_free(ManasPool *pool) {
    int4 prefill +10-25% on an AMD EPYC with AVX2, interleaved A/B). */
 #define ROW_TILE (PARTS == 1 ? TILE : 3)
 #define COLUMN_TILE (PARTS == 1 ? TILE : 2)
+#define MAX_ROW_TILE 6  /* float32's rows of x per tile on AVX-512 (row_tile) */
 
 /* A set of LANES lanes, held as PARTS vectors of the CPU's own width: one 512-bit register with AVX-512, two 256-bit
    ones with AVX, four 128-bit ones elsewhere (SSE2, NEON). GCC keeps a vector wider than the CPU's in memory and
@@ -723,7 +724,7 @@ static inline void group_lanes(const uint16_t *pair, Lanes *scale, Lanes *zero) 
    ahead to ask for the rows, or 0. Each weight row's group is unpacked once and meets every row of x. */
 static inline __attribute__((always_inline)) void int4_group_dots(int RT, int OT, const Row *rows,
                                                                   const float *const *x, size_t g, size_t prefetch,
-                                                                  const uint16_t *grouped, Lanes lane[TILE][TILE]) {
+                                                                  const uint16_t *grouped, Lanes lane[MAX_ROW_TILE][TILE]) {
     for (int o = 0; o < OT; o++) {
         const uint8_t *w = row_byte(rows[o], g * QGROUP / 2);
         if (prefetch) __builtin_prefetch(w + prefetch);  /* that row, as far along */
@@ -747,7 +748,7 @@ static inline __attribute__((always_inline)) void int4_group_dots(int RT, int OT
    whose weight rows bring a scale and a zero besides (the other way lost 12%). */
 static inline __attribute__((always_inline)) void int8_group_dots(int RT, int OT, const Row *rows,
                                                                   const float *const *x, size_t g, int count,
-                                                                  size_t prefetch, Lanes lane[TILE][TILE]) {
+                                                                  size_t prefetch, Lanes lane[MAX_ROW_TILE][TILE]) {
     const int8_t *w[TILE];
     Bytes u[TILE];
     for (int o = 0; o < OT; o++) {
@@ -774,8 +775,8 @@ static inline __attribute__((always_inline)) void int8_group_dots(int RT, int OT
    the tile's rows' scales and zeros (int4_groups). */
 static inline __attribute__((always_inline)) void integer_dots(int kind, int RT, int OT, const ManasLinear *linear,
                                                                const float *const *x, int o0, const uint16_t *grouped,
-                                                               float out[TILE][TILE]) {
-    Lanes lane[TILE][TILE];
+                                                               float out[MAX_ROW_TILE][TILE]) {
+    Lanes lane[MAX_ROW_TILE][TILE];
     for (int r = 0; r < RT; r++)
         for (int o = 0; o < OT; o++) lane[r][o] = splat(0.0f);
     size_t n = (size_t)linear->n_in, whole = n / QGROUP;
@@ -805,12 +806,12 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
    order above, whatever the tile's shape. */
 static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT, const ManasLinear *linear,
                                                        const float *const *x, int o0, const uint16_t *grouped,
-                                                       float out[TILE][TILE]) {
+                                                       float out[MAX_ROW_TILE][TILE]) {
     if (kind == INT8_INTEGER || kind == INT4_INTEGER) {
         integer_dots(kind, RT, OT, linear, x, o0, grouped, out);
         return;
     }
-    Lanes lane[TILE][TILE];
+    Lanes lane[MAX_ROW_TILE][TILE];
     for (int r = 0; r < RT; r++)
         for (int o = 0; o < OT; o++) lane[r][o] = splat(0.0f);
     int n = linear->n_in, chunks = whole_chunks(kind, n), step = kind == WEIGHTS_INT4 ? 2 : 1;
@@ -897,24 +898,55 @@ typedef struct {
                         or its rows' scales and zeros (int4_groups) where the layer has no panels */
 } Matmul;
 
-/* Output features o0 .. o0 + count − 1 for rows r_begin .. r_end − 1, ROW_TILE rows at a time, each weight load
-   serving them all; the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it
-   dequantized). */
+/* A float32 prefill asks for the next block's panels (into L2), a share before each row tile of this block: its
+   first pass over a block otherwise waits on memory for all the block's weights at once, then computes from cache,
+   where spread over the block's products the reads overlap them (GPT-2-shape products of 64 rows, stand-alone on
+   an AVX-512 host: 83 → 106 GFLOP/s where n_in is 768). A hint, not a read. A decode step (one row) asks for its
+   weights in its own products; the integer kinds, whose weights are a quarter the bytes or less, gained nothing. */
+typedef struct {
+    const uint8_t *next;  /* the next block's first panel, or NULL: nothing to ask for */
+    size_t bytes, share, asked;  /* its bytes, how many to ask for per row tile, how many asked for so far */
+} Ahead;
+
+static Ahead block_ahead(const Matmul *m, int last, int next_last, int products) {
+    if (m->kind != WEIGHTS_F32 || !m->linear->panels || m->rows < 2 || next_last <= last) return (Ahead){NULL, 0, 0, 0};
+    size_t bytes = (size_t)(next_last - last) * TILE * row_bytes(m->linear);
+    return (Ahead){weight_row(m->linear, (size_t)last * TILE).start, bytes, (bytes / products + 63) / 64 * 64, 0};
+}
+
+static inline void ask_ahead(Ahead *ahead) {
+    if (!ahead->next) return;
+    size_t to = ahead->asked + ahead->share < ahead->bytes ? ahead->asked + ahead->share : ahead->bytes;
+    for (; ahead->asked < to; ahead->asked += 64) __builtin_prefetch(ahead->next + ahead->asked, 0, 2);
+}
+
+/* Rows of x per tile: float32's are 6 on AVX-512, 24 sets of lanes, each weight load serving 6 rows (the integer
+   kinds' weights unpack into more registers). Forced inline so that it folds to a constant: GCC 12 otherwise kept
+   the 24 on the stack. */
+static inline __attribute__((always_inline)) int row_tile(int kind) {
+    return PARTS == 1 && kind == WEIGHTS_F32 ? MAX_ROW_TILE : ROW_TILE;
+}
+
+/* Output features o0 .. o0 + count − 1 for rows r_begin .. r_end − 1, row_tile(kind) rows at a time, each weight
+   load serving them all; the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it
+   dequantized). A short tile of rows repeats its last row to fill the tile and drops those outputs: each output is
+   the same sum whatever tile computes it. */
 static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, const ManasLinear *weights,
                                                               int w0, int o0, int count, const uint16_t *grouped,
-                                                              int r_begin, int r_end) {
-    int n_out = m->linear->n_out;
-    for (int r0 = r_begin; r0 < r_end; r0 += ROW_TILE) {
-        int rows = r_end - r0 < ROW_TILE ? r_end - r0 : ROW_TILE;
-        const float *x[TILE];
-        for (int r = 0; r < rows; r++) x[r] = m->x + (size_t)(r0 + r) * m->stride;
-        float out[TILE][TILE];
-        if (rows == ROW_TILE && count == TILE) {
+                                                              int r_begin, int r_end, Ahead *ahead) {
+    int n_out = m->linear->n_out, RT = row_tile(kind);
+    for (int r0 = r_begin; r0 < r_end; r0 += RT) {
+        if (ahead) ask_ahead(ahead);
+        int rows = r_end - r0 < RT ? r_end - r0 : RT;
+        const float *x[MAX_ROW_TILE];
+        for (int r = 0; r < RT; r++) x[r] = m->x + (size_t)(r0 + (r < rows ? r : rows - 1)) * m->stride;
+        float out[MAX_ROW_TILE][TILE];
+        if (rows > 1 && count == TILE) {
             for (int c = 0; c < TILE; c += COLUMN_TILE) {
-                float part[TILE][TILE];
+                float part[MAX_ROW_TILE][TILE];
                 const uint16_t *at = grouped ? grouped + c * GROUP_SCALES : NULL;  /* int4's rows c.. of the tile */
-                dots(kind, ROW_TILE, COLUMN_TILE, weights, x, w0 + c, at, part);
-                for (int r = 0; r < ROW_TILE; r++)
+                dots(kind, RT, COLUMN_TILE, weights, x, w0 + c, at, part);
+                for (int r = 0; r < rows; r++)
                     for (int o = 0; o < COLUMN_TILE; o++) out[r][c + o] = part[r][o];
             }
         } else if (rows == 1 && count == TILE) {
@@ -922,7 +954,7 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
         } else {
             for (int r = 0; r < rows; r++)
                 for (int o = 0; o < count; o++) {
-                    float one[TILE][TILE];
+                    float one[MAX_ROW_TILE][TILE];
                     dots(kind, 1, 1, weights, x + r, w0 + o, grouped ? grouped + o * GROUP_SCALES : NULL, one);
                     out[r][o] = one[0][0];
                 }
@@ -975,31 +1007,50 @@ static void dequantize_tile(const ManasLinear *linear, int o0, int count, float 
     }
 }
 
+/* A float32 prefill's tiles, a function of their own: among the other kinds' loops in tile_product, GCC 12 kept
+   some of a tile's lanes on the stack (products of 64 rows, n_in 3072, stand-alone on an AVX-512 host: 85 against
+   72-77 GFLOP/s). */
+static __attribute__((noinline)) void float32_tiles(const Matmul *m, int o0, int count, int r_begin, int r_end,
+                                                    Ahead *ahead) {
+    matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count, NULL, r_begin, r_end, ahead);
+}
+
 /* Weight tile `tile` against rows r_begin .. r_end − 1, in the products' kind (one copy of the loops per kind). */
-static void tile_product(const Matmul *m, int tile, int r_begin, int r_end, float *buffer) {
+static void tile_product(const Matmul *m, int tile, int r_begin, int r_end, float *buffer, Ahead *ahead) {
     int o0 = tile * TILE, count = m->linear->n_out - o0 < TILE ? m->linear->n_out - o0 : TILE;
     switch (m->kind) {
-    case WEIGHTS_F32: matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count, NULL, r_begin, r_end); break;
-    case WEIGHTS_INT8: matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count, NULL, r_begin, r_end); break;
-    case INT8_INTEGER: matmul_tile(INT8_INTEGER, m, m->linear, o0, o0, count, NULL, r_begin, r_end); break;
+    case WEIGHTS_F32:
+        if (r_end - r_begin > 1) float32_tiles(m, o0, count, r_begin, r_end, ahead);
+        else matmul_tile(WEIGHTS_F32, m, m->linear, o0, o0, count, NULL, r_begin, r_end, NULL);
+        break;
+    case WEIGHTS_INT8: matmul_tile(WEIGHTS_INT8, m, m->linear, o0, o0, count, NULL, r_begin, r_end, NULL); break;
+    case INT8_INTEGER: matmul_tile(INT8_INTEGER, m, m->linear, o0, o0, count, NULL, r_begin, r_end, NULL); break;
     case INT4_INTEGER: {
         const uint16_t *grouped = tile_group_scales(m->linear, tile);
         if (!grouped) int4_groups(m->linear, o0, count, (uint16_t *)buffer);
         grouped = grouped ? grouped : (const uint16_t *)buffer;
-        matmul_tile(INT4_INTEGER, m, m->linear, o0, o0, count, grouped, r_begin, r_end);
+        matmul_tile(INT4_INTEGER, m, m->linear, o0, o0, count, grouped, r_begin, r_end, NULL);
         break;
     }
-    default: matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count, NULL, r_begin, r_end); break;
+    default: matmul_tile(WEIGHTS_INT4, m, m->linear, o0, o0, count, NULL, r_begin, r_end, NULL); break;
     }
 }
 
-/* A prefill takes the weights TILE_BLOCK tiles at a time (GPT-2's width: 16 × 12 KiB of float32 panels, which stay
-   in L2) past ROW_BLOCK rows of x at a time, so a tile's loads of x, most of its loads, find them in L1 or near it
-   rather than streaming every row of x from L2 again for each tile (GPT-2-shape pp64 on an AVX2 host, interleaved
-   A/B: float32 +8%, int8 +14%, int4 +20%; rows of 4 row tiles gained less, 16 lost). Each output's products are
-   still one dots call: the blocking orders the calls, never a sum. */
+/* A prefill takes the weights a block of tiles at a time past 8 row tiles of x at a time, so a tile's loads of x,
+   most of its loads, find them in L1 or near it rather than streaming every row of x from L2 again for each tile
+   (GPT-2-shape pp64 on an AVX2 host, interleaved A/B: float32 +8%, int8 +14%, int4 +20%; rows of 4 row tiles
+   gained less, 16 lost). A block is 16 tiles, or float32's 48 KiB of panels: with the next block asked for ahead
+   (Ahead), 16 float32 tiles of n_in 3072 (768 KiB) pushed out of L2 what they were still to read (stand-alone, 64
+   rows: 72 against 85 GFLOP/s). Each output's products are still one dots call: the blocking orders the calls,
+   never a sum. */
 #define TILE_BLOCK 16
-#define ROW_BLOCK (8 * ROW_TILE)
+#define FLOAT32_BLOCK_BYTES (48 << 10)
+
+static int tile_block(const Matmul *m) {
+    if (m->kind != WEIGHTS_F32) return TILE_BLOCK;
+    int tiles = FLOAT32_BLOCK_BYTES / (TILE * (int)row_bytes(m->linear));
+    return tiles < 1 ? 1 : tiles > TILE_BLOCK ? TILE_BLOCK : tiles;
+}
 
 static void matmul_tiles(void *context, int begin, int end, int thread) {
     const Matmul *m = context;
@@ -1009,14 +1060,19 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
             int o0 = tile * TILE, count = m->linear->n_out - o0 < TILE ? m->linear->n_out - o0 : TILE;
             dequantize_tile(m->linear, o0, count, buffer);
             ManasLinear dequantized = {.kind = WEIGHTS_F32, .n_in = m->linear->n_in, .n_out = count, .weight = buffer};
-            matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count, NULL, 0, m->rows);
+            matmul_tile(WEIGHTS_F32, m, &dequantized, 0, o0, count, NULL, 0, m->rows, NULL);
         }
         return;
     }
-    for (int first = begin; first < end; first += TILE_BLOCK)
-        for (int r0 = 0; r0 < m->rows; r0 += ROW_BLOCK)
-            for (int tile = first; tile < end && tile < first + TILE_BLOCK; tile++)
-                tile_product(m, tile, r0, r0 + ROW_BLOCK < m->rows ? r0 + ROW_BLOCK : m->rows, buffer);
+    int row_tile_rows = row_tile(m->kind), row_block = 8 * row_tile_rows;
+    int row_tiles = (m->rows + row_tile_rows - 1) / row_tile_rows, block = tile_block(m);
+    for (int first = begin; first < end; first += block) {
+        int last = first + block < end ? first + block : end;
+        Ahead ahead = block_ahead(m, last, last + block < end ? last + block : end, row_tiles * (last - first));
+        for (int r0 = 0; r0 < m->rows; r0 += row_block)
+            for (int tile = first; tile < last; tile++)
+                tile_product(m, tile, r0, r0 + row_block < m->rows ? r0 + row_block : m->rows, buffer, &ahead);
+    }
 }
 
 /* A row x with each whole block of 32 reordered to its even columns, then its odd ones, the tail as it is: the

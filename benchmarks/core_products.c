@@ -1,7 +1,7 @@
 /* The native core's float32 products alone, in GFLOP/s: a GPT-2 MLP's two shapes (C → 4C, 4C → C; C 768 for
-   GPT-2-124M, 1024 for GPT-2-medium), `rows` rows of x against `layers` copies of each layer's panels (more copies than the caches hold make the weights come
-   from memory, as in a model's forward pass), one thread, best of 5. It compiles core.c into itself to call its
-   static matmul_tiles directly:
+   GPT-2-124M, 1024 for GPT-2-medium), `rows` rows of x against `layers` copies of each layer's panels (more copies
+   than the caches hold make the weights come from memory, as in a model's forward pass), one thread, best of 5.
+   It compiles core.c into itself to call its static matmul_tiles directly:
 
      gcc -O3 -march=native -ffp-contract=off -pthread -o /tmp/core_products benchmarks/core_products.c -lm
      chrt -f 1 /tmp/core_products 64 24        # rows, layers: a 64-token prefill at GPT-2-124M's width

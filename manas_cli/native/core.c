@@ -724,7 +724,8 @@ static inline void group_lanes(const uint16_t *pair, Lanes *scale, Lanes *zero) 
    ahead to ask for the rows, or 0. Each weight row's group is unpacked once and meets every row of x. */
 static inline __attribute__((always_inline)) void int4_group_dots(int RT, int OT, const Row *rows,
                                                                   const float *const *x, size_t g, size_t prefetch,
-                                                                  const uint16_t *grouped, Lanes lane[MAX_ROW_TILE][TILE]) {
+                                                                  const uint16_t *grouped,
+                                                                  Lanes lane[MAX_ROW_TILE][TILE]) {
     for (int o = 0; o < OT; o++) {
         const uint8_t *w = row_byte(rows[o], g * QGROUP / 2);
         if (prefetch) __builtin_prefetch(w + prefetch);  /* that row, as far along */
@@ -1594,7 +1595,7 @@ static void gather_rows(int C, int n, const int32_t *sources, float *x, float *s
 /* Lays Scratch's parts out from base's first cache line, one after the other, each on its own lines; their bytes in
    all, with room to reach that first line. With base NULL, only counts them. The caller's buffer (ctypes') starts
    16 bytes past a line, and there every 64-byte load of a row read two lines (float32 pp64 on the Intel host:
-   GPT-2-124M shape +16-21%, GPT-2-medium +17-21%). */
+   GPT-2-124M shape +9-21%, GPT-2-medium +17-21%). */
 static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char *base) {
     size_t R = (size_t)rows, C = (size_t)m->n_embd, hs = (size_t)m->head_size, A = (size_t)m->n_head * hs;
     size_t F = (size_t)m->ffn_width, W = C > A ? C : A;

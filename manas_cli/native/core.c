@@ -937,7 +937,7 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
                                                               int r_begin, int r_end, Ahead *ahead) {
     int n_out = m->linear->n_out, RT = row_tile(kind);
     for (int r0 = r_begin; r0 < r_end; r0 += RT) {
-        if (ahead) ask_ahead(ahead);
+        if (ahead) ask_ahead(ahead);  /* tested here: tested inside, GCC spilled int8 float products' lanes */
         int rows = r_end - r0 < RT ? r_end - r0 : RT;
         const float *x[MAX_ROW_TILE];
         for (int r = 0; r < RT; r++) x[r] = m->x + (size_t)(r0 + (r < rows ? r : rows - 1)) * m->stride;

@@ -175,10 +175,11 @@ INTEGER_CASES = (
 def test_integer_products_equal_block_quantized_activations_in_torch(native_library, pe, weights, width, family):
     """The default quantized path against its own reference: position by position within float rounding, but where
     an activation lands on a rounding boundary (torch and the core differ upstream in their last bits, and one code
-    rounds the other way: a few positions of a sequence). The float path matches the reference nowhere. int4 at
-    width 96: the attention's products (96 inputs) in float32, the feed-forward's (384) in integers."""
+    rounds the other way, and the positions after it in that sequence follow: 8 sequences, so that one early flip
+    is not a quarter of the positions). The float path matches the reference nowhere. int4 at width 96: the
+    attention's products (96 inputs) in float32, the feed-forward's (384) in integers."""
     model = configured_model(pe, "gqa", True, "tanh", weights, family, n_embd=width, n_head=4)
-    ids = random_ids(2, BLOCK_SIZE)
+    ids = random_ids(8, BLOCK_SIZE)
     with torch.inference_mode():
         expected = integer_reference(model)(ids)
     got = all_logits(native_model(model, native_library), ids)

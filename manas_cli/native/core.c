@@ -26,7 +26,7 @@
 
 #define EXPORT __attribute__((visibility("default")))
 #define MANAS_ABI_VERSION 7
-#define MANAS_ARITHMETIC_VERSION 1 /* manas_arithmetic_version */
+#define MANAS_ARITHMETIC_VERSION 2 /* manas_arithmetic_version */
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
 /* ---- the model, as Python lays it out (native/binding.py mirrors these structs) ---- */
@@ -626,12 +626,16 @@ static inline Lanes partial_group_products(const int8_t *q, const int8_t *w, int
     return load_lanes(lanes);
 }
 
-/* A row of n activations quantized for the integer products, as quantize_row lays it out in the scratch, per
-   group of QGROUP values: its lanes' scales d (16 floats: the first block's 8 times, then the second's), its codes
-   (QGROUP int8, zero past n), its lanes' corrections (16 int32) and its lanes' d·Σ q (16 floats: int4's zeros
-   multiply them). The floats one group takes, and a row's length in floats. */
-#define QUANTIZED_SPAN (LANES + QGROUP / 4 + LANES + LANES)
-static inline size_t quantized_floats(int n) { return ((size_t)n + QGROUP - 1) / QGROUP * QUANTIZED_SPAN; }
+/* A row of n activations quantized for the integer products, as quantize_row lays it out in the scratch: per
+   group of QGROUP values, its lanes' scales d (16 floats: the first block's 8 times, then the second's), its codes
+   (QGROUP int8, zero past n) and its lanes' corrections (16 int32); after the groups, each block's d·Σ q (int4's
+   zeros multiply them: zero_terms), zeros to a whole number of lanes. The floats one group takes, the block sums'
+   count, and a row's length in floats. */
+#define QUANTIZED_SPAN (LANES + QGROUP / 4 + LANES)
+static inline size_t block_sum_floats(int n) { return ((size_t)n + QBLOCK * LANES - 1) / (QBLOCK * LANES) * LANES; }
+static inline size_t quantized_floats(int n) {
+    return ((size_t)n + QGROUP - 1) / QGROUP * QUANTIZED_SPAN + block_sum_floats(n);
+}
 
 /* A block of QBLOCK values, `count` of them x's (the rest zeros), quantized: codes q = round(x · 127 / max|x|) in
    [−127, 127], and its scale d = max|x| / 127 returned, d·q ≈ x. Written in loops of fixed length with no early
@@ -653,23 +657,25 @@ static float quantize_block(const float *x, int count, int8_t *codes) {
 }
 
 /* x (n values) quantized per block of QBLOCK (quantize_block), each lane's correction −offset·Σ q
-   (group_products), laid out as QUANTIZED_SPAN describes. */
+   (group_products) and each block's d·Σ q, laid out as QUANTIZED_SPAN describes. */
 static void quantize_row(int n, const float *x, int offset, float *out) {
     int groups = (n + QGROUP - 1) / QGROUP;
+    float *block_sums = out + (size_t)groups * QUANTIZED_SPAN;
+    memset(block_sums, 0, block_sum_floats(n) * sizeof *block_sums);
     for (int g = 0; g < groups; g++) {
-        float *scales = out + (size_t)g * QUANTIZED_SPAN, *sums = scales + LANES + QGROUP / 4 + LANES;
+        float *scales = out + (size_t)g * QUANTIZED_SPAN;
         int8_t *codes = (int8_t *)(scales + LANES);
         int32_t *correction = (int32_t *)(scales + LANES + QGROUP / 4);
         for (int half = 0; half < 2; half++) {
             int first = g * QGROUP + half * QBLOCK, count = n - first < 0 ? 0 : n - first < QBLOCK ? n - first : QBLOCK;
             float d = quantize_block(x + (count ? first : 0), count, codes + half * QBLOCK);
             for (int l = 0; l < LANES / 2; l++) scales[half * LANES / 2 + l] = d;
+            int32_t sum = 0;
+            for (int j = 0; j < QBLOCK; j++) sum += codes[half * QBLOCK + j];
+            if (count) block_sums[2 * g + half] = d * (float)sum;
         }
-        for (int l = 0; l < LANES; l++) {
-            int32_t four = codes[4 * l] + codes[4 * l + 1] + codes[4 * l + 2] + codes[4 * l + 3];
-            correction[l] = -offset * four;
-            sums[l] = scales[l] * (float)four;
-        }
+        for (int l = 0; l < LANES; l++)
+            correction[l] = -offset * (codes[4 * l] + codes[4 * l + 1] + codes[4 * l + 2] + codes[4 * l + 3]);
     }
 }
 
@@ -684,120 +690,147 @@ static inline Lanes halves(float a, float b) {
 #endif
 }
 
-/* An int4 integer product reads, per group of QGROUP columns and row, the scales and zeros of the group's two
-   blocks: a tile's as (n_in / QGROUP groups, TILE rows, 4) bfloat16s, the first block's scale, the second's, then their
-   zeros. A layer with panels holds them so from load (manas_pack); else int4_groups lays out each tile's. */
-#define GROUP_SCALES 4
+/* An int4 integer product reads a tile's zeros and scales (bfloat16s): the zeros first, (TILE rows, n_in / QBLOCK),
+   a row's zeros one a block, for zero_terms at the tile's start; then the scales as (n_in / QGROUP groups, TILE
+   rows, 2), each group's first block's then its second's, for the group loop. Tile after tile, that is one stream
+   in the order a product reads it (zeros after the scales, a decode step of n_in 3072 lost 10%: each tile's
+   first reads jumped ahead of the stream). A layer with panels holds them so from load (manas_pack); else
+   int4_groups lays out each tile's. */
+#define GROUP_SCALES 2
+static inline size_t tile_scales_count(int n_in) {
+    return (size_t)n_in / QGROUP * TILE * GROUP_SCALES + TILE * (size_t)n_in / QBLOCK;
+}
 
 /* The scales and zeros of int4 weight rows o0 .. o0 + count − 1 (zeros past n_out) as integer_dots reads them. */
 static void int4_groups(const ManasLinear *linear, int o0, int count, uint16_t *out) {
-    size_t row_groups = (size_t)(linear->n_in / linear->group), groups = (size_t)linear->n_in / QGROUP;
-    for (size_t g = 0; g < groups; g++)
-        for (size_t k = 0; k < TILE; k++) {
-            size_t first = (size_t)(o0 + k) * row_groups + g * QGROUP / linear->group;
-            size_t second = (size_t)(o0 + k) * row_groups + (g * QGROUP + QBLOCK) / linear->group;
-            uint16_t *pair = out + (g * TILE + k) * GROUP_SCALES;
-            int real = k < (size_t)count;
-            pair[0] = real ? linear->scales[first] : 0, pair[1] = real ? linear->scales[second] : 0;
-            pair[2] = real ? linear->zeros[first] : 0, pair[3] = real ? linear->zeros[second] : 0;
+    size_t row_groups = (size_t)(linear->n_in / linear->group), blocks = (size_t)linear->n_in / QBLOCK;
+    uint16_t *zeros = out, *scales = out + TILE * blocks;
+    memset(out, 0, tile_scales_count(linear->n_in) * sizeof *out);
+    for (size_t k = 0; k < (size_t)count; k++)
+        for (size_t b = 0; b < blocks; b++) {
+            size_t at = (size_t)(o0 + k) * row_groups + b * QBLOCK / linear->group;
+            scales[(b / 2 * TILE + k) * GROUP_SCALES + b % 2] = linear->scales[at];
+            zeros[k * blocks + b] = linear->zeros[at];
         }
 }
 
-/* A group's two blocks' scales and zeros (int4_groups' four bfloat16s) as lanes: 0–7 the first block's, 8–15 the
+/* A group's two blocks' scales (int4_groups' pair of bfloat16s) as lanes: 0–7 the first block's, 8–15 the
    second's. AVX-512 places each bfloat16 in its lanes' high halves with one permutation (the low halves zeroed:
    exactly the float32 bf16_to_float gives). */
-static inline void group_lanes(const uint16_t *pair, Lanes *scale, Lanes *zero) {
+static inline Lanes group_scales(const uint16_t *pair) {
 #if defined(__AVX512BW__)
-    __m512i four = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)pair));
-    __m512i scales = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16,
-                                       1 << 16, 1 << 16);
-    __m512i zeros = _mm512_add_epi32(scales, _mm512_set1_epi32(2 << 16));
-    scale->part[0] = (Part)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, scales, four);
-    zero->part[0] = (Part)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, zeros, four);
+    int32_t both;
+    memcpy(&both, pair, sizeof both);
+    __m512i two = _mm512_castsi128_si512(_mm_cvtsi32_si128(both));
+    __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16,
+                                      1 << 16, 1 << 16);
+    return (Lanes){{(Part)_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, which, two)}};
 #else
-    *scale = halves(bf16_to_float(pair[0]), bf16_to_float(pair[1]));
-    *zero = halves(bf16_to_float(pair[2]), bf16_to_float(pair[3]));
+    return halves(bf16_to_float(pair[0]), bf16_to_float(pair[1]));
 #endif
 }
 
-/* Group g of an int4 tile's integer products added to its lanes (int4 takes whole groups). `prefetch`: how far
-   ahead to ask for the rows, or 0. Each weight row's group is unpacked once and meets every row of x. */
-static inline __attribute__((always_inline)) void int4_group_dots(int RT, int OT, const Row *rows,
-                                                                  const float *const *x, size_t g, size_t prefetch,
-                                                                  const uint16_t *grouped,
-                                                                  Lanes lane[MAX_ROW_TILE][TILE]) {
-    for (int o = 0; o < OT; o++) {
-        const uint8_t *w = row_byte(rows[o], g * QGROUP / 2);
-        if (prefetch) __builtin_prefetch(w + prefetch);  /* that row, as far along */
-        Lanes scale, zero;
-        group_lanes(grouped + (g * TILE + o) * GROUP_SCALES, &scale, &zero);
-        Bytes u = int4_bytes(w);
-        for (int r = 0; r < RT; r++) {
-            const float *d = x[r] + g * QUANTIZED_SPAN;
-            const int8_t *q = (const int8_t *)(d + LANES);
-            Lanes products = group_products(u, INT4_MIDDLE, q, (const int32_t *)(d + LANES + QGROUP / 4));
-            Lanes sums = load_lanes(d + LANES + QGROUP / 4 + LANES);
-            lane[r][o] = madd(madd(lane[r][o], zero, sums), multiply(load_lanes(d), scale), products);
-        }
-    }
+/* count ≤ LANES bfloat16s as float32 lanes, bf16_to_float's values, zeros past count (none read there). */
+static inline Lanes bf16_lanes(const uint16_t *p, int count) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)((1u << count) - 1), p));
+    return (Lanes){{(Part)_mm512_slli_epi32(wide, 16)}};
+#else
+    float values[LANES];
+    for (int l = 0; l < LANES; l++) values[l] = l < count ? bf16_to_float(p[l]) : 0.0f;
+    return load_lanes(values);
+#endif
 }
 
-/* Group g of an int8 tile's integer products added to its lanes: whole (count 0), or a row's last, partial group
-   of count < QGROUP columns. The tile's weight rows are read first, then each row of x meets them all, so one row
-   of x is live at a time: taken int4's way round, GCC held all four rows of x and spilled a 4 × 4 tile's lanes
-   every group (GPT-2-shape int8 pp64 on AVX-512 +8% on 1 thread, +2% on 2). int4's way is the faster for int4,
-   whose weight rows bring a scale and a zero besides (the other way lost 12%). */
-static inline __attribute__((always_inline)) void int8_group_dots(int RT, int OT, const Row *rows,
-                                                                  const float *const *x, size_t g, int count,
-                                                                  size_t prefetch, Lanes lane[MAX_ROW_TILE][TILE]) {
+/* An int4 tile's zeros' part of its sums, the lanes it starts from: a group's values are (code − 8)·scale + zero,
+   so each block adds zero × d·Σ q (quantize_row's block sums, zeros past the row's blocks), 16 blocks to a set of
+   lanes: n_in / 512 products where in the group loop they took one a group of 64 columns. */
+static inline __attribute__((always_inline)) void zero_terms(int RT, int OT, int n_in, const float *const *x,
+                                                             const uint16_t *zeros, Lanes lane[MAX_ROW_TILE][TILE]) {
+    int blocks = n_in / QBLOCK;
+    size_t sums = (size_t)n_in / QGROUP * QUANTIZED_SPAN;
+    for (int b = 0; b < blocks; b += LANES)
+#pragma GCC unroll 8
+        for (int o = 0; o < OT; o++) {
+            Lanes zero = bf16_lanes(zeros + (size_t)o * blocks + b, blocks - b < LANES ? blocks - b : LANES);
+#pragma GCC unroll 8
+            for (int r = 0; r < RT; r++) lane[r][o] = madd(lane[r][o], zero, load_lanes(x[r] + sums + b));
+        }
+}
+
+/* Group g of a tile's integer products added to its lanes: whole (count 0), or an int8 row's last, partial group
+   of count < QGROUP columns (int4 takes whole groups). `prefetch`: how far ahead to ask for the rows, or 0;
+   `scales`: int4's (int4_groups). The tile's weight rows are unpacked first, then each row of x meets them all,
+   so one row of x is live at a time: taken the other way round, GCC held all four rows of x and spilled a 4 × 4
+   tile's lanes every group (GPT-2-shape int8 pp64 on AVX-512 +8% on 1 thread, +2% on 2). Every loop over the
+   tile is unrolled by force: where GCC left one a loop, the tile's lanes lived in memory, each multiply-add
+   between a load and a store (int4 pp64 +32%, int8 +21% on the Intel host, below). */
+static inline __attribute__((always_inline)) void group_dots(int kind, int RT, int OT, const Row *rows,
+                                                             const float *const *x, size_t g, int count,
+                                                             size_t prefetch, const uint16_t *scales,
+                                                             Lanes lane[MAX_ROW_TILE][TILE]) {
+    int int4 = kind == INT4_INTEGER;
     const int8_t *w[TILE];
     Bytes u[TILE];
+    Lanes scale[TILE];
+#pragma GCC unroll 8
     for (int o = 0; o < OT; o++) {
-        w[o] = (const int8_t *)row_byte(rows[o], g * QGROUP);
+        w[o] = (const int8_t *)row_byte(rows[o], int4 ? g * QGROUP / 2 : g * QGROUP);
         if (prefetch) __builtin_prefetch(w[o] + prefetch);  /* that row, as far along */
-        if (!count) u[o] = int8_bytes(w[o]);
+        if (int4) scale[o] = group_scales(scales + (g * TILE + o) * GROUP_SCALES);
+        if (!count) u[o] = int4 ? int4_bytes((const uint8_t *)w[o]) : int8_bytes(w[o]);
     }
+#pragma GCC unroll 8
     for (int r = 0; r < RT; r++) {
         const float *d = x[r] + g * QUANTIZED_SPAN;
         const int8_t *q = (const int8_t *)(d + LANES);
+#pragma GCC unroll 8
         for (int o = 0; o < OT; o++) {
             Lanes products = count ? partial_group_products(q, w[o], count)
-                                   : group_products(u[o], 128, q, (const int32_t *)(d + LANES + QGROUP / 4));
-            lane[r][o] = madd(lane[r][o], products, load_lanes(d));
+                                   : group_products(u[o], int4 ? INT4_MIDDLE : 128, q,
+                                                    (const int32_t *)(d + LANES + QGROUP / 4));
+            lane[r][o] = madd(lane[r][o], products, int4 ? multiply(load_lanes(d), scale[o]) : load_lanes(d));
         }
     }
 }
 
 /* The integer products of a tile: out[r][o] = the lanes' sum over groups of d × group_products (int8: the row's
-   scale comes last, in finish) or, for int4, of d·scale × group_products + zero × d·Σ q (a group's values are
-   (code − 8)·scale + zero), the groups added in order (madd), then the lanes in sum_lanes' tree: the same bits
-   whatever shares the call, on any CPU with the same madd. x[r] is a quantize_row row. int4 takes whole groups of
-   64 and weight groups of whole blocks (int4_integer), so each block has one scale and one zero; `grouped` holds
-   the tile's rows' scales and zeros (int4_groups). */
+   scale comes last, in finish) or, for int4, of d·scale × group_products after the zeros' terms (zero_terms), the
+   groups added in order (madd), then the lanes in sum_lanes' tree: the same bits whatever shares the call, on any
+   CPU with the same madd. x[r] is a quantize_row row. int4 takes whole groups of 64 and weight groups of whole
+   blocks (int4_integer), so each block has one scale and one zero; `grouped` holds the scales and zeros of the
+   tile that weight row o0 is in (int4_groups). */
 static inline __attribute__((always_inline)) void integer_dots(int kind, int RT, int OT, const ManasLinear *linear,
                                                                const float *const *x, int o0, const uint16_t *grouped,
                                                                float out[MAX_ROW_TILE][TILE]) {
     Lanes lane[MAX_ROW_TILE][TILE];
+#pragma GCC unroll 8
     for (int r = 0; r < RT; r++)
+#pragma GCC unroll 8
         for (int o = 0; o < OT; o++) lane[r][o] = splat(0.0f);
     size_t n = (size_t)linear->n_in, whole = n / QGROUP;
+    const uint16_t *scales = NULL;
+    if (kind == INT4_INTEGER) {  /* row o0's place in its tile's scales and zeros */
+        scales = grouped + TILE * (n / QBLOCK) + o0 % TILE * GROUP_SCALES;
+        zero_terms(RT, OT, (int)n, x, grouped + o0 % TILE * (n / QBLOCK), lane);
+    }
     /* Fetching the rows of the tile after next while these are read keeps the loads from waiting: a decode step,
        one row of x, is otherwise latency-bound on them (int8 at GPT-2 size here: 136 against 105 tok/s for the
        next tile, 10% more again for the one after; int4's shorter rows need the distance). A hint, not a read. */
     int ahead = o0 + (1 + PREFETCH_TILES) * OT <= linear->n_out;
     size_t prefetch = ahead ? PREFETCH_TILES * OT * row_bytes(linear) : 0;
     Row rows[TILE];
+#pragma GCC unroll 8
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
-    for (size_t g = 0; g < whole; g++) {
-        if (kind == INT4_INTEGER) int4_group_dots(RT, OT, rows, x, g, prefetch, grouped, lane);
-        else int8_group_dots(RT, OT, rows, x, g, 0, prefetch, lane);
-    }
+    for (size_t g = 0; g < whole; g++) group_dots(kind, RT, OT, rows, x, g, 0, prefetch, scales, lane);
     if (whole * QGROUP < n)  /* int8 only: int4 takes whole groups */
-        int8_group_dots(RT, OT, rows, x, whole, (int)(n - whole * QGROUP), 0, lane);
+        group_dots(kind, RT, OT, rows, x, whole, (int)(n - whole * QGROUP), 0, scales, lane);
+#pragma GCC unroll 8
     for (int r = 0; r < RT; r++) {
         if (OT == 4) {
             sum_lanes4(lane[r], out[r]);
         } else {
+#pragma GCC unroll 8
             for (int o = 0; o < OT; o++) out[r][o] = sum_lanes(lane[r][o]);
         }
     }
@@ -945,8 +978,7 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
         if (rows > 1 && count == TILE) {
             for (int c = 0; c < TILE; c += COLUMN_TILE) {
                 float part[MAX_ROW_TILE][TILE];
-                const uint16_t *at = grouped ? grouped + c * GROUP_SCALES : NULL;  /* int4's rows c.. of the tile */
-                dots(kind, RT, COLUMN_TILE, weights, x, w0 + c, at, part);
+                dots(kind, RT, COLUMN_TILE, weights, x, w0 + c, grouped, part);
                 for (int r = 0; r < rows; r++)
                     for (int o = 0; o < COLUMN_TILE; o++) out[r][c + o] = part[r][o];
             }
@@ -956,7 +988,7 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
             for (int r = 0; r < rows; r++)
                 for (int o = 0; o < count; o++) {
                     float one[MAX_ROW_TILE][TILE];
-                    dots(kind, 1, 1, weights, x + r, w0 + o, grouped ? grouped + o * GROUP_SCALES : NULL, one);
+                    dots(kind, 1, 1, weights, x + r, w0 + o, grouped, one);
                     out[r][o] = one[0][0];
                 }
         }
@@ -980,7 +1012,7 @@ static size_t panel_weight_bytes(const ManasLinear *linear) {
 
 static size_t tile_group_scale_count(const ManasLinear *linear) {
     int int4 = linear->kind == WEIGHTS_INT4 && int4_integer(linear);
-    return int4 ? (size_t)linear->n_in / QGROUP * TILE * GROUP_SCALES : 0;
+    return int4 ? tile_scales_count(linear->n_in) : 0;
 }
 
 /* Tile t's scales and zeros in the layer's panels, or NULL where it has none. */

@@ -764,7 +764,8 @@ static inline __attribute__((always_inline)) void zero_terms(int RT, int OT, int
    so one row of x is live at a time: taken the other way round, GCC held all four rows of x and spilled a 4 × 4
    tile's lanes every group (GPT-2-shape int8 pp64 on AVX-512 +8% on 1 thread, +2% on 2). Every loop over the
    tile is unrolled by force: where GCC left one a loop, the tile's lanes lived in memory, each multiply-add
-   between a load and a store (int4 pp64 +32%, int8 +21% on the Intel host, below). */
+   between a load and a store (GPT-2-shape pp64 on an AVX-512 host, with int4's zeros apart: int4 +32%, int8
+   +21%). */
 static inline __attribute__((always_inline)) void group_dots(int kind, int RT, int OT, const Row *rows,
                                                              const float *const *x, size_t g, int count,
                                                              size_t prefetch, const uint16_t *scales,

@@ -637,6 +637,11 @@ static inline size_t quantized_floats(int n) {
     return ((size_t)n + QGROUP - 1) / QGROUP * QUANTIZED_SPAN + block_sum_floats(n);
 }
 
+/* Where a quantized row's block sums begin. */
+static inline float *block_sums(const float *row, int n) {
+    return (float *)row + ((size_t)n + QGROUP - 1) / QGROUP * QUANTIZED_SPAN;
+}
+
 /* A block of QBLOCK values, `count` of them x's (the rest zeros), quantized: codes q = round(x · 127 / max|x|) in
    [−127, 127], and its scale d = max|x| / 127 returned, d·q ≈ x. Written in loops of fixed length with no early
    exit, so they vectorize (a max and a rounding are exact in any order). A NaN or an infinity leaves the codes 0
@@ -660,8 +665,8 @@ static float quantize_block(const float *x, int count, int8_t *codes) {
    (group_products) and each block's d·Σ q, laid out as QUANTIZED_SPAN describes. */
 static void quantize_row(int n, const float *x, int offset, float *out) {
     int groups = (n + QGROUP - 1) / QGROUP;
-    float *block_sums = out + (size_t)groups * QUANTIZED_SPAN;
-    memset(block_sums, 0, block_sum_floats(n) * sizeof *block_sums);
+    float *sums = block_sums(out, n);
+    memset(sums, 0, block_sum_floats(n) * sizeof *sums);
     for (int g = 0; g < groups; g++) {
         float *scales = out + (size_t)g * QUANTIZED_SPAN;
         int8_t *codes = (int8_t *)(scales + LANES);
@@ -672,7 +677,7 @@ static void quantize_row(int n, const float *x, int offset, float *out) {
             for (int l = 0; l < LANES / 2; l++) scales[half * LANES / 2 + l] = d;
             int32_t sum = 0;
             for (int j = 0; j < QBLOCK; j++) sum += codes[half * QBLOCK + j];
-            if (count) block_sums[2 * g + half] = d * (float)sum;
+            sums[2 * g + half] = d * (float)sum;  /* a block past n: 0 (d is 0) */
         }
         for (int l = 0; l < LANES; l++)
             correction[l] = -offset * (codes[4 * l] + codes[4 * l + 1] + codes[4 * l + 2] + codes[4 * l + 3]);
@@ -697,14 +702,15 @@ static inline Lanes halves(float a, float b) {
    first reads jumped ahead of the stream). A layer with panels holds them so from load (manas_pack); else
    int4_groups lays out each tile's. */
 #define GROUP_SCALES 2
+static inline size_t tile_zeros_count(int n_in) { return TILE * (size_t)n_in / QBLOCK; }
 static inline size_t tile_scales_count(int n_in) {
-    return (size_t)n_in / QGROUP * TILE * GROUP_SCALES + TILE * (size_t)n_in / QBLOCK;
+    return tile_zeros_count(n_in) + (size_t)n_in / QGROUP * TILE * GROUP_SCALES;
 }
 
 /* The scales and zeros of int4 weight rows o0 .. o0 + count − 1 (zeros past n_out) as integer_dots reads them. */
 static void int4_groups(const ManasLinear *linear, int o0, int count, uint16_t *out) {
     size_t row_groups = (size_t)(linear->n_in / linear->group), blocks = (size_t)linear->n_in / QBLOCK;
-    uint16_t *zeros = out, *scales = out + TILE * blocks;
+    uint16_t *zeros = out, *scales = out + tile_zeros_count(linear->n_in);
     memset(out, 0, tile_scales_count(linear->n_in) * sizeof *out);
     for (size_t k = 0; k < (size_t)count; k++)
         for (size_t b = 0; b < blocks; b++) {
@@ -748,13 +754,12 @@ static inline Lanes bf16_lanes(const uint16_t *p, int count) {
 static inline __attribute__((always_inline)) void zero_terms(int RT, int OT, int n_in, const float *const *x,
                                                              const uint16_t *zeros, Lanes lane[MAX_ROW_TILE][TILE]) {
     int blocks = n_in / QBLOCK;
-    size_t sums = (size_t)n_in / QGROUP * QUANTIZED_SPAN;
     for (int b = 0; b < blocks; b += LANES)
 #pragma GCC unroll 8
         for (int o = 0; o < OT; o++) {
             Lanes zero = bf16_lanes(zeros + (size_t)o * blocks + b, blocks - b < LANES ? blocks - b : LANES);
 #pragma GCC unroll 8
-            for (int r = 0; r < RT; r++) lane[r][o] = madd(lane[r][o], zero, load_lanes(x[r] + sums + b));
+            for (int r = 0; r < RT; r++) lane[r][o] = madd(lane[r][o], zero, load_lanes(block_sums(x[r], n_in) + b));
         }
 }
 
@@ -812,7 +817,7 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
     size_t n = (size_t)linear->n_in, whole = n / QGROUP;
     const uint16_t *scales = NULL;
     if (kind == INT4_INTEGER) {  /* row o0's place in its tile's scales and zeros */
-        scales = grouped + TILE * (n / QBLOCK) + o0 % TILE * GROUP_SCALES;
+        scales = grouped + tile_zeros_count((int)n) + o0 % TILE * GROUP_SCALES;
         zero_terms(RT, OT, (int)n, x, grouped + o0 % TILE * (n / QBLOCK), lane);
     }
     /* Fetching the rows of the tile after next while these are read keeps the loads from waiting: a decode step,

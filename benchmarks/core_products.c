@@ -11,6 +11,7 @@
 
    A benchmark, not a test: the products' correctness is tests/test_native.py's. */
 #include <stdio.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "../manas_cli/native/core.c"
@@ -39,6 +40,15 @@ static int8_t *random_bytes(size_t count) {
     return values;
 }
 
+/* Memory for a layer's panels in 2 MiB pages where Linux gives them, as the model maps its panels
+   (native/model.py's anonymous_memory): on 4 KiB pages a decode step's products stop at the TLB, not at memory. */
+static void *huge_pages(size_t bytes) {
+    void *memory = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (memory == MAP_FAILED) abort();
+    madvise(memory, bytes, MADV_HUGEPAGE);
+    return memory;
+}
+
 /* A layer of the kind: float32 (f32), int8 or int4 weights (groups of 32), the quantized ones multiplied in
    integers as the model does by default. */
 static ManasLinear random_layer(int kind, int n_in, int n_out) {
@@ -58,7 +68,7 @@ static void time_shape(int kind, int n_in, int n_out, int rows, int layers) {
     ManasLinear *linear = calloc((size_t)layers, sizeof *linear);
     for (int l = 0; l < layers; l++) {
         linear[l] = random_layer(kind, n_in, n_out);
-        void *panels = aligned_alloc(4096, (manas_panel_bytes(&linear[l]) + 4095) / 4096 * 4096);
+        void *panels = huge_pages(manas_panel_bytes(&linear[l]));
         manas_pack(&linear[l], panels);
         linear[l].panels = panels;
     }

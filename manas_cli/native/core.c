@@ -436,10 +436,9 @@ static inline int whole_chunks(int kind, int n) { return kind == WEIGHTS_INT4 ? 
    32 (a streaming read's). In a panel a tile's units lie side by side, each tile's weights one stream: 31 GB/s.
    Panel t holds rows TILE t .. TILE t + TILE − 1 (zeros past n_out), unit u of each row in turn. */
 #define PANEL_UNIT 64
-/* How far ahead of its reads a float32 decode step asks for its weights: 8 panel units of 4 rows. The streams
-   reach the bandwidth only with it (GPT-2-shape decode, interleaved A/B: 1 thread +0-9%, 2 threads +12%; 1 KiB
-   and 24 KiB ahead gained less). */
-#define F32_PREFETCH_BYTES 2048
+/* How far ahead of its reads a float32 decode step asks for its panel: into L1 2 chunks ahead, into L2 12. */
+#define F32_NEAR_CHUNKS 2
+#define F32_FAR_CHUNKS 12
 
 /* The bytes of one weight row as stored: n_in float32 values, int8 codes, or int4 nibble pairs. */
 static inline size_t row_bytes(const ManasLinear *linear) {
@@ -859,11 +858,7 @@ static inline __attribute__((always_inline)) void dots(int kind, int RT, int OT,
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
     for (int c = 0; c < chunks; c += step) {
         Lanes ws[TILE][2];
-        for (int o = 0; o < OT; o++) {
-            if (kind == WEIGHTS_F32 && RT == 1)  /* a decode step: ask ahead (a hint, not a read) */
-                __builtin_prefetch(row_byte(rows[o], (size_t)c * sizeof(Lanes)) + F32_PREFETCH_BYTES);
-            weight_lanes(kind, linear, rows[o], o0 + o, c, ws[o]);
-        }
+        for (int o = 0; o < OT; o++) weight_lanes(kind, linear, rows[o], o0 + o, c, ws[o]);
         for (int k = 0; k < step; k++)
             for (int r = 0; r < RT; r++) {
                 Lanes xs = load_lanes(x[r] + (c + k) * LANES);
@@ -967,6 +962,24 @@ static inline __attribute__((always_inline)) int row_tile(int kind) {
     return PARTS == 1 && kind == WEIGHTS_F32 ? MAX_ROW_TILE : ROW_TILE;
 }
 
+/* out[o] = x · w[o] for the TILE float32 rows of a panel (n_in = LANES · chunks), each in dots' lane order: a
+   decode step's tile, read as the one stream it is (chunk c of row o at unit TILE c + o) from one pointer. It asks
+   ahead for the stream twice, into L1 and into L2 (a hint, not a read). */
+static __attribute__((noinline)) void float32_panel_dots(const float *panel, const float *x, int chunks,
+                                                         float out[TILE]) {
+    Lanes lane[TILE];
+    for (int o = 0; o < TILE; o++) lane[o] = splat(0.0f);
+    for (int c = 0; c < chunks; c++, panel += TILE * LANES) {
+        for (int o = 0; o < TILE; o++) {
+            __builtin_prefetch(panel + (F32_NEAR_CHUNKS * TILE + o) * LANES, 0, 3);
+            __builtin_prefetch(panel + (F32_FAR_CHUNKS * TILE + o) * LANES, 0, 2);
+        }
+        Lanes xs = load_lanes(x + c * LANES);
+        for (int o = 0; o < TILE; o++) lane[o] = madd(lane[o], xs, load_lanes(panel + o * LANES));
+    }
+    sum_lanes4(lane, out);
+}
+
 /* Output features o0 .. o0 + count − 1 for rows r_begin .. r_end − 1, row_tile(kind) rows at a time, each weight
    load serving them all; the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it
    dequantized). A short tile of rows repeats its last row to fill the tile and drops those outputs: each output is
@@ -988,6 +1001,9 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
                 for (int r = 0; r < rows; r++)
                     for (int o = 0; o < COLUMN_TILE; o++) out[r][c + o] = part[r][o];
             }
+        } else if (kind == WEIGHTS_F32 && rows == 1 && count == TILE && weights->panels) {
+            float32_panel_dots((const float *)weight_row(weights, (size_t)w0).start, x[0], weights->n_in / LANES,
+                               out[0]);
         } else if (rows == 1 && count == TILE) {
             dots(kind, 1, TILE, weights, x, w0, grouped, out);
         } else {

@@ -962,24 +962,6 @@ static inline __attribute__((always_inline)) int row_tile(int kind) {
     return PARTS == 1 && kind == WEIGHTS_F32 ? MAX_ROW_TILE : ROW_TILE;
 }
 
-/* out[o] = x · w[o] for the TILE float32 rows of a panel (n_in = LANES · chunks), each in dots' lane order: a
-   decode step's tile, read as the one stream it is (chunk c of row o at unit TILE c + o) from one pointer. It asks
-   ahead for the stream twice, into L1 and into L2 (a hint, not a read). */
-static __attribute__((noinline)) void float32_panel_dots(const float *panel, const float *x, int chunks,
-                                                         float out[TILE]) {
-    Lanes lane[TILE];
-    for (int o = 0; o < TILE; o++) lane[o] = splat(0.0f);
-    for (int c = 0; c < chunks; c++, panel += TILE * LANES) {
-        for (int o = 0; o < TILE; o++) {
-            __builtin_prefetch(panel + (F32_NEAR_CHUNKS * TILE + o) * LANES, 0, 3);
-            __builtin_prefetch(panel + (F32_FAR_CHUNKS * TILE + o) * LANES, 0, 2);
-        }
-        Lanes xs = load_lanes(x + c * LANES);
-        for (int o = 0; o < TILE; o++) lane[o] = madd(lane[o], xs, load_lanes(panel + o * LANES));
-    }
-    sum_lanes4(lane, out);
-}
-
 /* Output features o0 .. o0 + count − 1 for rows r_begin .. r_end − 1, row_tile(kind) rows at a time, each weight
    load serving them all; the weights are read from rows w0.. of `weights` (the layer itself, or that tile of it
    dequantized). A short tile of rows repeats its last row to fill the tile and drops those outputs: each output is
@@ -1001,9 +983,6 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
                 for (int r = 0; r < rows; r++)
                     for (int o = 0; o < COLUMN_TILE; o++) out[r][c + o] = part[r][o];
             }
-        } else if (kind == WEIGHTS_F32 && rows == 1 && count == TILE && weights->panels) {
-            float32_panel_dots((const float *)weight_row(weights, (size_t)w0).start, x[0], weights->n_in / LANES,
-                               out[0]);
         } else if (rows == 1 && count == TILE) {
             dots(kind, 1, TILE, weights, x, w0, grouped, out);
         } else {
@@ -1107,8 +1086,38 @@ static int tile_block(const Matmul *m) {
     return tiles < 1 ? 1 : tiles > TILE_BLOCK ? TILE_BLOCK : tiles;
 }
 
+/* A float32 decode step's tiles begin .. end − 1 from their panels: y[o] = x · w[o], each in dots' lane order
+   (sum_lanes4 adds as sum_lanes does, so a last tile's rows past n_out, zeros in its panel, change no sum).
+   Consecutive panels are one stream, read from one pointer with nothing between tiles but their sums, and asked
+   for twice ahead of the reads, into L1 and into L2 (a hint, not a read). */
+static __attribute__((noinline)) void float32_decode(const Matmul *m, int begin, int end) {
+    const ManasLinear *linear = m->linear;
+    int chunks = linear->n_in / LANES;
+    const float *panel = (const float *)linear->panels + (size_t)begin * TILE * linear->n_in;  /* (TILE, n_in) */
+    for (int tile = begin; tile < end; tile++) {
+        Lanes lane[TILE];
+        for (int o = 0; o < TILE; o++) lane[o] = splat(0.0f);
+        for (int c = 0; c < chunks; c++, panel += TILE * LANES) {
+            for (int o = 0; o < TILE; o++) {
+                __builtin_prefetch(panel + (F32_NEAR_CHUNKS * TILE + o) * LANES, 0, 3);
+                __builtin_prefetch(panel + (F32_FAR_CHUNKS * TILE + o) * LANES, 0, 2);
+            }
+            Lanes xs = load_lanes(m->x + c * LANES);
+            for (int o = 0; o < TILE; o++) lane[o] = madd(lane[o], xs, load_lanes(panel + o * LANES));
+        }
+        float out[TILE];
+        sum_lanes4(lane, out);
+        for (int o = 0, o0 = tile * TILE; o < TILE && o0 + o < linear->n_out; o++)
+            m->y[o0 + o] = finish(linear, o0 + o, out[o]);
+    }
+}
+
 static void matmul_tiles(void *context, int begin, int end, int thread) {
     const Matmul *m = context;
+    if (m->kind == WEIGHTS_F32 && m->rows == 1 && m->linear->panels) {
+        float32_decode(m, begin, end);
+        return;
+    }
     float *buffer = m->tiles + (size_t)thread * TILE * m->linear->n_in;
     if (m->kind == WEIGHTS_INT4 && m->rows > TILE) {  /* a float prefill of int4: dequantize once for all its rows */
         for (int tile = begin; tile < end; tile++) {

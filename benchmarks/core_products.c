@@ -1,18 +1,20 @@
 /* The native core's products alone, in GFLOP/s (a multiply-add two operations): a GPT-2 MLP's two shapes (C → 4C,
    4C → C; C 768 for GPT-2-124M, 1024 for GPT-2-medium), `rows` rows of x against `layers` copies of each layer's
-   panels (more copies than the caches hold make the weights come from memory, as in a model's forward pass), one
-   thread, best of 5. float32, or int8 / int4 weights multiplied in integers as a model's are by default (x
+   panels (more copies than the caches hold make the weights come from memory, as in a model's forward pass), on 1
+   thread or more (the core's own pool, as a model's products split), best of 5. float32, or int8 / int4 weights multiplied in integers as a model's are by default (x
    quantized once, outside the timing). It compiles core.c into itself to call its static matmul_tiles directly:
 
      gcc -O3 -march=native -ffp-contract=off -pthread -o /tmp/core_products benchmarks/core_products.c -lm
      chrt -f 1 /tmp/core_products 64 24            # rows, layers: a 64-token prefill at GPT-2-124M's width
      chrt -f 1 /tmp/core_products 64 16 1024       # GPT-2-medium's
      chrt -f 1 /tmp/core_products 1 48 768 int4   # a decode step, int4 weights (f32, int8, int4)
+     chrt -f 1 /tmp/core_products 1 8 2048 f32 2  # a decode step's float32 products on 2 threads
 
    A benchmark, not a test: the products' correctness is tests/test_native.py's. */
 #include <stdio.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../manas_cli/native/core.c"
 
@@ -62,9 +64,9 @@ static ManasLinear random_layer(int kind, int n_in, int n_out) {
                          .scales = small_bf16s(count / 32), .zeros = small_bf16s(count / 32)};
 }
 
-static void time_shape(int kind, int n_in, int n_out, int rows, int layers) {
+static void time_shape(ManasPool *pool, int kind, int n_in, int n_out, int rows, int layers) {
     float *x = random_floats((size_t)rows * n_in), *y = random_floats((size_t)rows * n_out);
-    float *tiles = random_floats((size_t)TILE * n_in);
+    float *tiles = random_floats((size_t)pool->threads * TILE * n_in);  /* each thread's (Matmul.tiles) */
     ManasLinear *linear = calloc((size_t)layers, sizeof *linear);
     for (int l = 0; l < layers; l++) {
         linear[l] = random_layer(kind, n_in, n_out);
@@ -86,7 +88,7 @@ static void time_shape(int kind, int n_in, int n_out, int rows, int layers) {
         double start = seconds();
         for (int l = 0; l < layers; l++) {
             Matmul m = {&linear[l], products, x, stride, y, rows, tiles};
-            matmul_tiles(&m, 0, (n_out + TILE - 1) / TILE, 0);
+            parallel_for(pool, matmul_tiles, &m, (n_out + TILE - 1) / TILE);
         }
         double elapsed = seconds() - start;
         best = elapsed < best ? elapsed : best;
@@ -96,17 +98,19 @@ static void time_shape(int kind, int n_in, int n_out, int rows, int layers) {
 
 int main(int argc, char **argv) {
     int rows = argc > 1 ? atoi(argv[1]) : 64, layers = argc > 2 ? atoi(argv[2]) : 24;
-    int width = argc > 3 ? atoi(argv[3]) : 768;
+    int width = argc > 3 ? atoi(argv[3]) : 768, threads = argc > 5 ? atoi(argv[5]) : 1;
     const char *name = argc > 4 ? argv[4] : "f32";
     int kind = !strcmp(name, "f32")    ? WEIGHTS_F32
                : !strcmp(name, "int8") ? WEIGHTS_INT8
                : !strcmp(name, "int4") ? WEIGHTS_INT4
                                        : -1;
-    if (rows < 1 || layers < 1 || width < 64 || width % 64 || kind < 0) {
-        fprintf(stderr, "usage: %s [rows] [layers] [width, a multiple of 64] [f32|int8|int4]\n", argv[0]);
+    ManasPool *pool = threads >= 1 ? manas_pool_new(threads, (int)sysconf(_SC_NPROCESSORS_ONLN)) : NULL;
+    if (rows < 1 || layers < 1 || width < 64 || width % 64 || kind < 0 || !pool || pool->threads != threads) {
+        fprintf(stderr, "usage: %s [rows] [layers] [width, a multiple of 64] [f32|int8|int4] [threads]\n", argv[0]);
         return 2;
     }
-    time_shape(kind, width, 4 * width, rows, layers);
-    time_shape(kind, 4 * width, width, rows, layers);
+    time_shape(pool, kind, width, 4 * width, rows, layers);
+    time_shape(pool, kind, 4 * width, width, rows, layers);
+    manas_pool_free(pool);
     return 0;
 }

@@ -1,8 +1,9 @@
 /* The native core's products alone, in GFLOP/s (a multiply-add two operations): a GPT-2 MLP's two shapes (C → 4C,
    4C → C; C 768 for GPT-2-124M, 1024 for GPT-2-medium), `rows` rows of x against `layers` copies of each layer's
-   panels (more copies than the caches hold make the weights come from memory, as in a model's forward pass), on 1
-   thread or more (the core's own pool, as a model's products split), best of 5. float32, or int8 / int4 weights multiplied in integers as a model's are by default (x
-   quantized once, outside the timing). It compiles core.c into itself to call its static matmul_tiles directly:
+   panels (more copies than the caches hold make the weights come from memory, as in a model's forward pass), on
+   `threads` threads (1 unless given), best of 5. float32, or int8 / int4 weights multiplied in integers as a
+   model's are by default (x quantized once, outside the timing). It compiles core.c into itself to call its static
+   matmul_tiles directly, through the core's own pool (parallel_for) as a model's products split over threads:
 
      gcc -O3 -march=native -ffp-contract=off -pthread -o /tmp/core_products benchmarks/core_products.c -lm
      chrt -f 1 /tmp/core_products 64 24            # rows, layers: a 64-token prefill at GPT-2-124M's width
@@ -104,11 +105,12 @@ int main(int argc, char **argv) {
                : !strcmp(name, "int8") ? WEIGHTS_INT8
                : !strcmp(name, "int4") ? WEIGHTS_INT4
                                        : -1;
-    ManasPool *pool = threads >= 1 ? manas_pool_new(threads, (int)sysconf(_SC_NPROCESSORS_ONLN)) : NULL;
-    if (rows < 1 || layers < 1 || width < 64 || width % 64 || kind < 0 || !pool || pool->threads != threads) {
+    if (rows < 1 || layers < 1 || width < 64 || width % 64 || kind < 0 || threads < 1 || threads > MAX_THREADS) {
         fprintf(stderr, "usage: %s [rows] [layers] [width, a multiple of 64] [f32|int8|int4] [threads]\n", argv[0]);
         return 2;
     }
+    ManasPool *pool = manas_pool_new(threads, (int)sysconf(_SC_NPROCESSORS_ONLN));
+    if (!pool || pool->threads != threads) return 1;
     time_shape(pool, kind, width, 4 * width, rows, layers);
     time_shape(pool, kind, 4 * width, width, rows, layers);
     manas_pool_free(pool);

@@ -1091,7 +1091,8 @@ static int tile_block(const Matmul *m) {
 /* A float32 decode step's tiles begin .. end − 1 from their panels: y[o] = x · w[o], each in dots' lane order
    (sum_lanes4 adds as sum_lanes does, so a last tile's rows past n_out, zeros in its panel, change no sum).
    Consecutive panels are one stream, read from one pointer with nothing between tiles but their sums, and asked
-   for twice ahead of the reads, into L1 and into L2 (a hint, not a read). */
+   for twice ahead of the reads, into L1 and into L2 (a hint, not a read). A layer has panels only where its rows
+   are whole PANEL_UNITs (manas_panel_bytes), so n_in is a multiple of LANES and the chunks leave no tail. */
 static __attribute__((noinline)) void float32_decode(const Matmul *m, int begin, int end) {
     const ManasLinear *linear = m->linear;
     int chunks = linear->n_in / LANES;

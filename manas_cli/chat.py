@@ -1,28 +1,20 @@
 """Chat: the messages of a conversation as the prompt text a model was tuned on, through the Jinja chat template its
 folder declares, rendered as transformers renders it (jinja2's immutable sandbox, trim_blocks and lstrip_blocks).
 
-A template is code from a file: it is bounded in size, in the size of every string and list it builds, and in the
-work it does (template lines run), so that one that loops forever, builds a gigabyte or raises is one error, never
-a hang, an exhausted machine or a traceback. jinja2 is an optional extra (`pip install "manas-cli[chat]"`)."""
+A template is code from a file: it renders in a worker process whose time and memory the operating system bounds
+(template_worker), behind cheap checks of its size and of every value it builds (chat_template), so that one that
+loops forever, builds a gigabyte or raises is one error, never a hang, an exhausted machine or a traceback. jinja2
+is an optional extra (`pip install "manas-cli[chat]"`)."""
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from dataclasses import dataclass
 
-from .errors import InputError, MissingDependencyError, first_line
+from .chat_template import MAX_TEMPLATE_CHARS, TemplateError
+from .template_worker import worker
 
-MAX_TEMPLATE_CHARS = 64 * 1024  # real templates are 1–10 KB (Qwen2.5's 2.5 KB, Llama 3.1's 9 KB)
-MAX_VALUE_CHARS = 1 << 20  # the longest string or list a template may build, its output included
-MAX_STEPS = 200_000  # template lines run: 40 messages through Qwen2.5's template run 257
 MAX_MESSAGES = 1024
 ROLES = ("system", "user", "assistant")
-
-
-class TemplateError(InputError):
-    """A chat template that cannot render these messages: it does not parse, raises, or runs past its bounds."""
 
 
 @dataclass(frozen=True)
@@ -49,121 +41,25 @@ def parse_messages(value: object) -> list[Message]:
 
 
 def render(template: str, messages: list[Message], *, bos_token: str = "", eos_token: str = "") -> str:
-    """The prompt for the assistant's next turn: the template over the messages with add_generation_prompt."""
-    compiled = _compile(template)
-    context = {
-        "messages": [{"role": m.role, "content": m.content} for m in messages],
-        "add_generation_prompt": True,
-        "bos_token": bos_token,
-        "eos_token": eos_token,
-    }
-    pieces, size = [], 0
-    with _bounded_steps():
-        try:
-            for piece in compiled.generate(**context):
-                size += len(piece)
-                if size > MAX_VALUE_CHARS:
-                    raise TemplateError(f"the chat template's output is over {MAX_VALUE_CHARS:,} characters")
-                pieces.append(piece)
-        except TemplateError:
-            raise
-        except RecursionError:
-            raise TemplateError("the chat template recursed too deeply") from None
-        except Exception as exc:  # whatever the template raises (raise_exception, a type error, the sandbox's own)
-            raise TemplateError(f"the chat template failed: {first_line(exc)}") from None
-    return "".join(pieces)
+    """The prompt for the assistant's next turn: the template over the messages with add_generation_prompt, rendered
+    in the template worker (bounded by the operating system, see template_worker)."""
+    _check_size(template)
+    as_dicts = [{"role": m.role, "content": m.content} for m in messages]
+    return worker().render(template, as_dicts, bos_token, eos_token)
 
 
 def check_template(template: str) -> None:
-    """Refuse, naming why, a template that does not parse or is too large (before it is stored or served)."""
-    _compile(template)
+    """Refuse, naming why, a template that does not parse or is too large (before it is stored or served). It is
+    compiled in the worker: jinja2 runs a template's constant expressions while compiling."""
+    _check_size(template)
+    worker().compile(template)
 
 
-def _compile(template: str):
+def _check_size(template: str) -> None:
     if not isinstance(template, str) or not template.strip():
         raise TemplateError("the chat template is empty")
     if len(template) > MAX_TEMPLATE_CHARS:
         raise TemplateError(f"the chat template is over {MAX_TEMPLATE_CHARS:,} characters")
-    environment = _environment()
-    try:
-        return environment.from_string(template)
-    except Exception as exc:  # TemplateSyntaxError, and whatever else a hostile template makes the parser raise
-        raise TemplateError(f"the chat template does not parse: {first_line(exc)}") from None
-
-
-def _environment():
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise MissingDependencyError(
-            'chat templates need jinja2: pip install "manas-cli[chat]" (from a clone: pip install -e ".[chat]")'
-        ) from None
-
-    class Bounded(ImmutableSandboxedEnvironment):
-        """The sandbox, with every *, ** and + checked before it runs, and every call's result bounded."""
-
-        intercepted_binops = frozenset({"*", "**", "+"})
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
-                raise TemplateError("the chat template raises a number to a power over 64")
-            if operator == "*" and _length(left) * _count(right) + _length(right) * _count(left) > MAX_VALUE_CHARS:
-                raise TemplateError(f"the chat template builds a value over {MAX_VALUE_CHARS:,} long")
-            if operator == "+" and _length(left) + _length(right) > MAX_VALUE_CHARS:
-                raise TemplateError(f"the chat template builds a value over {MAX_VALUE_CHARS:,} long")
-            return super().call_binop(context, operator, left, right)
-
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
-            if any(isinstance(a, int) and not isinstance(a, bool) and a > MAX_VALUE_CHARS for a in args):
-                raise TemplateError(f"the chat template passes a number over {MAX_VALUE_CHARS:,} to a call")
-            result = super().call(__context, __obj, *args, **kwargs)
-            if _length(result) > MAX_VALUE_CHARS:
-                raise TemplateError(f"the chat template builds a value over {MAX_VALUE_CHARS:,} long")
-            return result
-
-    environment = Bounded(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = lambda format: time.strftime(format)
-    # transformers' tojson: plain JSON (jinja2's own escapes <, > and & for HTML)
-    environment.filters["tojson"] = lambda value, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
-        value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys
-    )
-    return environment
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(f"the chat template refused the messages: {message}")
-
-
-def _length(value: object) -> int:
-    return len(value) if isinstance(value, (str, list, tuple)) else 0
-
-
-def _count(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-class _bounded_steps:
-    """Counts the lines of template code run in this thread (jinja2 compiles a template to Python whose code is
-    named <template>), and stops the template past MAX_STEPS: a loop that outputs nothing never yields, so only a
-    trace sees it. Other code runs untraced."""
-
-    def __enter__(self) -> None:
-        self.steps, self.previous = 0, sys.gettrace()
-        sys.settrace(self._call)
-
-    def __exit__(self, *exc) -> None:
-        sys.settrace(self.previous)
-
-    def _call(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename == "<template>" else None
-
-    def _line(self, frame, event, arg):
-        if event == "line":
-            self.steps += 1
-            if self.steps > MAX_STEPS:
-                raise TemplateError(f"the chat template ran over {MAX_STEPS:,} steps: it loops too long")
-        return self._line
 
 
 def prompt_ids(template: str, messages: list[Message], encoding) -> list[int]:

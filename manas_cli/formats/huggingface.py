@@ -219,7 +219,7 @@ def with_bos(spec: dict, tokenizer_json: Path, src: Path) -> dict:
 def folder_chat_template(src: Path) -> str | None:
     """The chat template a folder declares: chat_template.jinja (transformers 5), else tokenizer_config.json's
     chat_template (a string, or a list of named ones: "default"); None for a base model without one."""
-    from ..chat import MAX_TEMPLATE_CHARS
+    from ..chat_template import MAX_TEMPLATE_CHARS
 
     path = src / "chat_template.jinja"
     if path.is_file():

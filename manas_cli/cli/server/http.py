@@ -16,7 +16,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ...errors import ManasError
+from ...errors import ManasError, first_line
 from ...records import json_line
 from .api import (
     FINISH_REASONS,
@@ -109,6 +109,13 @@ class Server(ThreadingHTTPServer):
             pass
         self.shutdown_request(request)
 
+    def handle_error(self, request, client_address) -> None:
+        """One line, never socketserver's traceback: whatever a connection's thread could not answer (a client gone
+        while its answer was written is answered nowhere, and not reported)."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, (BrokenPipeError, ConnectionResetError, socket.timeout)):
+            print(f"manas serve: a connection from {client_address[0]} failed: {first_line(error)}", file=sys.stderr)
+
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
@@ -194,13 +201,17 @@ class Handler(BaseHTTPRequestHandler):
                     status=404,
                     code="not_found",
                 )
-            route()
-        except RequestError as exc:
-            if self._unread:  # a body no one read is never parsed as the next request
-                self.close_connection = True
-            self._json(exc.status, exc.body(), {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else {})
-        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            try:
+                route()
+            except RequestError as exc:
+                if self._unread:  # a body no one read is never parsed as the next request
+                    self.close_connection = True
+                retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else {}
+                self._json(exc.status, exc.body(), retry)
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):  # the client went before its answer
             self.close_connection = True
+            if self._status >= 400:  # its error reply was lost: the server's operator is told, in one line
+                print(f"manas serve: {self.client_address[0]} left before its {self._status} reply", file=sys.stderr)
         finally:
             if self._unread:
                 self.close_connection = True

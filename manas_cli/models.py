@@ -71,12 +71,15 @@ def resolve_checkpoint(option: Path | None) -> Path:
 
 
 def by_name(option: Path) -> Path:
-    """A path as given, or the stored model its text names when no file of that name is here."""
+    """A path as given, or the stored model its text names when no file of that name is here (a folder of that
+    name does not hide the model)."""
     from . import store
 
-    if option.exists() or not store.is_name(str(option)):
+    if (option.exists() and not option.is_dir()) or not store.is_name(str(option)):
         return option
     found = store.find(str(option))
+    if found is None and option.is_dir():
+        return option  # checkpoint_file says what the folder is
     if found is None:
         raise InputError(
             f"no model {str(option)!r}: no such file, and no such name in the store ({store.models_folder()}); "
@@ -88,8 +91,13 @@ def by_name(option: Path) -> Path:
 def checkpoint_file(path: Path) -> Path:
     """path, unless it is a folder or a pipe: say so (opening a FIFO would block, and a checkpoint is read by
     seeking)."""
+    if path.is_dir() and (path / "config.json").is_file():
+        raise InputError(
+            f"checkpoint {path} is a Hugging Face folder: convert it first (manas convert {path} model.safetensors), "
+            "or pull it from the Hub (manas pull OWNER/NAME)"
+        )
     if path.is_dir():
-        raise InputError(f"checkpoint {path} is a folder, not a file: pass the .safetensors file inside it")
+        raise InputError(f"checkpoint {path} is a folder, not a file: pass the manas checkpoint (.safetensors) file")
     if path.exists() and not path.is_file():
         raise InputError(
             f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that"

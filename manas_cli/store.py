@@ -56,22 +56,31 @@ def shipped() -> dict[str, Path]:
     return {found[0].stem: found[0]} if found else {}
 
 
+def reserved(name: str) -> bool:
+    """Whether name is the shipped model's: a pull may not take it, and -m NAME always means the shipped file."""
+    from .models import DEFAULT_CHECKPOINT
+
+    return name == Path(DEFAULT_CHECKPOINT).stem
+
+
 def find(name: str) -> Path | None:
-    """The checkpoint a store name stands for, or None."""
+    """The checkpoint a store name stands for, or None. The shipped model's name is its, whatever the store holds."""
     if not is_name(name):
         return None
+    if reserved(name):
+        return shipped().get(name)
     path = stored_path(name)
-    return path if path.is_file() else shipped().get(name)
+    return path if path.is_file() else None
 
 
-def names() -> dict[str, Path]:
-    """Every model in the store, the shipped ones first."""
-    stored = {}
+def stored() -> dict[str, Path]:
+    """The models `manas pull` stored (not the shipped ones), by name."""
+    found = {}
     if models_folder().is_dir():
         for path in sorted(models_folder().glob(f"*{SUFFIX}")):
             if is_name(path.stem) and path.is_file():
-                stored[path.stem] = path
-    return {**shipped(), **stored}
+                found[path.stem] = path
+    return found
 
 
 @dataclass
@@ -118,24 +127,26 @@ def describe(name: str, path: Path, is_shipped: bool) -> Entry:
 
 
 def entries() -> list[Entry]:
-    """Every model in the store; one whose file cannot be read is skipped (`manas rm` removes it by name)."""
+    """Every model in the store, the shipped ones first (known by their path, not their name); one whose file
+    cannot be read is skipped (`manas rm` removes it by name)."""
     from .errors import ManasError
 
-    listed, built_in = [], shipped()
-    for name, path in names().items():
-        try:
-            listed.append(describe(name, path, name in built_in))
-        except (ManasError, OSError):
-            continue
+    listed = []
+    for models, is_shipped in ((shipped(), True), (stored(), False)):
+        for name, path in models.items():
+            try:
+                listed.append(describe(name, path, is_shipped))
+            except (ManasError, OSError):
+                continue
     return listed
 
 
 def remove(name: str) -> Path:
     """Delete a stored model by name; the shipped model and unknown names are refused."""
-    if name in shipped():
-        raise InputError(f"{name} is the model shipped with manas: it cannot be removed")
     path = stored_path(name) if is_name(name) else None
     if path is None or not path.is_file():
+        if name in shipped():
+            raise InputError(f"{name} is the model shipped with manas: it cannot be removed")
         raise InputError(f"no model named {name!r} in the store ({models_folder()}): `manas list` shows the names")
     path.unlink()
     return path

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import subprocess
 import threading
 
 import pytest
 
-from cli_fixtures import RUN_OPTIONS, checkpoints, manas  # noqa: F401 (checkpoints: a fixture)
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas  # noqa: F401 (checkpoints: a fixture)
 from test_serve import running_server
 
 jinja2 = pytest.importorskip("jinja2")
@@ -90,3 +91,63 @@ def test_a_client_gone_before_its_error_reply_is_one_line_not_a_traceback(hostil
         assert hostile_server.health()["status"] == "ok"
         threading.Event().wait(0.2)
     assert not any("Traceback" in line for line in hostile_server.stderr_lines)
+
+
+# ---- 4. float flags refuse nan and inf ----
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["serve", "--prefix-cache-mb", "nan"], "'--prefix-cache-mb'"),
+        (["serve", "--prefix-cache-mb", "inf"], "'--prefix-cache-mb'"),
+        (["generate", "-p", "x", "--temperature", "nan"], "'--temperature'"),
+        (["generate", "-p", "x", "--top-p", "-inf"], "'--top-p'"),
+        (["train", "x.txt", "--out", "y", "--lr", "inf"], "'--lr'"),
+    ],
+)
+def test_a_float_flag_that_is_not_finite_is_a_usage_error_naming_it(args, flag):
+    run = manas(*args)
+    assert run.returncode == 2 and run.err.startswith("error: ") and flag in run.err and "not a finite" in run.err
+    assert "unexpected" not in run.err and len(run.err.strip().splitlines()) == 1
+
+
+# ---- 9, 10. every command that takes a checkpoint takes a store name and -m; a folder does not hide a name ----
+
+
+@pytest.mark.parametrize("command", ["quantize", "export"])
+def test_quantize_and_export_take_a_store_name_as_argument_or_m(command, tmp_path):
+    out = tmp_path / ("q.safetensors" if command == "quantize" else "exported")
+    argument = manas(command, "shakespeare", "--out", out, "--force").ok()
+    option = manas(command, "-m", "shakespeare", "--out", out, "--force").ok()
+    assert argument.err == option.err and out.exists()
+    missing = manas(command, "-m", "absent-model", "--out", out)
+    assert missing.returncode == 1 and missing.err.startswith("error: no model 'absent-model'")
+
+
+@pytest.mark.parametrize("command", ["quantize", "export"])
+def test_a_missing_checkpoint_is_refused_before_torch_is_imported(command, tmp_path):
+    from test_torch_free import probe
+
+    code, last = probe(command, tmp_path / "absent.safetensors", "--out", tmp_path / "out")
+    assert code == 1 and last == "torch never imported"
+
+
+def test_a_folder_named_like_a_store_model_does_not_hide_it(tmp_path):
+    folder = tmp_path / "shakespeare"
+    folder.mkdir()
+    in_folder = subprocess.run(
+        [*MANAS, "generate", "-m", "shakespeare", "-p", "ROMEO:", "-n", "4", "-t", "0", "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        env=cli_env(),
+        timeout=300,
+    )
+    elsewhere = manas("generate", "-m", "shakespeare", "-p", "ROMEO:", "-n", "4", "-t", "0", "--json").ok()
+    assert in_folder.returncode == 0 and json.loads(in_folder.stdout)["tokens"] == elsewhere.json()["tokens"]
+
+
+def test_a_hugging_face_folder_given_as_a_checkpoint_says_to_convert_it(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    run = manas("generate", "-m", tmp_path, "-p", "x")
+    assert run.returncode == 1 and "is a Hugging Face folder: convert it first (manas convert" in run.err

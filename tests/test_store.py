@@ -83,6 +83,7 @@ def test_an_interrupted_download_leaves_nothing_behind_and_the_next_pull_complet
         (["pull", "not a repo"], "is not a Hugging Face repository"),
         (["pull", "TinyOrg/absent"], "no repository TinyOrg/absent"),
         (["pull", REPO, "--name", "Bad/Name"], "is not a store name"),
+        (["pull", REPO, "--name", "shakespeare"], "the name of the model shipped with manas"),
         (["rm", "shakespeare"], "the model shipped with manas"),
         (["rm", "absent"], "no model named 'absent' in the store"),
         (["generate", "-m", "absent", "-p", "x"], "`manas list` shows the names"),
@@ -93,6 +94,26 @@ def test_store_mistakes_are_one_error_line(tmp_path, repository, args, message):
         run = manas(*args, **environment(tmp_path, hub))
     assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err, run.err
     assert len(run.err.strip().splitlines()) == 1
+
+
+def test_the_shipped_model_is_known_by_its_path_not_its_name(tmp_path, repository):
+    """A file in the store under the shipped model's name (stored before pull refused the name) is the user's: listed
+    as theirs, removable, and never what -m shakespeare runs."""
+    with local_hub(REPO, repository) as hub:
+        env = environment(tmp_path, hub)
+        pulled = manas("pull", REPO, "--name", "mine", **env).ok()
+    assert "manas chat -m mine" in pulled.err  # a chat model's hint is chat
+    models = tmp_path / "store" / "models"
+    (models / "mine.safetensors").rename(models / "shakespeare.safetensors")
+    listed = json.loads(manas("list", "--json", **env).ok().out)
+    assert [(entry["name"], entry["shipped"]) for entry in listed] == [("shakespeare", True), ("shakespeare", False)]
+    shipped = manas("generate", "-m", "shakespeare", "-p", "ROMEO:", "-n", "4", "-t", "0", "--json", **env).ok()
+    by_path = manas("generate", "-m", listed[0]["path"], "-p", "ROMEO:", "-n", "4", "-t", "0", "--json", **env).ok()
+    assert shipped.json()["tokens"] == by_path.json()["tokens"]
+    manas("rm", "shakespeare", **env).ok()
+    assert not (models / "shakespeare.safetensors").exists()
+    refused = manas("rm", "shakespeare", fresh=True, **env)
+    assert refused.returncode == 1 and "the model shipped with manas" in refused.err
 
 
 def test_pulling_a_name_twice_needs_force(tmp_path, repository):

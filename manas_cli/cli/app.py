@@ -927,7 +927,6 @@ def convert(
 
 @app.command(no_args_is_help=True)
 def export(
-    checkpoint: Annotated[Path, typer.Argument(help="manas checkpoint (.safetensors).")],
     out: Annotated[
         Path,
         typer.Option(
@@ -936,6 +935,10 @@ def export(
             help="hf: the folder to write (created, or with --force overwritten file by file); gguf: the .gguf file.",
         ),
     ],
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Argument(help="manas checkpoint (.safetensors), or a store name (manas list).", show_default=False),
+    ] = None,
     output_format: Annotated[
         ExportFormat,
         typer.Option(
@@ -953,6 +956,7 @@ def export(
     force: Annotated[
         bool, typer.Option("--force", help="Write into a folder that is not empty, or over an existing file.")
     ] = False,
+    model: CheckpointOption = None,
 ) -> None:
     """Export a checkpoint for the serving ecosystem: a Hugging Face folder with its tokenizer, or a GGUF file.
 
@@ -972,9 +976,10 @@ def export(
       llama-cli -m model.gguf -p "ROMEO:" -n 100
     """
     from .commands import export as command
+    from .commands.common import checkpoint_given
 
     command.run(
-        checkpoint=checkpoint,
+        checkpoint=checkpoint_given(checkpoint, model),
         out=out,
         output_format=output_format.value,
         outtype=outtype.value if outtype else None,
@@ -984,8 +989,13 @@ def export(
 
 @app.command("quantize", no_args_is_help=True)
 def quantize_command(
-    checkpoint: Annotated[Path, typer.Argument(help="float manas checkpoint (.safetensors) to quantize.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Quantized checkpoint to write (.safetensors).")],
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Argument(
+            help="float manas checkpoint (.safetensors) to quantize, or a store name (manas list).", show_default=False
+        ),
+    ] = None,
     bits: Annotated[
         int,
         typer.Option(
@@ -996,6 +1006,7 @@ def quantize_command(
         ),
     ] = 8,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+    model: CheckpointOption = None,
 ) -> None:
     """Write a quantized copy of a checkpoint: its matrices as int8 (--bits 8) or int4 (--bits 4).
 
@@ -1011,8 +1022,9 @@ def quantize_command(
       manas generate -c gpt2-int4.safetensors -p 'Hello'
     """
     from .commands import quantize as command
+    from .commands.common import checkpoint_given
 
-    command.run(checkpoint=checkpoint, out=out, kind=f"int{bits}", force=force)
+    command.run(checkpoint=checkpoint_given(checkpoint, model), out=out, kind=f"int{bits}", force=force)
 
 
 @app.command()

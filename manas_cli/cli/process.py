@@ -4,7 +4,9 @@ exit code, out-of-memory advice, a closed stderr repaired, and --debug, read onc
 
 from __future__ import annotations
 
+import copy
 import errno
+import math
 import os
 import sys
 import warnings
@@ -28,6 +30,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     interrupts.install()
     command = typer.main.get_command(app)
+    _refuse_non_finite_floats(command)
     try:
         # Not command.main(standalone_mode=False): typer's main returns an Exit's code instead of raising it (so
         # `typer.Exit(130)` after Ctrl-C ended with 0) and turns a closed pipe into sys.exit(1). The context's obj is
@@ -64,6 +67,30 @@ def main() -> None:
     finally:
         interrupts.cleaning_up()
         remove_unfinished()
+
+
+def _refuse_non_finite_floats(command) -> None:
+    """click's float flags take "nan" and "inf", which no setting means and which slip past their ranges (nan < 0
+    is false): every float flag of every command refuses them, as a usage error naming the flag."""
+    from typer._click.types import FloatParamType
+
+    for param in command.params:
+        if isinstance(param.type, FloatParamType) and not isinstance(param.type, _Finite):
+            finite = copy.copy(param.type)  # click.FLOAT is one shared object: change a copy
+            finite.__class__ = type(f"Finite{type(param.type).__name__}", (_Finite, type(param.type)), {})
+            param.type = finite
+    for subcommand in getattr(command, "commands", {}).values():
+        _refuse_non_finite_floats(subcommand)
+
+
+class _Finite:
+    """Mixed into a click float type: the number converted, then refused unless finite."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if isinstance(number, float) and not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 # What each command can lower when memory runs out (its own flags only).

@@ -64,6 +64,21 @@ def require_stdout() -> None:
         raise InputError("standard output is closed (>&-): redirect it to a file, or to /dev/null to discard it")
 
 
+def checkpoint_given(argument: Path | None, option: Path | None) -> Path:
+    """The checkpoint a command that reads one file takes (quantize, export): as its argument or as -m/-c, a path or
+    a store name, checked to be a file before anything heavy is imported."""
+    from ...models import checkpoint_file, resolve_checkpoint
+
+    if argument is not None and option is not None:
+        import typer
+
+        raise typer.BadParameter("give the checkpoint once: as the argument or as -m, not both", param_hint="'-m'")
+    path = checkpoint_file(resolve_checkpoint(argument if argument is not None else option))
+    if not path.is_file():
+        raise InputError(f"no checkpoint {path}: no such file (`manas list` shows the models in the store)")
+    return path
+
+
 def load_model(options: ModelOptions, console=None):
     """models.open_model, saying on `console` (if given) what there is to say about the engine: (checkpoint, threads,
     engine)."""

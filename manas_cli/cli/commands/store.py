@@ -20,6 +20,9 @@ def pull(*, repo: str, name: str | None, quantize: str | None, force: bool) -> N
     name = name or store.default_name(repository)
     out = store.stored_path(name)
     copy = store.stored_path(f"{name}-{quantize}") if quantize else None
+    for taken in (name, f"{name}-{quantize}" if quantize else None):
+        if taken is not None and store.reserved(taken):
+            raise InputError(f"{taken} is the name of the model shipped with manas: choose another with --name")
     for path in (out, copy):
         if path is not None and path.exists() and not force:
             raise InputError(f"{path.stem} is in the store already: pass --force to replace it, or --name another")
@@ -29,7 +32,10 @@ def pull(*, repo: str, name: str | None, quantize: str | None, force: bool) -> N
     console.print(f"pulled {repo}: {result.source_kind}, {result.parameters:,} parameters, stored as {name} ({out})")
     if copy is not None:
         quantize_command.run(checkpoint=out, out=copy, kind=quantize, force=force)
-    console.print(f"run it: manas generate -m {name} -p 'Hello'")
+    if store.describe(name, out, is_shipped=False).chat_template:
+        console.print(f"chat with it: manas chat -m {name}")
+    else:
+        console.print(f"run it: manas generate -m {name} -p 'Hello'")
 
 
 def list_models(*, as_json: bool) -> None:

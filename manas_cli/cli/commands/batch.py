@@ -5,9 +5,11 @@ from the records already written."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,29 +41,100 @@ def read_lines(source: Path) -> list[RawLine]:
     return read_file(source, "input file", lambda f: list(read_raw_lines(f)))
 
 
-def records_done(partial: Path, resume: bool, lines: int) -> tuple[int, int]:
-    """How many records an interrupted run left in OUT.partial, and how many of them are error records; a last line
-    cut short by the kill is dropped from the file, once the rest are known to be this job's records (at most
-    `lines` JSON objects). Without --resume, a partial file is refused rather than lost."""
-    if not partial.exists():
-        return 0, 0
+def job_path(partial: Path) -> Path:
+    """Beside OUT.partial, the job that writes it: its input's hash and its settings (see job_identity)."""
+    return partial.with_name(partial.name + ".job")
+
+
+def job_identity(lines: list[RawLine], job: Job, model: str | None, model_options: ModelOptions) -> dict:
+    """What makes the records: the input lines (hashed), the command, its settings, the model and how it runs (its
+    thread count aside: the records are the same on any count)."""
+    digest = hashlib.sha256()
+    for line in lines:
+        digest.update(json.dumps([line.number, line.text, line.error]).encode() + b"\n")
+    running = {name: value for name, value in vars(model_options).items() if name not in ("checkpoint", "threads", "debug")}
+    identity = {"input_sha256": digest.hexdigest(), "command": job.kind, "options": job.options, "model": model}
+    return json.loads(json.dumps({**identity, "model_options": running}, sort_keys=True, default=str))
+
+
+def open_partial(partial: Path, resume: bool, lines: int, identity: dict) -> tuple[int, int, int]:
+    """OUT.partial open for appending, with how many records an interrupted run left in it and how many of them
+    are error records. A new job names itself in OUT.partial.job first. A resumed one must be this job's (the same
+    identity), a regular file and not a link (never followed: no file of the user's is truncated or appended to),
+    and hold at most `lines` JSON objects; a last line cut short by a kill is dropped. Without --resume, a partial
+    file is refused rather than lost."""
+    if not os.path.lexists(partial):
+        _name_the_job(job_path(partial), identity)
+        return os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), 0, 0
     if not resume:
         raise InputError(
             f"{partial} holds the records of an interrupted run: add --resume to go on from them, or delete it to "
             "start again"
         )
-    data = partial.read_bytes()
-    whole = data.rfind(b"\n") + 1  # a record is written whole, but a kill can still cut the last one
+    _check_job(partial, identity)
     try:
-        records = [json.loads(line) for line in data[:whole].splitlines()]
-    except ValueError:
-        records = None
-    if records is None or not all(isinstance(record, dict) for record in records):
-        raise InputError(f"{partial} is not a file of records (JSON lines): is it this job's?")
-    if len(records) > lines:
-        raise InputError(f"{partial} holds {len(records)} records and the input only {lines} lines: is it this job's?")
-    os.truncate(partial, whole)
-    return len(records), sum("error" in record for record in records)
+        descriptor = os.open(partial, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW)
+    except OSError:  # ELOOP: a link put there since
+        raise InputError(
+            f"{partial} is a link: manas resumes only the file it wrote; delete it to start again"
+        ) from None
+    try:
+        with os.fdopen(os.dup(descriptor), "rb") as f:
+            data = f.read()
+        whole = data.rfind(b"\n") + 1  # a record is written whole, but a kill can still cut the last one
+        try:
+            records = [json.loads(line) for line in data[:whole].splitlines()]
+        except ValueError:
+            records = None
+        if records is None or not all(isinstance(record, dict) for record in records):
+            raise InputError(f"{partial} is not a file of records (JSON lines): is it this job's?")
+        if len(records) > lines:
+            raise InputError(
+                f"{partial} holds {len(records)} records and the input only {lines} lines: is it this job's?"
+            )
+        os.ftruncate(descriptor, whole)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor, len(records), sum("error" in record for record in records)
+
+
+def _regular_file(path: Path, what: str) -> None:
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise InputError(f"{path} is a link: manas resumes only the {what} it wrote; delete it to start again")
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{path} is not a regular file: manas resumes only the {what} it wrote; delete it")
+
+
+def _check_job(partial: Path, identity: dict) -> None:
+    """OUT.partial is this job's: its .job file names the same input and settings."""
+    _regular_file(partial, "file of records")
+    named = job_path(partial)
+    if not os.path.lexists(named):
+        raise InputError(f"{partial} does not say which job wrote it (no {named.name}): delete it to start again")
+    _regular_file(named, "job file")
+    try:
+        with open(named, "rb") as f:
+            written = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        written = None
+    if written != identity:
+        raise InputError(
+            f"{partial} holds another job's records (its input, settings or model differ): run that job's command "
+            f"with --resume, or delete {partial.name} and {named.name} to start again"
+        )
+
+
+def _name_the_job(named: Path, identity: dict) -> None:
+    """Write OUT.partial.job afresh (a stale one, or a link, is removed, never followed)."""
+    if os.path.lexists(named):
+        os.unlink(named)
+    descriptor = os.open(named, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as f:
+        f.write(json.dumps(identity, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def model_argument(model_options: ModelOptions, address: str | None) -> str | None:
@@ -157,6 +230,40 @@ def default_actors(ray, threads: int) -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
 
 
+def append_records(
+    written,
+    lines: list[RawLine],
+    job: Job,
+    model: str | None,
+    model_options: ModelOptions,
+    address: str | None,
+    actors: int | None,
+    partial: Path,
+) -> int:
+    """The records of `lines` appended to OUT.partial as Ray makes them, each whole on disk before the next (for
+    --resume), with a progress bar on a terminal; how many of them are error records."""
+    import typer
+
+    from ..render import say, stderr_console, token_progress
+
+    console, failed = stderr_console(), 0
+    ray = start_ray(address)
+    actors = actors or default_actors(ray, model_options.threads or 1)
+    with token_progress(console, len(lines), f"{job.kind} on {actors} actors", "records") as advance:
+        try:
+            for record, bad in records(ray, lines, job, model, model_options, actors):
+                written.write(record + "\n")
+                written.flush()
+                failed += bad
+                advance()
+        except ray.exceptions.RayError as exc:
+            raise cause(exc) or ManasError(f"the Ray job failed: {first_line(exc)}") from None
+        except KeyboardInterrupt as exc:
+            say(console, f"interrupted: the records so far are in {partial}; --resume goes on from them")
+            raise typer.Exit(interrupt_exit_code(exc)) from None
+    return failed
+
+
 def run(
     *,
     job: Job,
@@ -170,35 +277,29 @@ def run(
 ) -> None:
     import typer
 
-    from ..render import say, stderr_console, token_progress
+    from ..render import say, stderr_console
 
     console = stderr_console()
     partial = partial_path(out)
     check_output_file(out, force, inputs=(source,))
     refuse_inputs(partial, (source,))
     lines = read_lines(source)
-    done, failed = records_done(partial, resume, len(lines))
     model = model_argument(model_options, address)
-    descriptor = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # private until published
-    with os.fdopen(descriptor, "a", encoding="utf-8") as written:
-        if done < len(lines):  # else an interrupted run wrote them all, and only the rename was left
-            ray = start_ray(address)
-            actors = actors or default_actors(ray, model_options.threads or 1)
-            with token_progress(console, len(lines) - done, f"{job.kind} on {actors} actors", "records") as advance:
-                try:
-                    for record, bad in records(ray, lines[done:], job, model, model_options, actors):
-                        written.write(record + "\n")
-                        written.flush()  # a record is on disk whole before the next, for --resume
-                        failed += bad
-                        advance()
-                except ray.exceptions.RayError as exc:
-                    raise cause(exc) or ManasError(f"the Ray job failed: {first_line(exc)}") from None
-                except KeyboardInterrupt as exc:
-                    say(console, f"interrupted: the records so far are in {partial}; --resume goes on from them")
-                    raise typer.Exit(interrupt_exit_code(exc)) from None
-        os.fsync(written.fileno())
+    identity = job_identity(lines, job, model, model_options)
+    descriptor, done, failed = open_partial(partial, resume, len(lines), identity)  # private (0600) until published
+    try:
+        with os.fdopen(descriptor, "a", encoding="utf-8") as written:
+            if done < len(lines):  # else an interrupted run wrote them all, and only the rename was left
+                failed += append_records(written, lines[done:], job, model, model_options, address, actors, partial)
+            os.fsync(written.fileno())
+    except BaseException:
+        if os.lstat(partial).st_size == 0:  # nothing written (Ray missing, the model refused): nothing to resume
+            partial.unlink()
+            job_path(partial).unlink(missing_ok=True)
+        raise
     publish(partial, out, overwrite=force)
     partial.unlink(missing_ok=True)
+    job_path(partial).unlink(missing_ok=True)
     resumed = f" ({done:,} of them from the interrupted run)" if done else ""
     say(console, f"{len(lines):,} records in {out}{resumed}")
     if failed:

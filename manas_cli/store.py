@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,7 +183,9 @@ def download(repo: str, revision: str | None, progress: bool) -> Path:
     (enable_progress_bars if progress else disable_progress_bars)()
     logging.set_verbosity_error()  # its retry warnings are not the user's to read: a failure is one error line
     try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=PULLED_FILES))
+        with warnings.catch_warnings():  # its two-line disk-space warning: the failure, if any, is one error line
+            warnings.simplefilter("ignore")
+            return Path(snapshot_download(repo, revision=revision, allow_patterns=PULLED_FILES))
     except RepositoryNotFoundError:
         raise InputError(f"no repository {repo} on the Hub (or it is private: set $HF_TOKEN)") from None
     except LocalEntryNotFoundError:

@@ -1,7 +1,8 @@
 """A Hugging Face Hub on loopback: the endpoints huggingface_hub's snapshot_download asks (a revision's commit, its
 file tree, each file's HEAD and GET, with Range for a resumed download), serving one repository from a folder.
 `cut`: file name → bytes: every GET of that file sends that many bytes and hangs up (a connection that keeps dropping),
-until the entry is removed; `requests` records each GET's path and Range."""
+until the entry is removed; `claimed`: file name → the size its HEAD claims (X-Linked-Size, as the Hub says an LFS
+file's size), whatever it holds; `requests` records each GET's path and Range."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class Hub(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), HubHandler)
         self.repo, self.folder = repo, folder
         self.cut: dict[str, int] = {}  # file name → bytes sent before hanging up, every time
+        self.claimed: dict[str, int] = {}  # file name → the size its HEAD claims
         self.requests: list[tuple[str, str | None]] = []
 
     @property
@@ -81,6 +83,8 @@ class HubHandler(BaseHTTPRequestHandler):
         self.send_header("ETag", f'"{_sha(path)}"')
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("X-Repo-Commit", COMMIT)
+        if name in self.server.claimed:
+            self.send_header("X-Linked-Size", str(self.server.claimed[name]))
         self.end_headers()
         if not body:
             return

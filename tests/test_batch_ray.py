@@ -133,6 +133,10 @@ def test_batch_generate_on_two_nodes_equals_jsonl_line_by_line(cluster, requests
     run = batch("generate", source, "--out", out, "--ray", cluster[0], "--actors", 2, "--task-lines", 25, "-c", SHIPPED)
     assert run.returncode == 1, run.stderr.decode()  # as --jsonl: some lines failed
     assert b"error: 5 of 200 lines failed" in run.stderr
+    assert run.stderr.decode().splitlines() == [
+        "200 records in " + str(out),
+        "error: 5 of 200 lines failed (their records have an 'error' field)",
+    ]  # Ray's own log lines (core_worker.cc … E) are kept out of stderr
     assert_same_records(out, lines, reference)
     assert not (tmp_path / "out.jsonl.partial").exists()
 
@@ -264,3 +268,14 @@ def test_the_ray_data_example_in_docs_runs_as_written_and_gives_jsonl_records(cl
     assert [comparable(record, line) for record, line in zip(records, lines.splitlines())] == [
         comparable({**record, "id": None}, line) for record, line in zip(expected, lines.splitlines())
     ]
+
+
+def test_a_local_ray_that_cannot_start_is_one_error_line_saying_what_to_try(tmp_path):
+    """A real start-up failure: Ray's socket paths under a $RAY_TMPDIR too long for AF_UNIX."""
+    deep = tmp_path / ("x" * 100) / ("y" * 100)
+    deep.mkdir(parents=True)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "ROMEO:"}\n')
+    run = batch("generate", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "-c", SHIPPED, RAY_TMPDIR=str(deep))
+    err = run.stderr.decode()
+    assert run.returncode == 1 and err.startswith("error: cannot start a local Ray instance: ") and "--debug" in err
+    assert len(err.strip().splitlines()) == 1 and "unexpected" not in err

@@ -116,6 +116,13 @@ def test_the_shipped_model_is_known_by_its_path_not_its_name(tmp_path, repositor
     assert refused.returncode == 1 and "the model shipped with manas" in refused.err
 
 
+def test_a_file_larger_than_the_free_disk_is_one_error_line_without_the_hubs_warning(tmp_path, repository):
+    with local_hub(REPO, repository) as hub:
+        hub.claimed["model.safetensors"] = 2**60  # more than any disk holds: huggingface_hub warns, in two lines
+        run = manas("pull", REPO, "--name", "big", **environment(tmp_path, hub))
+    assert run.returncode == 1 and run.err.startswith("error: ") and len(run.err.strip().splitlines()) == 1, run.err
+
+
 def test_pulling_a_name_twice_needs_force(tmp_path, repository):
     with local_hub(REPO, repository) as hub:
         env = environment(tmp_path, hub)

@@ -10,11 +10,13 @@ import json
 import logging
 import os
 import stat
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...batch import RawLine, read_raw_lines
-from ...errors import InputError, ManasError, interrupt_exit_code
+from ...errors import InputError, ManasError, first_line, interrupt_exit_code
 from ...files import check_output_file, publish, refuse_inputs
 from ...models import ModelOptions, checkpoint_file, resolve_checkpoint
 from .common import read_file
@@ -52,7 +54,9 @@ def job_identity(lines: list[RawLine], job: Job, model: str | None, model_option
     digest = hashlib.sha256()
     for line in lines:
         digest.update(json.dumps([line.number, line.text, line.error]).encode() + b"\n")
-    running = {name: value for name, value in vars(model_options).items() if name not in ("checkpoint", "threads", "debug")}
+    running = {
+        name: value for name, value in vars(model_options).items() if name not in ("checkpoint", "threads", "debug")
+    }
     identity = {"input_sha256": digest.hexdigest(), "command": job.kind, "options": job.options, "model": model}
     return json.loads(json.dumps({**identity, "model_options": running}, sort_keys=True, default=str))
 
@@ -172,8 +176,17 @@ def start_ray(address: str | None):
     try:
         # "local": a new instance, never the last cluster this machine started (which Ray would join otherwise)
         ray.init(address=address or "local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise InputError(f"cannot reach the Ray cluster at {address}: {first_line(exc)}") from None
+    except Exception as exc:  # ConnectionError, OSError, and the bare Exception of a node that did not start
+        ray.shutdown()  # whatever part of a local instance did start
+        if address is not None:
+            raise InputError(
+                f"cannot reach the Ray cluster at {address}: {first_line(exc)} (is it running? `ray status` there "
+                "says; --debug shows Ray's own messages)"
+            ) from None
+        raise InputError(
+            f"cannot start a local Ray instance: {first_line(exc)} (check the free memory and disk of "
+            "${RAY_TMPDIR:-/tmp}; --debug shows Ray's own messages)"
+        ) from None
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its plan and progress lines: ours are on a terminal
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # the records come back in input order
@@ -183,9 +196,28 @@ def start_ray(address: str | None):
     return ray
 
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+@contextmanager
+def ray_logs_aside(debug: bool):
+    """Ray's C++ core and the processes it starts write their log lines to descriptor 2 (`core_worker.cc … E`,
+    on every successful job), into the user's stderr and the middle of the progress bar. While Ray runs, descriptor
+    2 is /dev/null (Ray keeps its own logs in its session folder) and Python's sys.stderr writes to a copy of the
+    real one; --debug leaves them be."""
+    if debug:
+        yield
+        return
+    sys.stderr.flush()
+    original, real = sys.stderr, os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = open(real, "w", encoding="utf-8", errors="backslashreplace", buffering=1)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)
+        sys.stderr.close()
+        sys.stderr = original
 
 
 def cause(exc: BaseException) -> ManasError | None:
@@ -240,18 +272,28 @@ def append_records(
     actors: int | None,
     partial: Path,
 ) -> int:
-    """The records of `lines` appended to OUT.partial as Ray makes them, each whole on disk before the next (for
-    --resume), with a progress bar on a terminal; how many of them are error records."""
+    """The records of `lines` appended to OUT.partial as Ray makes them, with a progress bar on a terminal and
+    Ray's own log lines aside; how many of them are error records."""
+    from ..render import stderr_console
+
+    with ray_logs_aside(model_options.debug):
+        console = stderr_console()  # on the real stderr, which descriptor 2 no longer is
+        ray = start_ray(address)
+        actors = actors or default_actors(ray, model_options.threads or 1)
+        made = records(ray, lines, job, model, model_options, actors)
+        return write_records(written, made, ray, f"{job.kind} on {actors} actors", len(lines), console, partial)
+
+
+def write_records(written, made, ray, what: str, count: int, console, partial: Path) -> int:
+    """Each record whole on disk before the next (for --resume); how many of them are error records."""
     import typer
 
-    from ..render import say, stderr_console, token_progress
+    from ..render import say, token_progress
 
-    console, failed = stderr_console(), 0
-    ray = start_ray(address)
-    actors = actors or default_actors(ray, model_options.threads or 1)
-    with token_progress(console, len(lines), f"{job.kind} on {actors} actors", "records") as advance:
+    failed = 0
+    with token_progress(console, count, what, "records") as advance:
         try:
-            for record, bad in records(ray, lines, job, model, model_options, actors):
+            for record, bad in made:
                 written.write(record + "\n")
                 written.flush()
                 failed += bad

@@ -35,6 +35,15 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that every clean-up (`finally`: temporary files) runs."""
 
 
+class EngineUnavailable(ManasError):
+    """The engine asked for by name (--engine native) cannot run here; `detail` is the compiler's own message, shown
+    with --debug."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"the native engine cannot run: {reason} (--engine auto runs the torch engine instead)")
+        self.detail = detail
+
+
 class MissingDependencyError(ManasError):
     """An optional package the command needs is not installed; the message says how to install it."""
 

@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from .engine.engines import ENGINES, Opened
-from .errors import InputError, ManasError
+from .errors import EngineUnavailable, InputError, ManasError
 
 CHECKPOINT_ENV = "MANAS_CHECKPOINT"
 DEFAULT_CHECKPOINT = "shakespeare.safetensors"
@@ -130,6 +130,8 @@ def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = No
                 options, lambda: open_native(weights, threads.threads, on_compile, options.float_activations)
             )
         except NativeUnavailable as exc:
+            if options.engine == "native":  # asked for by name: never a silent change of engine
+                raise EngineUnavailable(exc.reason, exc.detail) from None
             unavailable = exc  # torch runs it, without trying to build the core again
         else:
             header = mapped.header
@@ -190,7 +192,7 @@ def choose_engine(
     name: str, model, threads: int, unavailable=None, on_compile=None, float_activations: bool = False
 ) -> Opened:
     """For a torch model: `auto`, the native core when it can run the model and builds here, else torch;
-    `native`, the same, with a notice when torch runs instead; `torch`, torch. `unavailable`: the reason the core
+    `native`, the core or EngineUnavailable naming why it cannot run; `torch`, torch. `unavailable`: the reason the core
     already failed to build in this process (NativeUnavailable), not to try again."""
     from .native.build import NativeUnavailable
     from .torch_engine.engine import TorchEngine
@@ -208,7 +210,9 @@ def choose_engine(
             return open_native(lambda library: TorchWeights(model), threads, on_compile, float_activations)
         except NativeUnavailable as exc:
             unavailable, reason, detail = exc, exc.reason, exc.detail
-    told = name == "native" or (unavailable is not None and unavailable.notify)
+    if name == "native":  # asked for by name: never a silent change of engine
+        raise EngineUnavailable(reason, detail)
+    told = unavailable is not None and unavailable.notify
     notice = f"the native engine cannot run: {reason}; the torch engine runs instead" if told else None
     return Opened(TorchEngine(model), notice, detail)
 

@@ -518,19 +518,17 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_without_a_compiler_torch_runs_and_only_asking_for_native_says_so(tmp_path):
+def test_without_a_compiler_torch_runs_and_asking_for_native_is_one_error_line(tmp_path):
     env = fresh_cache_env(tmp_path, CC=str(tmp_path / "no-such-cc"))
     auto = run_generate("--json", env=env)
     assert auto.returncode == 0, auto.stderr
     assert json.loads(auto.stdout)["engine"] == "torch" and auto.stderr == ""
     asked = run_generate("--json", "--engine", "native", env=env)
-    assert asked.returncode == 0, asked.stderr
-    assert json.loads(asked.stdout)["engine"] == "torch"
+    assert asked.returncode == 1 and asked.stdout == ""
     assert asked.stderr.strip() == (
-        f"the native engine cannot run: no C compiler ($CC={tmp_path / 'no-such-cc'} "
-        "not found); the torch engine runs instead"
+        f"error: the native engine cannot run: no C compiler ($CC={tmp_path / 'no-such-cc'} "
+        "not found) (--engine auto runs the torch engine instead)"
     )
-    assert json.loads(asked.stdout)["tokens"] == json.loads(auto.stdout)["tokens"]
 
 
 def fake_compiler(tmp_path: Path, body: str) -> Path:
@@ -541,19 +539,22 @@ def fake_compiler(tmp_path: Path, body: str) -> Path:
 
 
 def test_a_failing_compiler_is_never_a_crash_and_debug_shows_its_message(tmp_path):
+    calls = tmp_path / "calls"
     cc = fake_compiler(
         tmp_path,
-        'case "$1" in --version) echo "fake cc 1.0";; *) echo "core.c:1: fatal: no headers" >&2; exit 1;; esac',
+        f'echo >> {calls}; case "$1" in --version) echo "fake cc 1.0";; '
+        '*) echo "core.c:1: fatal: no headers" >&2; exit 1;; esac',
     )
     env = fresh_cache_env(tmp_path, CC=str(cc))
     result = run_generate("--engine", "native", env=env)
-    assert result.returncode == 0, result.stderr
-    assert (
-        "the native engine cannot run: the C compiler" in result.stderr and "failed on the native core" in result.stderr
-    )
-    assert "fatal: no headers" not in result.stderr
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("error: the native engine cannot run: the C compiler")
+    assert "failed on the native core" in result.stderr and "fatal: no headers" not in result.stderr
     debug = run_generate("--engine", "native", "--debug", env=env)
-    assert debug.returncode == 0 and "core.c:1: fatal: no headers" in debug.stderr
+    assert debug.returncode == 1 and "core.c:1: fatal: no headers" in debug.stderr
+    auto = run_generate("--json", env=env)  # auto: torch, quietly, and the failure is remembered, not retried
+    assert auto.returncode == 0 and json.loads(auto.stdout)["engine"] == "torch" and auto.stderr == ""
+    assert calls.read_text().count("\n") == 1
     assert not list((tmp_path / "cache" / "manas").glob("core-*.so"))
 
 
@@ -563,10 +564,30 @@ def test_a_library_that_will_not_load_is_never_a_crash(tmp_path):
         'case "$1" in --version) echo "fake cc 2.0";; *) while [ "$1" != "-o" ]; do '
         'shift; done; echo "not a library" > "$2";; esac',
     )
-    result = run_generate("--engine", "native", "--json", env=fresh_cache_env(tmp_path, CC=str(cc)))
+    result = run_generate("--json", env=fresh_cache_env(tmp_path, CC=str(cc)))
     assert result.returncode == 0, result.stderr
-    assert "the native engine cannot run: the native core does not load" in result.stderr
     assert json.loads(result.stdout)["engine"] == "torch"
+    asked = run_generate("--engine", "native", "--json", env=fresh_cache_env(tmp_path, CC=str(cc)))
+    assert (
+        asked.returncode == 1 and "error: the native engine cannot run: the native core does not load" in asked.stderr
+    )
+
+
+def test_a_hung_compiler_is_waited_on_once_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A compiler that hangs is stopped at the limit, once: the next build of the same source with the same
+    compiler fails at once, naming the earlier run, and the cache folder holds no temporary file."""
+    calls = tmp_path / "calls"
+    cc = fake_compiler(tmp_path, f"echo >> {calls}; sleep 300")
+    monkeypatch.setattr(build, "COMPILE_TIMEOUT_S", 2)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    with pytest.raises(build.NativeUnavailable, match="was still running after 2 s"):
+        build.build()
+    with pytest.raises(build.NativeUnavailable, match="in an earlier run: delete .*failed to try again"):
+        build.build()
+    assert calls.read_text().count("\n") == 1
+    left = sorted(path.suffix for path in (tmp_path / "cache" / "manas").iterdir())
+    assert left == [".failed", ".lock"]
 
 
 @pytest.mark.parametrize(
@@ -576,11 +597,12 @@ def test_a_library_that_will_not_load_is_never_a_crash(tmp_path):
         (("--dtype", "float16"), "the core runs float32, int8 and int4 weights, not float16"),
     ],
 )
-def test_asking_for_native_where_it_cannot_run_names_why_and_torch_runs(tmp_path, flags, reason):
+def test_asking_for_native_where_it_cannot_run_is_one_error_line_naming_why(tmp_path, flags, reason):
     result = run_generate("--engine", "native", "--json", *flags, env=fresh_cache_env(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.strip() == f"the native engine cannot run: {reason}; the torch engine runs instead"
-    assert json.loads(result.stdout)["engine"] == "torch"
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip() == (
+        f"error: the native engine cannot run: {reason} (--engine auto runs the torch engine instead)"
+    )
 
 
 @pytest.mark.parametrize("value", ["torch", pytest.param("native", marks=needs_compiler)])

@@ -52,6 +52,8 @@ def main() -> None:
     except BrokenPipeError:
         _quiet_broken_pipe()
     except ManasError as exc:
+        if debug and getattr(exc, "detail", ""):  # the compiler's own message, for --engine native
+            print(exc.detail.rstrip(), file=sys.stderr)
         _fail(str(exc), 1, debug)
     except (MemoryError, RuntimeError) as exc:
         if _out_of_memory(exc):

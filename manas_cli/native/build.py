@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -40,7 +41,8 @@ SOURCE = Path(__file__).with_name("core.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden")
 LIBRARIES = ("-lm",)
 ABI_VERSION = 7  # core.c's MANAS_ABI_VERSION: a library of another version is never used
-COMPILE_TIMEOUT_S = 60  # the core compiles in 1-5 s; a compiler still running after this has hung
+COMPILE_TIMEOUT_S = 60  # the core compiles in 1-5 s (14 s on a busy 2-core machine); one still running has hung
+FAILURE_BYTES = 1 << 16  # a remembered failure's reason and compiler message: never read further
 DIGEST_BYTES = 65  # a SHA-256 in hex and a newline: a digest file is never read further
 
 
@@ -280,28 +282,60 @@ def build(on_compile: Callable[[], None] | None = None) -> Built:
 
 def _build_in(cc: str, target: Path, notice: str | None, on_compile: Callable[[], None] | None) -> Built:
     digest = target.with_name(f"{target.name}.sha256")
+    failed = target.with_name(f"{target.name}.failed")
     with locked(target):
         if (library := cached(target, digest)) is not None:
             return Built(library, target, None, notice)
+        if (remembered := remembered_failure(failed)) is not None:
+            raise remembered
         if on_compile is not None:
             on_compile()
-        compile_s = compile_library(cc, target)
-        fd = open_trusted(target)
-        if fd is None:
-            raise NativeUnavailable(f"{target} changed as it was built")
         try:
-            code = read_all(fd)
-            library = load(fd, target)
-        finally:
-            os.close(fd)
-        if failure := self_test(library):  # kept (its digest written) only once it has passed
-            unload(library)
-            target.unlink()
-            raise NativeUnavailable(
-                f"the freshly built core failed its self-test ({failure}), so it was deleted", notify=True
-            )
-        write_digest(target, digest, hashlib.sha256(code).hexdigest())
+            return _compile_and_load(cc, target, digest, notice)
+        except NativeUnavailable as exc:  # this source, compiler and CPU fail: no later run waits on them again
+            remember_failure(target, failed, exc)
+            raise
+
+
+def _compile_and_load(cc: str, target: Path, digest: Path, notice: str | None) -> Built:
+    compile_s = compile_library(cc, target)
+    fd = open_trusted(target)
+    if fd is None:
+        raise NativeUnavailable(f"{target} changed as it was built")
+    try:
+        code = read_all(fd)
+        library = load(fd, target)
+    finally:
+        os.close(fd)
+    if failure := self_test(library):  # kept (its digest written) only once it has passed
+        unload(library)
+        target.unlink()
+        raise NativeUnavailable(
+            f"the freshly built core failed its self-test ({failure}), so it was deleted", notify=True
+        )
+    write_beside(target, digest, hashlib.sha256(code).hexdigest() + "\n")
     return Built(library, target, compile_s, notice)
+
+
+def remembered_failure(failed: Path) -> NativeUnavailable | None:
+    """An earlier run's failure to build this library (the key names the source, flags, compiler and CPU), if one
+    was written; the reason says how to try again."""
+    fd = open_trusted(failed)
+    if fd is None:
+        return None
+    try:
+        record = json.loads(read_all(fd, FAILURE_BYTES))
+        reason, detail, notify = str(record["reason"]), str(record["detail"]), bool(record["notify"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    finally:
+        os.close(fd)
+    return NativeUnavailable(f"{reason} (in an earlier run: delete {failed} to try again)", detail, notify)
+
+
+def remember_failure(target: Path, failed: Path, exc: NativeUnavailable) -> None:
+    record = {"reason": exc.reason, "detail": exc.detail[: FAILURE_BYTES // 2], "notify": exc.notify}
+    write_beside(target, failed, json.dumps(record))
 
 
 def cached(target: Path, digest: Path) -> ctypes.CDLL | None:
@@ -347,8 +381,9 @@ def self_test(library: ctypes.CDLL) -> str | None:
     return None
 
 
-def write_digest(target: Path, digest: Path, hexdigest: str) -> None:
+def write_beside(target: Path, path: Path, text: str) -> None:
+    """text as path's content, atomically (a temporary beside target that `locked` removes if a run dies first)."""
     fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".digest-{target.name}-")
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(hexdigest + "\n")
-    os.replace(temporary, digest)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(temporary, path)

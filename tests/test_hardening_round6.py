@@ -28,7 +28,7 @@ HOSTILE = (
     "{% elif case == 'indent' %}{{ [n]|tojson(indent=n * 900000000) }}"
     "{% else %}USER: {{ case }}\nROMEO:{% endif %}"
 )
-OVER_LIMITS = {"power": "processor time", "format": "needs over", "keyword": "needs over", "indent": "needs over"}
+OVER_LIMITS = {"power": "does too much work", "format": "needs over", "keyword": "needs over", "indent": "needs over"}
 
 
 @pytest.fixture(scope="module")

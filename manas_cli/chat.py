@@ -24,20 +24,39 @@ class Message:
 
 
 def parse_messages(value: object) -> list[Message]:
-    """OpenAI's `messages`: a non-empty list of {"role": system|user|assistant, "content": string}; ValueError names
-    the first entry that is not."""
+    """OpenAI's `messages`: a non-empty list of {"role": system|user|assistant, "content": string or text parts};
+    ValueError names the first entry that is not."""
     if not isinstance(value, list) or not value:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     if len(value) > MAX_MESSAGES:
         raise ValueError(f"at most {MAX_MESSAGES} messages")
     messages = []
     for i, entry in enumerate(value):
-        if not isinstance(entry, dict) or entry.get("role") not in ROLES or not isinstance(entry.get("content"), str):
-            raise ValueError(f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a string content")
+        if not isinstance(entry, dict) or entry.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content")
         if unknown := sorted(set(entry) - {"role", "content", "name"}):
             raise ValueError(f"messages[{i}] has {unknown[0]!r}, which manas does not take (role, content, name)")
-        messages.append(Message(entry["role"], entry["content"]))
+        messages.append(Message(entry["role"], _content(entry.get("content"), i)))
     return messages
+
+
+def _content(content: object, i: int) -> str:
+    """A message's content: a string, or OpenAI's content parts, of which manas takes text ones, joined by newlines
+    (as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise ValueError(f"messages[{i}].content must be a string or a non-empty list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise ValueError(
+                f"messages[{i}].content[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}})"
+                + (f": manas takes no {kind!r} parts" if isinstance(kind, str) and kind != "text" else "")
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def render(template: str, messages: list[Message], *, bos_token: str = "", eos_token: str = "") -> str:

@@ -151,3 +151,31 @@ def test_a_hugging_face_folder_given_as_a_checkpoint_says_to_convert_it(tmp_path
     (tmp_path / "config.json").write_text("{}")
     run = manas("generate", "-m", tmp_path, "-p", "x")
     assert run.returncode == 1 and "is a Hugging Face folder: convert it first (manas convert" in run.err
+
+
+# ---- 14. text content parts; a JSON body without its type ----
+
+
+def chat_body(content) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0}).encode()
+
+
+def test_text_content_parts_are_the_texts_joined_by_newlines(hostile_server):
+    headers = {"Content-Type": "application/json"}
+    parts = [{"type": "text", "text": "good"}, {"type": "text", "text": "morrow"}]
+    status, _, by_parts = hostile_server.raw("POST", "/v1/chat/completions", chat_body(parts), headers)
+    _, _, by_text = hostile_server.raw("POST", "/v1/chat/completions", chat_body("good\nmorrow"), headers)
+    assert status == 200 and by_parts["choices"][0]["message"] == by_text["choices"][0]["message"]
+    assert by_parts["usage"] == by_text["usage"]
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    status, _, refused = hostile_server.raw("POST", "/v1/chat/completions", chat_body(image), headers)
+    assert status == 400 and "manas takes no 'image_url' parts" in refused["error"]["message"]
+
+
+@pytest.mark.parametrize("headers", [{}, {"Content-Type": "application/x-www-form-urlencoded"}])
+def test_a_json_body_without_its_type_is_read_as_json(hostile_server, headers):
+    """curl -d sends no JSON type (its default is a form's); llama-server and ollama read the body as JSON."""
+    body = json.dumps({"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0}).encode()
+    status, _, answer = hostile_server.raw("POST", "/v1/completions", body, headers)
+    _, _, typed = hostile_server.raw("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 200 and answer["choices"][0]["text"] == typed["choices"][0]["text"]

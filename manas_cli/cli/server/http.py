@@ -40,6 +40,8 @@ DRAIN_BYTES = 8 << 20  # a body left unread (refused before it was read) is read
 CLIENT_TIMEOUT_S = 10.0  # a client that sends or reads nothing for this long is dropped (slowloris, a stalled reader);
 # a request's line, headers and body must all arrive within it too, however slowly they trickle
 RETRY_AFTER_S = 1
+# Bodies read as JSON: JSON's own type, none, and curl's default for -d (as llama-server and ollama read them).
+JSON_TYPES = ("application/json", "", "application/x-www-form-urlencoded")
 POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
 
 
@@ -346,8 +348,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> bytes:
         kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
-            raise RequestError(f"the body must be application/json, not {kind or 'untyped'}", status=415)
+        if kind not in JSON_TYPES:
+            raise RequestError(f"the body must be application/json, not {kind}", status=415)
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise RequestError("send the body with a Content-Length, not chunked", status=411)

@@ -52,7 +52,7 @@ def _content(content: object, i: int) -> str:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
             raise ValueError(
-                f"messages[{i}].content[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}})"
+                f'messages[{i}].content[{j}] must be a text part ({{"type": "text", "text": ...}})'
                 + (f": manas takes no {kind!r} parts" if isinstance(kind, str) and kind != "text" else "")
             )
         texts.append(part["text"])

@@ -22,6 +22,8 @@ class Answer:
     finish_reason: str  # "length", "stop", "end_of_text", or "interrupted"
     stats: GenerationStats
     reused: int  # prompt tokens the cache already held
+    tokens: list[int]  # the answer's token ids
+    seed: int  # what reproduces it: the same seed, settings and conversation
 
 
 @dataclass
@@ -78,7 +80,7 @@ class Conversation:
         fed = fed[:-1]
         self.cached = fed if len(fed) == self.session.positions else []
         self.messages += [Message("user", user), Message("assistant", stream.text)]
-        return Answer(stream.text, stream.finish_reason, stats, reused)
+        return Answer(stream.text, stream.finish_reason, stats, reused, stream.tokens, request.seed)
 
     def _reusable(self, ids: list[int]) -> int:
         """How many of the prompt's first tokens the cache holds at the same positions (one is always left to

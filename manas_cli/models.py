@@ -39,6 +39,7 @@ class LoadedModel:
     checkpoint: object  # formats.header.Checkpoint or formats.checkpoint.Checkpoint: the model, its tokenizer, path
     threads: object  # engine.threads.ThreadChoice: the count, and how it was chosen
     opened: Opened  # the engine, and what to say about how it was chosen
+    window_notice: str | None = None  # --ctx over the model's window
 
     @property
     def engine(self):
@@ -123,7 +124,7 @@ def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = No
         from .formats.mapped_weights import MappedWeights
 
         mapped = _naming_the_environment(options, lambda: open_checkpoint(path))
-        keep_window(mapped.header.config, options.ctx)
+        window = keep_window(mapped.header.config, options.ctx)
         weights = partial(MappedWeights, mapped)
         try:
             opened = _naming_the_environment(
@@ -136,7 +137,7 @@ def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = No
         else:
             header = mapped.header
             checkpoint = Checkpoint(opened.engine.model, header.encoding, header.tokenizer_spec, path, header.metadata)
-            return LoadedModel(checkpoint, threads, opened)
+            return LoadedModel(checkpoint, threads, opened, window)
     return _load_with_torch(options, path, threads, unavailable, on_compile)
 
 
@@ -154,7 +155,7 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
     checkpoint = _naming_the_environment(options, lambda: load_checkpoint(path, device=device, dtype=dtype))
     if options.quantize is not None:
         quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
-    keep_window(checkpoint.model.config, options.ctx)
+    window = keep_window(checkpoint.model.config, options.ctx)
     opened = choose_engine(
         options.engine, checkpoint.model, threads.threads, unavailable, on_compile, options.float_activations
     )
@@ -162,14 +163,19 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
         torch.set_num_threads(1)  # the core computes and samples: torch's OpenMP workers would only spin beside it
     elif not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
         use_decode_layout(checkpoint.model)
-    return LoadedModel(checkpoint, threads, opened)
+    return LoadedModel(checkpoint, threads, opened, window)
 
 
-def keep_window(config, ctx: int | None) -> None:
+def keep_window(config, ctx: int | None) -> str | None:
     """--ctx: the window kept is ctx tokens, at most the model's own. Everything that crops, caches and re-prefills
-    reads block_size, so a smaller one is the whole change; the tensors (a learned position table) keep their rows."""
-    if ctx is not None:
-        config.block_size = min(ctx, config.block_size)
+    reads block_size, so a smaller one is the whole change; the tensors (a learned position table) keep their rows.
+    A notice when ctx is over the model's window (which is then what it keeps)."""
+    if ctx is None:
+        return None
+    if ctx > config.block_size:
+        return f"notice: --ctx {ctx:,} is over the model's window: it keeps its {config.block_size:,} tokens"
+    config.block_size = ctx
+    return None
 
 
 def open_native(

@@ -292,7 +292,7 @@ LogprobsOption = Annotated[
 ]
 SETTING_FLAGS = {
     "max_tokens": (MaxTokensOption, 200),
-    "temperature": (TemperatureOption, 0.8),
+    "temperature": (TemperatureOption, GenerationSettings.temperature),
     "top_k": (TopKOption, None),
     "top_p": (TopPOption, None),
     "seed": (SeedOption, None),
@@ -1039,7 +1039,7 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="The most tokens of one answer.")] = 512,
     temperature: Annotated[
         float, typer.Option("--temperature", "-t", callback=_checked("temperature"), help="0 is greedy.")
-    ] = 0.7,
+    ] = GenerationSettings.temperature,
     top_p: Annotated[Optional[float], typer.Option(callback=_checked("top_p"), help="Nucleus sampling.")] = None,
     top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample among the k most likely.")] = None,
     seed: Annotated[Optional[int], typer.Option(callback=_checked("seed"), help="Seed each answer's sampler.")] = None,
@@ -1050,12 +1050,16 @@ def chat(
         ),
     ] = None,
     json_output: Annotated[
-        bool, typer.Option("--json", help="One JSON object a line per answer: text, finish_reason, token counts.")
+        bool,
+        typer.Option(
+            "--json",
+            help="One JSON object a line per answer: text, tokens, finish_reason, token counts, seed, engine.",
+        ),
     ] = False,
     *,
     model_options: "ModelOptions",
 ) -> None:
-    """Chat with an instruct model in the terminal, or send it one message per line from a pipe.
+    r"""Chat with an instruct model in the terminal, or send it one message per line from a pipe.
 
     The messages go through the model's chat template (or --chat-template FILE); the conversation's KV cache is
     kept between turns, so each turn prefills only what it adds (the native engine), and every answer is what

@@ -57,7 +57,8 @@ def run(
         elif message.startswith("/"):
             say(console, f"unknown command {message.split()[0]}: {HELP}")
         elif json_output:
-            print(json_line(answer_record(conversation.reply(message, settings, lambda text: None, lambda: False))))
+            answer = conversation.reply(message, settings, lambda text: None, lambda: False)
+            print(json_line(answer_record(answer, engine)))
             sys.stdout.flush()
         else:
             answer = answer_one(conversation, message, settings)
@@ -95,17 +96,22 @@ def stats_line(answer) -> str:
     )
 
 
-def answer_record(answer) -> dict:
-    """--json: one object a line per answer."""
+def answer_record(answer, engine) -> dict:
+    """--json: one object a line per answer; what reproduces it as generate's records say it (the seed, the
+    engine and, on the native one, the core's arithmetic version)."""
     stats = answer.stats
     return {
         "text": answer.text,
+        "tokens": answer.tokens,
         "finish_reason": answer.finish_reason,
         "prompt_tokens": stats.prompt_tokens,
         "reused_tokens": answer.reused,
         "generated_tokens": stats.generated_tokens,
         "ttft_s": stats.ttft_s,
         "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "seed": answer.seed,
+        "engine": engine.name,
+        "arithmetic_version": engine.arithmetic_version,
     }
 
 

@@ -85,6 +85,10 @@ def load_model(options: ModelOptions, console=None):
     loaded = open_model(options, compiling(console))
     if console is not None:
         report_engine(console, loaded.opened, options.debug)
+        if loaded.window_notice:
+            from ..render import say
+
+            say(console, loaded.window_notice)
     return loaded.checkpoint, loaded.threads, loaded.engine
 
 

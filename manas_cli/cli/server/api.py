@@ -172,7 +172,9 @@ def _check_fields(value: object, fields: dict) -> None:
 
 def _settings(value: dict, fields: dict, max_tokens: int, default_max_tokens: int) -> GenerationSettings:
     """The generation settings a request's fields set, over OpenAI's defaults, each checked by generate's rule."""
-    overrides = {"max_tokens": default_max_tokens, "temperature": 1.0}  # OpenAI's defaults
+    # OpenAI's max_tokens default; manas's one temperature (0.8, llama.cpp's and ollama's), so a seeded answer is
+    # the same from generate, chat, batch and the server without flags
+    overrides = {"max_tokens": default_max_tokens, "temperature": GenerationSettings.temperature}
     for name, setting in fields.items():
         if setting is not None and value.get(name) is not None:
             overrides[setting] = value[name]

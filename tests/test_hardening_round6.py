@@ -179,3 +179,39 @@ def test_a_json_body_without_its_type_is_read_as_json(hostile_server, headers):
     status, _, answer = hostile_server.raw("POST", "/v1/completions", body, headers)
     _, _, typed = hostile_server.raw("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     assert status == 200 and answer["choices"][0]["text"] == typed["choices"][0]["text"]
+
+
+# ---- 13, 15. one default temperature; chat --json says what reproduces it; --help and --ctx say what they mean ----
+
+
+def test_a_seed_gives_one_text_from_generate_chat_and_the_server_without_a_temperature(
+    hostile_server, checkpoints, tmp_path
+):
+    path = tmp_path / "template.jinja"
+    path.write_text(HOSTILE)
+    model = checkpoints["rope-gqa"].path
+    alone = manas("generate", "-c", model, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "8", "--seed", "7", "--json").ok()
+    served = hostile_server.client().completions.create(model="m", prompt="ROMEO:", max_tokens=8, seed=7)
+    assert served.choices[0].text == alone.json()["text"] and alone.json()["temperature"] == 0.8
+    chat = manas(
+        "chat", "-c", model, *RUN_OPTIONS, "--chat-template", path, "-n", "8", "--seed", "7", "--json",
+        stdin=b"hello\n",
+    ).ok().json()  # fmt: skip
+    served = hostile_server.client().chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=8, seed=7
+    )
+    assert served.choices[0].message.content == chat["text"]
+    assert chat["seed"] == 7 and chat["engine"] == alone.json()["engine"]
+    assert chat["arithmetic_version"] == alone.json()["arithmetic_version"]
+    assert len(chat["tokens"]) == chat["generated_tokens"] and chat["tokens"]
+
+
+def test_chat_help_shows_its_example_as_typed():
+    assert "printf 'Hello!\\nWhat did I just say?\\n' | manas chat" in manas("chat", "--help").ok().out.replace(
+        "\n    ", " "
+    )
+
+
+def test_a_ctx_over_the_window_says_the_window_it_keeps(checkpoints):
+    run = manas("generate", "-c", checkpoints["rope-gqa"].path, *RUN_OPTIONS, "-p", "x", "-n", "2", "--ctx", "5000")
+    assert run.ok().err.strip() == "notice: --ctx 5,000 is over the model's window: it keeps its 32 tokens"

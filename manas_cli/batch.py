@@ -123,7 +123,7 @@ class RecordBatch:
             self.order.append(line.number)
             if line.error is None:
                 try:
-                    ids = encode_prompt(self.checkpoint, line.prompt, self.notify)
+                    ids = encode_prompt(self.checkpoint, line.prompt, self.notify, line.settings.parse_special)
                 except ManasError as exc:  # a character outside a character vocabulary
                     line.error = str(exc)
             if line.error is not None:

@@ -50,9 +50,13 @@ class Requests:
 PROMPT_TAIL_CHARS = 300_000
 
 
-def encode_prompt(checkpoint, text: str, notify: Callable[[str], None] = lambda notice: None) -> list[int]:
+def encode_prompt(
+    checkpoint, text: str, notify: Callable[[str], None] = lambda notice: None, special: bool = True
+) -> list[int]:
     """Token ids of the prompt, after the tokenizer's BOS where it has one, cropped to the window with a notice; the
-    empty prompt is the BOS, else end-of-text. A crop is told to `notify` (a console's print, or nothing).
+    empty prompt is the BOS, else end-of-text. A crop is told to `notify` (a console's print, or nothing). Special
+    tokens written in the text (<|im_start|>) are those tokens, as transformers' tokenizer and llama.cpp encode
+    them, unless not `special` (text that must not control the model: --no-special, "parse_special": false).
 
     Only the text that can reach the window is encoded: block_size tokens never span more than block_size times
     the longest token's bytes in characters, so twice that (the tokens at the cut may differ, and are cropped) is
@@ -62,7 +66,7 @@ def encode_prompt(checkpoint, text: str, notify: Callable[[str], None] = lambda 
     tail = min(2 * block_size * longest_token_bytes(checkpoint.encoding), PROMPT_TAIL_CHARS)
     cut = len(text) > tail
     bos = bos_id(checkpoint.encoding)
-    ids = ([] if bos is None else [bos]) + encode_text(checkpoint.encoding, text[-tail:] if cut else text)
+    ids = ([] if bos is None else [bos]) + encode_text(checkpoint.encoding, text[-tail:] if cut else text, special)
     if not ids:
         eot = end_of_text_id(checkpoint.encoding)
         if eot is None:

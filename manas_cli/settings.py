@@ -24,6 +24,7 @@ class GenerationSettings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int = 0
+    parse_special: bool = True  # special-token text in the prompt (<|im_start|>) is those tokens, as transformers does
 
     def record(self) -> dict:
         """The sampling settings a --json record reports (its seed and logprobs are fields of their own)."""
@@ -60,6 +61,7 @@ RULES = {
         lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
     ),
     "logprobs": (f"an integer from 0 to {MAX_LOGPROBS}", lambda v: _integer(v) and 0 <= v <= MAX_LOGPROBS),
+    "parse_special": ("true or false", lambda v: isinstance(v, bool)),
 }
 
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas  # noqa: F401 (checkpoints: a fixture)
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas  # noqa: F401 (fixtures)
 from test_serve import running_server
 
 jinja2 = pytest.importorskip("jinja2")
@@ -215,3 +215,46 @@ def test_chat_help_shows_its_example_as_typed():
 def test_a_ctx_over_the_window_says_the_window_it_keeps(checkpoints):
     run = manas("generate", "-c", checkpoints["rope-gqa"].path, *RUN_OPTIONS, "-p", "x", "-n", "2", "--ctx", "5000")
     assert run.ok().err.strip() == "notice: --ctx 5,000 is over the model's window: it keeps its 32 tokens"
+
+
+# ---- 11. special tokens written in a prompt are those tokens, unless --no-special ----
+
+CHATML_PROMPT = "<|im_start|>user\nthe weather<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def instruct(tmp_path_factory, tiny_bpe_spec):
+    """A Qwen2-shaped folder (its tokenizer.json made by Hugging Face's tokenizers, with ChatML's special tokens)
+    and its conversion."""
+    from test_llama_family import converted, hf_folder
+
+    folder = tmp_path_factory.mktemp("instruct")
+    hf_folder(folder / "hf", tiny_bpe_spec, "qwen2")
+    return folder / "hf", converted(folder, folder / "hf")
+
+
+def test_a_prompts_special_tokens_are_encoded_as_transformers_encodes_them(instruct):
+    from transformers import AutoTokenizer
+
+    folder, model = instruct
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    parsed = len(tokenizer(CHATML_PROMPT)["input_ids"])
+    plain = len(tokenizer(CHATML_PROMPT, split_special_tokens=True)["input_ids"])
+    assert parsed < plain
+    flags = ("-c", model, *RUN_OPTIONS, "-p", CHATML_PROMPT, "-n", "1", "-t", "0", "--json")
+    assert manas("generate", *flags).ok().json()["prompt_tokens"] == parsed
+    assert manas("generate", *flags, "--no-special").ok().json()["prompt_tokens"] == plain
+    lines = [{"prompt": CHATML_PROMPT, "max_tokens": 1}, {"prompt": CHATML_PROMPT, "parse_special": False}]
+    stdin = "\n".join(json.dumps(line) for line in lines).encode()
+    records = manas("generate", "--jsonl", "-c", model, *RUN_OPTIONS, "-n", "1", stdin=stdin).ok().json_lines()
+    assert [record["prompt_tokens"] for record in records] == [parsed, plain]
+
+
+def test_the_servers_completions_parse_special_tokens_unless_told_not_to(hostile_server, checkpoints):
+    prompt = "ROMEO:<|endoftext|>JULIET:"
+    alone = manas("generate", "-c", checkpoints["rope-gqa"].path, *RUN_OPTIONS, "-p", prompt, "-n", "1", "--json")
+    counts = []
+    for extra in ({}, {"parse_special": False}):
+        done = hostile_server.client().completions.create(model="m", prompt=prompt, max_tokens=1, extra_body=extra)
+        counts.append(done.usage.prompt_tokens)
+    assert counts[0] == alone.ok().json()["prompt_tokens"] and counts[0] < counts[1]

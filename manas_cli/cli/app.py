@@ -290,6 +290,16 @@ LogprobsOption = Annotated[
         ),
     ),
 ]
+ParseSpecialOption = Annotated[
+    bool,
+    typer.Option(
+        "--special/--no-special",
+        help=(
+            "Special tokens written in the prompt (<|im_start|>, <|endoftext|>) are those tokens, as transformers "
+            "and llama.cpp encode them; --no-special keeps them plain text, for text that must not control the model."
+        ),
+    ),
+]
 SETTING_FLAGS = {
     "max_tokens": (MaxTokensOption, 200),
     "temperature": (TemperatureOption, GenerationSettings.temperature),
@@ -303,6 +313,7 @@ SETTING_FLAGS = {
     "frequency_penalty": (FrequencyPenaltyOption, 0.0),
     "presence_penalty": (PresencePenaltyOption, 0.0),
     "logprobs": (LogprobsOption, 0),
+    "parse_special": (ParseSpecialOption, True),
 }
 
 

@@ -45,7 +45,7 @@ def run(
     text = read_prompt(prompt, prompt_file)
     checkpoint, threads, engine = load_model(model_options, console)
     model, encoding = checkpoint.model, checkpoint.encoding
-    ids = encode_prompt(checkpoint, text, console.print)
+    ids = encode_prompt(checkpoint, text, console.print, settings.parse_special)
     batch, block_size, max_tokens = num_samples, model.config.block_size, settings.max_tokens
     positions = min(block_size, len(ids) + max_tokens)
     check_memory(engine, batch, positions, "--num-samples")

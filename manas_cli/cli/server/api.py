@@ -33,12 +33,17 @@ FIELDS = {
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
     "repeat_last_n": "repeat_last_n",
+    "parse_special": "parse_special",  # manas's: false keeps special-token text in the prompt plain text
     "best_of": None,
     "logit_bias": None,
 }
 # /v1/chat/completions': messages in place of prompt, logprobs a flag with top_logprobs its count.
 CHAT_FIELDS = {
-    **{name: setting for name, setting in FIELDS.items() if name not in ("prompt", "echo", "logprobs", "best_of")},
+    **{
+        name: setting
+        for name, setting in FIELDS.items()
+        if name not in ("prompt", "echo", "logprobs", "best_of", "parse_special")
+    },
     "messages": None,
     "max_completion_tokens": "max_tokens",
     "logprobs": None,

@@ -287,7 +287,7 @@ class Handler(BaseHTTPRequestHandler):
         self._authorize()
         request = parse_completion(parse_json(self._body()), self.server.max_tokens)
         try:
-            prompts = [self.server.encode(prompt) for prompt in request.prompts]
+            prompts = [self.server.encode(prompt, special=request.settings.parse_special) for prompt in request.prompts]
         except ManasError as exc:  # a character outside a character-level vocabulary, an empty prompt
             raise RequestError(str(exc), param="prompt") from None
         self._run(request, prompts, Reply)

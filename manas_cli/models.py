@@ -81,6 +81,11 @@ def by_name(option: Path) -> Path:
     found = store.find(str(option))
     if found is None and option.is_dir():
         return option  # checkpoint_file says what the folder is
+    if found is None and str(option).isdigit():  # llama.cpp's -c is the context size
+        raise InputError(
+            f"no model {str(option)!r}: -c and -m name the model in manas; the window in tokens is --ctx "
+            f"{option} (llama.cpp's -c)"
+        )
     if found is None:
         raise InputError(
             f"no model {str(option)!r}: no such file, and no such name in the store ({store.models_folder()}); "

@@ -13,7 +13,7 @@ from .engine.engines import Engine
 from .engine.sampling import Sampler, choose_seed, make_sampler
 from .errors import InputError
 from .formats.tokenizer import bos_id, decodable, encode_text, end_of_text_id, longest_token_bytes
-from .settings import GenerationSettings
+from .settings import GenerationSettings, token_budget
 from .streaming import TextStream
 
 
@@ -23,10 +23,12 @@ class Prepared:
     seed: int
     sampler: Sampler
     streams: list[TextStream]  # one per row
+    block_size: int  # the window, which max_tokens -1 fills
 
     def request(self, key: int, prompt: list[int]) -> Request:
         """The request continuous batching takes (engine/batching.py), for one row."""
-        return Request(key, prompt, self.sampler, self.settings.max_tokens, self.settings.logprobs)
+        budget = token_budget(self.settings.max_tokens, len(prompt), self.block_size)
+        return Request(key, prompt, self.sampler, budget, self.settings.logprobs)
 
 
 class Requests:
@@ -42,7 +44,7 @@ class Requests:
         seed = choose_seed(settings.seed)
         sampler = make_sampler(settings, seed, self.allowed, self.engine)
         streams = [TextStream(self.encoding, self.eot, settings.stop, record) for _ in range(rows)]
-        return Prepared(settings, seed, sampler, streams)
+        return Prepared(settings, seed, sampler, streams, self.engine.config.block_size)
 
 
 # The most prompt characters ever encoded: a window's worth for GPT-2 (1024 tokens of up to 128 bytes, twice over),

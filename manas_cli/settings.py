@@ -12,7 +12,7 @@ MAX_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    max_tokens: int = 200
+    max_tokens: int = 200  # -1: until the end of text or the window, as llama.cpp's -n -1 (see token_budget)
     temperature: float = 0.8
     top_k: int | None = None
     top_p: float | None = None
@@ -43,7 +43,10 @@ class GenerationSettings:
 
 # name -> (the rule, as an error states it; whether a value keeps it). None is allowed where the default is None.
 RULES = {
-    "max_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "max_tokens": (
+        "an integer >= 1, or -1 (until the end of text or the window)",
+        lambda v: _integer(v) and (v >= 1 or v == -1),
+    ),
     "temperature": ("a finite number >= 0", lambda v: _number(v) and v >= 0),
     "top_k": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
     "top_p": ("a number with 0 < top_p <= 1", lambda v: _number(v) and 0 < v <= 1),
@@ -110,3 +113,9 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text} is out of a float's range")
     return value
+
+
+def token_budget(max_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """The tokens a request may generate: max_tokens, or for -1 what fills the window after its prompt (at least
+    one)."""
+    return max_tokens if max_tokens != -1 else max(1, block_size - prompt_tokens)

@@ -225,11 +225,12 @@ CHATML_PROMPT = "<|im_start|>user\nthe weather<|im_end|>\n<|im_start|>assistant\
 @pytest.fixture(scope="module")
 def instruct(tmp_path_factory, tiny_bpe_spec):
     """A Qwen2-shaped folder (its tokenizer.json made by Hugging Face's tokenizers, with ChatML's special tokens)
-    and its conversion."""
-    from test_llama_family import converted, hf_folder
+    and its conversion, with ChatML's template."""
+    from test_llama_family import CHATML, converted, hf_folder
 
     folder = tmp_path_factory.mktemp("instruct")
     hf_folder(folder / "hf", tiny_bpe_spec, "qwen2")
+    (folder / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
     return folder / "hf", converted(folder, folder / "hf")
 
 
@@ -258,3 +259,48 @@ def test_the_servers_completions_parse_special_tokens_unless_told_not_to(hostile
         done = hostile_server.client().completions.create(model="m", prompt=prompt, max_tokens=1, extra_body=extra)
         counts.append(done.usage.prompt_tokens)
     assert counts[0] == alone.ok().json()["prompt_tokens"] and counts[0] < counts[1]
+
+
+# ---- 12. llama.cpp's and ollama's habits ----
+
+
+def test_llama_cpps_flags_do_what_they_do_there(checkpoints, tmp_path):
+    model = checkpoints["rope-gqa"].path
+    (tmp_path / "prompt.txt").write_text("ROMEO:")
+    theirs = manas(
+        "generate", "-c", model, *RUN_OPTIONS, "-f", tmp_path / "prompt.txt", "--temp", "0.5", "-s", "3", "-n", "-1",
+        "--ctx-size", "20", "--json",
+    ).ok().json()  # fmt: skip
+    ours = manas(
+        "generate", "-c", model, *RUN_OPTIONS, "-p", "ROMEO:", "-t", "0.5", "--seed", "3", "-n", "40", "--ctx", "20",
+        "--json",
+    ).ok().json()  # fmt: skip
+    # -n -1: until the end of text or the window (20 positions), the text a longer -n gives up to there
+    assert theirs["prompt_tokens"] + theirs["generated_tokens"] == 20 or theirs["finish_reason"] == "end_of_text"
+    assert ours["tokens"][: len(theirs["tokens"])] == theirs["tokens"] and theirs["seed"] == 3
+    for bad in ("0", "-2"):
+        refused = manas("generate", "-c", model, "-p", "x", "-n", bad)
+        assert refused.returncode == 2 and "or -1 (until the end of text or the window)" in refused.err
+
+
+def test_a_number_given_as_the_model_hints_at_ctx():
+    run = manas("generate", "-c", "2048", "-p", "x")
+    assert run.returncode == 1 and run.err.strip().endswith("the window in tokens is --ctx 2048 (llama.cpp's -c)")
+
+
+@pytest.mark.parametrize(("command", "hint"), [("show", "manas list shows"), ("ps", "manas serve holds one")])
+def test_ollamas_commands_name_the_manas_command(command, hint):
+    run = manas(command, "x")
+    assert run.returncode == 2 and hint in run.err and len(run.err.strip().splitlines()) == 1
+
+
+def test_run_continues_with_a_base_model_and_answers_with_a_chat_model(checkpoints, instruct):
+    model = checkpoints["rope-gqa"].path
+    continued = manas("run", model, "ROMEO:", *RUN_OPTIONS, "-n", "6", "-t", "0").ok()
+    assert continued.out == manas("generate", "-c", model, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "6", "-t", "0").ok().out
+    refused = manas("run", model)
+    assert refused.returncode == 1 and "is a base model" in refused.err
+    _, chat_model = instruct
+    answered = manas("run", chat_model, "the weather", *RUN_OPTIONS, "-n", "6", "-t", "0").ok()
+    chatted = manas("chat", "-c", chat_model, *RUN_OPTIONS, "-n", "6", "-t", "0", stdin=b"the weather\n").ok()
+    assert answered.out == chatted.out and answered.out.strip()

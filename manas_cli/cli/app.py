@@ -107,7 +107,9 @@ ThreadsOption = Annotated[
     ),
 ]
 PromptOption = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; '-' reads standard input.")]
-PromptFileOption = Annotated[Optional[Path], typer.Option(help="Read the prompt from a UTF-8 file.")]
+PromptFileOption = Annotated[
+    Optional[Path], typer.Option("--prompt-file", "-f", help="Read the prompt from a UTF-8 file.")
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of text.")]
 QuantizeOption = Annotated[
     Optional[Quantization],
@@ -143,6 +145,7 @@ ContextOption = Annotated[
     Optional[int],
     typer.Option(
         "--ctx",
+        "--ctx-size",
         envvar="MANAS_CTX",
         show_envvar=True,
         min=1,
@@ -200,12 +203,21 @@ OverflowOption = Annotated[
 
 
 # The generation settings' flags, declared once (generate, batch generate): name -> (annotation, default).
-MaxTokensOption = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="New tokens to generate (per sample).")]
+MaxTokensOption = Annotated[
+    int,
+    typer.Option(
+        "--max-tokens",
+        "-n",
+        callback=_checked("max_tokens"),
+        help="New tokens to generate (per sample); -1: until the end of text or the window, as llama.cpp's -n -1.",
+    ),
+]
 TemperatureOption = Annotated[
     float,
     typer.Option(
         "--temperature",
         "-t",
+        "--temp",
         callback=_checked("temperature"),
         help="Sampling temperature; 0 (or one too small to divide by) is greedy (argmax).",
     ),
@@ -224,6 +236,8 @@ TopPOption = Annotated[
 SeedOption = Annotated[
     Optional[int],
     typer.Option(
+        "--seed",
+        "-s",
         callback=_checked("seed"),
         help="Seed the sampler (0 <= seed < 2^64): the same seed gives the same text, cached or not.",
     ),
@@ -772,6 +786,39 @@ def serve(
     )
 
 
+@app.command("run")
+@takes_model_flags(cache=False)
+@takes_setting_flags()
+def run_command(
+    model: Annotated[
+        Optional[Path],
+        typer.Argument(help="A store name (manas list) or a checkpoint file.", show_default=False),
+    ] = None,
+    prompt: Annotated[
+        Optional[str], typer.Argument(help="One message (a chat model) or a text to continue.", show_default=False)
+    ] = None,
+    *,
+    settings: GenerationSettings,
+    model_options: "ModelOptions",
+) -> None:
+    """Run a model as ollama's `run` does: chat with a chat model, or continue a prompt with a base model.
+
+    With no prompt a chat model starts a conversation (manas chat); with one it answers it and exits. A base model
+    continues the prompt (manas generate). The flags are generate's.
+
+    Examples:
+
+      manas run smollm2-135m-instruct
+
+      manas run smollm2-135m-instruct "Why is the sky blue?"
+
+      manas run shakespeare "ROMEO:" -n 60
+    """
+    from .commands import run as command
+
+    command.run(model=model, prompt=prompt, settings=settings, model_options=model_options)
+
+
 @app.command(no_args_is_help=True)
 def train(
     text_file: Annotated[Path, typer.Argument(help="UTF-8 training text; its last --val-fraction is held out.")],
@@ -1049,11 +1096,13 @@ def chat(
     ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="The most tokens of one answer.")] = 512,
     temperature: Annotated[
-        float, typer.Option("--temperature", "-t", callback=_checked("temperature"), help="0 is greedy.")
+        float, typer.Option("--temperature", "-t", "--temp", callback=_checked("temperature"), help="0 is greedy.")
     ] = GenerationSettings.temperature,
     top_p: Annotated[Optional[float], typer.Option(callback=_checked("top_p"), help="Nucleus sampling.")] = None,
     top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample among the k most likely.")] = None,
-    seed: Annotated[Optional[int], typer.Option(callback=_checked("seed"), help="Seed each answer's sampler.")] = None,
+    seed: Annotated[
+        Optional[int], typer.Option("--seed", "-s", callback=_checked("seed"), help="Seed each answer's sampler.")
+    ] = None,
     stats: Annotated[
         Optional[bool],
         typer.Option(

@@ -46,6 +46,8 @@ def main() -> None:
         message = exc.format_message()
         if message.startswith("Got unexpected extra argument"):  # `manas generate ROMEO: and JULIET:`
             message += ': a prompt is one argument, so quote it (manas generate "ROMEO: and JULIET:") or use -p TEXT'
+        if hint := OTHER_TOOLS_COMMANDS.get(message.removeprefix("No such command ").strip(".'")):
+            message = f"{message.rstrip('.')}: {hint}"
         _fail(message, exc.exit_code, debug)
     except (KeyboardInterrupt, Abort) as exc:
         _fail("terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted", interrupt_exit_code(exc), debug)
@@ -93,6 +95,17 @@ class _Finite:
         if isinstance(number, float) and not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
+
+
+# ollama's and llama.cpp's commands a newcomer types, and the manas command that does what they meant.
+OTHER_TOOLS_COMMANDS = {
+    "show": "manas list shows each model's architecture, parameters, weights, window and chat template",
+    "ps": "manas keeps no model loaded between commands; manas serve holds one (GET /health says how busy)",
+    "stop": "manas keeps no model loaded between commands: a server is stopped with Ctrl-C or SIGTERM",
+    "cp": "copy the file manas list --json names, and run it with -m PATH",
+    "create": "manas convert imports a Hugging Face folder, manas quantize makes an int8 or int4 copy",
+    "completion": "manas generate -p TEXT continues a prompt (llama-completion's -n, -f, -s and --temp work too)",
+}
 
 
 # What each command can lower when memory runs out (its own flags only).

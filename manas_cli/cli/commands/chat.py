@@ -26,14 +26,17 @@ def run(
     stats: bool | None,
     json_output: bool,
     model_options: ModelOptions,
+    given: list[str] | None = None,
 ) -> None:
+    """The conversation at the terminal, or one message a line from a pipe; `given`: these messages alone (manas
+    run NAME PROMPT)."""
     from ...conversation import Conversation
     from ...records import json_line
     from ..render import say, stderr_console
 
     require_stdout()
     console = stderr_console()
-    interactive = sys.stdin is not None and sys.stdin.isatty()
+    interactive = given is None and sys.stdin is not None and sys.stdin.isatty()
     show_stats = stats if stats is not None else interactive
     template = chat_template_text(chat_template)
     checkpoint, _, engine = load_model(model_options, console)
@@ -46,7 +49,7 @@ def run(
     conversation = Conversation(engine, checkpoint.encoding, template, system)
     if interactive:
         say(console, f"chatting with {checkpoint.path.stem} · {HELP}")
-    for message in messages(interactive):
+    for message in given if given is not None else messages(interactive):
         if message == "/reset":
             conversation.reset()
             say(console, "the conversation is forgotten")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import interrupt_exit_code
 from ...models import ModelOptions
-from ...settings import GenerationSettings
+from ...settings import GenerationSettings, token_budget
 from .common import check_memory, load_model, read_prompt, require_stdout
 
 # Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
@@ -46,7 +46,8 @@ def run(
     checkpoint, threads, engine = load_model(model_options, console)
     model, encoding = checkpoint.model, checkpoint.encoding
     ids = encode_prompt(checkpoint, text, console.print, settings.parse_special)
-    batch, block_size, max_tokens = num_samples, model.config.block_size, settings.max_tokens
+    batch, block_size = num_samples, model.config.block_size
+    max_tokens = token_budget(settings.max_tokens, len(ids), block_size)
     positions = min(block_size, len(ids) + max_tokens)
     check_memory(engine, batch, positions, "--num-samples")
     requests = Requests(engine, encoding)

@@ -194,6 +194,8 @@ def _settings(value: dict, fields: dict, max_tokens: int, default_max_tokens: in
         except ValueError as exc:
             given = [f for f, s in fields.items() if s == name and value.get(f) is not None]
             raise RequestError(str(exc), param=(given or [name])[0]) from None
+    if checked["max_tokens"] == -1:  # generate's "until the end of text or the window": a server keeps a ceiling
+        raise RequestError("max_tokens must be an integer >= 1", param="max_tokens")
     if checked["max_tokens"] > max_tokens:
         raise RequestError(
             f"max_tokens {checked['max_tokens']:,} is over this server's limit of {max_tokens:,} "

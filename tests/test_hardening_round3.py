@@ -279,7 +279,8 @@ def test_jsonl_refuses_numbers_that_are_not_json(rope, value):
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])
 def test_temperature_must_be_a_finite_number(rope, value):
     done = manas("generate", "-c", rope.path, *RUN_OPTIONS, "-p", "a", "-t", value)
-    assert done.returncode == 2 and "temperature must be a finite number >= 0" in done.err
+    expected = "temperature must be a finite number >= 0" if value == "-1" else f"'{value}' is not a finite number"
+    assert done.returncode == 2 and expected in done.err and "'--temperature'" in done.err
 
 
 # ---- 7, 9, 17: tokenizer files that tokenize otherwise, or cost memory out of proportion -----------------------------

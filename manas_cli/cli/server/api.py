@@ -190,12 +190,12 @@ def _settings(value: dict, fields: dict, max_tokens: int, default_max_tokens: in
     checked = {}
     for name, setting in overrides.items():
         try:
+            if name == "max_tokens" and (type(setting) is not int or setting < 1):  # no -1: a server has a ceiling
+                raise ValueError(f"max_tokens must be an integer >= 1, got {setting!r}")
             checked[name] = check(name, setting)
         except ValueError as exc:
             given = [f for f, s in fields.items() if s == name and value.get(f) is not None]
             raise RequestError(str(exc), param=(given or [name])[0]) from None
-    if checked["max_tokens"] == -1:  # generate's "until the end of text or the window": a server keeps a ceiling
-        raise RequestError("max_tokens must be an integer >= 1", param="max_tokens")
     if checked["max_tokens"] > max_tokens:
         raise RequestError(
             f"max_tokens {checked['max_tokens']:,} is over this server's limit of {max_tokens:,} "

@@ -196,14 +196,14 @@ class Handler(BaseHTTPRequestHandler):
         if self._unread and self.command != "POST":  # a body no route reads: the connection ends with the answer
             self.close_connection = True
         try:
-            if route is None:
-                raise RequestError(
-                    f"no route {self.command} {self.path}: manas serves GET /health, GET /v1/models, "
-                    "POST /v1/completions and POST /v1/chat/completions",
-                    status=404,
-                    code="not_found",
-                )
             try:
+                if route is None:
+                    raise RequestError(
+                        f"no route {self.command} {self.path}: manas serves GET /health, GET /v1/models, "
+                        "POST /v1/completions and POST /v1/chat/completions",
+                        status=404,
+                        code="not_found",
+                    )
                 route()
             except RequestError as exc:
                 if self._unread:  # a body no one read is never parsed as the next request

@@ -47,21 +47,15 @@ class TemplateWorker:
     def render(self, template: str, messages: list[dict], bos_token: str, eos_token: str) -> str:
         return self._ask({"template": template, "messages": messages, "bos": bos_token, "eos": eos_token})
 
-    def close(self) -> None:
-        with self._lock:
-            self._stop()
-
     def _ask(self, request: dict) -> str:
         with self._lock:
             process = self._started()
             try:
                 process.stdin.write((json.dumps(request) + "\n").encode())
                 process.stdin.flush()
-            except OSError:  # it died between requests (killed from outside): start afresh, once
+            except OSError:  # killed from outside since it was started: the next request starts a fresh one
                 self._stop()
-                process = self._started()
-                process.stdin.write((json.dumps(request) + "\n").encode())
-                process.stdin.flush()
+                raise TemplateError("the chat template's worker stopped: send the request again") from None
             line = self._reply(process, WALL_S)
         reply = json.loads(line)
         if "error" in reply:

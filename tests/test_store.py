@@ -132,14 +132,19 @@ def test_pulling_a_name_twice_needs_force(tmp_path, repository):
         manas("pull", REPO, "--name", "t", "--force", **env).ok()
 
 
-def test_the_readme_first_commands_run_as_written(tmp_path, repository):
-    """pull → chat → serve, as the README shows them, against a Hub on loopback serving that repository's name."""
+def test_the_readme_first_commands_run_as_written(tmp_path, tiny_bpe_spec):
+    """pull → chat → serve, as the README shows them, against a Hub on loopback serving that repository's name: a
+    SmolLM2-shaped model with SmolLM2's real tokenizer and chat template."""
     import re
     import subprocess
     from pathlib import Path
 
     from cli_fixtures import MANAS, cli_env
+    from test_real_tokenizers import smollm2_folder
     from test_serve import READY
+
+    repository = tmp_path / "repository"
+    smollm2_folder(repository, tiny_bpe_spec)
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## First commands", 1)[1].split("```text", 1)[0]

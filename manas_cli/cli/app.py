@@ -1207,6 +1207,49 @@ def rm_command(name: Annotated[str, typer.Argument(help="A store name (manas lis
     command.remove(name=name)
 
 
+@app.command("tokenize")
+def tokenize_command(
+    text: Annotated[
+        Optional[str], typer.Argument(help="The text; standard input without it.", show_default=False)
+    ] = None,
+    source: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--checkpoint",
+            "--model",
+            "-c",
+            "-m",
+            help="A checkpoint, a store name, or a Hugging Face tokenizer.json. Default: $MANAS_CHECKPOINT, else "
+            "the model shipped with manas.",
+        ),
+    ] = None,
+    special: Annotated[
+        bool,
+        typer.Option(
+            "--special/--no-special",
+            help="Special-token text (<|im_start|>) as those tokens, as a prompt's; --no-special: plain text.",
+        ),
+    ] = True,
+    json_output: Annotated[
+        bool, typer.Option("--json", help='One JSON object: {"ids": [...], "pieces": [...]}, each id\'s text.')
+    ] = False,
+) -> None:
+    """Print a text's token ids, space-separated on one line, as the model's tokenizer gives them.
+
+    llama.cpp's llama-tokenize, for checking a tokenizer against another tool. No BOS is added: these are the
+    text's own ids (a prompt of a model that has one begins with its BOS).
+
+    Examples:
+
+      manas tokenize -m smollm2-135m-instruct "Hello world"
+
+      manas tokenize -c tokenizer.json --json < text.txt
+    """
+    from .commands import tokenize as command
+
+    command.run(source=source, text=text, special=special, json_output=json_output)
+
+
 @app.command("tokenizer", no_args_is_help=True)
 def tokenizer_command(
     src: Annotated[

@@ -33,6 +33,7 @@ from .tokenizer import (
     QWEN2_PAT_STR,
     bytes_to_unicode,
     merge_parts,
+    ordinary_ranks,
     spec_from_hf_files,
     spec_from_tokenizer_json,
 )
@@ -350,7 +351,7 @@ def byte_level_bpe(
 ) -> ByteLevelBPE:
     """The encoding's tokens and merges, for a tokenizer whose split pattern the target runs (`patterns`)."""
     # tiktoken keeps the ranks, pattern and special tokens of an Encoding only in these attributes.
-    ranks: dict[bytes, int] = encoding._mergeable_ranks
+    ranks = ordinary_ranks(encoding)
     alias = bytes_to_unicode()
 
     def show(token: bytes) -> str:

@@ -41,12 +41,20 @@ NORMALIZATIONS = ("NFC",)  # what a tokenizer may ask of the text before it is s
 
 class Encoding(tiktoken.Encoding):
     """tiktoken's encoding of an embedded BPE, with what its spec adds: the Unicode normalization the text gets
-    before it is split (None, or NFC), the special token that ends a text, and the one that begins every prompt
-    (None: none, as GPT-2, SmolLM2 and Qwen2 have)."""
+    before it is split (None, or NFC), the special token that ends a text, the one that begins every prompt (None:
+    none, as GPT-2, SmolLM2 and Qwen2 have), and where its skipped bytes' ids begin (None: it has every byte).
 
-    def __init__(self, *, normalization: str | None, end_of_text: str, bos: str | None, **values) -> None:
+    A real byte-level BPE may lack a token for some bytes (SmolLM2's has none for 21 of them: control characters
+    and bytes no UTF-8 text holds); Hugging Face's tokenizer drops such a byte. tiktoken cannot run without every
+    byte, so each gets a rank of its own past the vocabulary (never a merge's part: no merged token holds it), and
+    encode_text drops those ids: the ids are Hugging Face's, whatever the text."""
+
+    def __init__(
+        self, *, normalization: str | None, end_of_text: str, bos: str | None, skipped_from: int | None, **values
+    ) -> None:
         super().__init__(**values)
         self.normalization, self.end_of_text, self.bos = normalization, end_of_text, bos
+        self.skipped_from = skipped_from
 
 
 def encode_ranks(ranks: dict[bytes, int]) -> str:
@@ -262,10 +270,11 @@ def spec_from_vocab_and_merges(
             ranks[bytes(byte_of[ch] for ch in token)] = token_id
         else:
             raise TokenizerError(f"{source}: {vocab_name} token {token!r} is not spelled in GPT-2's byte alphabet")
-    if missing := [byte for byte in range(256) if bytes([byte]) not in ranks]:
-        raise TokenizerError(f"{source}: {vocab_name} has no token for byte {missing[0]}: not a byte-level BPE")
     _check_merges_as_ranks(ranks, pairs, byte_of, source)
-    return checked_spec(bpe_spec(ranks, pat_str, special_tokens=special), source)
+    spec = bpe_spec(ranks, pat_str, special_tokens=special)
+    if any(bytes([byte]) not in ranks for byte in range(256)):  # Hugging Face drops a byte without a token
+        spec["unknown_bytes"] = "skip"
+    return checked_spec(spec, source)
 
 
 def _is_marker(token: str) -> bool:
@@ -383,6 +392,7 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
                 f"the embedded BPE tokenizer's normalization must be NFC or absent, got {normalization!r}"
             )
         end_of_text, bos = _special_entry(spec, "end_of_text") or END_OF_TEXT, _special_entry(spec, "bos")
+        skipped_from = _skip_unknown_bytes(spec, ranks)
         try:
             with tiktoken_errors():
                 return Encoding(
@@ -393,10 +403,32 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
                     normalization=normalization,
                     end_of_text=end_of_text,
                     bos=bos,
+                    skipped_from=skipped_from,
                 )
         except ValueError as exc:  # the pattern does not compile
             raise TokenizerError(f"the embedded BPE tokenizer's pat_str is invalid: {first_line(exc)}") from None
     raise TokenizerError(f"unknown tokenizer kind {kind!r}: expected 'tiktoken' or 'bpe'")
+
+
+def _skip_unknown_bytes(spec: dict, ranks: dict[bytes, int]) -> int | None:
+    """For a spec whose unknown_bytes is "skip": each byte without a token given a rank past every id (in ranks,
+    changed in place), and the first of those ranks; None for a spec without the key."""
+    skip = spec.get("unknown_bytes")
+    if skip is None:
+        return None
+    if skip != "skip":
+        raise TokenizerError(f"the embedded BPE tokenizer's unknown_bytes must be 'skip' or absent, got {skip!r}")
+    skipped_from = max([*ranks.values(), *spec["special_tokens"].values()], default=-1) + 1
+    for offset, byte in enumerate(byte for byte in range(256) if bytes([byte]) not in ranks):
+        ranks[bytes([byte])] = skipped_from + offset
+    return skipped_from
+
+
+def ordinary_ranks(encoding: tiktoken.Encoding) -> dict[bytes, int]:
+    """The encoding's ordinary tokens by rank, without the ranks of the bytes it skips."""
+    skipped_from = getattr(encoding, "skipped_from", None)
+    ranks = encoding._mergeable_ranks  # tiktoken keeps them only in this attribute
+    return ranks if skipped_from is None else {token: rank for token, rank in ranks.items() if rank < skipped_from}
 
 
 def _special_entry(spec: dict, key: str) -> str | None:
@@ -553,7 +585,9 @@ def encode_text(encoding: tiktoken.Encoding, text: str, special: bool = False) -
     if normalization := getattr(encoding, "normalization", None):
         text = unicodedata.normalize(normalization, text)
     with tiktoken_errors():
-        return encoding.encode(text, allowed_special="all") if special else encoding.encode_ordinary(text)
+        ids = encoding.encode(text, allowed_special="all") if special else encoding.encode_ordinary(text)
+    skipped_from = getattr(encoding, "skipped_from", None)
+    return ids if skipped_from is None else [token for token in ids if token < skipped_from]
 
 
 # The most characters one encode call of a training text gets: far below the whitespace run (about 10^6 characters)
@@ -596,15 +630,16 @@ def longest_token_bytes(encoding: tiktoken.Encoding) -> int:
 
 
 def vocabulary_size(encoding: tiktoken.Encoding) -> int:
-    """One past the largest token id, special tokens included."""
-    return encoding.max_token_value + 1
+    """One past the largest token id, special tokens included (the skipped bytes' are not tokens)."""
+    skipped_from = getattr(encoding, "skipped_from", None)
+    return encoding.max_token_value + 1 if skipped_from is None else skipped_from
 
 
 def decodable(encoding: tiktoken.Encoding) -> list[bool]:
     """For each id below vocabulary_size, whether a token has it. An embedded tokenizer has no holes (check_bpe),
     but tiktoken's own encodings may (cl100k_base's special tokens are not contiguous)."""
     ids = [False] * vocabulary_size(encoding)
-    for token_id in (*encoding._mergeable_ranks.values(), *encoding._special_tokens.values()):  # no public accessor
+    for token_id in (*ordinary_ranks(encoding).values(), *encoding._special_tokens.values()):  # no public accessor
         ids[token_id] = True
     return ids
 

@@ -1,0 +1,54 @@
+"""`manas tokenize`: a text's token ids as a model's tokenizer gives them (llama.cpp's llama-tokenize), to check a
+tokenizer against another tool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...errors import InputError
+from .common import read_stdin
+
+MAX_TOKENIZER_FILE_BYTES = 64 * 2**20  # as convert reads a folder's (formats/huggingface.py)
+
+
+def run(*, source: Path | None, text: str | None, special: bool, json_output: bool) -> None:
+    from ...formats.tokenizer import encode_text
+    from ...records import json_line
+
+    encoding = source_encoding(source)
+    if text is None:
+        text = read_stdin("tokenize a shorter text, or split it")
+    ids = encode_text(encoding, text, special)
+    if json_output:
+        pieces = [encoding.decode_single_token_bytes(token).decode("utf-8", "replace") for token in ids]
+        print(json_line({"ids": ids, "pieces": pieces}))
+    else:
+        print(" ".join(map(str, ids)))
+
+
+def source_encoding(source: Path | None):
+    """The tokenizer of a Hugging Face tokenizer.json, or of a checkpoint (a path or a store name; none: the
+    default model), read from its header alone."""
+    from ...formats.tokenizer import build_encoding, spec_from_tokenizer_json
+
+    if source is not None and source.suffix == ".json":
+        return build_encoding(spec_from_tokenizer_json(_tokenizer_json(source), source))
+    from ...formats.header import read_header
+    from ...models import checkpoint_file, resolve_checkpoint
+
+    path = checkpoint_file(resolve_checkpoint(source))
+    if not path.is_file():
+        raise InputError(f"no checkpoint or tokenizer {path}: no such file")
+    with path.open("rb") as f:
+        return read_header(f, path).encoding
+
+
+def _tokenizer_json(path: Path) -> str:
+    try:
+        if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
+            raise InputError(f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file")
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"no tokenizer {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read the tokenizer {path}: {exc}") from None

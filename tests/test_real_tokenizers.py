@@ -1,0 +1,115 @@
+"""Real tokenizers (issue 57): SmolLM2-135M-Instruct's published vocabulary, which has no token for 21 of the 256
+bytes (Hugging Face's tokenizer drops such a byte), converts, and manas encodes every text to the ids Hugging
+Face's `tokenizers` gives, through `manas tokenize` and through a converted model's prompts and chat template;
+greedy generation on a model with that vocabulary equals transformers'."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cli_fixtures import DATA, RUN_OPTIONS, manas
+
+tokenizers = pytest.importorskip("tokenizers")
+
+SMOLLM2 = DATA / "smollm2"  # data/SOURCES.md
+MISSING_BYTES = [4, 6, 19, 20, 22, 29, 192, 193, 241, 242, *range(245, 256)]
+# Every kind of text: scripts, combining marks, emoji sequences, digits, whitespace runs, and the characters whose
+# bytes SmolLM2 has no token for (control characters; U+40000 and U+80000 begin with the bytes F1 and F2).
+MULTILINGUAL = (
+    "Hello, world! 日本語のテキスト、中文字符、한국어 텍스트; مرحبا بالعالم — שלום עולם; नमस्ते; ελληνικά; кириллица.\n"
+    "café naïve e\u0301 Ångström 👨‍👩‍👧‍👦 🏳️‍🌈 👍🏽 🎉 12345 3.14159 2024-12-06\n"
+    "\x04\x06\x13\x14\x16\x1d control \x00\x01\x1b[31mred\x1b[0m\x7f \U00040000 \U00080001 x\n\n\t  trailing   \r\n"
+)
+
+
+def texts() -> dict[str, str]:
+    return {
+        "shakespeare": (DATA / "tinyshakespeare-head.txt").read_text(encoding="utf-8"),
+        "multilingual": MULTILINGUAL,
+    }
+
+
+def reference_ids(text: str) -> list[int]:
+    tokenizer = tokenizers.Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def smollm2_folder(folder: Path, spec: dict) -> None:
+    """A SmolLM2-shaped random model as transformers saves it, with SmolLM2's real tokenizer and chat template."""
+    from test_llama_family import hf_folder
+
+    hf_folder(folder, spec, "smollm2", vocab_size=49152)
+    shutil.copyfile(SMOLLM2 / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copyfile(SMOLLM2 / "tokenizer_config.json", folder / "tokenizer_config.json")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory, tiny_bpe_spec) -> tuple[Path, Path]:
+    """(the folder, its conversion)."""
+    from test_llama_family import converted
+
+    folder = tmp_path_factory.mktemp("smollm2")
+    smollm2_folder(folder / "hf", tiny_bpe_spec)
+    return folder / "hf", converted(folder, folder / "hf")
+
+
+def test_the_vocabulary_lacks_the_bytes_the_data_notes_say():
+    vocab = json.loads((SMOLLM2 / "tokenizer.json").read_text())["model"]["vocab"]
+    from manas_cli.formats.tokenizer import bytes_to_unicode
+
+    assert [byte for byte, alias in bytes_to_unicode().items() if alias not in vocab] == MISSING_BYTES
+
+
+@pytest.mark.parametrize("name", ["shakespeare", "multilingual"])
+def test_tokenize_gives_hugging_faces_ids_from_the_tokenizer_json_and_the_converted_model(smollm2, name):
+    text = texts()[name]
+    expected = reference_ids(text)
+    for source in (SMOLLM2 / "tokenizer.json", smollm2[1]):
+        run = manas("tokenize", "-c", source, "--no-special", stdin=text.encode())
+        assert [int(token) for token in run.ok().out.split()] == expected
+
+
+def test_special_tokens_in_a_text_are_parsed_as_hugging_face_parses_them(smollm2):
+    text = "<|im_start|>user\nHi \x04 there<|im_end|>\n"
+    tokenizer = tokenizers.Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
+    record = manas("tokenize", "-c", smollm2[1], text, "--json").ok().json()
+    assert record["ids"] == tokenizer.encode(text, add_special_tokens=False).ids
+    assert record["pieces"][0] == "<|im_start|>" and "".join(record["pieces"]) == text.replace("\x04", "")
+
+
+def test_greedy_generation_on_the_real_vocabulary_equals_transformers(smollm2):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, model = smollm2
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    for prompt in ("The capital of France is", "日本語 12 \x04 café"):
+        ids = reference_ids(prompt)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=2)
+        expected = out[0, len(ids) :].tolist()
+        expected = expected[: expected.index(2)] if 2 in expected else expected
+        done = manas("generate", "-c", model, *RUN_OPTIONS, "-p", prompt, "-n", "12", "-t", "0", "--json").ok()
+        assert done.json()["prompt_tokens"] == len(ids) and done.json()["tokens"] == expected
+
+
+def test_the_real_chat_template_renders_the_ids_transformers_gives(smollm2):
+    pytest.importorskip("jinja2")
+    from transformers import AutoTokenizer
+
+    from manas_cli.chat import parse_messages, prompt_ids
+    from manas_cli.formats.checkpoint import load_checkpoint
+
+    folder, model = smollm2
+    checkpoint = load_checkpoint(model)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": MULTILINGUAL}]
+    expected = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    template = checkpoint.metadata["chat_template"]
+    assert prompt_ids(template, parse_messages(messages), checkpoint.encoding) == expected

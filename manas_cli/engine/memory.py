@@ -53,6 +53,24 @@ def check_fits(engine, rows: int, positions: int, lower: str) -> None:
         )
 
 
+def fitting_window(engine, rows: int, smallest: int = 512) -> int | None:
+    """The model's window, or where `rows` of it need more memory than the engine's device has free, the largest
+    halving of it (down to `smallest`) that fits; None when the window fits, or nothing does."""
+    available = engine.free_memory_bytes()
+    window = engine.config.block_size
+
+    def fits(positions: int) -> bool:
+        return run_bytes(engine.config, rows, positions, engine.activation_bytes) <= available
+
+    if available is None or fits(window):
+        return None
+    while window > smallest:
+        window = max(smallest, window // 2)
+        if fits(window):
+            return window
+    return None
+
+
 def _meminfo_bytes(path: str, key: str) -> int | None:
     try:
         with open(path, encoding="ascii") as f:

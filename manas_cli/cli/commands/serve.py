@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import typer
 
 from ...chat import prompt_ids
+from ...engine.memory import fitting_window
 from ...errors import InputError
 from ...models import ModelOptions
 from ...requests import encode_prompt
@@ -58,6 +60,13 @@ def run(
     console = stderr_console()
     template = chat_template_text(chat_template)  # a bad file is refused before the model loads
     checkpoint, _, engine = load_model(model_options, console)
+    window_note = ""
+    if model_options.ctx is None and (window := fitting_window(engine, batch_size)) is not None:
+        # The model's window does not fit the free memory: keep the longest that does, rather than refuse a default
+        # the user did not choose (llama-server and ollama start with a context of their own too).
+        declared = checkpoint.model.config.block_size
+        checkpoint, _, engine = load_model(replace(model_options, ctx=window))
+        window_note = f" · window {window:,} of {declared:,} tokens, to fit the free memory (--ctx sets it)"
     template = template or model_chat_template(checkpoint)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
     scheduler = Scheduler(engine, checkpoint, batch_size, max_queued, prefix_cache_bytes=int(prefix_cache_mb * 2**20))
@@ -93,6 +102,7 @@ def run(
             on_ready=lambda: say(
                 console,
                 f"manas serve: {url}/v1 · model {model_id} · {engine.name} engine · batch size {batch_size}"
+                + window_note
                 + (" · chat" if template else ""),
             ),
         )

@@ -113,3 +113,42 @@ def test_the_real_chat_template_renders_the_ids_transformers_gives(smollm2):
     )["input_ids"]
     template = checkpoint.metadata["chat_template"]
     assert prompt_ids(template, parse_messages(messages), checkpoint.encoding) == expected
+
+
+# ---- llama.cpp's own fixtures: its vocabularies, inputs and the ids it gives ----
+
+LLAMA_CPP_VOCAB = DATA / "llamacpp" / "vocab"
+SEPARATOR = "\n__ggml_vocab_test__\n"  # between cases in an .inp file (llama.cpp's tests/test-tokenizer-0)
+
+
+@pytest.mark.parametrize("name", ["gpt-2", "llama-bpe", "qwen2"])
+def test_tokenize_gives_llama_cpps_ids_on_its_own_fixtures(name):
+    """test-tokenizer-0's settings: no BOS, special-token text as plain text."""
+    pytest.importorskip("gguf")
+    vocabulary = LLAMA_CPP_VOCAB / f"ggml-vocab-{name}.gguf"
+    cases = vocabulary.with_suffix(".gguf.inp").read_text(encoding="utf-8").split(SEPARATOR)[:-1]
+    expected = vocabulary.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")[: len(cases)]
+    stdin = "".join(json.dumps(case) + "\n" for case in cases).encode()
+    run = manas("tokenize", "-c", vocabulary, "--jsonl", "--no-special", stdin=stdin).ok()
+    assert len(cases) == 46 and run.out.split("\n")[:-1] == [line.strip() for line in expected]
+
+
+def test_a_sentencepiece_gguf_is_one_error_line_naming_it(tmp_path):
+    """Llama 2's vocabulary (SentencePiece) is not read yet: a GGUF of one says so, as does a file that is no GGUF."""
+    pytest.importorskip("gguf")
+    import gguf
+
+    writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(10))
+    for path, message in (
+        (tmp_path / "spm.gguf", "its tokenizer is SentencePiece"),
+        (tmp_path / "broken.gguf", "is not a GGUF file"),
+    ):
+        run = manas("tokenize", "-c", path, "x")
+        assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err, run.err
+        assert len(run.err.strip().splitlines()) == 1

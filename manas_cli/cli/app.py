@@ -1219,7 +1219,8 @@ def tokenize_command(
             "--model",
             "-c",
             "-m",
-            help="A checkpoint, a store name, or a Hugging Face tokenizer.json. Default: $MANAS_CHECKPOINT, else "
+            help="A checkpoint, a store name, a Hugging Face tokenizer.json, or a GGUF file (a model, or a "
+            "vocabulary alone as llama.cpp's ggml-vocab-*.gguf; byte-level BPEs). Default: $MANAS_CHECKPOINT, else "
             "the model shipped with manas.",
         ),
     ] = None,
@@ -1233,6 +1234,10 @@ def tokenize_command(
     json_output: Annotated[
         bool, typer.Option("--json", help='One JSON object: {"ids": [...], "pieces": [...]}, each id\'s text.')
     ] = False,
+    jsonl: Annotated[
+        bool,
+        typer.Option("--jsonl", help="Each line of standard input a JSON string: a line of ids for each, in order."),
+    ] = False,
 ) -> None:
     """Print a text's token ids, space-separated on one line, as the model's tokenizer gives them.
 
@@ -1244,10 +1249,12 @@ def tokenize_command(
       manas tokenize -m smollm2-135m-instruct "Hello world"
 
       manas tokenize -c tokenizer.json --json < text.txt
+
+      jq -R . lines.txt | manas tokenize -c ggml-vocab-qwen2.gguf --jsonl --no-special
     """
     from .commands import tokenize as command
 
-    command.run(source=source, text=text, special=special, json_output=json_output)
+    command.run(source=source, text=text, special=special, json_output=json_output, jsonl=jsonl)
 
 
 @app.command("tokenizer", no_args_is_help=True)

@@ -1,0 +1,156 @@
+"""A GGUF file's tokenizer (its tokenizer.ggml.* fields), as an embedded BPE that encodes to the ids llama.cpp
+gives: a byte-level BPE (tokenizer.ggml.model "gpt2") with its tokens, token types and merges, split as its
+pre-tokenizer name says. Reading one needs the `gguf` extra (llama.cpp's own reader)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import MissingDependencyError, TokenizerError, first_line
+from .tokenizer import (
+    DIGITS_PAT_STR,
+    GPT2_PAT_STR,
+    QWEN2_PAT_STR,
+    bpe_spec,
+    bytes_to_unicode,
+    checked_spec,
+    spec_from_vocab_and_merges,
+)
+
+# Llama 3's split (its tokenizer.json's Split regex), which llama.cpp runs as its "llama-bpe" pre-tokenizer.
+LLAMA3_PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) and the splits they make.
+PRE_TOKENIZERS = {
+    "gpt-2": GPT2_PAT_STR,
+    "default": GPT2_PAT_STR,
+    "llama-bpe": LLAMA3_PAT_STR,
+    "qwen2": QWEN2_PAT_STR,
+    "smollm": DIGITS_PAT_STR,
+}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types that are special tokens, never merged
+
+
+def spec_from_gguf(path: Path) -> dict:
+    """The embedded BPE of a GGUF file's tokenizer; one TokenizerError naming what it cannot read."""
+    fields = _fields(path)
+    model = _string(fields, "tokenizer.ggml.model", path)
+    if model == "llama":
+        raise TokenizerError(
+            f"{path}: its tokenizer is SentencePiece (tokenizer.ggml.model 'llama': Llama 2's, TinyLlama's, "
+            "Mistral's), which manas does not read yet: byte-level BPEs only (gpt2)"
+        )
+    if model != "gpt2":
+        raise TokenizerError(f"{path}: tokenizer.ggml.model {model!r} is not one manas reads (gpt2)")
+    pre = _string(fields, "tokenizer.ggml.pre", path) if "tokenizer.ggml.pre" in fields else "default"
+    if pre not in PRE_TOKENIZERS:
+        raise TokenizerError(
+            f"{path}: its pre-tokenizer {pre!r} is not one manas runs ({', '.join(sorted(PRE_TOKENIZERS))})"
+        )
+    tokens = _strings(fields, "tokenizer.ggml.tokens", path)
+    types = _list(fields, "tokenizer.ggml.token_type", path) if "tokenizer.ggml.token_type" in fields else []
+    merges = _strings(fields, "tokenizer.ggml.merges", path)
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError(f"{path}: tokenizer.ggml.tokens names a token twice")
+    specials = frozenset(token for token, kind in zip(tokens, types) if kind in (CONTROL, USER_DEFINED))
+    if pre == "llama-bpe":  # Llama 3's vocabulary is tiktoken's: its ids are the ranks (see tiktoken_vocabulary)
+        spec = tiktoken_vocabulary(tokens, specials, path, PRE_TOKENIZERS[pre])
+    else:
+        spec = spec_from_vocab_and_merges(
+            vocab,
+            list(enumerate(merges, start=1)),
+            specials,
+            path,
+            "tokenizer.ggml.tokens",
+            "merge {} of tokenizer.ggml.merges",
+            pat_str=PRE_TOKENIZERS[pre],
+        )
+    return checked_spec(spec | _ends(fields, tokens, spec["special_tokens"]), path)
+
+
+def tiktoken_vocabulary(tokens: list[str], specials: frozenset[str], path: Path, pat_str: str) -> dict:
+    """Llama 3's tokenizer is a tiktoken one (Meta's tokenizer.model is a ranks file): its merges, written out
+    for Hugging Face and llama.cpp afterwards, are not in the order a BPE builds them, so they cannot be checked as
+    one (spec_from_vocab_and_merges); its ids are tiktoken's ranks, which give llama.cpp's ids (tested on
+    llama.cpp's own fixtures for it)."""
+    byte_of = {alias: byte for byte, alias in bytes_to_unicode().items()}
+    ranks, special = {}, {}
+    for token_id, token in enumerate(tokens):
+        if token in specials:
+            special[token] = token_id
+        elif all(ch in byte_of for ch in token):
+            ranks[bytes(byte_of[ch] for ch in token)] = token_id
+        else:
+            raise TokenizerError(
+                f"{path}: token {token[:40]!r} (id {token_id}) is not spelled in GPT-2's byte alphabet"
+            )
+    spec = bpe_spec(ranks, pat_str, special_tokens=special)
+    if any(bytes([byte]) not in ranks for byte in range(256)):
+        spec["unknown_bytes"] = "skip"
+    return spec
+
+
+def _ends(fields: dict, tokens: list[str], special: dict[str, int]) -> dict:
+    """end_of_text and bos as the file names them (by id), where they are special tokens; bos only where llama.cpp
+    adds it (tokenizer.ggml.add_bos_token)."""
+    ends = {}
+    eos = _integer(fields, "tokenizer.ggml.eos_token_id")
+    if eos is not None and 0 <= eos < len(tokens) and tokens[eos] in special:
+        ends["end_of_text"] = tokens[eos]
+    bos = _integer(fields, "tokenizer.ggml.bos_token_id")
+    adds = fields.get("tokenizer.ggml.add_bos_token")
+    if adds is not None and adds.contents() is True and bos is not None and 0 <= bos < len(tokens):
+        if tokens[bos] in special:
+            ends["bos"] = tokens[bos]
+    return ends
+
+
+def _fields(path: Path) -> dict:
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise MissingDependencyError(
+            'reading a GGUF file needs the gguf package: pip install "manas-cli[gguf]"'
+        ) from None
+    try:
+        return GGUFReader(path).fields
+    except FileNotFoundError:
+        raise TokenizerError(f"no GGUF file {path}: no such file") from None
+    except Exception as exc:  # ValueError, struct errors, IndexError: whatever a damaged file makes the reader raise
+        raise TokenizerError(f"{path} is not a GGUF file manas can read: {first_line(exc)}") from None
+
+
+def _list(fields: dict, key: str, path: Path) -> list:
+    try:
+        value = fields[key].contents()
+    except KeyError:
+        raise TokenizerError(f"{path}: its GGUF metadata has no {key}") from None
+    except Exception as exc:
+        raise TokenizerError(f"{path}: its GGUF metadata's {key} cannot be read: {first_line(exc)}") from None
+    if not isinstance(value, list):
+        raise TokenizerError(f"{path}: its GGUF metadata's {key} is not a list")
+    return value
+
+
+def _strings(fields: dict, key: str, path: Path) -> list[str]:
+    value = _list(fields, key, path)
+    if not all(isinstance(item, str) for item in value):
+        raise TokenizerError(f"{path}: its GGUF metadata's {key} is not a list of strings")
+    return value
+
+
+def _string(fields: dict, key: str, path: Path) -> str:
+    field = fields.get(key)
+    value = field.contents() if field is not None else None
+    if not isinstance(value, str):
+        raise TokenizerError(f"{path}: its GGUF metadata has no string {key}")
+    return value
+
+
+def _integer(fields: dict, key: str) -> int | None:
+    field = fields.get(key)
+    value = field.contents() if field is not None else None
+    return value if type(value) is int else None

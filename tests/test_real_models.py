@@ -8,8 +8,9 @@ import resource
 import subprocess
 
 import pytest
+import torch
 
-from cli_fixtures import MANAS, cli_env
+from cli_fixtures import MANAS, RUN_OPTIONS, cli_env, manas
 from test_serve import READY
 
 ADDRESS_SPACE_BYTES = 3 * 2**30  # ulimit -v: what the server may map; 16 rows of 8,192 positions need ~16 GiB
@@ -63,3 +64,128 @@ def test_a_window_the_user_chose_is_kept_or_refused_never_changed(long_window):
     )
     assert chosen.returncode == 1 and chosen.stderr.startswith("error: this run needs about")
     assert "lower --batch-size" in chosen.stderr
+
+
+# ---- GGUF in ----
+
+
+def gguf_roundtrip(folder, tmp_path, outtype: str):
+    """The model converted from its Hugging Face folder, exported to GGUF, and that GGUF converted back."""
+    from test_llama_family import converted
+
+    tmp_path.mkdir(exist_ok=True)
+    original = converted(tmp_path, folder)
+    exported = tmp_path / f"model-{outtype}.gguf"
+    manas("export", original, "--format", "gguf", "--outtype", outtype, "--out", exported).ok()
+    back = tmp_path / f"back-{outtype}.safetensors"
+    run = manas("convert", exported, "--out", back).ok()
+    assert f"converted the GGUF {'qwen2' if 'qwen2' in str(folder) else 'llama'}" in run.err
+    return original, exported, back
+
+
+@pytest.mark.parametrize("family", ["smollm2", "qwen2", "tinyllama"])
+def test_a_gguf_export_converts_back_to_the_same_weights_and_text(tmp_path, tiny_bpe_spec, family):
+    """llama (interleaved rope pairs, tied or not) and qwen2 (rotate-half): manas → GGUF f32 → manas is the same
+    model, tokenizer and text; through q8_0, every weight is the gguf package's dequantization of its blocks."""
+    pytest.importorskip("gguf")
+    import gguf
+
+    from manas_cli.formats.checkpoint import load_checkpoint
+    from test_llama_family import hf_folder
+
+    hf_folder(tmp_path / family, tiny_bpe_spec, family)
+    original, _, back = gguf_roundtrip(tmp_path / family, tmp_path, "f32")
+    a, b = load_checkpoint(original), load_checkpoint(back)
+    assert a.model.config == b.model.config and a.tokenizer_spec["ranks"] == b.tokenizer_spec["ranks"]
+    assert all(torch.equal(a.model.state_dict()[name], t) for name, t in b.model.state_dict().items())
+    flags = (*RUN_OPTIONS, "-p", "the weather", "-n", "12", "-t", "0", "--json")
+    assert (
+        manas("generate", "-c", back, *flags).ok().json()["tokens"]
+        == manas("generate", "-c", original, *flags).ok().json()["tokens"]
+    )
+    _, exported, back = gguf_roundtrip(tmp_path / family, tmp_path / "q8", "q8_0")
+    stored = {t.name: t for t in gguf.GGUFReader(exported).tensors}
+    embedding = gguf.quants.dequantize(stored["token_embd.weight"].data, stored["token_embd.weight"].tensor_type)
+    assert torch.equal(load_checkpoint(back).model.state_dict()["token_embedding.weight"], torch.from_numpy(embedding))
+
+
+# Where each raw block type keeps its float16 scales (byte offsets in a block): set to a small finite value, the
+# rest of the block random, so every value is finite and every bit of the quantized codes is exercised.
+SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
+QUANTIZED_BY_THE_PACKAGE = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def retyped(source, out, kinds: list[str]) -> None:
+    """The GGUF at source written again with its matrices stored in `kinds`, in turn: quantized by the gguf package
+    where it can, else as random blocks with sane scales (the K-quants and IQ4_NL, written directly)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    rng = np.random.default_rng(0)
+    matrices = 0
+    for tensor in reader.tensors:
+        values = np.array(tensor.data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if values.ndim == 1:
+            writer.add_tensor(tensor.name, values)
+            continue
+        name = kinds[matrices % len(kinds)]
+        matrices += 1
+        kind = gguf.GGMLQuantizationType[name]
+        if name in QUANTIZED_BY_THE_PACKAGE:
+            data = gguf.quants.quantize(values, kind)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            data = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
+            for offset in SCALE_OFFSETS[name]:
+                data[:, :, offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+            data = data.reshape(values.shape[0], -1)
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_every_tensor_type_dequantizes_as_the_gguf_package_does(tmp_path, tiny_bpe_spec):
+    """A model 256 wide (a K-quant block's width), its matrices stored in every type in turn, converted; exported
+    again as f32, each tensor is the gguf package's dequantization of the stored blocks, bit for bit."""
+    pytest.importorskip("gguf")
+    import gguf
+    import numpy as np
+
+    from test_llama_family import hf_folder
+
+    kinds = [*QUANTIZED_BY_THE_PACKAGE, *SCALE_OFFSETS]
+    hf_folder(tmp_path / "wide", tiny_bpe_spec, "tinyllama", hidden_size=256, intermediate_size=512)
+    _, exported, _ = gguf_roundtrip(tmp_path / "wide", tmp_path, "f32")
+    retyped(exported, tmp_path / "typed.gguf", kinds)
+    manas("convert", tmp_path / "typed.gguf", "--out", tmp_path / "typed.safetensors").ok()
+    manas("export", tmp_path / "typed.safetensors", "--format", "gguf", "--outtype", "f32", "--out",
+          tmp_path / "again.gguf").ok()  # fmt: skip
+    typed = {t.name: t for t in gguf.GGUFReader(tmp_path / "typed.gguf").tensors}
+    again = {t.name: t for t in gguf.GGUFReader(tmp_path / "again.gguf").tensors}
+    seen = set()
+    for name, tensor in typed.items():
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+        assert np.array_equal(np.asarray(again[name].data).reshape(-1), expected), (name, tensor.tensor_type.name)
+        seen.add(tensor.tensor_type.name)
+    assert set(kinds) <= seen
+
+
+def test_what_a_gguf_holds_that_manas_cannot_run_is_one_error_line(tmp_path):
+    pytest.importorskip("gguf")
+    import gguf
+
+    writer = gguf.GGUFWriter(tmp_path / "phi.gguf", "phi3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    run = manas("convert", tmp_path / "phi.gguf", "--out", tmp_path / "out.safetensors")
+    assert run.returncode == 1 and "llama.cpp architecture 'phi3' is not one manas imports" in run.err
+    assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()

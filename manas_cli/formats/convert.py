@@ -68,6 +68,15 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
     )
 
 
+def _gguf_source(src: Path) -> tuple[str, GPT, tuple[str, dict], str | None]:
+    """A GGUF file's (kind, model, (tokenizer description, spec), chat template): all of it is in the file."""
+    from .gguf_model import load_gguf
+
+    imported = load_gguf(src)
+    tokenizer = (f"the byte-level BPE in {src.name}'s metadata (embedded)", imported.tokenizer_spec)
+    return f"GGUF {imported.architecture}", imported.model, tokenizer, imported.chat_template
+
+
 def source_files(src: Path) -> tuple[Path, ...]:
     """Every file convert may read from src: src itself, or the files it reads inside a folder."""
     names = (HF_CONFIG, HF_SAFETENSORS, HF_PICKLE, HF_VOCAB, HF_MERGES, HF_TOKENIZER, HF_INDEX)
@@ -154,15 +163,19 @@ def convert_checkpoint(
     tokenizer_meta: Path | None = None,
     force: bool = False,
 ) -> Converted:
-    """Read src (nanoGPT or Hugging Face GPT-2), write the equivalent manas checkpoint to dst atomically."""
+    """Read src (nanoGPT, a Hugging Face folder or weights, or a GGUF file), write the equivalent manas checkpoint to
+    dst atomically."""
     from .checkpoint import save_checkpoint
 
     check_output_file(dst, force, inputs=(*source_files(src), config_path, tokenizer_file, tokenizer_meta))
     check_source(src)
-    own = folder_tokenizer(src) if tokenizer_file is None and tokenizer_meta is None else None
-    description, spec = own or tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
-    template = folder_chat_template(src) if src.is_dir() else None
-    kind, model = load_source(src, config_path)
+    if src.suffix == ".gguf" and src.is_file():
+        kind, model, (description, spec), template = _gguf_source(src)
+    else:
+        own = folder_tokenizer(src) if tokenizer_file is None and tokenizer_meta is None else None
+        description, spec = own or tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
+        template = folder_chat_template(src) if src.is_dir() else None
+        kind, model = load_source(src, config_path)
     check_tokenizer_fits(spec, model.config, description)
     metadata = {"converted_from": kind, **({"chat_template": template} if template else {})}
     save_checkpoint(dst, model, spec, extra_metadata=metadata, overwrite=force)

@@ -30,12 +30,18 @@ PRE_TOKENIZERS = {
     "qwen2": QWEN2_PAT_STR,
     "smollm": DIGITS_PAT_STR,
 }
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types that are special tokens, never merged
+# llama.cpp's token types that are special tokens, never merged: control (<|im_end|>), user-defined ([PAD…] in
+# Qwen2's), unused (the placeholders of a vocabulary padded past its tokenizer)
+SPECIAL_TYPES = (3, 4, 5)
 
 
 def spec_from_gguf(path: Path) -> dict:
     """The embedded BPE of a GGUF file's tokenizer; one TokenizerError naming what it cannot read."""
-    fields = _fields(path)
+    return spec_from_fields(read_gguf(path).fields, path)
+
+
+def spec_from_fields(fields: dict, path: Path) -> dict:
+    """The embedded BPE of a GGUF file's tokenizer, from the file's fields (GGUFReader's)."""
     model = _string(fields, "tokenizer.ggml.model", path)
     if model == "llama":
         raise TokenizerError(
@@ -51,11 +57,11 @@ def spec_from_gguf(path: Path) -> dict:
         )
     tokens = _strings(fields, "tokenizer.ggml.tokens", path)
     types = _list(fields, "tokenizer.ggml.token_type", path) if "tokenizer.ggml.token_type" in fields else []
-    merges = _strings(fields, "tokenizer.ggml.merges", path)
+    merges = _strings(fields, "tokenizer.ggml.merges", path) if "tokenizer.ggml.merges" in fields else []
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise TokenizerError(f"{path}: tokenizer.ggml.tokens names a token twice")
-    specials = frozenset(token for token, kind in zip(tokens, types) if kind in (CONTROL, USER_DEFINED))
+    specials = frozenset(token for token, kind in zip(tokens, types) if kind in SPECIAL_TYPES)
     if pre == "llama-bpe":  # Llama 3's vocabulary is tiktoken's: its ids are the ranks (see tiktoken_vocabulary)
         spec = tiktoken_vocabulary(tokens, specials, path, PRE_TOKENIZERS[pre])
     else:
@@ -108,7 +114,8 @@ def _ends(fields: dict, tokens: list[str], special: dict[str, int]) -> dict:
     return ends
 
 
-def _fields(path: Path) -> dict:
+def read_gguf(path: Path):
+    """The gguf package's reader of the file (it maps the file; nothing is read until asked)."""
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -116,7 +123,7 @@ def _fields(path: Path) -> dict:
             'reading a GGUF file needs the gguf package: pip install "manas-cli[gguf]"'
         ) from None
     try:
-        return GGUFReader(path).fields
+        return GGUFReader(path)
     except FileNotFoundError:
         raise TokenizerError(f"no GGUF file {path}: no such file") from None
     except Exception as exc:  # ValueError, struct errors, IndexError: whatever a damaged file makes the reader raise

@@ -1,0 +1,148 @@
+"""A GGUF model (llama.cpp's, ollama's, LM Studio's files) as a manas model: its hyperparameters as the Hugging
+Face config of its architecture, its tensors dequantized to float32 by the gguf package (every type it reads:
+F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants, IQ4_NL…) under their Hugging Face names, then the
+Llama-family import every Hugging Face folder takes (llama.py). llama.cpp's `llama` rope rotates interleaved
+pairs, so its queries and keys are permuted back to Hugging Face's rotate-half layout first; `qwen2`'s already
+are. The tokenizer, its ends and the chat template come from the file's metadata (gguf_vocab.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, first_line
+from ..torch_engine.model import GPT
+from . import llama, rotary_layout
+from .gguf_vocab import read_gguf, spec_from_fields
+from .importing import build_model
+
+ARCHITECTURES = ("llama", "qwen2")  # llama.cpp's names that are manas' Llama family
+LAYER_MODULES = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+TOP_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+@dataclass
+class GGUFModel:
+    architecture: str  # llama.cpp's name
+    model: GPT
+    tokenizer_spec: dict
+    chat_template: str | None
+
+
+def load_gguf(path: Path) -> GGUFModel:
+    """The model, tokenizer and chat template of a GGUF file; one CheckpointError (or TokenizerError) naming what
+    it cannot read."""
+    reader = read_gguf(path)
+    fields = reader.fields
+    architecture = _string(fields, "general.architecture", path)
+    if architecture not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: llama.cpp architecture {architecture!r} is not one manas imports from GGUF "
+            f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3, Qwen2 and 2.5)"
+        )
+    names = {tensor.name: tensor for tensor in reader.tensors}
+    config = llama.config_from_hf(_hf_config(fields, architecture, names, path), path)
+    state = _hf_state(names, architecture, config, path)
+    model = build_model(config, llama.state_to_manas(state, config, path), path)
+    template = fields.get("tokenizer.chat_template")
+    template = template.contents() if template is not None else None
+    return GGUFModel(
+        architecture, model, spec_from_fields(fields, path), template if isinstance(template, str) else None
+    )
+
+
+def _hf_config(fields: dict, architecture: str, tensors: dict, path: Path) -> dict:
+    """The Hugging Face config.json of the file's hyperparameters (as llama.cpp's converter wrote them from one)."""
+
+    def value(key: str, default: object = None) -> object:
+        field = fields.get(f"{architecture}.{key}")
+        return field.contents() if field is not None else default
+
+    if "token_embd.weight" not in tensors:
+        raise CheckpointError(f"{path}: the file has no token_embd.weight")
+    vocab_size, _ = _shape(tensors["token_embd.weight"])
+    values = {
+        "model_type": architecture,
+        "vocab_size": vocab_size,
+        "hidden_size": value("embedding_length"),
+        "intermediate_size": value("feed_forward_length"),
+        "num_hidden_layers": value("block_count"),
+        "num_attention_heads": value("attention.head_count"),
+        "num_key_value_heads": value("attention.head_count_kv"),
+        "max_position_embeddings": value("context_length", 2048),
+        "rms_norm_eps": _decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _decimal(value("rope.freq_base", 10000.0)),
+        "head_dim": value("attention.key_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    if (scaling := value("rope.scaling.type")) not in (None, "none"):
+        values["rope_scaling"] = {"type": scaling}  # refused by name, as a folder's is
+    if architecture == "llama" and "blk.0.attn_q.bias" in tensors:
+        values["attention_bias"] = values["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    return {key: item for key, item in values.items() if item is not None}
+
+
+def _decimal(value: object) -> object:
+    """A float GGUF stores as float32, as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07):
+    the config.json's value it was written from."""
+    import numpy as np
+
+    return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
+def _hf_state(tensors: dict, architecture: str, config, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors under their Hugging Face names, float32, in PyTorch's (out, in) layout; every tensor of the
+    file must be one of the model's."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.n_layer)
+    hf_names = [*TOP_NAMES, *(f"model.layers.{i}.{m}.{kind}" for i in range(config.n_layer) for m in LAYER_MODULES
+                              for kind in ("weight", "bias"))]  # fmt: skip
+    by_gguf_name = {names.get_name(name, try_suffixes=(".weight", ".bias")): name for name in hf_names}
+    state = {}
+    for gguf_name, tensor in tensors.items():
+        if gguf_name not in by_gguf_name:
+            if gguf_name == "rope_freqs.weight":
+                raise CheckpointError(f"{path}: rope_freqs.weight (Llama 3.1's scaled rope) has no manas equivalent")
+            raise CheckpointError(f"{path}: tensor {gguf_name} is not part of a {architecture} model manas runs")
+        name = by_gguf_name[gguf_name]
+        weights = torch.from_numpy(_dequantized(gguf, tensor, path))
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            heads = config.n_head if ".q_proj." in name else config.n_kv_head
+            weights = rotary_layout.to_rotate_half(weights, heads)  # llama.cpp's interleaved pairs → Hugging Face's
+        state[name] = weights
+    return state
+
+
+def _dequantized(gguf, tensor, path: Path):
+    """A tensor's values as float32, as the gguf package dequantizes them, in the shape the file gives it."""
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return values.astype("float32").reshape(tuple(int(n) for n in reversed(tensor.shape))).copy()
+    except Exception as exc:  # a type the package cannot dequantize, a size that does not match its shape
+        kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
+        raise CheckpointError(f"{path}: tensor {tensor.name} ({kind}) cannot be read: {first_line(exc)}") from None
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def _string(fields: dict, key: str, path: Path) -> str:
+    field = fields.get(key)
+    value = field.contents() if field is not None else None
+    if not isinstance(value, str):
+        raise CheckpointError(f"{path}: its GGUF metadata has no string {key}")
+    return value

@@ -108,7 +108,26 @@ def checkpoint_file(path: Path) -> Path:
         raise InputError(
             f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that"
         )
-    return path
+    return converted_gguf(path) if path.suffix == ".gguf" and path.is_file() else path
+
+
+def converted_gguf(path: Path) -> Path:
+    """A GGUF model as the manas checkpoint converted from it (formats/gguf_model.py): once per file (its path, size
+    and modification time), into the user's cache ($XDG_CACHE_HOME/manas/gguf, the user's alone), read from there
+    by every later run."""
+    import hashlib
+
+    from .formats.convert import convert_checkpoint
+    from .native.build import cache_folder
+
+    info = path.stat()
+    key = hashlib.sha256(f"{path.resolve()} {info.st_size} {info.st_mtime_ns}".encode()).hexdigest()[:24]
+    folder = cache_folder() / "gguf"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    out = folder / f"{path.stem}-{key}.safetensors"
+    if not out.is_file():
+        convert_checkpoint(path, out, force=True)  # written whole, then renamed: a run racing this one reads either
+    return out
 
 
 def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = None) -> LoadedModel:

@@ -189,3 +189,24 @@ def test_what_a_gguf_holds_that_manas_cannot_run_is_one_error_line(tmp_path):
     run = manas("convert", tmp_path / "phi.gguf", "--out", tmp_path / "out.safetensors")
     assert run.returncode == 1 and "llama.cpp architecture 'phi3' is not one manas imports" in run.err
     assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_gguf_runs_wherever_a_checkpoint_is_taken_converted_once_into_the_cache(tmp_path, tiny_bpe_spec):
+    pytest.importorskip("gguf")
+    from test_llama_family import hf_folder
+
+    hf_folder(tmp_path / "qwen2", tiny_bpe_spec, "qwen2")
+    original, exported, _ = gguf_roundtrip(tmp_path / "qwen2", tmp_path, "f32")
+    cache = tmp_path / "cache"
+    flags = (*RUN_OPTIONS, "-p", "the weather", "-n", "10", "-t", "0", "--json")
+    first = manas("generate", "-m", exported, *flags, XDG_CACHE_HOME=str(cache)).ok()
+    (converted,) = (cache / "manas" / "gguf").glob("*.safetensors")
+    written = converted.stat().st_mtime_ns
+    again = manas("generate", "-m", exported, *flags, XDG_CACHE_HOME=str(cache), fresh=True).ok()
+    assert (
+        first.json()["tokens"] == again.json()["tokens"] == manas("generate", "-c", original, *flags).json()["tokens"]
+    )
+    assert converted.stat().st_mtime_ns == written  # read from the cache, not converted again
+    scored = manas("score", "-m", exported, *RUN_OPTIONS, "--json", stdin=b"the weather is fine today",
+                   XDG_CACHE_HOME=str(cache))  # fmt: skip
+    assert scored.ok().json()["tokens"] > 1

@@ -152,3 +152,42 @@ def test_a_sentencepiece_gguf_is_one_error_line_naming_it(tmp_path):
         run = manas("tokenize", "-c", path, "x")
         assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err, run.err
         assert len(run.err.strip().splitlines()) == 1
+
+
+# ---- exports keep the chat format ----
+
+
+def test_an_exported_instruct_model_chats_in_its_own_format_in_transformers(smollm2, tmp_path):
+    """The Hugging Face export of a model with SmolLM2's real tokenizer and template: transformers renders the
+    messages to manas' ids, stops where manas stops (<|im_end|>, not <|endoftext|>), and answers as `manas chat`."""
+    pytest.importorskip("jinja2")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, model = smollm2
+    manas("export", model, "--format", "hf", "--out", tmp_path / "hf").ok()
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == 2
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids["input_ids"]]), max_new_tokens=10, do_sample=False)
+    answer = out[0, len(ids["input_ids"]) :].tolist()
+    answer = answer[: answer.index(2)] if 2 in answer else answer
+    chat = manas("chat", "-c", model, *RUN_OPTIONS, "-n", "10", "-t", "0", "--json",
+                 stdin=(messages[0]["content"] + "\n").encode()).ok().json()  # fmt: skip
+    assert chat["prompt_tokens"] == len(ids["input_ids"]) and chat["tokens"] == answer
+
+
+def test_an_exported_gguf_carries_the_chat_template_and_the_models_end(smollm2, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from manas_cli.formats.checkpoint import load_checkpoint
+
+    _, model = smollm2
+    manas("export", model, "--format", "gguf", "--out", tmp_path / "m.gguf").ok()
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.chat_template"].contents() == load_checkpoint(model).metadata["chat_template"]
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
+    back = manas("tokenize", "-c", tmp_path / "m.gguf", "--no-special", stdin=MULTILINGUAL.encode()).ok()
+    assert [int(token) for token in back.out.split()] == reference_ids(MULTILINGUAL)

@@ -217,6 +217,8 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
         try:
             add_hyperparameters(writer, gguf, config, checkpoint_path.stem, outtype)
             add_tokenizer(writer, gguf, bpe, pre, config.vocab_size, end_of_text, bos_id(checkpoint.encoding))
+            if template := (checkpoint.metadata or {}).get("chat_template"):
+                writer.add_chat_template(template)  # llama-server and ollama chat in the model's own format
             for name, (data, kind) in stored.items():
                 writer.add_tensor(name, data, raw_dtype=kind)
             writer.write_header_to_file()

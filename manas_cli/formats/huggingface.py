@@ -31,7 +31,9 @@ from .tokenizer import (
     END_OF_TEXT,
     GPT2_PAT_STR,
     QWEN2_PAT_STR,
+    bos_id,
     bytes_to_unicode,
+    end_of_text_id,
     merge_parts,
     ordinary_ranks,
     spec_from_hf_files,
@@ -442,7 +444,9 @@ def tokenizer_json_files(encoding: tiktoken.Encoding, block_size: int, source: P
             "fuse_unk": False,
             "byte_fallback": False,
             "ignore_merges": False,
-            "vocab": bpe.tokens,
+            # the special tokens too, as real tokenizers list them: an added token missing from the vocabulary is
+            # given a new id past it when the file is read, whatever id it states (SmolLM2's begin at 0)
+            "vocab": bpe.tokens | bpe.special,
             "merges": [merge.split(" ") for merge in bpe.merges],
         },
     }
@@ -510,12 +514,17 @@ def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Expor
     dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
     config = checkpoint.model.config
     texts = tokenizer_files(checkpoint.encoding, config.block_size, checkpoint_path)
-    special = checkpoint.encoding._special_tokens
-    end_of_text = special.get(END_OF_TEXT)
+    # The model's own ends: the token that ends its texts or turns (<|im_end|> for an instruct model), and its BOS
+    end_of_text = end_of_text_id(checkpoint.encoding)
+    bos = bos_id(checkpoint.encoding)
     architecture, model_config, tensors = hf_model(checkpoint.model, end_of_text, checkpoint_path)
     check_finite_tensors(tensors, checkpoint_path)
-    generation = {"bos_token_id": end_of_text, "eos_token_id": end_of_text}
+    generation = {"bos_token_id": end_of_text if bos is None else bos, "eos_token_id": end_of_text}
     texts |= {"config.json": json_text(model_config), "generation_config.json": json_text(generation)}
+    if template := (checkpoint.metadata or {}).get("chat_template"):  # transformers and vLLM chat in its format
+        texts["tokenizer_config.json"] = json_text(
+            json.loads(texts["tokenizer_config.json"]) | {"chat_template": template}
+        )
     writers: dict[str, Callable[[Path], None]] = {
         name: (lambda path, text=text: path.write_text(text, encoding="utf-8")) for name, text in texts.items()
     }

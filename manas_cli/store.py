@@ -5,6 +5,7 @@ only (no torch)."""
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import re
@@ -153,21 +154,80 @@ def remove(name: str) -> Path:
     return path
 
 
-def default_name(repo: str) -> str:
+def default_name(repo: str, tag: str | None = None) -> str:
     """A repository's store name: its last part, lower case (HuggingFaceTB/SmolLM2-135M-Instruct →
-    smollm2-135m-instruct)."""
-    return re.sub(r"[^a-z0-9._-]", "-", repo.rsplit("/", 1)[-1].lower()).strip("-.") or "model"
+    smollm2-135m-instruct); a GGUF repository's without -gguf, with its file's tag (smollm2-135m-instruct-q4_k_m)."""
+    name = repo.rsplit("/", 1)[-1].lower()
+    if tag is not None:
+        name = f"{name.removesuffix('-gguf')}-{tag.lower()}"
+    return re.sub(r"[^a-z0-9._-]", "-", name).strip("-.") or "model"
 
 
-def parse_repo(text: str) -> tuple[str, str | None]:
-    """REPO[@REVISION] as (repo, revision or None)."""
-    repo, _, revision = text.partition("@")
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", repo) or ".." in repo:
-        raise InputError(f"{text!r} is not a Hugging Face repository: give OWNER/NAME, optionally @REVISION")
-    return repo, revision or None
+@dataclass(frozen=True)
+class Repository:
+    """What `manas pull` takes: OWNER/NAME, a GGUF file's quantization tag (:Q4_K_M, as llama.cpp's -hf and
+    ollama's hf.co/ take it), a revision (@main)."""
+
+    name: str
+    tag: str | None = None
+    revision: str | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        """A tag names a GGUF file; a repository named *-GGUF holds them (bartowski's, the Hub's own quantizations)."""
+        return self.tag is not None or self.name.lower().endswith("-gguf")
 
 
-def download(repo: str, revision: str | None, progress: bool) -> Path:
+def parse_repo(text: str) -> Repository:
+    """OWNER/NAME[:TAG][@REVISION]."""
+    rest, _, revision = text.partition("@")
+    name, _, tag = rest.partition(":")
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or ".." in name or (tag and not re.fullmatch(r"[\w.-]+", tag)):
+        raise InputError(
+            f"{text!r} is not a Hugging Face repository: give OWNER/NAME, optionally :QUANT (a GGUF file) and @REVISION"
+        )
+    return Repository(name, tag or None, revision or None)
+
+
+# Without a tag, the GGUF file pulled: the quantization most people run, else the near-lossless one, else the first.
+GGUF_PREFERENCE = ("Q4_K_M", "Q8_0")
+
+
+def gguf_file(repository: Repository, progress: bool) -> tuple[Path, str]:
+    """The repository's GGUF file that the tag names (or the preferred one), downloaded alone, and its tag."""
+    for tag in (repository.tag,) if repository.tag else (*GGUF_PREFERENCE, None):
+        patterns = [f"*{tag}.gguf", f"*{tag.lower()}.gguf"] if tag else _first_gguf(repository)
+        if not patterns:
+            continue
+        folder = download(repository.name, repository.revision, progress, patterns)
+        # the snapshot folder also holds what earlier pulls of this revision fetched
+        matched = sorted(path for path in folder.glob("*.gguf") if any(fnmatch.fnmatch(path.name, p) for p in patterns))
+        if len(matched) > 1:
+            shown = ", ".join(path.name for path in matched)
+            raise InputError(f"{repository.name} has several GGUF files for {tag}: {shown} (split files are not read)")
+        if matched:
+            return matched[0], tag or matched[0].stem.rsplit("-", 1)[-1]
+    wanted = f" tagged {repository.tag}" if repository.tag else ""
+    raise InputError(f"{repository.name} holds no GGUF file{wanted}: `manas pull {repository.name}:TAG` names one")
+
+
+def _first_gguf(repository: Repository) -> list[str]:
+    """The repository's first GGUF file by name, as a pattern, or none."""
+    return sorted(name for name in listed(repository) if name.endswith(".gguf"))[:1]
+
+
+def listed(repository: Repository) -> list[str]:
+    """The repository's file names, as the Hub lists them."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(repository.name, revision=repository.revision)
+    except Exception as exc:
+        raise InputError(f"cannot list the files of {repository.name}: {first_line(exc)}") from None
+    return [sibling.rfilename for sibling in info.siblings or []]
+
+
+def download(repo: str, revision: str | None, progress: bool, patterns: list[str] = PULLED_FILES) -> Path:
     """The repository's files that convert reads, into the Hugging Face cache ($HF_HOME; $HF_ENDPOINT, $HF_TOKEN
     and offline mode honoured). A connection that drops is resumed by huggingface_hub within the pull; a pull that
     fails leaves no partial file (the library downloads to a temporary file it removes), and files already
@@ -185,7 +245,7 @@ def download(repo: str, revision: str | None, progress: bool) -> Path:
     try:
         with warnings.catch_warnings():  # its two-line disk-space warning: the failure, if any, is one error line
             warnings.simplefilter("ignore")
-            return Path(snapshot_download(repo, revision=revision, allow_patterns=PULLED_FILES))
+            return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     except RepositoryNotFoundError:
         raise InputError(f"no repository {repo} on the Hub (or it is private: set $HF_TOKEN)") from None
     except LocalEntryNotFoundError:

@@ -166,3 +166,41 @@ def test_the_readme_first_commands_run_as_written(tmp_path, tiny_bpe_spec):
         finally:
             server.terminate()
             assert server.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module")
+def gguf_repository(tmp_path_factory, repository):
+    """A -GGUF repository as the Hub's quantizers publish one: the model in two quantizations, by file name."""
+    pytest.importorskip("gguf")
+    folder = tmp_path_factory.mktemp("gguf-repo")
+    checkpoint = folder.parent / "tiny-chat.safetensors"
+    manas("convert", repository, "--out", checkpoint).ok()
+    for outtype, tag in (("q8_0", "Q8_0"), ("f16", "Q4_K_M")):  # the tag is the file's name, as published
+        manas(
+            "export", checkpoint, "--format", "gguf", "--outtype", outtype, "--out", folder / f"Tiny-Chat-{tag}.gguf"
+        ).ok()
+    (folder / "README.md").write_text("not downloaded")
+    return folder
+
+
+PULLED_GGUF = {"": ("tiny-chat-q4_k_m", "Tiny-Chat-Q4_K_M.gguf"), ":Q8_0": ("tiny-chat-q8_0", "Tiny-Chat-Q8_0.gguf")}
+
+
+@pytest.mark.parametrize("suffix", PULLED_GGUF)
+def test_pull_of_a_gguf_repository_fetches_the_tagged_file_alone_and_chats(tmp_path, gguf_repository, suffix):
+    stored, fetched = PULLED_GGUF[suffix]
+    repo = "TinyOrg/Tiny-Chat-GGUF"
+    with local_hub(repo, gguf_repository) as hub:
+        env = environment(tmp_path, hub)
+        pulled = manas("pull", repo + suffix, **env).ok()
+        files = [path.rsplit("/", 1)[-1] for path, _ in hub.requests if "/resolve/" in path]
+    assert files == [fetched] and f"stored as {stored}" in pulled.err and f"manas chat -m {stored}" in pulled.err
+    answer = manas("chat", "-m", stored, "-n", "4", "-t", "0", "--json", stdin=b"hello\n", **env).ok().json()
+    assert answer["prompt_tokens"] > 5
+
+
+def test_a_tag_no_file_has_is_one_error_line(tmp_path, gguf_repository):
+    with local_hub("TinyOrg/Tiny-Chat-GGUF", gguf_repository) as hub:
+        run = manas("pull", "TinyOrg/Tiny-Chat-GGUF:IQ2_XS", **environment(tmp_path, hub))
+    assert run.returncode == 1 and "holds no GGUF file tagged IQ2_XS" in run.err
+    assert len(run.err.strip().splitlines()) == 1

@@ -1149,7 +1149,13 @@ def chat(
 
 @app.command(no_args_is_help=True)
 def pull(
-    repo: Annotated[str, typer.Argument(help="A Hugging Face repository, OWNER/NAME[@REVISION].")],
+    repo: Annotated[
+        str,
+        typer.Argument(
+            help="A Hugging Face repository, OWNER/NAME[@REVISION]; a GGUF one as OWNER/NAME-GGUF[:QUANT] (the file "
+            "of that quantization; Q4_K_M, else Q8_0, else the first by default)."
+        ),
+    ],
     name: Annotated[
         Optional[str], typer.Option(help="The store name. Default: the repository's name, lower case.")
     ] = None,
@@ -1161,15 +1167,17 @@ def pull(
     """Download a model from the Hugging Face Hub and store it under a name that -m/-c take.
 
     Only the files convert reads are downloaded (config, safetensors weights, tokenizer, generation config, chat
-    template), into the Hugging Face cache ($HF_HOME; $HF_TOKEN, $HF_ENDPOINT and $HF_HUB_OFFLINE are honoured), so
-    an interrupted pull resumes; the store is $MANAS_HOME (default ~/.local/share/manas). Needs the pull extra
-    (huggingface_hub).
+    template; of a GGUF repository, the one file), into the Hugging Face cache ($HF_HOME; $HF_TOKEN, $HF_ENDPOINT
+    and $HF_HUB_OFFLINE are honoured), so an interrupted pull resumes; the store is $MANAS_HOME (default
+    ~/.local/share/manas). Needs the pull extra (huggingface_hub).
 
     Examples:
 
       manas pull HuggingFaceTB/SmolLM2-135M-Instruct
 
       manas pull Qwen/Qwen2.5-0.5B-Instruct --name qwen --quantize int8
+
+      manas pull bartowski/SmolLM2-135M-Instruct-GGUF:Q8_0
 
       manas generate -m smollm2-135m-instruct -p 'The capital of France is'
     """

@@ -16,8 +16,32 @@ def pull(*, repo: str, name: str | None, quantize: str | None, force: bool) -> N
     from . import quantize as quantize_command
 
     console = stderr_console()
-    repository, revision = store.parse_repo(repo)
-    name = name or store.default_name(repository)
+    repository = store.parse_repo(repo)
+    if name is not None or not repository.is_gguf or repository.tag:  # the name is known: checked before downloading
+        claim(name or store.default_name(repository.name, repository.tag), quantize, force)
+    if repository.is_gguf:
+        source, tag = store.gguf_file(repository, progress=console.is_terminal)
+    else:
+        source, tag = store.download(repository.name, repository.revision, progress=console.is_terminal), None
+    name = name or store.default_name(repository.name, tag)
+    out, copy = claim(name, quantize, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = convert_checkpoint(source, out, force=force)
+    pulled = f"{repo} ({source.name})" if repository.is_gguf else repo
+    console.print(f"pulled {pulled}: {result.source_kind}, {result.parameters:,} parameters, stored as {name} ({out})")
+    if copy is not None:
+        quantize_command.run(checkpoint=out, out=copy, kind=quantize, force=force)
+    if store.describe(name, out, is_shipped=False).chat_template:
+        console.print(f"chat with it: manas chat -m {name}")
+    else:
+        console.print(f"run it: manas generate -m {name} -p 'Hello'")
+
+
+def claim(name: str, quantize: str | None, force: bool):
+    """The store paths of NAME (and of its quantized copy), refused where the name is the shipped model's or taken
+    without --force."""
+    from ... import store
+
     out = store.stored_path(name)
     copy = store.stored_path(f"{name}-{quantize}") if quantize else None
     for taken in (name, f"{name}-{quantize}" if quantize else None):
@@ -26,16 +50,7 @@ def pull(*, repo: str, name: str | None, quantize: str | None, force: bool) -> N
     for path in (out, copy):
         if path is not None and path.exists() and not force:
             raise InputError(f"{path.stem} is in the store already: pass --force to replace it, or --name another")
-    folder = store.download(repository, revision, progress=console.is_terminal)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = convert_checkpoint(folder, out, force=force)
-    console.print(f"pulled {repo}: {result.source_kind}, {result.parameters:,} parameters, stored as {name} ({out})")
-    if copy is not None:
-        quantize_command.run(checkpoint=out, out=copy, kind=quantize, force=force)
-    if store.describe(name, out, is_shipped=False).chat_template:
-        console.print(f"chat with it: manas chat -m {name}")
-    else:
-        console.print(f"run it: manas generate -m {name} -p 'Hello'")
+    return out, copy
 
 
 def list_models(*, as_json: bool) -> None:

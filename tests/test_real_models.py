@@ -115,6 +115,16 @@ SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2
 QUANTIZED_BY_THE_PACKAGE = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
+def copy_fields(writer, fields: dict) -> None:
+    """A GGUF reader's metadata fields into a writer (but the file's own header and architecture)."""
+    import gguf
+
+    for name, field in fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+
+
 def retyped(source, out, kinds: list[str]) -> None:
     """The GGUF at source written again with its matrices stored in `kinds`, in turn: quantized by the gguf package
     where it can, else as random blocks with sane scales (the K-quants and IQ4_NL, written directly)."""
@@ -123,10 +133,7 @@ def retyped(source, out, kinds: list[str]) -> None:
 
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    copy_fields(writer, reader.fields)
     rng = np.random.default_rng(0)
     matrices = 0
     for tensor in reader.tensors:

@@ -133,22 +133,22 @@ def test_tokenize_gives_llama_cpps_ids_on_its_own_fixtures(name):
     assert len(cases) == 46 and run.out.split("\n")[:-1] == [line.strip() for line in expected]
 
 
-def test_a_sentencepiece_gguf_is_one_error_line_naming_it(tmp_path):
-    """Llama 2's vocabulary (SentencePiece) is not read yet: a GGUF of one says so, as does a file that is no GGUF."""
+def test_a_vocabulary_manas_cannot_read_is_one_error_line_naming_it(tmp_path):
+    """BERT's WordPiece (tokenizer.ggml.model 'bert') is not read: a GGUF of one says so, as does a file that is no
+    GGUF."""
     pytest.importorskip("gguf")
     import gguf
 
-    writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"])
+    writer = gguf.GGUFWriter(tmp_path / "bert.gguf", "bert")
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[PAD]", "[UNK]", "[CLS]"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(10))
-    for path, message in (
-        (tmp_path / "spm.gguf", "its tokenizer is SentencePiece"),
-        (tmp_path / "broken.gguf", "is not a GGUF file"),
-    ):
+    cases = ((tmp_path / "bert.gguf", "tokenizer.ggml.model 'bert' is not one manas reads"),
+             (tmp_path / "broken.gguf", "is not a GGUF file"))  # fmt: skip
+    for path, message in cases:
         run = manas("tokenize", "-c", path, "x")
         assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err, run.err
         assert len(run.err.strip().splitlines()) == 1
@@ -191,3 +191,49 @@ def test_an_exported_gguf_carries_the_chat_template_and_the_models_end(smollm2, 
     assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
     back = manas("tokenize", "-c", tmp_path / "m.gguf", "--no-special", stdin=MULTILINGUAL.encode()).ok()
     assert [int(token) for token in back.out.split()] == reference_ids(MULTILINGUAL)
+
+
+# ---- SentencePiece: Llama 2's vocabulary ----
+
+
+def test_tokenize_gives_llama_cpps_ids_for_llama_2s_sentencepiece_vocabulary():
+    """llama.cpp's llama-spm fixture (Llama 2's pieces, scores and byte fallback), every case."""
+    pytest.importorskip("gguf")
+    vocabulary = LLAMA_CPP_VOCAB / "ggml-vocab-llama-spm.gguf"
+    cases = vocabulary.with_suffix(".gguf.inp").read_text(encoding="utf-8").split(SEPARATOR)[:-1]
+    expected = vocabulary.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")[: len(cases)]
+    stdin = "".join(json.dumps(case) + "\n" for case in cases).encode()
+    run = manas("tokenize", "-c", vocabulary, "--jsonl", "--no-special", stdin=stdin).ok()
+    assert len(cases) == 46 and run.out.split("\n")[:-1] == [line.strip() for line in expected]
+
+
+def test_a_llama_2_shaped_gguf_with_a_sentencepiece_vocabulary_converts_and_generates(tmp_path, tiny_bpe_spec):
+    """A Llama-architecture GGUF carrying Llama 2's vocabulary: converted, its prompts are llama.cpp's ids (as
+    `manas tokenize` gives them, with the BOS it adds), and it generates, its text what its tokens spell."""
+    gguf = pytest.importorskip("gguf")
+    from test_llama_family import converted, hf_folder
+    from test_real_models import copy_fields
+
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "tinyllama", vocab_size=32000)
+    manas("export", converted(tmp_path, tmp_path / "hf"), "--format", "gguf", "--outtype", "f32", "--out",
+          tmp_path / "bpe.gguf").ok()  # fmt: skip
+    vocabulary = gguf.GGUFReader(LLAMA_CPP_VOCAB / "ggml-vocab-llama-spm.gguf").fields
+    model = gguf.GGUFReader(tmp_path / "bpe.gguf")
+    writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+    copy_fields(writer, {k: f for k, f in model.fields.items() if not k.startswith("tokenizer.")})
+    copy_fields(writer, {k: f for k, f in vocabulary.items() if k.startswith("tokenizer.")})
+    for tensor in model.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    manas("convert", tmp_path / "spm.gguf", "--out", tmp_path / "spm.safetensors").ok()
+    prompt = "Hello world, 日本語 🎉"
+    ids = manas("tokenize", "-c", tmp_path / "spm.safetensors", prompt).ok().out.split()
+    assert ids == manas("tokenize", "-c", LLAMA_CPP_VOCAB / "ggml-vocab-llama-spm.gguf", prompt).ok().out.split()
+    done = manas("generate", "-c", tmp_path / "spm.safetensors", *RUN_OPTIONS, "-p", prompt, "-n", "8", "-t", "0",
+                 "--json").ok().json()  # fmt: skip
+    assert done["prompt_tokens"] == len(ids) + 1  # Llama 2's <s> first (tokenizer.ggml.add_bos_token)
+    pieces = manas("tokenize", "-c", LLAMA_CPP_VOCAB / "ggml-vocab-llama-spm.gguf", "--json", "x").ok().json()
+    assert pieces["pieces"] == [" x"] and len(done["tokens"]) == done["generated_tokens"]

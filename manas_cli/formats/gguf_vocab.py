@@ -44,12 +44,9 @@ def spec_from_fields(fields: dict, path: Path) -> dict:
     """The embedded BPE of a GGUF file's tokenizer, from the file's fields (GGUFReader's)."""
     model = _string(fields, "tokenizer.ggml.model", path)
     if model == "llama":
-        raise TokenizerError(
-            f"{path}: its tokenizer is SentencePiece (tokenizer.ggml.model 'llama': Llama 2's, TinyLlama's, "
-            "Mistral's), which manas does not read yet: byte-level BPEs only (gpt2)"
-        )
+        return _sentencepiece(fields, path)
     if model != "gpt2":
-        raise TokenizerError(f"{path}: tokenizer.ggml.model {model!r} is not one manas reads (gpt2)")
+        raise TokenizerError(f"{path}: tokenizer.ggml.model {model!r} is not one manas reads (gpt2, llama)")
     pre = _string(fields, "tokenizer.ggml.pre", path) if "tokenizer.ggml.pre" in fields else "default"
     if pre not in PRE_TOKENIZERS:
         raise TokenizerError(
@@ -97,6 +94,30 @@ def tiktoken_vocabulary(tokens: list[str], specials: frozenset[str], path: Path,
     if any(bytes([byte]) not in ranks for byte in range(256)):
         spec["unknown_bytes"] = "skip"
     return spec
+
+
+def _sentencepiece(fields: dict, path: Path) -> dict:
+    """A SentencePiece vocabulary (tokenizer.ggml.model "llama": Llama 2's, TinyLlama's, Mistral's): its pieces,
+    scores and types, and whether a space goes before the text (formats/sentencepiece.py)."""
+    tokens = _strings(fields, "tokenizer.ggml.tokens", path)
+    scores = _list(fields, "tokenizer.ggml.scores", path)
+    types = _list(fields, "tokenizer.ggml.token_type", path)
+    prefix = fields.get("tokenizer.ggml.add_space_prefix")
+    spec = {
+        "kind": "spm",
+        "pieces": tokens,
+        "scores": [float(score) for score in scores],
+        "types": [int(kind) for kind in types],
+        "add_space_prefix": prefix.contents() is not False if prefix is not None else True,
+    }
+    special = {token: i for i, (token, kind) in enumerate(zip(tokens, spec["types"])) if kind in SPM_SPECIAL_TYPES}
+    ends = _ends(fields, tokens, special)
+    if "end_of_text" not in ends:
+        raise TokenizerError(f"{path}: its SentencePiece vocabulary names no end of text (tokenizer.ggml.eos_token_id)")
+    return checked_spec(spec | ends, path)
+
+
+SPM_SPECIAL_TYPES = (3, 5)  # control and unused: never spelled by text (sentencepiece's user-defined pieces are)
 
 
 def _ends(fields: dict, tokens: list[str], special: dict[str, int]) -> dict:

@@ -352,6 +352,11 @@ def byte_level_bpe(
     encoding: tiktoken.Encoding, source: Path, patterns: tuple[str, ...] = GPT2_SPLIT_PATTERNS
 ) -> ByteLevelBPE:
     """The encoding's tokens and merges, for a tokenizer whose split pattern the target runs (`patterns`)."""
+    if encoding._pat_str is None:
+        raise CheckpointError(
+            f"{source}: its tokenizer is SentencePiece (Llama 2's kind), which manas does not export yet: byte-level "
+            "BPEs only"
+        )
     # tiktoken keeps the ranks, pattern and special tokens of an Encoding only in these attributes.
     ranks = ordinary_ranks(encoding)
     alias = bytes_to_unicode()

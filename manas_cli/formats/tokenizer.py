@@ -407,7 +407,11 @@ def build_encoding(spec: dict) -> tiktoken.Encoding:
                 )
         except ValueError as exc:  # the pattern does not compile
             raise TokenizerError(f"the embedded BPE tokenizer's pat_str is invalid: {first_line(exc)}") from None
-    raise TokenizerError(f"unknown tokenizer kind {kind!r}: expected 'tiktoken' or 'bpe'")
+    if kind == "spm":
+        from .sentencepiece import build_spm
+
+        return build_spm(spec)
+    raise TokenizerError(f"unknown tokenizer kind {kind!r}: expected 'tiktoken', 'bpe' or 'spm'")
 
 
 def _skip_unknown_bytes(spec: dict, ranks: dict[bytes, int]) -> int | None:

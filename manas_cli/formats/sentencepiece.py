@@ -1,0 +1,172 @@
+"""SentencePiece's BPE (Llama 2's, TinyLlama's, Mistral's tokenizer) as llama.cpp runs it: the text with a space
+before it and every space written as "▁", split into characters, then the adjacent pair whose joined text is a
+piece of the highest score merged, again and again; a character no piece spells becomes its UTF-8 bytes' <0xXX>
+pieces (byte fallback). Its ids are sentencepiece's and llama.cpp's.
+
+SentencePieceEncoding offers what manas asks of a tiktoken.Encoding (encode, decode, the special tokens), so every
+command runs a model whose checkpoint embeds such a tokenizer ({"kind": "spm", …}: FORMAT.md)."""
+
+from __future__ import annotations
+
+import heapq
+import re
+
+from ..errors import TokenizerError
+
+SPACE = "\u2581"  # "▁", SentencePiece's spelling of a space
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's (and sentencepiece's) types
+MAX_PIECES = 1 << 20
+
+
+class SentencePieceEncoding:
+    """A SentencePiece BPE vocabulary: pieces with their scores and types (ids are positions)."""
+
+    name = "manas-spm"
+    normalization = None
+    skipped_from = None
+    _pat_str = None  # no split pattern: the exports, which need one, refuse this tokenizer by name
+
+    def __init__(
+        self, pieces: list[str], scores: list[float], types: list[int], add_space_prefix: bool, end_of_text: str,
+        bos: str | None,
+    ) -> None:  # fmt: skip
+        self.pieces, self.scores, self.types, self.add_space_prefix = pieces, scores, types, add_space_prefix
+        self.end_of_text, self.bos = end_of_text, bos
+        self.ids = {piece: i for i, piece in enumerate(pieces) if types[i] in (NORMAL, USER_DEFINED, UNKNOWN, BYTE)}
+        self.byte_ids = {int(piece[3:5], 16): i for i, piece in enumerate(pieces) if types[i] == BYTE}
+        self._special_tokens = {piece: i for i, piece in enumerate(pieces) if types[i] in (CONTROL, UNUSED)}
+        self.special_tokens_set = set(self._special_tokens)
+        special_ids = set(self._special_tokens.values())
+        self._mergeable_ranks = {piece.encode(): i for i, piece in enumerate(pieces) if i not in special_ids}
+        self.max_token_value = len(pieces) - 1
+        self.n_vocab = len(pieces)
+        self._special_split = (
+            re.compile("(" + "|".join(map(re.escape, sorted(self._special_tokens, key=len, reverse=True))) + ")")
+            if self._special_tokens
+            else None
+        )
+
+    # ---- encoding ----
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._encode_raw(text, after_special=True)
+
+    def encode(self, text: str, allowed_special: object = "all") -> list[int]:
+        """The text's ids, special-token text (<s>, </s>) as those tokens; after one, the next text gets the space
+        prefix again, as llama.cpp gives it."""
+        if self._special_split is None:
+            return self.encode_ordinary(text)
+        ids, after_special = [], True
+        for i, fragment in enumerate(self._special_split.split(text)):
+            if i % 2:
+                ids.append(self._special_tokens[fragment])
+                after_special = True
+            elif fragment:
+                ids += self._encode_raw(fragment, after_special)
+                after_special = False
+        return ids
+
+    def _encode_raw(self, text: str, after_special: bool) -> list[int]:
+        if not text:
+            return []
+        text = ((" " if self.add_space_prefix and after_special else "") + text).replace(" ", SPACE)
+        return [token for symbol in merged_symbols(text, self.ids, self.scores) for token in self._spelled(symbol)]
+
+    def _spelled(self, symbol: str) -> list[int]:
+        """A merged symbol's id, or (a character no piece spells) its UTF-8 bytes' pieces."""
+        if (token := self.ids.get(symbol)) is not None:
+            return [token]
+        unknown = self.ids.get("<unk>", 0)
+        return [self.byte_ids.get(byte, unknown) for byte in symbol.encode("utf-8")]
+
+    def encode_single_token(self, piece: str | bytes) -> int:
+        if isinstance(piece, bytes):
+            if len(piece) == 1 and piece[0] in self.byte_ids:  # every byte is spelled (by its <0xXX> piece)
+                return self.byte_ids[piece[0]]
+            piece = piece.decode("utf-8", "replace")
+        if piece in self._special_tokens:
+            return self._special_tokens[piece]
+        return self.ids[piece]
+
+    # ---- decoding ----
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        """What the token writes: a piece's text with "▁" as a space, a byte piece's byte, nothing for a control
+        token (</s> ends a text; it is not part of it)."""
+        kind = self.types[token]
+        if kind == BYTE:
+            return bytes([int(self.pieces[token][3:5], 16)])
+        if kind in (CONTROL, UNUSED):
+            return b""
+        return self.pieces[token].replace(SPACE, " ").encode("utf-8")
+
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        return b"".join(self.decode_single_token_bytes(token) for token in tokens)
+
+    def decode(self, tokens: list[int], errors: str = "replace") -> str:
+        return self.decode_bytes(tokens).decode("utf-8", errors)
+
+    def token_byte_values(self) -> list[bytes]:
+        return [self.decode_single_token_bytes(i) for i in range(len(self.pieces))]
+
+
+def merged_symbols(text: str, ids: dict[str, int], scores: list[float]) -> list[str]:
+    """The text's characters, merged pair by pair: always the adjacent pair whose joined text is a piece of the
+    highest score (the leftmost of equals), as sentencepiece and llama.cpp merge."""
+    symbols: list[str | None] = list(text)
+    previous = list(range(-1, len(symbols) - 1))
+    following = list(range(1, len(symbols) + 1))
+    queue: list[tuple[float, int, int, str]] = []  # (−score, left, right, joined): the best pair first
+
+    def offer(left: int, right: int) -> None:
+        if left < 0 or right >= len(symbols):
+            return
+        joined = symbols[left] + symbols[right]
+        if (token := ids.get(joined)) is not None:
+            heapq.heappush(queue, (-scores[token], left, right, joined))
+
+    for i in range(1, len(symbols)):
+        offer(i - 1, i)
+    while queue:
+        _, left, right, joined = heapq.heappop(queue)
+        if symbols[left] is None or symbols[right] is None or symbols[left] + symbols[right] != joined:
+            continue  # one side was merged since this pair was offered
+        symbols[left], symbols[right] = joined, None
+        following[left] = following[right]
+        if following[right] < len(symbols):
+            previous[following[right]] = left
+        offer(previous[left], left)
+        offer(left, following[left])
+    return [symbol for symbol in symbols if symbol is not None]
+
+
+def check_spm(spec: dict) -> None:
+    """What an embedded SentencePiece spec must hold: pieces, scores and types of one length, each typed."""
+    pieces, scores, types = spec.get("pieces"), spec.get("scores"), spec.get("types")
+    if not (isinstance(pieces, list) and isinstance(scores, list) and isinstance(types, list)):
+        raise TokenizerError("the embedded SentencePiece tokenizer lacks its pieces, scores or types")
+    if not 0 < len(pieces) == len(scores) == len(types) <= MAX_PIECES:
+        raise TokenizerError("the embedded SentencePiece tokenizer's pieces, scores and types differ in length")
+    if not all(isinstance(p, str) and p for p in pieces) or len(set(pieces)) != len(pieces):
+        raise TokenizerError("the embedded SentencePiece tokenizer's pieces must be distinct non-empty strings")
+    if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
+        raise TokenizerError("the embedded SentencePiece tokenizer's scores must be numbers")
+    if not all(type(t) is int and NORMAL <= t <= BYTE for t in types):
+        raise TokenizerError("the embedded SentencePiece tokenizer's types must be 1 to 6 (sentencepiece's)")
+    if any(t == BYTE and not re.fullmatch(r"<0x[0-9A-F]{2}>", p) for p, t in zip(pieces, types)):
+        raise TokenizerError("a byte piece of the embedded SentencePiece tokenizer is not spelled <0xXX>")
+
+
+def build_spm(spec: dict) -> SentencePieceEncoding:
+    check_spm(spec)
+    specials = {p for p, t in zip(spec["pieces"], spec["types"]) if t in (CONTROL, UNUSED)}
+    ends = {key: spec.get(key) for key in ("end_of_text", "bos")}
+    for key, value in ends.items():
+        if value is not None and value not in specials:
+            raise TokenizerError(f"the embedded SentencePiece tokenizer's {key} {value!r} is not a control token")
+    if ends["end_of_text"] is None:
+        raise TokenizerError("the embedded SentencePiece tokenizer names no end_of_text")
+    return SentencePieceEncoding(
+        spec["pieces"], [float(s) for s in spec["scores"]], spec["types"], spec.get("add_space_prefix", True) is True,
+        ends["end_of_text"], ends["bos"],
+    )  # fmt: skip

@@ -217,11 +217,7 @@ REFUSALS = {
     ),
     "multi-byte-characters-of-a-character-vocabulary": (
         lambda: (make_model(), shakespeare_character_spec("café au lait")),
-        "splits text with its own pattern",
-    ),
-    "bpe-with-another-split-pattern": (
-        lambda: (make_model(), bpe_spec(byte_ranks() | {b"ab": 256}, pat_str=r"\S+|\s+")),
-        "only GPT-2-pattern BPE tokenizers export",
+        "token b'\\xc3\\xa9' (id 8) is not the merge of two earlier tokens",
     ),
 }
 
@@ -248,3 +244,36 @@ def test_export_of_a_file_that_is_not_a_manas_checkpoint_points_to_convert(tmp_p
     result = run_manas("export", folder / "model.safetensors", "--out", tmp_path / "hf")
     assert_refused(result, "not a manas checkpoint")
     assert "manas convert" in result.stderr
+
+
+# ---- any split pattern exports ----
+
+SPLIT_TEXTS = ["Hello world! It's 2024-12-06: 12345 numbers,\n\n  spaces   and 'LL 'Ve it", "日本語のテキスト 🎉 café"]
+
+
+@pytest.mark.parametrize("pattern", ["llama3", "whitespace"])
+def test_a_tokenizer_of_any_split_pattern_exports_to_the_same_ids(tmp_path, pattern):
+    """Llama 3's split (llama.cpp's llama-bpe) and another regex: the Hugging Face export's tokenizer.json splits by
+    it and gives manas' ids; Llama 3's goes to GGUF as llama-bpe, which manas reads back to the same ids."""
+    from transformers import AutoTokenizer
+
+    from manas_cli.formats.tokenizer import LLAMA3_PAT_STR, encode_text
+
+    ranks = byte_ranks() | {b"th": 256, b"the": 257, b" t": 258, b" the": 259, b"in": 260, b"12": 261, b"123": 262}
+    spec = bpe_spec(ranks, pat_str=LLAMA3_PAT_STR if pattern == "llama3" else r"\S+|\s+")
+    save_checkpoint(tmp_path / "model.safetensors", make_model("rope"), spec)
+    assert (
+        run_manas("export", tmp_path / "model.safetensors", "--format", "hf", "--out", tmp_path / "hf").returncode == 0
+    )
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    encoding = build_encoding(spec)
+    for text in SPLIT_TEXTS:
+        assert exported(text, add_special_tokens=False)["input_ids"] == encode_text(encoding, text)
+    if pattern == "llama3":
+        gguf = pytest.importorskip("gguf")
+        done = run_manas("export", tmp_path / "model.safetensors", "--format", "gguf", "--out", tmp_path / "m.gguf")
+        assert done.returncode == 0, done.stderr
+        assert gguf.GGUFReader(tmp_path / "m.gguf").fields["tokenizer.ggml.pre"].contents() == "llama-bpe"
+        for text in SPLIT_TEXTS:
+            back = run_manas("tokenize", "-c", tmp_path / "m.gguf", "--no-special", text)
+            assert [int(i) for i in back.stdout.split()] == encode_text(encoding, text)

@@ -27,13 +27,17 @@ from . import llama, rotary_layout, starcoder2
 from .checkpoint import load_checkpoint
 from .gpt2 import hf_state_dict, is_gpt2_linear_weight
 from .huggingface import GPT2_SPLIT_PATTERNS, ByteLevelBPE, byte_level_bpe
-from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, QWEN2_PAT_STR, bos_id
+from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, LLAMA3_PAT_STR, QWEN2_PAT_STR, bos_id
 
 OUTTYPES = ("f32", "f16", "q8_0")
 ARCHITECTURES = {"learned": "gpt2", "rope": "starcoder2"}  # position encoding → llama.cpp architecture
 # llama.cpp's names for the split patterns it runs as Hugging Face does: GPT-2's (either spelling), SmolLM2's digits
 # before it, Qwen2's.
-PRE_TOKENIZERS = dict.fromkeys(GPT2_SPLIT_PATTERNS, "gpt-2") | {DIGITS_PAT_STR: "smollm", QWEN2_PAT_STR: "qwen2"}
+PRE_TOKENIZERS = dict.fromkeys(GPT2_SPLIT_PATTERNS, "gpt-2") | {
+    DIGITS_PAT_STR: "smollm",
+    QWEN2_PAT_STR: "qwen2",
+    LLAMA3_PAT_STR: "llama-bpe",
+}
 
 
 def architecture_of(config: GPTConfig) -> str:

@@ -10,6 +10,7 @@ from ..errors import MissingDependencyError, TokenizerError, first_line
 from .tokenizer import (
     DIGITS_PAT_STR,
     GPT2_PAT_STR,
+    LLAMA3_PAT_STR,
     QWEN2_PAT_STR,
     bpe_spec,
     bytes_to_unicode,
@@ -17,11 +18,6 @@ from .tokenizer import (
     spec_from_vocab_and_merges,
 )
 
-# Llama 3's split (its tokenizer.json's Split regex), which llama.cpp runs as its "llama-bpe" pre-tokenizer.
-LLAMA3_PAT_STR = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
-    r"""|\s+(?!\S)|\s+"""
-)
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) and the splits they make.
 PRE_TOKENIZERS = {
     "gpt-2": GPT2_PAT_STR,

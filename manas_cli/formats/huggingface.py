@@ -30,7 +30,6 @@ from .tokenizer import (
     DIGITS_PAT_STR,
     END_OF_TEXT,
     GPT2_PAT_STR,
-    QWEN2_PAT_STR,
     bos_id,
     bytes_to_unicode,
     end_of_text_id,
@@ -54,7 +53,6 @@ GPT2_SPLIT_PATTERNS = (
 )
 
 # Splits a tokenizer.json states exactly (tokenizer.split_pattern's inverse): SmolLM2's digits, Qwen2's regex.
-JSON_SPLIT_PATTERNS = (DIGITS_PAT_STR, QWEN2_PAT_STR)
 
 WRITTEN_FILES = (
     "config.json",
@@ -379,7 +377,7 @@ def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) 
     """vocab.json, merges.txt and tokenizer_config.json for Hugging Face's GPT2Tokenizer; a tokenizer that splits
     otherwise (SmolLM2's digits, Qwen2's regex), normalizes or begins prompts with a BOS, as a tokenizer.json."""
     json_only = getattr(encoding, "normalization", None) or getattr(encoding, "bos", None)
-    if encoding._pat_str in JSON_SPLIT_PATTERNS or json_only:
+    if encoding._pat_str not in GPT2_SPLIT_PATTERNS or json_only:
         return tokenizer_json_files(encoding, block_size, source)
     bpe = byte_level_bpe(encoding, source)
     vocab = bpe.tokens | bpe.special
@@ -407,7 +405,7 @@ def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) 
 def tokenizer_json_files(encoding: tiktoken.Encoding, block_size: int, source: Path) -> dict[str, str]:
     """tokenizer.json (and its tokenizer_config.json) for Hugging Face's fast tokenizer: the byte-level BPE, split
     as the encoding's pattern splits (the inverse of tokenizer.split_pattern) and normalized as it normalizes."""
-    bpe = byte_level_bpe(encoding, source, GPT2_SPLIT_PATTERNS + JSON_SPLIT_PATTERNS)
+    bpe = byte_level_bpe(encoding, source, (encoding._pat_str,))  # a tokenizer.json splits by any regex
     end_of_text = getattr(encoding, "end_of_text", END_OF_TEXT)
     end_of_text = end_of_text if end_of_text in bpe.special else None
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}

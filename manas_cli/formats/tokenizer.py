@@ -36,6 +36,11 @@ QWEN2_PAT_STR = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
 )
+# Llama 3's split (its tokenizer.json's Split regex), which llama.cpp runs as its "llama-bpe" pre-tokenizer.
+LLAMA3_PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
 NORMALIZATIONS = ("NFC",)  # what a tokenizer may ask of the text before it is split (Qwen2's)
 
 

@@ -80,20 +80,24 @@ def _stops_not_empty(values: Optional[list[str]]) -> Optional[list[str]]:
     return values
 
 
-CheckpointOption = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--checkpoint",
-        "--model",
-        "-c",
-        "-m",
-        help=(
-            "Model file (.safetensors), or a store name (manas list, manas pull); --model and -m as in llama.cpp, "
-            "llm and ollama. "
-            "Default: $MANAS_CHECKPOINT, else the model shipped with manas."
+def checkpoint_option(what: str) -> type:
+    """-c/-m (--checkpoint, --model), naming `what` it takes."""
+    return Annotated[
+        Optional[Path],
+        typer.Option(
+            "--checkpoint",
+            "--model",
+            "-c",
+            "-m",
+            help=f"{what} Default: $MANAS_CHECKPOINT, else the model shipped with manas.",
         ),
-    ),
-]
+    ]
+
+
+CheckpointOption = checkpoint_option(
+    "Model file (.safetensors or .gguf), or a store name (manas list, manas pull); --model and -m as in llama.cpp, "
+    "llm and ollama."
+)
 DeviceOption = Annotated[Device, typer.Option(help="auto: CUDA when available, else the CPU.")]
 DTypeOption = Annotated[DType, typer.Option(help="auto: float32 on the CPU, bfloat16 on CUDA.")]
 ThreadsOption = Annotated[
@@ -1220,18 +1224,10 @@ def tokenize_command(
     text: Annotated[
         Optional[str], typer.Argument(help="The text; standard input without it.", show_default=False)
     ] = None,
-    source: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--checkpoint",
-            "--model",
-            "-c",
-            "-m",
-            help="A checkpoint, a store name, a Hugging Face tokenizer.json, or a GGUF file (a model, or a "
-            "vocabulary alone as llama.cpp's ggml-vocab-*.gguf; byte-level BPEs). Default: $MANAS_CHECKPOINT, else "
-            "the model shipped with manas.",
-        ),
-    ] = None,
+    source: checkpoint_option(
+        "A checkpoint, a store name, a Hugging Face tokenizer.json, or a GGUF file (a model, or a vocabulary alone "
+        "as llama.cpp's ggml-vocab-*.gguf)."
+    ) = None,
     special: Annotated[
         bool,
         typer.Option(

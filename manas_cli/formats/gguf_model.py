@@ -15,7 +15,7 @@ import torch
 from ..errors import CheckpointError, first_line
 from ..torch_engine.model import GPT
 from . import llama, rotary_layout
-from .gguf_vocab import read_gguf, spec_from_fields
+from .gguf_vocab import read_gguf, spec_from_fields, string_field
 from .importing import build_model
 
 ARCHITECTURES = ("llama", "qwen2")  # llama.cpp's names that are manas' Llama family
@@ -46,7 +46,7 @@ def load_gguf(path: Path) -> GGUFModel:
     it cannot read."""
     reader = read_gguf(path)
     fields = reader.fields
-    architecture = _string(fields, "general.architecture", path)
+    architecture = string_field(fields, "general.architecture", path, CheckpointError)
     if architecture not in ARCHITECTURES:
         raise CheckpointError(
             f"{path}: llama.cpp architecture {architecture!r} is not one manas imports from GGUF "
@@ -138,11 +138,3 @@ def _dequantized(gguf, tensor, path: Path):
 
 def _shape(tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape))
-
-
-def _string(fields: dict, key: str, path: Path) -> str:
-    field = fields.get(key)
-    value = field.contents() if field is not None else None
-    if not isinstance(value, str):
-        raise CheckpointError(f"{path}: its GGUF metadata has no string {key}")
-    return value

@@ -38,12 +38,12 @@ def spec_from_gguf(path: Path) -> dict:
 
 def spec_from_fields(fields: dict, path: Path) -> dict:
     """The embedded BPE of a GGUF file's tokenizer, from the file's fields (GGUFReader's)."""
-    model = _string(fields, "tokenizer.ggml.model", path)
+    model = string_field(fields, "tokenizer.ggml.model", path)
     if model == "llama":
         return _sentencepiece(fields, path)
     if model != "gpt2":
         raise TokenizerError(f"{path}: tokenizer.ggml.model {model!r} is not one manas reads (gpt2, llama)")
-    pre = _string(fields, "tokenizer.ggml.pre", path) if "tokenizer.ggml.pre" in fields else "default"
+    pre = string_field(fields, "tokenizer.ggml.pre", path) if "tokenizer.ggml.pre" in fields else "default"
     if pre not in PRE_TOKENIZERS:
         raise TokenizerError(
             f"{path}: its pre-tokenizer {pre!r} is not one manas runs ({', '.join(sorted(PRE_TOKENIZERS))})"
@@ -166,11 +166,12 @@ def _strings(fields: dict, key: str, path: Path) -> list[str]:
     return value
 
 
-def _string(fields: dict, key: str, path: Path) -> str:
+def string_field(fields: dict, key: str, path: Path, error: type[Exception] = TokenizerError) -> str:
+    """A GGUF metadata field that must be a string; `error` (naming the file and the key) where it is not."""
     field = fields.get(key)
     value = field.contents() if field is not None else None
     if not isinstance(value, str):
-        raise TokenizerError(f"{path}: its GGUF metadata has no string {key}")
+        raise error(f"{path}: its GGUF metadata has no string {key}")
     return value
 
 

@@ -9,6 +9,7 @@ command runs a model whose checkpoint embeds such a tokenizer ({"kind": "spm", â
 from __future__ import annotations
 
 import heapq
+import math
 import re
 
 from ..errors import TokenizerError
@@ -149,8 +150,8 @@ def check_spm(spec: dict) -> None:
         raise TokenizerError("the embedded SentencePiece tokenizer's pieces, scores and types differ in length")
     if not all(isinstance(p, str) and p for p in pieces) or len(set(pieces)) != len(pieces):
         raise TokenizerError("the embedded SentencePiece tokenizer's pieces must be distinct non-empty strings")
-    if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
-        raise TokenizerError("the embedded SentencePiece tokenizer's scores must be numbers")
+    if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in scores):
+        raise TokenizerError("the embedded SentencePiece tokenizer's scores must be finite numbers")
     if not all(type(t) is int and NORMAL <= t <= BYTE for t in types):
         raise TokenizerError("the embedded SentencePiece tokenizer's types must be 1 to 6 (sentencepiece's)")
     if any(t == BYTE and not re.fullmatch(r"<0x[0-9A-F]{2}>", p) for p, t in zip(pieces, types)):

@@ -30,6 +30,7 @@ from .tokenizer import (
     DIGITS_PAT_STR,
     END_OF_TEXT,
     GPT2_PAT_STR,
+    MAX_TOKENIZER_FILE_BYTES,
     bos_id,
     bytes_to_unicode,
     end_of_text_id,
@@ -271,11 +272,6 @@ def _json_object(path: Path) -> dict:
     except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-# Tokenizer files are a few MB (GPT-2's vocab.json 1 MB, a 150,000-token tokenizer.json 11 MB): a larger one is
-# refused before it is parsed, as its tokens would take memory out of proportion to it.
-MAX_TOKENIZER_FILE_BYTES = 64 * 2**20
 
 
 def _tokenizer_text(path: Path, src: Path) -> str:

@@ -42,6 +42,9 @@ LLAMA3_PAT_STR = (
     r"""|\s+(?!\S)|\s+"""
 )
 NORMALIZATIONS = ("NFC",)  # what a tokenizer may ask of the text before it is split (Qwen2's)
+# Tokenizer files are a few MB (GPT-2's vocab.json 1 MB, a 150,000-token tokenizer.json 11 MB): a larger one is
+# refused before it is parsed, as its tokens would take memory out of proportion to it.
+MAX_TOKENIZER_FILE_BYTES = 64 * 2**20
 
 
 class Encoding(tiktoken.Encoding):

@@ -8,17 +8,15 @@ from pathlib import Path
 from ...errors import InputError
 from .common import read_stdin
 
-MAX_TOKENIZER_FILE_BYTES = 64 * 2**20  # as convert reads a folder's (formats/huggingface.py)
-
 
 def run(*, source: Path | None, text: str | None, special: bool, json_output: bool, jsonl: bool) -> None:
     """TEXT's ids (standard input's without it); with jsonl, each line of standard input a JSON string, and a line
     of ids for each (a test file of many texts in one run)."""
     from ...formats.tokenizer import encode_text
 
-    encoding = source_encoding(source)
     if text is not None and jsonl:
         raise InputError("--jsonl reads its texts from standard input: give no TEXT")
+    encoding = source_encoding(source)
     if text is None:
         text = read_stdin("tokenize a shorter text, or split it")
     for one in _jsonl_texts(text) if jsonl else [text]:
@@ -71,6 +69,8 @@ def source_encoding(source: Path | None):
 
 
 def _tokenizer_json(path: Path) -> str:
+    from ...formats.tokenizer import MAX_TOKENIZER_FILE_BYTES
+
     try:
         if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
             raise InputError(f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file")

@@ -373,7 +373,9 @@ def tokenizer_files(encoding: tiktoken.Encoding, block_size: int, source: Path) 
     """vocab.json, merges.txt and tokenizer_config.json for Hugging Face's GPT2Tokenizer; a tokenizer that splits
     otherwise (SmolLM2's digits, Qwen2's regex), normalizes or begins prompts with a BOS, as a tokenizer.json."""
     json_only = getattr(encoding, "normalization", None) or getattr(encoding, "bos", None)
-    if encoding._pat_str not in GPT2_SPLIT_PATTERNS or json_only:
+    # a split but GPT-2's matters only to merges (a character vocabulary has none): GPT2Tokenizer's files do then
+    merged = any(len(token) > 1 for token in ordinary_ranks(encoding))
+    if (encoding._pat_str not in GPT2_SPLIT_PATTERNS and merged) or json_only:
         return tokenizer_json_files(encoding, block_size, source)
     bpe = byte_level_bpe(encoding, source)
     vocab = bpe.tokens | bpe.special

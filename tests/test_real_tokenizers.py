@@ -146,8 +146,10 @@ def test_a_vocabulary_manas_cannot_read_is_one_error_line_naming_it(tmp_path):
     writer.write_kv_data_to_file()
     writer.close()
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(10))
+    (tmp_path / "cut.gguf").write_bytes((LLAMA_CPP_VOCAB / "ggml-vocab-gpt-2.gguf").read_bytes()[:100_000])
     cases = ((tmp_path / "bert.gguf", "tokenizer.ggml.model 'bert' is not one manas reads"),
-             (tmp_path / "broken.gguf", "is not a GGUF file"))  # fmt: skip
+             (tmp_path / "broken.gguf", "GGUF version 0 is not one manas reads"),
+             (tmp_path / "cut.gguf", "it ends inside its metadata"))  # fmt: skip
     for path, message in cases:
         run = manas("tokenize", "-c", path, "x")
         assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err, run.err

@@ -15,6 +15,7 @@ import torch
 from ..errors import CheckpointError, first_line
 from ..torch_engine.model import GPT
 from . import llama, rotary_layout
+from .gguf_metadata import read_metadata
 from .gguf_vocab import read_gguf, spec_from_fields, string_field
 from .importing import build_model
 
@@ -44,8 +45,8 @@ class GGUFModel:
 def load_gguf(path: Path) -> GGUFModel:
     """The model, tokenizer and chat template of a GGUF file; one CheckpointError (or TokenizerError) naming what
     it cannot read."""
-    reader = read_gguf(path)
-    fields = reader.fields
+    fields = read_metadata(path)
+    reader = read_gguf(path)  # for the tensors
     architecture = string_field(fields, "general.architecture", path, CheckpointError)
     if architecture not in ARCHITECTURES:
         raise CheckpointError(
@@ -57,7 +58,6 @@ def load_gguf(path: Path) -> GGUFModel:
     state = _hf_state(names, architecture, config, path)
     model = build_model(config, llama.state_to_manas(state, config, path), path)
     template = fields.get("tokenizer.chat_template")
-    template = template.contents() if template is not None else None
     return GGUFModel(
         architecture, model, spec_from_fields(fields, path), template if isinstance(template, str) else None
     )
@@ -67,8 +67,7 @@ def _hf_config(fields: dict, architecture: str, tensors: dict, path: Path) -> di
     """The Hugging Face config.json of the file's hyperparameters (as llama.cpp's converter wrote them from one)."""
 
     def value(key: str, default: object = None) -> object:
-        field = fields.get(f"{architecture}.{key}")
-        return field.contents() if field is not None else default
+        return fields.get(f"{architecture}.{key}", default)
 
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{path}: the file has no token_embd.weight")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import MissingDependencyError, TokenizerError, first_line
+from .gguf_metadata import read_metadata
 from .tokenizer import (
     DIGITS_PAT_STR,
     GPT2_PAT_STR,
@@ -32,12 +33,12 @@ SPECIAL_TYPES = (3, 4, 5)
 
 
 def spec_from_gguf(path: Path) -> dict:
-    """The embedded BPE of a GGUF file's tokenizer; one TokenizerError naming what it cannot read."""
-    return spec_from_fields(read_gguf(path).fields, path)
+    """The embedded tokenizer of a GGUF file; one TokenizerError naming what it cannot read."""
+    return spec_from_fields(read_metadata(path), path)
 
 
 def spec_from_fields(fields: dict, path: Path) -> dict:
-    """The embedded BPE of a GGUF file's tokenizer, from the file's fields (GGUFReader's)."""
+    """The embedded tokenizer of a GGUF file, from its metadata (gguf_metadata.read_metadata's values)."""
     model = string_field(fields, "tokenizer.ggml.model", path)
     if model == "llama":
         return _sentencepiece(fields, path)
@@ -104,7 +105,7 @@ def _sentencepiece(fields: dict, path: Path) -> dict:
         "pieces": tokens,
         "scores": [float(score) for score in scores],
         "types": [int(kind) for kind in types],
-        "add_space_prefix": prefix.contents() is not False if prefix is not None else True,
+        "add_space_prefix": prefix is not False,
     }
     special = {token: i for i, (token, kind) in enumerate(zip(tokens, spec["types"])) if kind in SPM_SPECIAL_TYPES}
     ends = _ends(fields, tokens, special)
@@ -125,7 +126,7 @@ def _ends(fields: dict, tokens: list[str], special: dict[str, int]) -> dict:
         ends["end_of_text"] = tokens[eos]
     bos = _integer(fields, "tokenizer.ggml.bos_token_id")
     adds = fields.get("tokenizer.ggml.add_bos_token")
-    if adds is not None and adds.contents() is True and bos is not None and 0 <= bos < len(tokens):
+    if adds is True and bos is not None and 0 <= bos < len(tokens):
         if tokens[bos] in special:
             ends["bos"] = tokens[bos]
     return ends
@@ -148,12 +149,9 @@ def read_gguf(path: Path):
 
 
 def _list(fields: dict, key: str, path: Path) -> list:
-    try:
-        value = fields[key].contents()
-    except KeyError:
-        raise TokenizerError(f"{path}: its GGUF metadata has no {key}") from None
-    except Exception as exc:
-        raise TokenizerError(f"{path}: its GGUF metadata's {key} cannot be read: {first_line(exc)}") from None
+    value = fields.get(key)
+    if value is None:
+        raise TokenizerError(f"{path}: its GGUF metadata has no {key}")
     if not isinstance(value, list):
         raise TokenizerError(f"{path}: its GGUF metadata's {key} is not a list")
     return value
@@ -168,14 +166,11 @@ def _strings(fields: dict, key: str, path: Path) -> list[str]:
 
 def string_field(fields: dict, key: str, path: Path, error: type[Exception] = TokenizerError) -> str:
     """A GGUF metadata field that must be a string; `error` (naming the file and the key) where it is not."""
-    field = fields.get(key)
-    value = field.contents() if field is not None else None
+    value = fields.get(key)
     if not isinstance(value, str):
         raise error(f"{path}: its GGUF metadata has no string {key}")
     return value
 
 
 def _integer(fields: dict, key: str) -> int | None:
-    field = fields.get(key)
-    value = field.contents() if field is not None else None
-    return value if type(value) is int else None
+    return value if type(value := fields.get(key)) is int else None

@@ -1,0 +1,96 @@
+"""A GGUF file's metadata (its key-value pairs), read as plain Python values, every length checked against the bytes
+the file has before it is read. The gguf package's reader builds numpy views of every item (10 s for Qwen2's
+151,936 tokens); this reads a vocabulary in a fraction of a second, and needs no package."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+from ..errors import TokenizerError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)  # GGUF version 1 had 32-bit counts, and no file in use holds it any more
+MAX_KEYS = 1 << 16
+MAX_DEPTH = 2  # an array of arrays at most
+SCALARS = {  # GGUF value type → struct format
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+STRING, ARRAY = 8, 9
+
+
+class _Reader:
+    """The file's bytes from an offset, each read refused past their end."""
+
+    def __init__(self, data, path: Path) -> None:
+        self.data, self.path, self.offset = data, path, 0
+
+    def take(self, size: int) -> memoryview:
+        if size < 0 or self.offset + size > len(self.data):
+            raise TokenizerError(f"{self.path} is not a GGUF file manas can read: it ends inside its metadata")
+        view = memoryview(self.data)[self.offset : self.offset + size]
+        self.offset += size
+        return view
+
+    def unpack(self, form: str):
+        return struct.unpack(form, self.take(struct.calcsize(form)))[0]
+
+    def string(self) -> str:
+        raw = self.take(self.unpack("<Q"))
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError:
+            raise TokenizerError(f"{self.path}: a string of its GGUF metadata is not UTF-8") from None
+
+    def value(self, kind: int, depth: int = 0):
+        if kind in SCALARS:
+            return self.unpack(SCALARS[kind])
+        if kind == STRING:
+            return self.string()
+        if kind == ARRAY and depth < MAX_DEPTH:
+            item, count = self.unpack("<I"), self.unpack("<Q")
+            if count > len(self.data) - self.offset:  # every item takes a byte at least
+                raise TokenizerError(f"{self.path} is not a GGUF file manas can read: an array longer than the file")
+            if item in SCALARS:  # read at once: a vocabulary's scores and types
+                form = SCALARS[item]
+                return list(struct.unpack(f"<{count}{form[1]}", self.take(count * struct.calcsize(form))))
+            return [self.value(item, depth + 1) for _ in range(count)]
+        raise TokenizerError(f"{self.path} is not a GGUF file manas can read: a value of unknown type {kind}")
+
+
+def read_metadata(path: Path) -> dict[str, object]:
+    """The file's metadata keys and values; one TokenizerError naming the file where it is not a GGUF."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _metadata(_Reader(data, path))
+    except FileNotFoundError:
+        raise TokenizerError(f"no GGUF file {path}: no such file") from None
+    except (OSError, ValueError) as exc:  # an empty file cannot be mapped
+        raise TokenizerError(f"{path} is not a GGUF file manas can read: {exc}") from None
+
+
+def _metadata(reader: _Reader) -> dict[str, object]:
+    if bytes(reader.take(4)) != MAGIC:
+        raise TokenizerError(f"{reader.path} is not a GGUF file manas can read: it does not begin with GGUF")
+    if (version := reader.unpack("<I")) not in VERSIONS:
+        raise TokenizerError(f"{reader.path}: GGUF version {version} is not one manas reads (2, 3)")
+    reader.unpack("<Q")  # the tensors' count: their entries follow the metadata
+    keys = reader.unpack("<Q")
+    if keys > MAX_KEYS:
+        raise TokenizerError(f"{reader.path}: its GGUF metadata claims {keys:,} keys")
+    values = {}
+    for _ in range(keys):
+        key = reader.string()
+        values[key] = reader.value(reader.unpack("<I"))
+    return values

@@ -25,6 +25,7 @@ PULLED_FILES = [
     "*.safetensors",
     "model.safetensors.index.json",
     "tokenizer.json",
+    "tokenizer.model",  # SentencePiece's (Llama 2, Mistral), read where tokenizer.json is its byte-fallback rendering
     "tokenizer_config.json",
     "vocab.json",
     "merges.txt",

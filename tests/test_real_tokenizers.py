@@ -239,3 +239,47 @@ def test_a_llama_2_shaped_gguf_with_a_sentencepiece_vocabulary_converts_and_gene
     assert done["prompt_tokens"] == len(ids) + 1  # Llama 2's <s> first (tokenizer.ggml.add_bos_token)
     pieces = manas("tokenize", "-c", LLAMA_CPP_VOCAB / "ggml-vocab-llama-spm.gguf", "--json", "x").ok().json()
     assert pieces["pieces"] == [" x"] and len(done["tokens"]) == done["generated_tokens"]
+
+
+# ---- SentencePiece tokenizer.model files: Mistral's, against sentencepiece itself ----
+
+MISTRAL = DATA / "mistral"  # data/SOURCES.md
+
+
+@pytest.mark.parametrize("version", ["v1", "v3"])
+@pytest.mark.parametrize("name", ["shakespeare", "multilingual"])
+def test_tokenize_gives_sentencepieces_ids_for_mistrals_tokenizer_models(version, name):
+    """v3 has user-defined pieces ([INST], [/INST]), taken whole from the text as sentencepiece takes them."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    model = MISTRAL / f"tokenizer.model.{version}"
+    text = texts()[name] + (" [INST] What? [/INST]" if name == "multilingual" else "")
+    expected = sentencepiece.SentencePieceProcessor(model_file=str(model)).encode(text)
+    run = manas("tokenize", "-c", model, "--no-special", stdin=text.encode())
+    assert [int(token) for token in run.ok().out.split()] == expected
+
+
+def test_a_llama_2_style_folder_converts_with_its_tokenizer_model_and_generates_as_transformers(
+    tmp_path, tiny_bpe_spec
+):
+    """A TinyLlama-shaped folder whose tokenizer is a SentencePiece tokenizer.model (Mistral's, 32,000 pieces): the
+    prompt is <s> and sentencepiece's ids, and greedy generation equals transformers' on them."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from test_llama_family import converted, hf_folder
+
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "tinyllama", vocab_size=32000)
+    (tmp_path / "hf" / "tokenizer.json").unlink()
+    shutil.copyfile(MISTRAL / "tokenizer.model.v1", tmp_path / "hf" / "tokenizer.model")
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    model = converted(tmp_path, tmp_path / "hf")
+    prompt = "The capital of France is 日本 🎉"
+    ids = [1, *sentencepiece.SentencePieceProcessor(model_file=str(MISTRAL / "tokenizer.model.v1")).encode(prompt)]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=2)
+    expected = out[0, len(ids) :].tolist()
+    expected = expected[: expected.index(2)] if 2 in expected else expected
+    done = manas("generate", "-c", model, *RUN_OPTIONS, "-p", prompt, "-n", "10", "-t", "0", "--json").ok().json()
+    assert done["prompt_tokens"] == len(ids) and done["tokens"] == expected

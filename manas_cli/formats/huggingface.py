@@ -192,11 +192,24 @@ def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
         texts = _tokenizer_text(vocab, src), _tokenizer_text(merges, src)
         spec = spec_from_hf_files(*texts, src, added_tokens(src))
         return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec
+    if (src / "tokenizer.model").is_file() and (not combined.is_file() or _sentencepiece_style(combined)):
+        from .sentencepiece import spec_from_model_file
+
+        return f"the SentencePiece BPE of {src}'s tokenizer.model (embedded)", spec_from_model_file(
+            src / "tokenizer.model"
+        )
     if combined.is_file():
         spec = spec_from_tokenizer_json(_tokenizer_text(combined, src), src)
         spec = with_bos(with_end_of_text(spec, src), combined, src)
         return f"the byte-level BPE from {src}'s tokenizer.json (embedded)", spec
     return None
+
+
+def _sentencepiece_style(tokenizer_json: Path) -> bool:
+    """Whether a tokenizer.json is the Hugging Face rendering of a SentencePiece model (byte fallback: Llama 2's,
+    Mistral's), whose tokenizer.model beside it is read instead."""
+    model = _json_object(tokenizer_json).get("model")
+    return isinstance(model, dict) and bool(model.get("byte_fallback"))
 
 
 def with_bos(spec: dict, tokenizer_json: Path, src: Path) -> dict:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import heapq
 import math
 import re
+from pathlib import Path
 
-from ..errors import TokenizerError
+from ..errors import MissingDependencyError, TokenizerError, first_line
 
 SPACE = "\u2581"  # "▁", SentencePiece's spelling of a space
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's (and sentencepiece's) types
 MAX_PIECES = 1 << 20
+MAX_MODEL_FILE_BYTES = 64 * 2**20  # Llama 2's tokenizer.model is 0.5 MB
+BPE_MODEL = 2  # sentencepiece's model types: 1 unigram, 2 BPE, 3 word, 4 char
 
 
 class SentencePieceEncoding:
@@ -41,6 +44,8 @@ class SentencePieceEncoding:
         self._mergeable_ranks = {piece.encode(): i for i, piece in enumerate(pieces) if i not in special_ids}
         self.max_token_value = len(pieces) - 1
         self.n_vocab = len(pieces)
+        user_defined = sorted((p for i, p in enumerate(pieces) if types[i] == USER_DEFINED), key=len, reverse=True)
+        self._user_split = re.compile("(" + "|".join(map(re.escape, user_defined)) + ")") if user_defined else None
         self._special_split = (
             re.compile("(" + "|".join(map(re.escape, sorted(self._special_tokens, key=len, reverse=True))) + ")")
             if self._special_tokens
@@ -68,10 +73,22 @@ class SentencePieceEncoding:
         return ids
 
     def _encode_raw(self, text: str, after_special: bool) -> list[int]:
+        """Text between special tokens: normalized (the space prefix, "▁"), its user-defined pieces ([INST] in
+        Mistral's) taken whole, the rest merged."""
         if not text:
             return []
         text = ((" " if self.add_space_prefix and after_special else "") + text).replace(" ", SPACE)
-        return [token for symbol in merged_symbols(text, self.ids, self.scores) for token in self._spelled(symbol)]
+        ids = []
+        for i, fragment in enumerate(self._user_split.split(text) if self._user_split else [text]):
+            if i % 2:
+                ids.append(self.ids[fragment])
+            elif fragment:
+                ids += [
+                    token
+                    for symbol in merged_symbols(fragment, self.ids, self.scores)
+                    for token in self._spelled(symbol)
+                ]
+        return ids
 
     def _spelled(self, symbol: str) -> list[int]:
         """A merged symbol's id, or (a character no piece spells) its UTF-8 bytes' pieces."""
@@ -139,6 +156,40 @@ def merged_symbols(text: str, ids: dict[str, int], scores: list[float]) -> list[
         offer(previous[left], left)
         offer(left, following[left])
     return [symbol for symbol in symbols if symbol is not None]
+
+
+def spec_from_model_file(path: Path) -> dict:
+    """A sentencepiece tokenizer.model (Llama 2's, Mistral's) as an embedded spec: a BPE model's pieces, scores and
+    types, read with the sentencepiece package's own description of the file (the `sentencepiece` extra)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:
+        raise MissingDependencyError(
+            'reading a tokenizer.model needs sentencepiece: pip install "manas-cli[sentencepiece]"'
+        ) from None
+    if not path.is_file():
+        raise TokenizerError(f"no tokenizer {path}: no such file")
+    if path.stat().st_size > MAX_MODEL_FILE_BYTES:
+        raise TokenizerError(f"{path} is over {MAX_MODEL_FILE_BYTES // 2**20} MiB: not a tokenizer.model")
+    model = sentencepiece_model_pb2.ModelProto()
+    try:
+        model.ParseFromString(path.read_bytes())
+    except Exception as exc:  # protobuf's DecodeError, an unreadable file
+        raise TokenizerError(f"{path} is not a sentencepiece model manas can read: {first_line(exc)}") from None
+    if model.trainer_spec.model_type != BPE_MODEL:
+        raise TokenizerError(f"{path}: a sentencepiece model of type {model.trainer_spec.model_type}, not BPE (2)")
+    if model.normalizer_spec.name not in ("identity", ""):
+        raise TokenizerError(f"{path}: its normalization {model.normalizer_spec.name!r} is not one manas runs")
+    pieces = [piece.piece for piece in model.pieces]
+    spec = {
+        "kind": "spm",
+        "pieces": pieces,
+        "scores": [piece.score for piece in model.pieces],
+        "types": [piece.type for piece in model.pieces],
+        "add_space_prefix": model.normalizer_spec.add_dummy_prefix,
+    }
+    ends = {"end_of_text": model.trainer_spec.eos_id, "bos": model.trainer_spec.bos_id}
+    return spec | {key: pieces[i] for key, i in ends.items() if 0 <= i < len(pieces)}
 
 
 def check_spm(spec: dict) -> None:

@@ -54,6 +54,10 @@ def source_encoding(source: Path | None):
 
     if source is not None and source.suffix == ".json":
         return build_encoding(spec_from_tokenizer_json(_tokenizer_json(source), source))
+    if source is not None and (source.suffix == ".model" or source.name.startswith("tokenizer.model")):
+        from ...formats.sentencepiece import spec_from_model_file
+
+        return build_encoding(spec_from_model_file(source))
     if source is not None and source.suffix == ".gguf":
         from ...formats.gguf_vocab import spec_from_gguf
 

@@ -46,14 +46,13 @@ def load_gguf(path: Path) -> GGUFModel:
     """The model, tokenizer and chat template of a GGUF file; one CheckpointError (or TokenizerError) naming what
     it cannot read."""
     fields = read_metadata(path)
-    reader = read_gguf(path)  # for the tensors
     architecture = string_field(fields, "general.architecture", path, CheckpointError)
     if architecture not in ARCHITECTURES:
         raise CheckpointError(
             f"{path}: llama.cpp architecture {architecture!r} is not one manas imports from GGUF "
             f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3, Qwen2 and 2.5)"
         )
-    names = {tensor.name: tensor for tensor in reader.tensors}
+    names = {tensor.name: tensor for tensor in read_gguf(path).tensors}  # the package reads the tensors
     config = llama.config_from_hf(_hf_config(fields, architecture, names, path), path)
     state = _hf_state(names, architecture, config, path)
     model = build_model(config, llama.state_to_manas(state, config, path), path)

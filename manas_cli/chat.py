@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .chat_template import MAX_TEMPLATE_CHARS, TemplateError
+from .chat_template import check_size
 from .template_worker import worker
 
 MAX_MESSAGES = 1024
@@ -62,7 +62,7 @@ def _content(content: object, i: int) -> str:
 def render(template: str, messages: list[Message], *, bos_token: str = "", eos_token: str = "") -> str:
     """The prompt for the assistant's next turn: the template over the messages with add_generation_prompt, rendered
     in the template worker (bounded by the operating system, see template_worker)."""
-    _check_size(template)
+    check_size(template)
     as_dicts = [{"role": m.role, "content": m.content} for m in messages]
     return worker().render(template, as_dicts, bos_token, eos_token)
 
@@ -70,15 +70,8 @@ def render(template: str, messages: list[Message], *, bos_token: str = "", eos_t
 def check_template(template: str) -> None:
     """Refuse, naming why, a template that does not parse or is too large (before it is stored or served). It is
     compiled in the worker: jinja2 runs a template's constant expressions while compiling."""
-    _check_size(template)
+    check_size(template)
     worker().compile(template)
-
-
-def _check_size(template: str) -> None:
-    if not isinstance(template, str) or not template.strip():
-        raise TemplateError("the chat template is empty")
-    if len(template) > MAX_TEMPLATE_CHARS:
-        raise TemplateError(f"the chat template is over {MAX_TEMPLATE_CHARS:,} characters")
 
 
 def prompt_ids(template: str, messages: list[Message], encoding) -> list[int]:

@@ -55,12 +55,17 @@ def check_template(template: str) -> None:
     _compile(template)
 
 
-@functools.lru_cache(maxsize=8)  # a server renders its one template per request
-def _compile(template: str):
+def check_size(template: str) -> None:
+    """Refuse an empty template, or one larger than any real one (checked by the caller too, before the worker)."""
     if not isinstance(template, str) or not template.strip():
         raise TemplateError("the chat template is empty")
     if len(template) > MAX_TEMPLATE_CHARS:
         raise TemplateError(f"the chat template is over {MAX_TEMPLATE_CHARS:,} characters")
+
+
+@functools.lru_cache(maxsize=8)  # a server renders its one template per request
+def _compile(template: str):
+    check_size(template)
     environment = _environment()
     try:
         return environment.from_string(template)

@@ -5,8 +5,9 @@ bound one step: jinja2 folds constant expressions while it compiles (`{{ "%09000
 before any render), an integer power chain runs for minutes holding the interpreter's lock, a filter's keyword
 builds a gigabyte. So every compile and render runs in a worker process under RLIMIT_AS (its memory) and
 RLIMIT_CPU (its processor time, renewed per request), and the caller waits on a pipe with a wall-clock deadline:
-a worker past any of the three is killed and the next request starts a fresh one. The caller's threads, its
-locks and its other requests (a server's /health) never wait on a template for longer than WALL_S.
+a worker past any of the three is killed and the next request starts a fresh one. A server's other requests
+(/health, completions) never wait on a template; chat requests take turns, each waiting at most WALL_S for every
+template render ahead of it.
 
 The protocol is one JSON line each way: {"template", "messages" (null: compile only), "bos", "eos"} in,
 {"text"} or {"error"} out."""

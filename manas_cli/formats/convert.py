@@ -73,7 +73,8 @@ def _gguf_source(src: Path) -> tuple[str, GPT, tuple[str, dict], str | None]:
     from .gguf_model import load_gguf
 
     imported = load_gguf(src)
-    tokenizer = (f"the byte-level BPE in {src.name}'s metadata (embedded)", imported.tokenizer_spec)
+    kind = "SentencePiece" if imported.tokenizer_spec["kind"] == "spm" else "byte-level BPE"
+    tokenizer = (f"the {kind} in {src.name}'s metadata (embedded)", imported.tokenizer_spec)
     return f"GGUF {imported.architecture}", imported.model, tokenizer, imported.chat_template
 
 

@@ -13,7 +13,7 @@ from .tokenizer import (
     GPT2_PAT_STR,
     LLAMA3_PAT_STR,
     QWEN2_PAT_STR,
-    bpe_spec,
+    byte_level_spec,
     bytes_to_unicode,
     checked_spec,
     spec_from_vocab_and_merges,
@@ -87,10 +87,7 @@ def tiktoken_vocabulary(tokens: list[str], specials: frozenset[str], path: Path,
             raise TokenizerError(
                 f"{path}: token {token[:40]!r} (id {token_id}) is not spelled in GPT-2's byte alphabet"
             )
-    spec = bpe_spec(ranks, pat_str, special_tokens=special)
-    if any(bytes([byte]) not in ranks for byte in range(256)):
-        spec["unknown_bytes"] = "skip"
-    return spec
+    return byte_level_spec(ranks, pat_str, special)
 
 
 def _sentencepiece(fields: dict, path: Path) -> dict:

@@ -36,6 +36,7 @@ from .tokenizer import (
     end_of_text_id,
     merge_parts,
     ordinary_ranks,
+    read_tokenizer_text,
     spec_from_hf_files,
     spec_from_tokenizer_json,
 )
@@ -189,7 +190,7 @@ def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
     if vocab.is_file() and merges.is_file():
         if combined.is_file() and _model_type(src / HF_CONFIG) != "gpt2":
             return None
-        texts = _tokenizer_text(vocab, src), _tokenizer_text(merges, src)
+        texts = read_tokenizer_text(vocab, src), read_tokenizer_text(merges, src)
         spec = spec_from_hf_files(*texts, src, added_tokens(src))
         return f"GPT-2's BPE from {src}'s vocab.json and merges.txt (embedded)", spec
     if (src / "tokenizer.model").is_file() and (not combined.is_file() or _sentencepiece_style(combined)):
@@ -199,7 +200,7 @@ def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
             src / "tokenizer.model"
         )
     if combined.is_file():
-        spec = spec_from_tokenizer_json(_tokenizer_text(combined, src), src)
+        spec = spec_from_tokenizer_json(read_tokenizer_text(combined, src), src)
         spec = with_bos(with_end_of_text(spec, src), combined, src)
         return f"the byte-level BPE from {src}'s tokenizer.json (embedded)", spec
     return None
@@ -238,7 +239,7 @@ def folder_chat_template(src: Path) -> str | None:
 
     path = src / "chat_template.jinja"
     if path.is_file():
-        template = _tokenizer_text(path, src)
+        template = read_tokenizer_text(path, src)
     else:
         template = _json_object(src / "tokenizer_config.json").get("chat_template")
         if isinstance(template, list):
@@ -285,17 +286,6 @@ def _json_object(path: Path) -> dict:
     except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _tokenizer_text(path: Path, src: Path) -> str:
-    try:
-        if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
-            raise TokenizerError(
-                f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file manas reads"
-            )
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"cannot read the tokenizer files of {src}: {first_line(exc)}") from None
 
 
 def _model_type(config: Path) -> object:

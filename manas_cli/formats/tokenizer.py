@@ -115,6 +115,18 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(aliases.items()))
 
 
+def read_tokenizer_text(path: Path, src: Path) -> str:
+    """A tokenizer file of src's (or src itself) as text, refused past MAX_TOKENIZER_FILE_BYTES before it is read."""
+    try:
+        if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
+            raise TokenizerError(
+                f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file manas reads"
+            )
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"cannot read the tokenizer files of {src}: {first_line(exc)}") from None
+
+
 def spec_from_hf_files(
     vocab_json: str, merges_txt: str, source: str | Path, added: frozenset[str] = frozenset()
 ) -> dict:
@@ -279,10 +291,16 @@ def spec_from_vocab_and_merges(
         else:
             raise TokenizerError(f"{source}: {vocab_name} token {token!r} is not spelled in GPT-2's byte alphabet")
     _check_merges_as_ranks(ranks, pairs, byte_of, source)
+    return checked_spec(byte_level_spec(ranks, pat_str, special), source)
+
+
+def byte_level_spec(ranks: dict[bytes, int], pat_str: str, special: dict[str, int]) -> dict:
+    """The embedded spec of a real byte-level BPE's ranks, which may lack some bytes: Hugging Face (and llama.cpp)
+    drop a byte without a token, so the spec says to skip them (FORMAT.md, unknown_bytes)."""
     spec = bpe_spec(ranks, pat_str, special_tokens=special)
-    if any(bytes([byte]) not in ranks for byte in range(256)):  # Hugging Face drops a byte without a token
+    if any(bytes([byte]) not in ranks for byte in range(256)):
         spec["unknown_bytes"] = "skip"
-    return checked_spec(spec, source)
+    return spec
 
 
 def _is_marker(token: str) -> bool:

@@ -65,8 +65,8 @@ def require_stdout() -> None:
 
 
 def checkpoint_given(argument: Path | None, option: Path | None) -> Path:
-    """The checkpoint a command that reads one file takes (quantize, export): as its argument or as -m/-c, a path or
-    a store name, checked to be a file before anything heavy is imported."""
+    """The checkpoint a command takes as its argument or as -m/-c (quantize, export, run, tokenize): a path or a
+    store name (none: the default model), checked to be a file before anything heavy is imported."""
     from ...models import checkpoint_file, resolve_checkpoint
 
     if argument is not None and option is not None:

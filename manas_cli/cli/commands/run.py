@@ -7,17 +7,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...errors import InputError
-from ...models import ModelOptions, checkpoint_file, resolve_checkpoint
+from ...models import ModelOptions
 from ...settings import GenerationSettings
 from . import chat, generate
+from .common import checkpoint_given
 
 
 def run(*, model: Path | None, prompt: str | None, settings: GenerationSettings, model_options: ModelOptions) -> None:
-    if model is not None and model_options.checkpoint is not None:
-        import typer
-
-        raise typer.BadParameter("give the model once: as the argument or as -m, not both", param_hint="'-m'")
-    path = checkpoint_file(resolve_checkpoint(model if model is not None else model_options.checkpoint))
+    path = checkpoint_given(model, model_options.checkpoint)
     options = replace(model_options, checkpoint=path)
     if has_chat_template(path):
         chat.run(
@@ -50,10 +47,8 @@ def run(*, model: Path | None, prompt: str | None, settings: GenerationSettings,
 
 
 def has_chat_template(path: Path) -> bool:
-    """Whether the checkpoint stores a chat template, from its header alone (a missing file: generate says so)."""
+    """Whether the checkpoint stores a chat template, from its header alone."""
     from ...formats.header import read_header
 
-    if not path.is_file():
-        return False
     with path.open("rb") as f:
         return bool(read_header(f, path).metadata.get("chat_template"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...errors import InputError
-from .common import read_stdin
+from .common import checkpoint_given, read_stdin
 
 
 def run(*, source: Path | None, text: str | None, special: bool, json_output: bool, jsonl: bool) -> None:
@@ -50,10 +50,10 @@ def _jsonl_texts(lines: str) -> list[str]:
 def source_encoding(source: Path | None):
     """The tokenizer of a Hugging Face tokenizer.json, or of a checkpoint (a path or a store name; none: the
     default model), read from its header alone."""
-    from ...formats.tokenizer import build_encoding, spec_from_tokenizer_json
+    from ...formats.tokenizer import build_encoding, read_tokenizer_text, spec_from_tokenizer_json
 
     if source is not None and source.suffix == ".json":
-        return build_encoding(spec_from_tokenizer_json(_tokenizer_json(source), source))
+        return build_encoding(spec_from_tokenizer_json(read_tokenizer_text(source, source), source))
     if source is not None and (source.suffix == ".model" or source.name.startswith("tokenizer.model")):
         from ...formats.sentencepiece import spec_from_model_file
 
@@ -63,23 +63,7 @@ def source_encoding(source: Path | None):
 
         return build_encoding(spec_from_gguf(source))
     from ...formats.header import read_header
-    from ...models import checkpoint_file, resolve_checkpoint
 
-    path = checkpoint_file(resolve_checkpoint(source))
-    if not path.is_file():
-        raise InputError(f"no checkpoint or tokenizer {path}: no such file")
+    path = checkpoint_given(None, source)
     with path.open("rb") as f:
         return read_header(f, path).encoding
-
-
-def _tokenizer_json(path: Path) -> str:
-    from ...formats.tokenizer import MAX_TOKENIZER_FILE_BYTES
-
-    try:
-        if path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
-            raise InputError(f"{path} is over {MAX_TOKENIZER_FILE_BYTES // 2**20} MiB: not a tokenizer file")
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"no tokenizer {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read the tokenizer {path}: {exc}") from None

@@ -258,11 +258,13 @@ def test_tokenize_gives_sentencepieces_ids_for_mistrals_tokenizer_models(version
     assert [int(token) for token in run.ok().out.split()] == expected
 
 
+@pytest.mark.parametrize("tokenizer_file", ["tokenizer.model", "tokenizer.json"])
 def test_a_llama_2_style_folder_converts_with_its_tokenizer_model_and_generates_as_transformers(
-    tmp_path, tiny_bpe_spec
+    tmp_path, tiny_bpe_spec, tokenizer_file
 ):
-    """A TinyLlama-shaped folder whose tokenizer is a SentencePiece tokenizer.model (Mistral's, 32,000 pieces): the
-    prompt is <s> and sentencepiece's ids, and greedy generation equals transformers' on them."""
+    """A TinyLlama-shaped folder whose tokenizer is a SentencePiece tokenizer.model (Mistral's, 32,000 pieces), or
+    only its Hugging Face rendering as a tokenizer.json: the prompt is <s> and sentencepiece's ids, and greedy
+    generation equals transformers' on them."""
     sentencepiece = pytest.importorskip("sentencepiece")
     import torch
     from transformers import AutoModelForCausalLM
@@ -271,7 +273,10 @@ def test_a_llama_2_style_folder_converts_with_its_tokenizer_model_and_generates_
 
     hf_folder(tmp_path / "hf", tiny_bpe_spec, "tinyllama", vocab_size=32000)
     (tmp_path / "hf" / "tokenizer.json").unlink()
-    shutil.copyfile(MISTRAL / "tokenizer.model.v1", tmp_path / "hf" / "tokenizer.model")
+    if tokenizer_file == "tokenizer.model":
+        shutil.copyfile(MISTRAL / "tokenizer.model.v1", tmp_path / "hf" / "tokenizer.model")
+    else:
+        (tmp_path / "hf" / "tokenizer.json").write_text(hugging_face_rendering(MISTRAL / "tokenizer.model.v1"))
     (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     model = converted(tmp_path, tmp_path / "hf")
     prompt = "The capital of France is 日本 🎉"
@@ -283,3 +288,54 @@ def test_a_llama_2_style_folder_converts_with_its_tokenizer_model_and_generates_
     expected = expected[: expected.index(2)] if 2 in expected else expected
     done = manas("generate", "-c", model, *RUN_OPTIONS, "-p", prompt, "-n", "10", "-t", "0", "--json").ok().json()
     assert done["prompt_tokens"] == len(ids) and done["tokens"] == expected
+
+
+def hugging_face_rendering(model_file) -> str:
+    """A SentencePiece BPE model as Hugging Face renders it in a tokenizer.json (transformers' LlamaConverter): the
+    pieces as model.vocab, every split of a piece into two pieces as a merge, pieces in the order of their scores,
+    byte fallback, control pieces as special added tokens, a Metaspace that puts "▁" before the text."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    merges = [
+        [piece[:cut], piece[cut:]]
+        for piece in sorted(vocab, key=lambda p: (-processor.get_score(vocab[p]), vocab[p]))
+        if not (processor.is_unknown(vocab[piece]) or processor.is_control(vocab[piece]) or processor.is_byte(vocab[piece]))
+        for cut in range(1, len(piece))
+        if piece[:cut] in vocab and piece[cut:] in vocab
+    ]
+    added = [
+        {"id": i, "content": piece, "special": True, "normalized": False, "lstrip": False, "rstrip": False,
+         "single_word": False}
+        for i, piece in enumerate(pieces)
+        if processor.is_control(i) or processor.is_unknown(i)
+    ]  # fmt: skip
+    return json.dumps({
+        "version": "1.0",
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+        "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["shakespeare", "multilingual"])
+def test_a_sentencepiece_tokenizer_json_gives_the_ids_of_tokenizers_and_sentencepiece(tmp_path, name):
+    """Mistral's tokenizer.model rendered as a Metaspace, byte-fallback tokenizer.json (what a folder without its
+    tokenizer.model holds): manas reads the json alone, and its ids are Hugging Face's and sentencepiece's."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    model = MISTRAL / "tokenizer.model.v1"
+    (tmp_path / "tokenizer.json").write_text(hugging_face_rendering(model))
+    text = texts()[name]
+    expected = sentencepiece.SentencePieceProcessor(model_file=str(model)).encode(text)
+    reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert reference.encode(text, add_special_tokens=False).ids == expected
+    run = manas("tokenize", "-c", tmp_path / "tokenizer.json", "--no-special", stdin=text.encode())
+    assert [int(token) for token in run.ok().out.split()] == expected

@@ -924,9 +924,9 @@ def convert(
         Path,
         typer.Argument(
             help=(
-                "nanoGPT ckpt.pt, a Hugging Face GPT-2, Starcoder2, Llama, Qwen2 or Mistral folder, or a bare "
-                "model.safetensors (with "
-                "--config)."
+                "nanoGPT ckpt.pt, a Hugging Face GPT-2, Starcoder2, Llama, Qwen2 or Mistral folder, a GGUF file "
+                "(llama, qwen2, gpt2, starcoder2; any type llama.cpp quantizes to), or a bare model.safetensors "
+                "(with --config)."
             )
         ),
     ],
@@ -956,11 +956,20 @@ def convert(
         Optional[Path], typer.Option(help="nanoGPT's character-level meta.pkl (read without running code).")
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+    quantize: Annotated[
+        Optional[Quantization],
+        typer.Option(
+            "--quantize",
+            help="Write the matrices as manas' int8 (one scale per row) or int4 (a scale and a zero per 32 "
+            "values), as `manas quantize` does; without it, float32 (a GGUF's blocks dequantized exactly).",
+        ),
+    ] = None,
 ) -> None:
-    """Import nanoGPT or Hugging Face GPT-2, Starcoder2 or Llama-family (Llama, Qwen2, Mistral: SmolLM2, Qwen2.5)
-    weights as a manas checkpoint.
+    """Import nanoGPT, Hugging Face GPT-2, Starcoder2 or Llama-family (Llama, Qwen2, Mistral: SmolLM2, Qwen2.5)
+    weights, or a llama.cpp GGUF file, as a manas checkpoint.
 
-    Pickles are read with weights only: a file that would run code is refused.
+    Pickles are read with weights only: a file that would run code is refused. A GGUF brings its tokenizer, chat
+    template and ends from its metadata.
 
     Examples:
 
@@ -973,6 +982,8 @@ def convert(
       manas convert SmolLM2-135M/ --out smollm2.safetensors
 
       manas convert model.safetensors --config config.json --out gpt2.safetensors
+
+      manas convert SmolLM2-135M-Instruct-Q4_K_M.gguf --quantize int8 --out smollm2-int8.safetensors
     """
     from .commands import convert as command
 
@@ -984,6 +995,7 @@ def convert(
         tokenizer_file=tokenizer_file,
         tokenizer_meta=tokenizer_meta,
         force=force,
+        quantize=quantize.value if quantize else None,
     )
 
 

@@ -163,9 +163,10 @@ def convert_checkpoint(
     tokenizer_file: Path | None = None,
     tokenizer_meta: Path | None = None,
     force: bool = False,
+    quantize: str | None = None,
 ) -> Converted:
     """Read src (nanoGPT, a Hugging Face folder or weights, or a GGUF file), write the equivalent manas checkpoint to
-    dst atomically."""
+    dst atomically, its matrices as int8 or int4 with `quantize`."""
     from .checkpoint import save_checkpoint
 
     check_output_file(dst, force, inputs=(*source_files(src), config_path, tokenizer_file, tokenizer_meta))
@@ -178,6 +179,19 @@ def convert_checkpoint(
         template = folder_chat_template(src) if src.is_dir() else None
         kind, model = load_source(src, config_path)
     check_tokenizer_fits(spec, model.config, description)
+    parameters = model.num_parameters()
+    if quantize is not None:
+        _quantize(model, quantize, src)
     metadata = {"converted_from": kind, **({"chat_template": template} if template else {})}
     save_checkpoint(dst, model, spec, extra_metadata=metadata, overwrite=force)
-    return Converted(kind, model.config, model.num_parameters(), description)
+    return Converted(kind, model.config, parameters, description)
+
+
+def _quantize(model: GPT, kind: str, src: Path) -> None:
+    from ..torch_engine.quantize import check_quantizable, quantize_model
+
+    try:
+        check_quantizable(model.config, kind)
+    except ValueError as exc:
+        raise InputError(f"{src}: {exc}") from None
+    quantize_model(model, kind)

@@ -1,26 +1,29 @@
 """A GGUF model (llama.cpp's, ollama's, LM Studio's files) as a manas model: its hyperparameters as the Hugging
 Face config of its architecture, its tensors dequantized to float32 by the gguf package (every type it reads:
 F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants, IQ4_NL…) under their Hugging Face names, then the
-Llama-family import every Hugging Face folder takes (llama.py). llama.cpp's `llama` rope rotates interleaved
-pairs, so its queries and keys are permuted back to Hugging Face's rotate-half layout first; `qwen2`'s already
-are. The tokenizer, its ends and the chat template come from the file's metadata (gguf_vocab.py)."""
+import a Hugging Face folder of that architecture takes (llama.py, gpt2.py, starcoder2.py). llama.cpp's gpt2 and
+starcoder2 are manas' GPT-2 block, learned or rotary positions. llama.cpp's `llama` rope rotates interleaved
+pairs, so its queries and keys are permuted back to Hugging Face's rotate-half layout first; `qwen2`'s and
+`starcoder2`'s already are. The tokenizer, its ends and the chat template come from the file's metadata
+(gguf_vocab.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ..engine.config import GPTConfig
 from ..errors import CheckpointError, first_line
 from ..torch_engine.model import GPT
-from . import llama, rotary_layout
+from . import gpt2, huggingface, llama, rotary_layout, starcoder2
 from .gguf_metadata import read_metadata
 from .gguf_vocab import read_gguf, spec_from_fields, string_field
-from .importing import build_model
+from .importing import TIED_HEAD, build_model
 
-ARCHITECTURES = ("llama", "qwen2")  # llama.cpp's names that are manas' Llama family
-LAYER_MODULES = (
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder2")  # llama.cpp's names of the models manas runs
+LLAMA_LAYER_MODULES = (
     "input_layernorm",
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -31,7 +34,22 @@ LAYER_MODULES = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-TOP_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+# Per architecture: its Hugging Face twin's tensors outside the layers, the layers' prefix and modules.
+HF_LAYOUTS = {
+    "llama": (("model.embed_tokens.weight", "model.norm.weight", TIED_HEAD), "model.layers", LLAMA_LAYER_MODULES),
+    "gpt2": (
+        ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias",
+         TIED_HEAD),
+        "transformer.h",
+        tuple(gpt2.GPT2_BLOCK_MODULES),
+    ),
+    "starcoder2": (
+        ("model.embed_tokens.weight", "model.norm.weight", "model.norm.bias", TIED_HEAD),
+        "model.layers",
+        ("input_layernorm", *rotary_layout.QKV_MODULES, *starcoder2.BLOCK_MODULES.values()),
+    ),
+}  # fmt: skip
+HF_LAYOUTS["qwen2"] = HF_LAYOUTS["llama"]
 
 
 @dataclass
@@ -50,45 +68,69 @@ def load_gguf(path: Path) -> GGUFModel:
     if architecture not in ARCHITECTURES:
         raise CheckpointError(
             f"{path}: llama.cpp architecture {architecture!r} is not one manas imports from GGUF "
-            f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3, Qwen2 and 2.5)"
+            f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3, Qwen2 and 2.5, GPT-2, StarCoder2)"
         )
     names = {tensor.name: tensor for tensor in read_gguf(path).tensors}  # the package reads the tensors
-    config = llama.config_from_hf(_hf_config(fields, architecture, names, path), path)
+    config = huggingface.config_from_hf(_hf_config(fields, architecture, names, path), path)
+    if architecture in ("gpt2", "starcoder2"):  # Hugging Face's GPT-2 has no grouped-query attention; llama.cpp's has
+        config = replace(config, n_kv_head=_field(fields, architecture, "attention.head_count_kv", config.n_head))
     state = _hf_state(names, architecture, config, path)
-    model = build_model(config, llama.state_to_manas(state, config, path), path)
+    model = build_model(*_manas_state(state, architecture, config, path), path)
     template = fields.get("tokenizer.chat_template")
     return GGUFModel(
         architecture, model, spec_from_fields(fields, path), template if isinstance(template, str) else None
     )
 
 
+def _field(fields: dict, architecture: str, key: str, default: object = None) -> object:
+    return fields.get(f"{architecture}.{key}", default)
+
+
 def _hf_config(fields: dict, architecture: str, tensors: dict, path: Path) -> dict:
     """The Hugging Face config.json of the file's hyperparameters (as llama.cpp's converter wrote them from one)."""
 
     def value(key: str, default: object = None) -> object:
-        return fields.get(f"{architecture}.{key}", default)
+        return _field(fields, architecture, key, default)
 
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{path}: the file has no token_embd.weight")
     vocab_size, _ = _shape(tensors["token_embd.weight"])
-    values = {
-        "model_type": architecture,
-        "vocab_size": vocab_size,
-        "hidden_size": value("embedding_length"),
-        "intermediate_size": value("feed_forward_length"),
-        "num_hidden_layers": value("block_count"),
-        "num_attention_heads": value("attention.head_count"),
-        "num_key_value_heads": value("attention.head_count_kv"),
-        "max_position_embeddings": value("context_length", 2048),
-        "rms_norm_eps": _decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": _decimal(value("rope.freq_base", 10000.0)),
-        "head_dim": value("attention.key_length"),
-        "tie_word_embeddings": "output.weight" not in tensors,
-    }
+    if architecture == "gpt2":
+        values = {
+            "n_embd": value("embedding_length"),
+            "n_inner": value("feed_forward_length"),
+            "n_layer": value("block_count"),
+            "n_head": value("attention.head_count"),
+            "n_positions": value("context_length", 1024),
+            "layer_norm_epsilon": _decimal(value("attention.layer_norm_epsilon", 1e-5)),
+            "activation_function": "gelu_new",  # llama.cpp's gpt2 computes GELU's tanh approximation
+        }
+    else:
+        values = {
+            "hidden_size": value("embedding_length"),
+            "intermediate_size": value("feed_forward_length"),
+            "num_hidden_layers": value("block_count"),
+            "num_attention_heads": value("attention.head_count"),
+            "num_key_value_heads": value("attention.head_count_kv"),
+            "max_position_embeddings": value("context_length", 2048),
+            "rope_theta": _decimal(value("rope.freq_base", 10000.0)),
+        }
+    if architecture == "starcoder2":
+        values |= {
+            "norm_epsilon": _decimal(value("attention.layer_norm_epsilon", 1e-5)),
+            "hidden_act": "gelu_pytorch_tanh",
+        }
+    if architecture in ("llama", "qwen2"):
+        values |= {
+            "rms_norm_eps": _decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
+            "head_dim": value("attention.key_length"),
+            "tie_word_embeddings": "output.weight" not in tensors,
+        }
     if (scaling := value("rope.scaling.type")) not in (None, "none"):
         values["rope_scaling"] = {"type": scaling}  # refused by name, as a folder's is
     if architecture == "llama" and "blk.0.attn_q.bias" in tensors:
         values["attention_bias"] = values["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    values |= {"model_type": architecture, "vocab_size": vocab_size}
     return {key: item for key, item in values.items() if item is not None}
 
 
@@ -100,14 +142,15 @@ def _decimal(value: object) -> object:
     return float(str(np.float32(value))) if isinstance(value, float) else value
 
 
-def _hf_state(tensors: dict, architecture: str, config, path: Path) -> dict[str, torch.Tensor]:
-    """The tensors under their Hugging Face names, float32, in PyTorch's (out, in) layout; every tensor of the
-    file must be one of the model's."""
+def _hf_state(tensors: dict, architecture: str, config: GPTConfig, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors under their Hugging Face names, float32, in PyTorch's (out, in) layout (GPT-2's too: llama.cpp
+    stores no Conv1D); every tensor of the file must be one of the model's."""
     import gguf
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.n_layer)
-    hf_names = [*TOP_NAMES, *(f"model.layers.{i}.{m}.{kind}" for i in range(config.n_layer) for m in LAYER_MODULES
-                              for kind in ("weight", "bias"))]  # fmt: skip
+    top, prefix, modules = HF_LAYOUTS[architecture]
+    hf_names = [*top, *(f"{prefix}.{i}.{m}.{kind}" for i in range(config.n_layer) for m in modules
+                        for kind in ("weight", "bias"))]  # fmt: skip
     by_gguf_name = {names.get_name(name, try_suffixes=(".weight", ".bias")): name for name in hf_names}
     state = {}
     for gguf_name, tensor in tensors.items():
@@ -122,6 +165,24 @@ def _hf_state(tensors: dict, architecture: str, config, path: Path) -> dict[str,
             weights = rotary_layout.to_rotate_half(weights, heads)  # llama.cpp's interleaved pairs → Hugging Face's
         state[name] = weights
     return state
+
+
+def _manas_state(
+    state: dict[str, torch.Tensor], architecture: str, config: GPTConfig, path: Path
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The config and tensors of the manas model. GPT-2's and StarCoder2's llama.cpp files may repeat the tied
+    output layer (quantized on its own, so not always equal to the embedding): equal, it is dropped; else the
+    model keeps an output layer of its own."""
+    if architecture in ("llama", "qwen2"):
+        return config, llama.state_to_manas(state, config, path)
+    head = state.pop(TIED_HEAD, None)
+    if architecture == "gpt2":
+        renamed = gpt2.gpt2_state_to_manas(state, conv1d=False, source=path)
+    else:
+        renamed = starcoder2.state_to_manas(state, config, path)
+    if head is not None and not torch.equal(head, renamed.get("token_embedding.weight", head)):
+        config, renamed = replace(config, tie_embeddings=False), renamed | {TIED_HEAD: head}
+    return config, renamed
 
 
 def _dequantized(gguf, tensor, path: Path):

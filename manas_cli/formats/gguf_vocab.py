@@ -19,13 +19,17 @@ from .tokenizer import (
     spec_from_vocab_and_merges,
 )
 
-# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) and the splits they make.
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) and the splits they make: SmolLM2's, StarCoder2's and
+# Refact's are one (each digit alone, then GPT-2's split).
 PRE_TOKENIZERS = {
     "gpt-2": GPT2_PAT_STR,
+    "phi-2": GPT2_PAT_STR,
     "default": GPT2_PAT_STR,
     "llama-bpe": LLAMA3_PAT_STR,
     "qwen2": QWEN2_PAT_STR,
     "smollm": DIGITS_PAT_STR,
+    "starcoder": DIGITS_PAT_STR,
+    "refact": DIGITS_PAT_STR,
 }
 # llama.cpp's token types that are special tokens, never merged: control (<|im_end|>), user-defined ([PAD…] in
 # Qwen2's), unused (the placeholders of a vocabulary padded past its tokenizer)

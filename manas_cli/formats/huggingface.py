@@ -201,6 +201,8 @@ def folder_tokenizer(src: Path) -> tuple[str, dict] | None:
         )
     if combined.is_file():
         spec = spec_from_tokenizer_json(read_tokenizer_text(combined, src), src)
+        if spec["kind"] == "spm":  # Hugging Face's rendering of a SentencePiece BPE: its ends are <s> and </s>
+            return f"the SentencePiece BPE from {src}'s tokenizer.json (embedded)", spec
         spec = with_bos(with_end_of_text(spec, src), combined, src)
         return f"the byte-level BPE from {src}'s tokenizer.json (embedded)", spec
     return None

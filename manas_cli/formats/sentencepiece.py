@@ -192,6 +192,66 @@ def spec_from_model_file(path: Path) -> dict:
     return spec | {key: pieces[i] for key, i in ends.items() if 0 <= i < len(pieces)}
 
 
+def spec_from_tokenizer_json(values: dict, source: str | Path) -> dict:
+    """Hugging Face's rendering of a SentencePiece BPE (Llama 2's, TinyLlama's, Mistral's tokenizer.json: byte
+    fallback, spaces as "▁", a space before the text) as an embedded spec. Its merges are sentencepiece's pieces
+    in the order of their scores, so each piece scores minus the rank of its first merge: the best-scoring join
+    is then the earliest merge, as Hugging Face's BPE applies them. Added tokens marked special are control
+    tokens (<s>, </s>), the others user-defined pieces taken whole."""
+    model = values["model"]
+    vocab, merges, added = model.get("vocab"), model.get("merges") or [], values.get("added_tokens") or []
+    if not isinstance(vocab, dict) or not all(type(i) is int for i in vocab.values()) or not isinstance(merges, list):
+        raise TokenizerError(f"{source}: tokenizer.json's model.vocab must map pieces to ids, model.merges be a list")
+    if not isinstance(added, list) or not all(isinstance(t, dict) and type(t.get("id")) is int for t in added):
+        raise TokenizerError(f"{source}: tokenizer.json's added_tokens must be objects with an integer 'id'")
+    by_id = vocab | {t.get("content"): t["id"] for t in added}
+    if sorted(by_id.values()) != list(range(len(by_id))) or len(by_id) > MAX_PIECES:
+        raise TokenizerError(f"{source}: tokenizer.json's pieces must have the ids 0 to n-1, each once")
+    pieces = sorted(by_id, key=by_id.__getitem__)
+    first_merge: dict[str, int] = {}
+    for rank, merge in enumerate(merges):
+        left, right = merge if isinstance(merge, list) and len(merge) == 2 else (str(merge).split(" ", 1) + [""])[:2]
+        first_merge.setdefault(f"{left}{right}", rank)
+    specials = {t.get("content"): t.get("special") is True for t in added}
+    unknown = model.get("unk_token")
+
+    def kind(piece: str) -> int:
+        if piece in specials:
+            return CONTROL if specials[piece] else USER_DEFINED
+        return BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", piece) else UNKNOWN if piece == unknown else NORMAL
+
+    spec = {
+        "kind": "spm",
+        "pieces": pieces,
+        "scores": [-float(first_merge.get(piece, len(merges))) for piece in pieces],
+        "types": [kind(piece) for piece in pieces],
+        "add_space_prefix": _adds_space_prefix(values),
+    }
+    ends = {"end_of_text": "</s>", "bos": "<s>"}
+    return spec | {key: piece for key, piece in ends.items() if specials.get(piece)}
+
+
+def _adds_space_prefix(values: dict) -> bool:
+    """Whether the text gets a "▁" before it: a Metaspace pre-tokenizer that prepends (transformers' newer
+    rendering), or a Prepend normalizer (its older one)."""
+    steps = [values.get("pre_tokenizer"), values.get("normalizer")]
+    flat = [
+        inner
+        for step in steps
+        if isinstance(step, dict)
+        for inner in step.get("pretokenizers", step.get("normalizers", [step]))
+    ]
+    return any(
+        isinstance(step, dict)
+        and (
+            (step.get("type") == "Metaspace" and step.get("prepend_scheme", "always") != "never"
+             and step.get("add_prefix_space", True) is not False)
+            or (step.get("type") == "Prepend" and step.get("prepend") == SPACE)
+        )
+        for step in flat
+    )  # fmt: skip
+
+
 def check_spm(spec: dict) -> None:
     """What an embedded SentencePiece spec must hold: pieces, scores and types of one length, each typed."""
     pieces, scores, types = spec.get("pieces"), spec.get("scores"), spec.get("types")

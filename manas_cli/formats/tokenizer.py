@@ -161,7 +161,9 @@ def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
             f"{source}: tokenizer.json's model is {kind!r}, not a BPE: manas reads byte-level BPEs only"
         )
     if model.get("byte_fallback"):
-        raise TokenizerError(f"{source}: {SENTENCEPIECE_STYLE} (its model has byte_fallback)")
+        from .sentencepiece import spec_from_tokenizer_json as sentencepiece_spec
+
+        return sentencepiece_spec(value, source)
     pat_str = split_pattern(value.get("pre_tokenizer"), source)
     normalization = _normalization(value.get("normalizer"), source)
     merges = [
@@ -193,8 +195,8 @@ def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
 
 
 SENTENCEPIECE_STYLE = (
-    "tokenizer.json is a SentencePiece-style BPE (Llama 2's and TinyLlama's): manas runs byte-level BPEs only "
-    "(SmolLM2's, Qwen2's, Llama 3's, GPT-2's)"
+    "tokenizer.json is a SentencePiece-style BPE without byte fallback: manas runs SentencePiece BPEs with byte "
+    "fallback (Llama 2's, TinyLlama's, Mistral's) and byte-level BPEs (SmolLM2's, Qwen2's, Llama 3's, GPT-2's)"
 )
 
 

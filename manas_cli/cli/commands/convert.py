@@ -1,4 +1,4 @@
-"""`manas convert`: nanoGPT or Hugging Face GPT-2 / Starcoder2 weights as a manas checkpoint."""
+"""`manas convert`: nanoGPT, Hugging Face or GGUF weights as a manas checkpoint."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def run(
     tokenizer_file: Path | None,
     tokenizer_meta: Path | None,
     force: bool,
+    quantize: str | None,
 ) -> None:
     from ...formats.convert import convert_checkpoint
     from ..render import stderr_console
@@ -26,10 +27,12 @@ def run(
         tokenizer_file=tokenizer_file,
         tokenizer_meta=tokenizer_meta,
         force=force,
+        quantize=quantize,
     )
     shape = result.config
     stderr_console().print(
         f"converted the {result.source_kind} {src}: {result.parameters:,} parameters "
         f"(n_layer={shape.n_layer}, n_head={shape.n_head}, n_embd={shape.n_embd}, block_size={shape.block_size}, "
-        f"vocab_size={shape.vocab_size}, bias={shape.bias}), tokenizer: {result.tokenizer}\nwrote {out}"
+        f"vocab_size={shape.vocab_size}, bias={shape.bias}), tokenizer: {result.tokenizer}"
+        f"{f', weights as {quantize}' if quantize else ''}\nwrote {out}"
     )

@@ -301,7 +301,7 @@ def hugging_face_rendering(model_file) -> str:
     merges = [
         [piece[:cut], piece[cut:]]
         for piece in sorted(vocab, key=lambda p: (-processor.get_score(vocab[p]), vocab[p]))
-        if not (processor.is_unknown(vocab[piece]) or processor.is_control(vocab[piece]) or processor.is_byte(vocab[piece]))
+        if not any(is_kind(vocab[piece]) for is_kind in (processor.is_unknown, processor.is_control, processor.is_byte))
         for cut in range(1, len(piece))
         if piece[:cut] in vocab and piece[cut:] in vocab
     ]

@@ -288,6 +288,10 @@ def test_a_llama_2_style_folder_converts_with_its_tokenizer_model_and_generates_
     expected = expected[: expected.index(2)] if 2 in expected else expected
     done = manas("generate", "-c", model, *RUN_OPTIONS, "-p", prompt, "-n", "10", "-t", "0", "--json").ok().json()
     assert done["prompt_tokens"] == len(ids) and done["tokens"] == expected
+    for target in ("hf", "gguf"):  # not written yet: one line that says so, nothing left behind
+        refused = manas("export", model, "--format", target, "--out", tmp_path / f"out-{target}")
+        assert refused.returncode == 1 and "SentencePiece" in refused.err, refused.err
+        assert len(refused.err.strip().splitlines()) == 1 and not (tmp_path / f"out-{target}").exists()
 
 
 def hugging_face_rendering(model_file) -> str:

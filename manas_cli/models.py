@@ -5,17 +5,16 @@ reads the file, the engine that runs it is chosen here and given its weights."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from . import store
 from .engine.engines import ENGINES, Opened
 from .errors import EngineUnavailable, InputError, ManasError
 
 CHECKPOINT_ENV = "MANAS_CHECKPOINT"
-DEFAULT_CHECKPOINT = "shakespeare.safetensors"
 
 
 @dataclass(frozen=True)
@@ -46,14 +45,6 @@ class LoadedModel:
         return self.opened.engine
 
 
-def default_checkpoint_candidates() -> list[Path]:
-    """The shipped model: beside the package in a source checkout (editable install), or in the wheel's data."""
-    return [
-        Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_CHECKPOINT,
-        Path(sys.prefix) / "share" / "manas" / "checkpoints" / DEFAULT_CHECKPOINT,
-    ]
-
-
 def resolve_checkpoint(option: Path | None) -> Path:
     """-c/-m: a path, or a store name (`manas list`) where no such file is; else $MANAS_CHECKPOINT, else the
     shipped model."""
@@ -61,7 +52,7 @@ def resolve_checkpoint(option: Path | None) -> Path:
         return by_name(option)
     if os.environ.get(CHECKPOINT_ENV):
         return Path(os.environ[CHECKPOINT_ENV])
-    candidates = default_checkpoint_candidates()
+    candidates = store.shipped_candidates()
     for candidate in candidates:
         if candidate.is_file():
             return candidate
@@ -74,8 +65,6 @@ def resolve_checkpoint(option: Path | None) -> Path:
 def by_name(option: Path) -> Path:
     """A path as given, or the stored model its text names when no file of that name is here (a folder of that
     name does not hide the model)."""
-    from . import store
-
     if (option.exists() and not option.is_dir()) or not store.is_name(str(option)):
         return option
     found = store.find(str(option))
@@ -169,8 +158,6 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
     import torch
 
     from .formats.checkpoint import load_checkpoint
-    from .torch_engine.model import use_decode_layout
-    from .torch_engine.quantize import is_quantized
     from .torch_engine.runtime import resolve_device, resolve_dtype
 
     torch.set_num_threads(threads.threads)
@@ -183,10 +170,7 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
     opened = choose_engine(
         options.engine, checkpoint.model, threads.threads, unavailable, on_compile, options.float_activations
     )
-    if opened.engine.name == "native":
-        torch.set_num_threads(1)  # the core computes and samples: torch's OpenMP workers would only spin beside it
-    elif not is_quantized(checkpoint.model):  # quantized layers keep their own layout; the embeddings gain nothing
-        use_decode_layout(checkpoint.model)
+    opened.engine.beside_torch(torch)
     return LoadedModel(checkpoint, threads, opened, window)
 
 

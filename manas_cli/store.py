@@ -9,6 +9,7 @@ import fnmatch
 import math
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from .errors import InputError, MissingDependencyError, first_line
 
 HOME_ENV = "MANAS_HOME"
 SUFFIX = ".safetensors"
+SHIPPED = "shakespeare.safetensors"  # the model that comes with manas; its name (`shakespeare`) is reserved
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # a store name: one path component, lower case
 # What convert reads from a Hub repository: nothing else is downloaded (no pickles, no other formats).
 PULLED_FILES = [
@@ -51,19 +53,24 @@ def is_name(text: str) -> bool:
     return bool(NAME.fullmatch(text)) and not text.endswith(SUFFIX)
 
 
+def shipped_candidates() -> list[Path]:
+    """Where the shipped model is: beside the package in a source checkout (editable install), or in the wheel's
+    data."""
+    return [
+        Path(__file__).resolve().parents[1] / "checkpoints" / SHIPPED,
+        Path(sys.prefix) / "share" / "manas" / "checkpoints" / SHIPPED,
+    ]
+
+
 def shipped() -> dict[str, Path]:
     """The models that come with manas, by name."""
-    from .models import default_checkpoint_candidates
-
-    found = [path for path in default_checkpoint_candidates() if path.is_file()]
+    found = [path for path in shipped_candidates() if path.is_file()]
     return {found[0].stem: found[0]} if found else {}
 
 
 def reserved(name: str) -> bool:
     """Whether name is the shipped model's: a pull may not take it, and -m NAME always means the shipped file."""
-    from .models import DEFAULT_CHECKPOINT
-
-    return name == Path(DEFAULT_CHECKPOINT).stem
+    return name == Path(SHIPPED).stem
 
 
 def find(name: str) -> Path | None:

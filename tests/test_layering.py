@@ -85,3 +85,72 @@ def test_a_format_module_never_imports_the_cli(module):
 def test_no_torch_import_is_reachable_from_a_torch_free_module(module):
     torch = sorted(name for name in reachable(module) if within(name, ("torch", "manas_cli.torch_engine")))
     assert not torch, f"{module} can import {torch}"
+
+
+def import_graph() -> dict[str, list[str]]:
+    return {
+        module: sorted(name for name in imports(module) if name in MODULES and name != module) for module in MODULES
+    }
+
+
+def import_circles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Every set of modules that import each other round a circle (the strongly connected components of the import
+    graph, Tarjan's), each sorted."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for name in graph[module]:
+            if name not in order:
+                visit(name)
+                low[module] = min(low[module], low[name])
+            elif name in stack:
+                low[module] = min(low[module], order[name])
+        if low[module] == order[module]:
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in graph:
+        if module not in order:
+            visit(module)
+    return circles
+
+
+def test_no_two_modules_import_each_other_round_a_circle():
+    """Counting imports inside functions too: a circle there is a knot the next change trips on."""
+    assert import_circles(import_graph()) == []
+
+
+def engine_name_switches(source: str) -> list[int]:
+    """Lines where a module's source compares something's `.name` with an engine's name ("native", "torch")."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(side, ast.Attribute) and side.attr == "name" for side in sides)
+            engine = any(isinstance(side, ast.Constant) and side.value in ("native", "torch") for side in sides)
+            if named and engine:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_checks_find_what_they_look_for():
+    """A guard for the two tests around it: they see a circle and a switch when there is one."""
+    assert import_circles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert import_circles({"a": ["b"], "b": []}) == []
+    assert engine_name_switches('x = 1\nif opened.engine.name == "native":\n    pass\n') == [2]
+    assert engine_name_switches('if engine == "native" or name == "torch":\n    pass\n') == []
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if not within(name, ENGINES)])
+def test_no_module_outside_the_engines_switches_on_an_engine_name(module):
+    """What differs between the engines is the engines' to say (engine/engines.py's interface), not a branch on
+    their names elsewhere."""
+    source = MODULES[module].read_text(encoding="utf-8")
+    assert engine_name_switches(source) == [], f"{module} branches on an engine's name"

@@ -53,6 +53,10 @@ class Engine(Protocol):
         first_position: the window's first token's position in the text (for the error when logits are not
         finite)."""
 
+    def beside_torch(self, torch_module) -> None:
+        """Settle the torch model it was opened from (a loaded checkpoint's): the core runs it with torch's own
+        threads idle; torch lays its float weights out for decoding."""
+
     def free_memory_bytes(self) -> int | None: ...
 
     def peak_memory_bytes(self) -> int: ...

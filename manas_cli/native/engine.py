@@ -31,6 +31,11 @@ class NativeEngine:
     def set_threads(self, threads: int) -> None:
         self.model.set_threads(threads)
 
+    def beside_torch(self, torch_module) -> None:
+        """The core computes and samples: torch's OpenMP workers would only spin beside it. (Passed in: this
+        engine never imports torch.)"""
+        torch_module.set_num_threads(1)
+
     def new_session(self, allocation: str = "dynamic", capacity: int | None = None) -> NativeSession:
         return NativeSession(self.model, allocation, capacity)
 

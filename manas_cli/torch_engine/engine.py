@@ -8,8 +8,8 @@ import torch
 from ..engine.memory import cpu_available_bytes, process_peak_bytes
 from ..engine.sampling import Sampler
 from .kv_cache import CacheSession, decode_torch_rows
-from .model import GPT
-from .quantize import weights_bytes, weights_name
+from .model import GPT, use_decode_layout
+from .quantize import is_quantized, weights_bytes, weights_name
 from .sampling import TorchSampling, torch_window_nats
 
 
@@ -33,6 +33,12 @@ class TorchEngine:
     def set_threads(self, threads: int) -> None:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+
+    def beside_torch(self, torch_module) -> None:
+        """Float weights transposed in memory for decoding's matrix-vector products; quantized layers keep their own
+        layout, and the embeddings gain nothing."""
+        if not is_quantized(self.model):
+            use_decode_layout(self.model)
 
     @property
     def weights_bytes(self) -> int:

@@ -1,10 +1,10 @@
 """The C core, compiled on first use with the system's compiler and loaded with ctypes.
 
 Nothing is compiled at install time: `pip install` needs no compiler. The first run that wants the core compiles
-core.c (`$CC`, else `cc`) into a per-user cache folder, `$XDG_CACHE_HOME/manas` else `~/.cache/manas`, under a
-name keyed by a hash of the source, the flags, the compiler (its file and modification time) and the CPU's
-features, so an upgrade of any of them builds afresh and two machines sharing a home folder never load each
-other's code.
+core.c (`$CC`, else `cc`; it includes its rooms from core/, one translation unit) into a per-user cache folder,
+`$XDG_CACHE_HOME/manas` else `~/.cache/manas`, under a name keyed by a hash of every source file, the flags, the
+compiler (its file and modification time) and the CPU's features, so an upgrade of any of them builds afresh and
+two machines sharing a home folder never load each other's code.
 
 A shared library is code. One is loaded only from a folder the user owns and no one else can write, below folders
 no one else can rename it out of (every ancestor owned by the user or root and writable by no one else, sticky
@@ -35,7 +35,9 @@ from pathlib import Path
 
 from .binding import declare
 
-SOURCE = Path(__file__).with_name("core.c")
+SOURCE = Path(__file__).with_name("core.c")  # what the compiler is given: it includes every file of core/
+# Every file the library is built from, in a fixed order: the cache key hashes them all.
+SOURCES = (SOURCE, *sorted(SOURCE.with_name("core").glob("*.c")))
 # -ffp-contract=off: every multiply and add as written, so the core's order of arithmetic is its source's
 # (core.c, "dots"); the lanes it writes out let the compiler vectorize without reassociating anything.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden")
@@ -102,7 +104,7 @@ def cpu_features() -> str:
 def library_name(cc: str) -> str:
     key = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(source.read_bytes() for source in SOURCES),
         " ".join(FLAGS + LIBRARIES).encode(),
         compiler_identity(cc).encode(),
         cpu_features().encode(),

@@ -1,0 +1,143 @@
+/* Loading: the checkpoint's tensors as the core reads them. Python maps the file and checks every extent; the core
+   converts half-precision values, finds a value that is not finite, checks quantized rows, and regroups each
+   layer's weights into the panels the products stream (manas_pack).
+
+   Part of the core's one translation unit (core.c includes it after the forward pass). */
+
+enum { STORED_F32 = 0, STORED_F16 = 1, STORED_BF16 = 2, STORED_F64 = 3 };
+
+static float f16_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7F800000 | mantissa << 13;  /* infinity, or NaN */
+    } else if (exponent) {
+        bits = sign | (exponent + 112) << 23 | mantissa << 13;
+    } else if (mantissa) {  /* subnormal: shift the mantissa up until it is normal */
+        int shift = 0;
+        while (!(mantissa & 1024)) mantissa <<= 1, shift++;
+        bits = sign | (uint32_t)(113 - shift) << 23 | (mantissa & 1023) << 13;
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Element i of a stored float tensor (little-endian, maybe unaligned: memcpy) as float32, rounded to nearest. */
+static float stored_float(const unsigned char *src, int dtype, int64_t i) {
+    if (dtype == STORED_F64) {
+        double d;
+        memcpy(&d, src + 8 * i, 8);
+        return (float)d;
+    }
+    if (dtype == STORED_F32) {
+        float f;
+        memcpy(&f, src + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, src + 2 * i, 2);
+    return dtype == STORED_F16 ? f16_to_float(h) : bf16_to_float(h);
+}
+
+/* float32 to bfloat16 as torch rounds it: to nearest, ties to even; a NaN stays a (quiet) NaN. */
+static uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (isnan(f)) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* n stored floats to float32 (out_bf16 0) or bfloat16 (1) in dst; the index of the first value that is not finite
+   there (a float64 1e300 becomes infinite as float32), or −1. */
+EXPORT int64_t manas_convert(const void *src, int dtype, int64_t n, int out_bf16, void *dst) {
+    int64_t bad = -1;
+    for (int64_t i = 0; i < n; i++) {
+        float f = stored_float(src, dtype, i);
+        if (out_bf16) {
+            uint16_t h = float_to_bf16(f);
+            ((uint16_t *)dst)[i] = h;
+            f = bf16_to_float(h);
+        } else {
+            ((float *)dst)[i] = f;
+        }
+        if (bad < 0 && !isfinite(f)) bad = i;
+    }
+    return bad;
+}
+
+/* The index of the first value of a float32 tensor that is not finite, or −1. A float is NaN or infinite when
+   its exponent bits are all ones: blocks of values are tested for that without a branch (so the loop vectorizes
+   and a whole model's check costs about a read of it), and only a block that has one is searched. */
+EXPORT int64_t manas_first_not_finite(const void *src, int64_t n) {
+    const unsigned char *bytes = src;
+    for (int64_t begin = 0; begin < n; begin += 4096) {
+        int64_t end = begin + 4096 < n ? begin + 4096 : n;
+        uint32_t found = 0;
+        for (int64_t i = begin; i < end; i++) {
+            uint32_t bits;
+            memcpy(&bits, bytes + 4 * i, sizeof bits);
+            found |= (bits & 0x7F800000u) == 0x7F800000u;
+        }
+        for (int64_t i = begin; found && i < end; i++)
+            if (!isfinite(stored_float(src, STORED_F32, i))) return i;
+    }
+    return -1;
+}
+
+/* Which stored tensor of a quantized layer makes a dequantized weight infinite in float32 (torch_engine/quantize.py's
+   overflowing_tensor): 1 its scales (int8: a row's scale × 127; int4: a group's scale × 8, the codes' reach),
+   2 its zeros (int4: the zero plus that reach), 0 neither. */
+EXPORT int manas_quantized_overflow(const ManasLinear *linear) {
+    size_t groups = linear->kind == WEIGHTS_INT8 ? (size_t)linear->n_out
+                                                 : (size_t)linear->n_out * (linear->n_in / linear->group);
+    float reach = linear->kind == WEIGHTS_INT8 ? 127.0f : (float)INT4_MIDDLE;
+    int overflow = 0;
+    for (size_t g = 0; g < groups && overflow < 1; g++)
+        if (!isfinite(fabsf(bf16_to_float(linear->scales[g])) * reach)) overflow = 1;
+    for (size_t g = 0; linear->kind == WEIGHTS_INT4 && g < groups && !overflow; g++) {
+        float spread = fabsf(bf16_to_float(linear->scales[g])) * reach;
+        if (!isfinite(spread + fabsf(bf16_to_float(linear->zeros[g])))) overflow = 2;
+    }
+    return overflow;
+}
+
+/* Whether every dequantized row of a quantized layer is finite (the token embedding a quantized file implies). */
+EXPORT int manas_dequantized_finite(const ManasLinear *linear, float *row) {
+    for (int o = 0; o < linear->n_out; o++) {
+        dequantize_row(linear, o, row);
+        for (int i = 0; i < linear->n_in; i++)
+            if (!isfinite(row[i])) return 0;
+    }
+    return 1;
+}
+
+/* The bytes of a layer's panels (see PANEL_UNIT), or 0 where it keeps its rows as stored: rows that are not whole
+   units (a row's last unit would mix it with the next), or no layer. */
+EXPORT size_t manas_panel_bytes(const ManasLinear *linear) {
+    size_t bytes = row_bytes(linear);
+    if (!linear->weight || bytes == 0 || bytes % PANEL_UNIT) return 0;
+    size_t tiles = ((size_t)linear->n_out + TILE - 1) / TILE;
+    return panel_weight_bytes(linear) + tiles * tile_group_scale_count(linear) * sizeof(uint16_t);
+}
+
+/* Writes the layer's panels to out, manas_panel_bytes of it: each row's units to their places (zeros in the last
+   panel's rows past n_out), then an int4 integer product's scales and zeros, tile by tile. */
+EXPORT void manas_pack(const ManasLinear *linear, void *out) {
+    size_t bytes = row_bytes(linear), units = bytes / PANEL_UNIT, rows = (size_t)linear->n_out;
+    size_t tiles = (rows + TILE - 1) / TILE;
+    for (size_t o = 0; o < tiles * TILE; o++) {
+        uint8_t *panel = (uint8_t *)out + o / TILE * TILE * bytes + o % TILE * PANEL_UNIT;
+        const uint8_t *row = (const uint8_t *)linear->weight + o * bytes;
+        for (size_t u = 0; u < units; u++) {
+            if (o < rows) memcpy(panel + u * TILE * PANEL_UNIT, row + u * PANEL_UNIT, PANEL_UNIT);
+            else memset(panel + u * TILE * PANEL_UNIT, 0, PANEL_UNIT);
+        }
+    }
+    uint16_t *scales = (uint16_t *)((uint8_t *)out + panel_weight_bytes(linear));
+    for (size_t t = 0; tile_group_scale_count(linear) && t < tiles; t++) {
+        int o0 = (int)(t * TILE), count = (int)(rows - t * TILE < TILE ? rows - t * TILE : TILE);
+        int4_groups(linear, o0, count, scales + t * tile_group_scale_count(linear));
+    }
+}

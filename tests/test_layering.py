@@ -154,3 +154,59 @@ def test_no_module_outside_the_engines_switches_on_an_engine_name(module):
     their names elsewhere."""
     source = MODULES[module].read_text(encoding="utf-8")
     assert engine_name_switches(source) == [], f"{module} branches on an engine's name"
+
+
+COMMAND_MODULE_IMPORTS = (
+    "typer",
+    "manas_cli.cli.flags",
+    "manas_cli.errors",
+    "manas_cli.settings",
+    "manas_cli.cli.commands",
+)
+
+
+def top_level_imports(module: str) -> set[str]:
+    """What a module imports when it is imported (its top-level statements and `if` blocks, TYPE_CHECKING's aside),
+    relative imports resolved."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    statements = list(ast.parse(path.read_text(encoding="utf-8")).body)
+    while statements:
+        node = statements.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            statements.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            found.add(".".join([*base, *([node.module] if node.module else [])]))
+    return found
+
+
+@pytest.mark.parametrize("module", [name for name in MODULES if within(name, ("manas_cli.cli.commands",))])
+def test_a_command_module_imports_only_the_light_layers_at_its_top(module):
+    """Every command's module is imported for `manas --help` and at every start: the engine, the formats and the
+    tokenizers wait until the command runs (the standard library is fine)."""
+    import sys
+
+    heavy = [
+        name
+        for name in top_level_imports(module)
+        if name.split(".")[0] not in sys.stdlib_module_names
+        and not within(name, COMMAND_MODULE_IMPORTS)
+        and name != "__future__"
+    ]
+    if module.rpartition(".")[2] in ("common", "jsonl"):  # helpers the commands import when they run
+        return
+    assert heavy == [], f"{module} imports {heavy} at its top"
+
+
+def test_every_command_is_declared_in_its_own_module():
+    """`manas NAME`'s flags, help and call are in cli/commands/NAME.py (`batch`'s two in batch.py)."""
+    from manas_cli.cli.app import app, batch_app
+
+    for info in app.registered_commands:
+        assert info.callback.__module__ == f"manas_cli.cli.commands.{info.name.replace('-', '_')}", info.name
+    for info in batch_app.registered_commands:
+        assert info.callback.__module__ == "manas_cli.cli.commands.batch", info.name

@@ -3,23 +3,26 @@
 OUT.partial as they come and to OUT once all are there, so a killed job leaves no half OUT and `--resume` goes on
 from the records already written."""
 
-from __future__ import annotations
-
-import hashlib
+import inspect
 import json
-import logging
 import os
 import stat
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
 
-from ...batch import RawLine, read_raw_lines
+import typer
+
 from ...errors import InputError, ManasError, first_line, interrupt_exit_code
-from ...files import check_output_file, publish, refuse_inputs
-from ...models import ModelOptions, checkpoint_file, resolve_checkpoint
-from .common import read_file
+from ...settings import GenerationSettings
+from ..flags import BatchSizeOption, Overflow, OverflowOption, takes_flags, takes_model_flags, takes_setting_flags
+
+if TYPE_CHECKING:
+    from ...batch import RawLine
+    from ...models import ModelOptions
+
 
 RAY_MISSING = 'manas batch runs on Ray, which is not installed: pip install "manas-cli[ray]"'
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -38,8 +41,11 @@ def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def read_lines(source: Path) -> list[RawLine]:
+def read_lines(source: Path) -> "list[RawLine]":
     """IN's non-blank lines (each at most batch.MAX_LINE_BYTES, as --jsonl reads them), read on this machine."""
+    from ...batch import read_raw_lines
+    from .common import read_file
+
     return read_file(source, "input file", lambda f: list(read_raw_lines(f)))
 
 
@@ -48,9 +54,11 @@ def job_path(partial: Path) -> Path:
     return partial.with_name(partial.name + ".job")
 
 
-def job_identity(lines: list[RawLine], job: Job, model: str | None, model_options: ModelOptions) -> dict:
+def job_identity(lines: "list[RawLine]", job: Job, model: str | None, model_options: "ModelOptions") -> dict:
     """What makes the records: the input lines (hashed), the command, its settings, the model and how it runs (its
     thread count aside: the records are the same on any count)."""
+    import hashlib
+
     digest = hashlib.sha256()
     for line in lines:
         digest.update(json.dumps([line.number, line.text, line.error]).encode() + b"\n")
@@ -141,11 +149,12 @@ def _name_the_job(named: Path, identity: dict) -> None:
         os.fsync(f.fileno())
 
 
-def model_argument(model_options: ModelOptions, address: str | None) -> str | None:
+def model_argument(model_options: "ModelOptions", address: str | None) -> str | None:
     """The model as the actors are to open it. A store name stays a name, for each node's own store (checked here
     when the instance is local); a file found here goes as its absolute path (a worker's folder is not ours); a
     path not found here goes as given when a cluster is named (its nodes may have it: docs/scale.md)."""
     from ... import store
+    from ...models import checkpoint_file, resolve_checkpoint
 
     option = model_options.checkpoint
     if option is not None and not option.exists() and store.is_name(str(option)):
@@ -165,6 +174,8 @@ def start_ray(address: str | None):
     loopback address, stays on loopback: Ray otherwise swaps 127.0.0.1 for the machine's outside address and
     listens on every interface (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's switch for that; set before Ray is
     imported, as Ray reads it then)."""
+    import logging
+
     host = (address or "").rpartition(":")[0]
     if address is None or host in LOOPBACK_HOSTS:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -233,7 +244,7 @@ def cause(exc: BaseException) -> ManasError | None:
     return None
 
 
-def records(ray, lines: list[RawLine], job: Job, model: str | None, model_options: ModelOptions, actors: int):
+def records(ray, lines: "list[RawLine]", job: Job, model: str | None, model_options: "ModelOptions", actors: int):
     """The records of `lines`, in their order, as Ray's actors make them."""
     from ...ray_data import MODEL_KEYS, Generator, Scorer
 
@@ -264,10 +275,10 @@ def default_actors(ray, threads: int) -> int:
 
 def append_records(
     written,
-    lines: list[RawLine],
+    lines: "list[RawLine]",
     job: Job,
     model: str | None,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
     address: str | None,
     actors: int | None,
     partial: Path,
@@ -286,8 +297,6 @@ def append_records(
 
 def write_records(written, made, ray, what: str, count: int, console, partial: Path) -> int:
     """Each record whole on disk before the next (for --resume); how many of them are error records."""
-    import typer
-
     from ..render import say, token_progress
 
     failed = 0
@@ -315,10 +324,9 @@ def run(
     actors: int | None,
     resume: bool,
     force: bool,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
 ) -> None:
-    import typer
-
+    from ...files import check_output_file, publish, refuse_inputs
     from ..render import say, stderr_console
 
     console = stderr_console()
@@ -347,3 +355,122 @@ def run(
     if failed:
         console.print(f"error: {failed} of {len(lines)} lines failed (their records have an 'error' field)")
         raise typer.Exit(1)
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+InputFileArgument = Annotated[Path, typer.Argument(metavar="IN.jsonl", help="One JSON object per line.")]
+BatchOutOption = Annotated[
+    Path,
+    typer.Option(
+        "--out",
+        "-o",
+        help="Where the records go, one per input line, in input order. Written to OUT.partial as they come and "
+        "renamed to OUT when all are there.",
+    ),
+]
+RayOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--ray",
+        envvar="RAY_ADDRESS",
+        show_envvar=True,
+        metavar="ADDRESS",
+        help="The Ray cluster (HOST:PORT of its head, or 'auto'). Default: a local Ray instance on this machine, "
+        "listening on loopback only.",
+    ),
+]
+ActorsOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, help="Actors, each with the model loaded once. Default: the cluster's CPUs over --threads."),
+]
+ResumeOption = Annotated[
+    bool, typer.Option("--resume", help="Go on from the records an interrupted run left in OUT.partial.")
+]
+ForceOption = Annotated[bool, typer.Option("--force", "-f", help="Replace OUT if it exists.")]
+
+
+# The flags both batch commands take, declared once: name -> (annotation, default; required where none).
+BATCH_FLAGS = {
+    "source": (InputFileArgument, inspect.Parameter.empty),
+    "out": (BatchOutOption, inspect.Parameter.empty),
+    "ray": (RayOption, None),
+    "actors": (ActorsOption, None),
+    "resume": (ResumeOption, False),
+    "force": (ForceOption, False),
+}
+
+
+def batch_files_of(*, ray: Optional[str], **values) -> dict:
+    """The batch flags as commands.batch.run takes them: --ray is the cluster's address."""
+    return {"address": ray, **values}
+
+
+def task_lines_option(default: int) -> type:
+    return Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help=f"Lines each Ray task takes (default {default}): more keeps an actor's rows full, fewer spreads the "
+            "work and redoes less when a worker dies.",
+        ),
+    ]
+
+
+@takes_model_flags(cache=False)
+@takes_setting_flags()
+@takes_flags(BATCH_FLAGS, batch_files_of, "files")
+def generate_command(
+    task_lines: task_lines_option(256) = 256,
+    batch_size: BatchSizeOption = 16,
+    overflow: OverflowOption = Overflow.recompute,
+    *,
+    files: dict,
+    settings: GenerationSettings,
+    model_options: "ModelOptions",
+) -> None:
+    """Generate for every line of IN.jsonl on Ray: the records --jsonl writes, in input order.
+
+    A line is what `manas generate --jsonl` reads: 'prompt', optionally 'id' and any setting by its name; the flags
+    give the settings' defaults. Each record equals the one `manas generate --jsonl` writes for the line alone
+    (seeded and greedy ones bit for bit on the native engine; their timings aside). The model is a file every node
+    can read, or a store name pulled on each node.
+
+    Examples:
+
+      manas batch generate prompts.jsonl --out records.jsonl -n 64 -t 0
+
+      manas batch generate prompts.jsonl -o records.jsonl --ray 10.0.0.5:6379 -m smollm2-135m-instruct
+
+      manas batch generate prompts.jsonl -o records.jsonl --resume
+    """
+
+    options = {"batch_size": batch_size, "overflow": overflow.value, **vars(settings)}
+    run(job=Job("generate", options, task_lines), **files, model_options=model_options)
+
+
+@takes_model_flags(cache=False)
+@takes_flags(BATCH_FLAGS, batch_files_of, "files")
+def score_command(
+    task_lines: task_lines_option(16) = 16,
+    stride: Annotated[
+        Optional[int], typer.Option(help="Tokens each window advances by (default: half the window), as score's.")
+    ] = None,
+    *,
+    files: dict,
+    model_options: "ModelOptions",
+) -> None:
+    """Score every line of IN.jsonl on Ray: score --json's record for each line's text, in input order.
+
+    A line is {"text": ..., optionally "id" and "stride"}; each record is {"id", and the fields `manas score --json`
+    writes for the text alone}, or {"id", "line", "error"} for a line that is bad input.
+
+    Examples:
+
+      manas batch score corpus.jsonl --out scores.jsonl
+
+      manas batch score corpus.jsonl -o scores.jsonl --ray auto --actors 8 --stride 512
+    """
+
+    run(job=Job("score", {"stride": stride}, task_lines), **files, model_options=model_options)

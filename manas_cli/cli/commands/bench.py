@@ -1,9 +1,14 @@
 """`manas bench`: prefill and decode speed, and the KV cache's speed-up over crop-and-recompute."""
 
-from __future__ import annotations
+from typing import TYPE_CHECKING, Annotated, Optional
 
-from ...models import ModelOptions
-from .common import check_memory, load_model, require_stdout
+import typer
+
+from ..flags import JsonOption, Overflow, takes_model_flags
+
+if TYPE_CHECKING:
+    from ...models import ModelOptions
+
 
 DEFAULT_PROMPT_TOKENS = 128
 DEFAULT_MAX_TOKENS = 256
@@ -45,12 +50,13 @@ def run(
     overflow: str,
     sweep: bool,
     json_output: bool,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
 ) -> None:
     from ...engine.bench import run_bench
     from ...engine.bench import sweep as sweep_positions
     from ...records import json_line
     from ..render import bench_table, is_noisy, noise_warning, stderr_console, sweep_chart, token_progress
+    from .common import check_memory, load_model, require_stdout
 
     require_stdout()
     console = stderr_console()
@@ -114,3 +120,82 @@ def run(
     stdout.print(bench_table(report))
     if sweep_rows is not None:
         stdout.print(sweep_chart(sweep_rows))
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+@takes_model_flags()
+def command(
+    tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tokens",
+            "-n",
+            min=1,
+            help=(
+                "New tokens to decode per run (tgN). Default: what fits in the window after the prompt, at most 256, "
+                "so the figure is the cached path's (a longer run re-prefills past the window: see --overflow, "
+                "--sweep)."
+            ),
+            show_default=False,
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            help=(
+                "Prompt length for the prefill test (ppP), at most block_size. Default: 128, or half the window if "
+                "that is less."
+            ),
+            show_default=False,
+        ),
+    ] = None,
+    repeat: Annotated[
+        int, typer.Option("--repeat", "-r", min=1, help="Timed runs of each test, after one warm-up.")
+    ] = 3,
+    batch: Annotated[int, typer.Option(min=1, help="Rows decoded together.")] = 1,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Also time uncached crop-and-recompute decoding.")
+    ] = True,
+    overflow: Annotated[
+        Overflow,
+        typer.Option(
+            help=(
+                "Past the window (prompt + tokens > block_size): 'recompute' re-prefills at every step, exactly as "
+                "crop-and-recompute; 'shift' re-prefills half the window, then decodes from the cache."
+            )
+        ),
+    ] = Overflow.recompute,
+    sweep: Annotated[
+        bool, typer.Option("--sweep", help="Also chart decode speed against context position, through one overflow.")
+    ] = False,
+    json_output: JsonOption = False,
+    *,
+    model_options: "ModelOptions",
+) -> None:
+    """Measure prefill and decode speed, and the KV cache's speed-up over crop-and-recompute.
+
+    Prints a table in the manner of llama-bench (tokens/s as mean ± std over --repeat runs).
+
+    Examples:
+
+      manas bench
+
+      manas bench --tokens 512 --overflow shift --no-baseline --sweep
+
+      manas bench --json | jq '.tests[] | {name, tokens_per_s_mean}'
+    """
+
+    run(
+        tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        repeat=repeat,
+        batch=batch,
+        baseline=baseline,
+        overflow=overflow.value,
+        sweep=sweep,
+        json_output=json_output,
+        model_options=model_options,
+    )

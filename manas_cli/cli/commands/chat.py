@@ -1,17 +1,21 @@
 """`manas chat`: a conversation in the terminal, or one message per line from a pipe (conversation.py keeps the
 cache between turns; this module reads, prints and handles the keys)."""
 
-from __future__ import annotations
-
 import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
 
 from ...errors import InputError
-from ...models import ModelOptions
 from ...settings import GenerationSettings
-from .common import chat_template_text, load_model, model_chat_template, require_stdout
+from ..flags import checked_setting, takes_model_flags
+
+if TYPE_CHECKING:
+    from ...models import ModelOptions
+
 
 HELP = "/reset forgets the conversation · /system TEXT sets the system prompt · Ctrl-C stops an answer · Ctrl-D ends"
 CONTINUE = "\\"  # a line ending so continues on the next
@@ -25,7 +29,7 @@ def run(
     settings: GenerationSettings,
     stats: bool | None,
     json_output: bool,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
     given: list[str] | None = None,
 ) -> None:
     """The conversation at the terminal, or one message a line from a pipe; `given`: these messages alone (manas
@@ -33,6 +37,7 @@ def run(
     from ...conversation import Conversation
     from ...records import json_line
     from ..render import say, stderr_console
+    from .common import chat_template_text, load_model, model_chat_template, require_stdout
 
     require_stdout()
     console = stderr_console()
@@ -153,3 +158,68 @@ def _read_message() -> str:
         lines[-1] = lines[-1][: -len(CONTINUE)]
         lines.append(input("... "))
     return "\n".join(lines)
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+@takes_model_flags(cache=False)
+def command(
+    system: Annotated[
+        Optional[str], typer.Option(help="The system prompt (the template's default without it).")
+    ] = None,
+    chat_template: Annotated[
+        Optional[Path], typer.Option(help="A Jinja chat template for a model without one.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="The most tokens of one answer.")] = 512,
+    temperature: Annotated[
+        float,
+        typer.Option("--temperature", "-t", "--temp", callback=checked_setting("temperature"), help="0 is greedy."),
+    ] = GenerationSettings.temperature,
+    top_p: Annotated[Optional[float], typer.Option(callback=checked_setting("top_p"), help="Nucleus sampling.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(min=1, help="Sample among the k most likely.")] = None,
+    seed: Annotated[
+        Optional[int],
+        typer.Option("--seed", "-s", callback=checked_setting("seed"), help="Seed each answer's sampler."),
+    ] = None,
+    stats: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--stats/--no-stats", help="A line of speed and cache figures under each answer. Default: on a terminal."
+        ),
+    ] = None,
+    json_output: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="One JSON object a line per answer: text, tokens, finish_reason, token counts, seed, engine.",
+        ),
+    ] = False,
+    *,
+    model_options: "ModelOptions",
+) -> None:
+    r"""Chat with an instruct model in the terminal, or send it one message per line from a pipe.
+
+    The messages go through the model's chat template (or --chat-template FILE); the conversation's KV cache is
+    kept between turns, so each turn prefills only what it adds (the native engine), and every answer is what
+    manas generate gives the whole rendered prompt. At the prompt: a line ending in a backslash continues, three
+    quotes open and close a block; /reset, /system TEXT; Ctrl-C stops an answer, Ctrl-D (or /bye) ends.
+
+    Examples:
+
+      manas chat -m smollm2-135m-instruct
+
+      printf 'Hello!\nWhat did I just say?\n' | manas chat -m qwen2.5-0.5b-instruct -t 0
+    """
+
+    settings = GenerationSettings(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=()
+    )
+    run(
+        system=system,
+        chat_template=chat_template,
+        settings=settings,
+        stats=stats,
+        json_output=json_output,
+        model_options=model_options,
+    )

@@ -1,15 +1,28 @@
 """`manas generate`: stream a continuation of the prompt to stdout, stats and notices to stderr."""
 
-from __future__ import annotations
-
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
 
 from ...errors import interrupt_exit_code
-from ...models import ModelOptions
 from ...settings import GenerationSettings, token_budget
-from .common import check_memory, load_model, read_prompt, require_stdout
+from ..flags import (
+    BatchSizeOption,
+    JsonOption,
+    Overflow,
+    OverflowOption,
+    PromptFileOption,
+    PromptOption,
+    takes_model_flags,
+    takes_setting_flags,
+)
+
+if TYPE_CHECKING:
+    from ...models import ModelOptions
+
 
 # Past the window, recompute mode re-prefills at every step: with this many tokens still to come, say why it slows.
 LATE_TOKENS = 32
@@ -26,16 +39,15 @@ def run(
     stats: bool | None,
     quiet: bool,
     json_output: bool,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
 ) -> None:
-    import typer
-
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.threads import ThreadGovernor
     from ...records import sample_record
     from ...requests import Requests, encode_prompt
     from ..live import LiveDisplay, piped, shares_terminal
     from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
+    from .common import check_memory, load_model, read_prompt, require_stdout
 
     require_stdout()
     console = stderr_console(quiet=quiet)
@@ -125,3 +137,108 @@ def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None
     for row, stream in enumerate(streams):
         out.text(row, stream.finish("interrupted" if interruption is not None else "length"))
     return interruption
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+@takes_model_flags()
+@takes_setting_flags()
+def command(
+    prompt_argument: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="[PROMPT]", help="The prompt, as -p gives it (quote it: one argument).", show_default=False
+        ),
+    ] = None,
+    prompt: PromptOption = None,
+    prompt_file: PromptFileOption = None,
+    jsonl: Annotated[
+        bool,
+        typer.Option(
+            "--jsonl",
+            help=(
+                "Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any "
+                "setting by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, "
+                "repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs); write one --json record "
+                "per line, in input order."
+            ),
+        ),
+    ] = False,
+    batch_size: BatchSizeOption = 16,
+    num_samples: Annotated[
+        int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")
+    ] = 1,
+    echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = False,
+    overflow: OverflowOption = Overflow.recompute,
+    stats: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--stats/--no-stats",
+            help="Speed and cache stats on stderr (default: when stderr is a terminal).",
+            show_default=False,
+        ),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
+    json_output: JsonOption = False,
+    *,
+    settings: GenerationSettings,
+    model_options: "ModelOptions",
+) -> None:
+    """Generate text from a prompt, streaming it to stdout as it is produced.
+
+    The prompt comes from --prompt, --prompt-file, or standard input. Stats and notices go to stderr, so stdout
+    holds only the text (or JSON lines with --json).
+
+    Examples:
+
+      manas generate --prompt 'ROMEO:' -n 100
+
+      echo 'JULIET:' | manas generate -t 0 --stop 'ROMEO:'
+
+      manas generate -p 'KING:' --num-samples 3 --seed 7 --json | jq .text
+    """
+
+    if quiet and stats:
+        raise typer.BadParameter(
+            "--quiet prints nothing but the text, and --stats asks for stats: choose one", param_hint="'--stats'"
+        )
+    if prompt_argument is not None:
+        if prompt is not None:
+            raise typer.BadParameter("give the prompt once: as an argument or with -p, not both", param_hint="'PROMPT'")
+        prompt = prompt_argument
+    if jsonl:
+        from . import jsonl as pipeline
+
+        if prompt is not None or echo or num_samples != 1:
+            raise typer.BadParameter(
+                "--jsonl reads its prompts as JSON lines (stdin or --prompt-file): it takes no "
+                "--prompt, --echo or --num-samples",
+                param_hint="'--jsonl'",
+            )
+        pipeline.run(
+            prompt_file=prompt_file,
+            defaults=settings,
+            batch_size=batch_size,
+            overflow=overflow.value,
+            stats=stats,
+            quiet=quiet,
+            model_options=model_options,
+        )
+        return
+    if settings.logprobs and not json_output:
+        raise typer.BadParameter(
+            "log-probabilities are written in the --json record: add --json", param_hint="'--logprobs'"
+        )
+    run(
+        prompt=prompt,
+        prompt_file=prompt_file,
+        settings=settings,
+        num_samples=num_samples,
+        echo=echo,
+        overflow=overflow.value,
+        stats=stats,
+        quiet=quiet,
+        json_output=json_output,
+        model_options=model_options,
+    )

@@ -1,24 +1,29 @@
 """`manas inspect-cache`: prefill a prompt (and decode more), then show what the KV cache holds."""
 
-from __future__ import annotations
-
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
-from ...models import ModelOptions
-from ...requests import encode_prompt
-from .common import check_memory, load_model, read_prompt, require_stdout
+import typer
+
+from ..flags import JsonOption, PromptFileOption, PromptOption, takes_model_flags
+
+if TYPE_CHECKING:
+    from ...models import ModelOptions
+
 
 DEFAULT_PROMPT = "ROMEO:\nWhat light through yonder window breaks?"
 
 
 def run(
-    *, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool, model_options: ModelOptions
+    *, prompt: str | None, prompt_file: Path | None, tokens: int, json_output: bool, model_options: "ModelOptions"
 ) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.sampling import Sampler
     from ...engine.session import cache_report
     from ...records import json_line
+    from ...requests import encode_prompt
     from ..render import cache_view, stderr_console, token_progress
+    from .common import check_memory, load_model, read_prompt, require_stdout
 
     require_stdout()
     console = stderr_console()
@@ -61,3 +66,32 @@ def run(
     from rich.console import Console
 
     Console(highlight=False, no_color=console.no_color, soft_wrap=True).print(cache_view(report, header))
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+@takes_model_flags()
+def command(
+    prompt: PromptOption = None,
+    prompt_file: PromptFileOption = None,
+    tokens: Annotated[int, typer.Option("--tokens", "-n", min=0, help="Greedy tokens to decode after the prompt.")] = 0,
+    json_output: JsonOption = False,
+    *,
+    model_options: "ModelOptions",
+) -> None:
+    """Prefill a prompt (and decode --tokens more), then show what the KV cache holds.
+
+    Positions, per-layer K/V shapes, logical and allocated bytes, the size at a full window, and what grouped-query
+    attention saves against a plain multi-head cache. Without a prompt, a short default one is used.
+
+    Examples:
+
+      manas inspect-cache
+
+      manas inspect-cache -p 'ROMEO:' --tokens 300
+
+      manas inspect-cache --json | jq .layers
+    """
+
+    run(prompt=prompt, prompt_file=prompt_file, tokens=tokens, json_output=json_output, model_options=model_options)

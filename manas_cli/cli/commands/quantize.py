@@ -1,17 +1,19 @@
 """`manas quantize`: an int8 or int4 copy of a float checkpoint."""
 
-from __future__ import annotations
-
 from pathlib import Path
+from typing import Annotated, Optional
 
-from ...files import check_output_file
-from ...models import quantize_checkpoint
+import typer
+
+from ..flags import CheckpointOption
 
 KEPT_METADATA = ("chat_template", "converted_from")  # what the quantized copy still is: its chat, its source
 
 
 def run(*, checkpoint: Path, out: Path, kind: str, force: bool) -> None:
+    from ...files import check_output_file
     from ...formats.checkpoint import load_checkpoint, save_checkpoint
+    from ...models import quantize_checkpoint
     from ..render import stderr_console
 
     check_output_file(out, force, inputs=(checkpoint,))
@@ -22,3 +24,50 @@ def run(*, checkpoint: Path, out: Path, kind: str, force: bool) -> None:
     stderr_console().print(
         f"quantized {checkpoint} to {kind}: {checkpoint.stat().st_size:,} → {out.stat().st_size:,} bytes\nwrote {out}"
     )
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+def bits_in_range(value: int) -> int:
+    if value not in (8, 4):
+        raise typer.BadParameter(f"{value} is not a supported width: use 8 (int8) or 4 (int4)")
+    return value
+
+
+def command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Quantized checkpoint to write (.safetensors).")],
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Argument(
+            help="float manas checkpoint (.safetensors) to quantize, or a store name (manas list).", show_default=False
+        ),
+    ] = None,
+    bits: Annotated[
+        int,
+        typer.Option(
+            "--bits",
+            callback=bits_in_range,
+            help="8: int8, one scale per row, about 4× "
+            "smaller; 4: int4, a scale and a zero per 32 values, about 6× smaller.",
+        ),
+    ] = 8,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+    model: CheckpointOption = None,
+) -> None:
+    """Write a quantized copy of a checkpoint: its matrices as int8 (--bits 8) or int4 (--bits 4).
+
+    generate, bench, inspect-cache, score and export load it without any flag; it computes what --quantize int8
+    or int4 does, except that the token embedding too is read back from its quantized rows.
+
+    Examples:
+
+      manas quantize gpt2.safetensors --out gpt2-int8.safetensors
+
+      manas quantize gpt2.safetensors --bits 4 --out gpt2-int4.safetensors
+
+      manas generate -c gpt2-int4.safetensors -p 'Hello'
+    """
+    from .common import checkpoint_given
+
+    run(checkpoint=checkpoint_given(checkpoint, model), out=out, kind=f"int{bits}", force=force)

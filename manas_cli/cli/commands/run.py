@@ -1,19 +1,24 @@
 """`manas run NAME [PROMPT]`, as ollama's: a chat model is chatted with (at the terminal, or one answer to PROMPT),
 a base model continues PROMPT."""
 
-from __future__ import annotations
-
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
 
 from ...errors import InputError
-from ...models import ModelOptions
 from ...settings import GenerationSettings
+from ..flags import takes_model_flags, takes_setting_flags
 from . import chat, generate
-from .common import checkpoint_given
+
+if TYPE_CHECKING:
+    from ...models import ModelOptions
 
 
-def run(*, model: Path | None, prompt: str | None, settings: GenerationSettings, model_options: ModelOptions) -> None:
+def run(*, model: Path | None, prompt: str | None, settings: GenerationSettings, model_options: "ModelOptions") -> None:
+    from .common import checkpoint_given
+
     path = checkpoint_given(model, model_options.checkpoint)
     options = replace(model_options, checkpoint=path)
     if has_chat_template(path):
@@ -52,3 +57,37 @@ def has_chat_template(path: Path) -> bool:
 
     with path.open("rb") as f:
         return bool(read_header(f, path).metadata.get("chat_template"))
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+@takes_model_flags(cache=False)
+@takes_setting_flags()
+def command(
+    model: Annotated[
+        Optional[Path],
+        typer.Argument(help="A store name (manas list) or a checkpoint file.", show_default=False),
+    ] = None,
+    prompt: Annotated[
+        Optional[str], typer.Argument(help="One message (a chat model) or a text to continue.", show_default=False)
+    ] = None,
+    *,
+    settings: GenerationSettings,
+    model_options: "ModelOptions",
+) -> None:
+    """Run a model as ollama's `run` does: chat with a chat model, or continue a prompt with a base model.
+
+    With no prompt a chat model starts a conversation (manas chat); with one it answers it and exits. A base model
+    continues the prompt (manas generate). The flags are generate's.
+
+    Examples:
+
+      manas run smollm2-135m-instruct
+
+      manas run smollm2-135m-instruct "Why is the sky blue?"
+
+      manas run shakespeare "ROMEO:" -n 60
+    """
+
+    run(model=model, prompt=prompt, settings=settings, model_options=model_options)

@@ -1,21 +1,20 @@
 """`manas serve`: OpenAI's completions API on a local port, every request a row of one continuous batch."""
 
-from __future__ import annotations
-
 import errno
 import os
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ...chat import prompt_ids
-from ...engine.memory import fitting_window
 from ...errors import InputError
-from ...models import ModelOptions
-from ...requests import encode_prompt
-from .common import chat_template_text, check_memory, load_model, model_chat_template
+from ..flags import takes_model_flags
+
+if TYPE_CHECKING:
+    from ...models import ModelOptions
+
 
 # A choice's default ceiling on new tokens (serve --max-tokens): 4 windows, at least 1,024.
 DEFAULT_MAX_TOKENS_WINDOWS, MIN_MAX_TOKENS = 4, 1024
@@ -41,15 +40,18 @@ def run(
     api_key: str | None,
     timeout_s: float,
     verbose: bool,
-    model_options: ModelOptions,
+    model_options: "ModelOptions",
     max_connections: int | None = None,
     max_tokens: int | None = None,
     chat_template: Path | None = None,
     prefix_cache_mb: float = 0,
 ) -> None:
+    from ...engine.memory import fitting_window
+    from ...requests import encode_prompt
     from ..render import say, stderr_console
     from ..server.http import Server, serve
     from ..server.scheduler import Scheduler
+    from .common import chat_template_text, check_memory, load_model, model_chat_template
 
     if api_key is None and os.environ.get("MANAS_API_KEY") == "":  # typer takes an empty variable for an unset one
         api_key = ""
@@ -112,4 +114,123 @@ def run(
 
 def chat_prompt(template: str, checkpoint, messages) -> list[int]:
     """The messages' prompt ids through the template, cropped to the window as a completion's prompt is."""
+    from ...chat import prompt_ids
+
     return prompt_ids(template, messages, checkpoint.encoding)[-checkpoint.model.config.block_size :]
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+@takes_model_flags(cache=False)
+def command(
+    host: Annotated[
+        str,
+        typer.Option(
+            help=(
+                "Address to listen on. Another than loopback without --api-key prints a warning: anyone who reaches "
+                "the port can use the model."
+            )
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port to listen on; 0 takes a free one (the ready line says which).")
+    ] = 8080,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            min=1, max=256, help="Requests (choices) decoded together, each at its own position, as --jsonl's."
+        ),
+    ] = 16,
+    max_queue: Annotated[
+        int, typer.Option(min=1, help="Choices that may wait for a row; beyond, a request gets 429 with Retry-After.")
+    ] = 64,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            envvar="MANAS_API_KEY",
+            show_envvar=True,
+            help="Require 'Authorization: Bearer KEY' on every request but /health.",
+        ),
+    ] = None,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help=(
+                "Seconds a client may send or read nothing before it is dropped (a slow or stalled client holds no "
+                "row); a request's headers and body must arrive whole within it too."
+            ),
+        ),
+    ] = 10.0,
+    max_connections: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            max=65536,
+            help=(
+                "Connections held at once, each with a thread; beyond, a new one gets 503 at once. Default: 32 per "
+                "core, 64 to 512."
+            ),
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            help=(
+                "The most tokens a choice may ask for (max_tokens); above it, 400 naming this limit. Default: 4 "
+                "windows of the model, at least 1,024."
+            ),
+        ),
+    ] = None,
+    chat_template: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="A Jinja chat template for a model without one (a converted instruct model carries its own): "
+            "POST /v1/chat/completions renders the messages through it."
+        ),
+    ] = None,
+    prefix_cache_mb: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Memory for the exact prefix cache (native engine): a prompt that starts as a recent one did (a "
+            "shared system prompt, a chat's earlier turns) copies that start's K/V and prefills only the rest, its "
+            "answer unchanged bit for bit; least recently used out first. 0 turns it off.",
+        ),
+    ] = 256,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
+    *,
+    model_options: "ModelOptions",
+) -> None:
+    """Serve OpenAI's completions and chat API on a local port: any client that speaks it can use the model.
+
+    POST /v1/completions (stream, n, stop, seed, logprobs, echo, the penalties, and manas's top_k, min_p,
+    repetition_penalty, repeat_last_n); POST /v1/chat/completions for a model with a chat template (messages,
+    stream, n, stop, seed, logprobs and top_logprobs); GET /v1/models and /v1/models/{id}; GET /health. Every
+    request joins one continuous batch, and its answer equals `manas generate --json` for that request alone. A base
+    model has no chat template: /v1/chat/completions answers 404 unless --chat-template gives one. Ctrl-C or
+    SIGTERM: stop accepting, let what runs finish (10 s), exit 0.
+
+    Examples:
+
+      manas serve --port 8080
+
+      curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "ROMEO:", "max_tokens": 40}'
+    """  # noqa: E501 (an example a user copies whole)
+
+    run(
+        host=host,
+        port=port,
+        batch_size=batch_size,
+        max_queued=max_queue,
+        api_key=api_key,
+        timeout_s=timeout,
+        verbose=verbose,
+        max_connections=max_connections,
+        max_tokens=max_tokens,
+        chat_template=chat_template,
+        prefix_cache_mb=prefix_cache_mb,
+        model_options=model_options,
+    )

@@ -1,15 +1,15 @@
 """`manas train`: a GPT and its byte-level BPE trained on a text file, the best-validation checkpoint saved."""
 
-from __future__ import annotations
-
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
 
 from ...errors import CheckpointError, InputError
-from ...files import check_output_file
-from .common import read_text_file
+from ..flags import Device, DeviceOption, PositionEncoding, ThreadsOption, TrainTokenizer, checked_setting
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ def run(
 ) -> None:
     # Before any work, even importing torch: a run may replace --out only when told to (--resume continues it,
     # --force replaces it), and never with its own input.
+    from ...files import check_output_file
+    from .common import read_text_file
+
     replace = resume or force
     check_output_file(out, replace, inputs=(text_file, tokenizer_file))
 
@@ -162,4 +165,102 @@ def training_progress(text: str, path: Path) -> tuple[int, float]:
     raise CheckpointError(
         f'{path}: its training metadata is not {{"step": N, "val_loss": X}} ({text[:60]!r}): '
         "resume only a checkpoint that manas train wrote, or train afresh without --resume"
+    )
+
+
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
+
+
+def command(
+    text_file: Annotated[Path, typer.Argument(help="UTF-8 training text; its last --val-fraction is held out.")],
+    out: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="Checkpoint to write (.safetensors), or ranks file with --tokenizer-only."),
+    ],
+    n_layer: Annotated[int, typer.Option(min=1, help="Transformer blocks.")] = 6,
+    n_head: Annotated[int, typer.Option(min=1, help="Query heads per block.")] = 8,
+    n_kv_head: Annotated[
+        Optional[int], typer.Option(min=1, help="Key/value heads (fewer than --n-head: grouped-query attention).")
+    ] = 2,
+    n_embd: Annotated[int, typer.Option(min=1, help="Width of the residual stream.")] = 256,
+    block_size: Annotated[int, typer.Option(min=2, help="Context window in tokens.")] = 256,
+    position_encoding: Annotated[
+        PositionEncoding, typer.Option(help="rope (rotary) or learned (GPT-2's table).")
+    ] = PositionEncoding.rope,
+    vocab_size: Annotated[int, typer.Option(min=257, help="Size of the byte-level BPE trained on the text.")] = 2048,
+    tokenizer: Annotated[
+        TrainTokenizer, typer.Option(help="'bpe': train one on the text; 'gpt2': use --tokenizer-file's ranks.")
+    ] = TrainTokenizer.bpe,
+    tokenizer_file: Annotated[
+        Optional[Path], typer.Option(help="A .tiktoken ranks file (with --tokenizer gpt2).")
+    ] = None,
+    tokenizer_only: Annotated[
+        bool, typer.Option(help="Train the BPE and write its .tiktoken ranks to --out; no model.")
+    ] = False,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps in all (a resumed run continues to this).")] = 1500,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences of block_size tokens per step.")] = 16,
+    lr: Annotated[
+        float, typer.Option(min=0.0, help="Peak learning rate (AdamW, linear warm-up, cosine decay to lr/10).")
+    ] = 1.5e-3,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warm-up.")] = 100,
+    dropout: Annotated[float, typer.Option(min=0.0, max=0.99, help="Dropout probability while training.")] = 0.2,
+    eval_every: Annotated[int, typer.Option(min=1, help="Steps between validation (and best-checkpoint saves).")] = 100,
+    seed: Annotated[
+        int,
+        typer.Option(
+            callback=checked_setting("seed"), help="Seed for initialization and batch sampling (0 <= seed < 2^64)."
+        ),
+    ] = 1337,
+    val_fraction: Annotated[
+        float, typer.Option(min=0.001, max=0.5, help="Held-out tail of the text for validation.")
+    ] = 0.1,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Continue from the checkpoint at --out (its weights and step; fresh optimizer moments)."),
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Overwrite --out if it exists (without --resume: start afresh).")
+    ] = False,
+    device: DeviceOption = Device.auto,
+    threads: ThreadsOption = None,
+) -> None:
+    """Train a GPT (and its byte-level BPE) on a text file, saving the best-validation checkpoint.
+
+    Examples:
+
+      manas train input.txt --out model.safetensors
+
+      manas train input.txt -o tiny.safetensors --n-layer 2 --n-embd 64
+
+      manas train input.txt -o bpe.tiktoken --tokenizer-only --vocab-size 4096
+    """
+
+    shape = ModelShape(
+        n_layer=n_layer,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        n_embd=n_embd,
+        block_size=block_size,
+        position_encoding=position_encoding.value,
+        dropout=dropout,
+    )
+    run(
+        text_file=text_file,
+        out=out,
+        shape=shape,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer.value,
+        tokenizer_file=tokenizer_file,
+        tokenizer_only=tokenizer_only,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        warmup_steps=warmup_steps,
+        eval_every=eval_every,
+        seed=seed,
+        val_fraction=val_fraction,
+        resume=resume,
+        force=force,
+        device=device.value,
+        threads=threads,
     )

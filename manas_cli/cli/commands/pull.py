@@ -1,13 +1,14 @@
-"""`manas pull`, `manas list` and `manas rm`: the model store (store.py), by name."""
+"""`manas pull`: a model from the Hugging Face Hub into the store (store.py), under a name."""
 
-from __future__ import annotations
+from typing import Annotated, Optional
 
-import json
+import typer
 
 from ...errors import InputError
+from ..flags import Quantization
 
 
-def pull(*, repo: str, name: str | None, quantize: str | None, force: bool) -> None:
+def run(*, repo: str, name: str | None, quantize: str | None, force: bool) -> None:
     """Download REPO[@REVISION]'s files that convert reads, convert them into the store under a name, and with
     --quantize store a quantized copy too (`NAME-int8`)."""
     from ... import store
@@ -53,36 +54,41 @@ def claim(name: str, quantize: str | None, force: bool):
     return out, copy
 
 
-def list_models(*, as_json: bool) -> None:
-    from ... import store
-    from ..render import plain_table
-
-    entries = store.entries()
-    if as_json:
-        print(json.dumps([_as_dict(entry) for entry in entries], indent=2))
-        return
-    rows = [
-        [
-            entry.name + (" (shipped)" if entry.shipped else ""),
-            entry.architecture,
-            f"{entry.parameters / 1e6:,.1f}M",
-            entry.weights,
-            f"{entry.size_bytes / 2**20:,.1f} MiB",
-            f"{entry.window:,}",
-            "yes" if entry.chat_template else "no",
-        ]
-        for entry in entries
-    ]
-    print(plain_table(["NAME", "ARCHITECTURE", "PARAMETERS", "WEIGHTS", "SIZE", "WINDOW", "CHAT"], rows))
+# ---- the command: its flags and help, and the call ------------------------------------------------------------
 
 
-def remove(*, name: str) -> None:
-    from ... import store
-    from ..render import stderr_console
+def command(
+    repo: Annotated[
+        str,
+        typer.Argument(
+            help="A Hugging Face repository, OWNER/NAME[@REVISION]; a GGUF one as OWNER/NAME-GGUF[:QUANT] (the file "
+            "of that quantization; Q4_K_M, else Q8_0, else the first by default)."
+        ),
+    ],
+    name: Annotated[
+        Optional[str], typer.Option(help="The store name. Default: the repository's name, lower case.")
+    ] = None,
+    quantize: Annotated[
+        Optional[Quantization], typer.Option(help="Store an int8 or int4 copy too, as NAME-int8 or NAME-int4.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a stored model of that name.")] = False,
+) -> None:
+    """Download a model from the Hugging Face Hub and store it under a name that -m/-c take.
 
-    path = store.remove(name)
-    stderr_console().print(f"removed {name} ({path})")
+    Only the files convert reads are downloaded (config, safetensors weights, tokenizer, generation config, chat
+    template; of a GGUF repository, the one file), into the Hugging Face cache ($HF_HOME; $HF_TOKEN, $HF_ENDPOINT
+    and $HF_HUB_OFFLINE are honoured), so an interrupted pull resumes; the store is $MANAS_HOME (default
+    ~/.local/share/manas). Needs the pull extra (huggingface_hub).
 
+    Examples:
 
-def _as_dict(entry) -> dict:
-    return {**entry.__dict__, "path": str(entry.path)}
+      manas pull HuggingFaceTB/SmolLM2-135M-Instruct
+
+      manas pull Qwen/Qwen2.5-0.5B-Instruct --name qwen --quantize int8
+
+      manas pull bartowski/SmolLM2-135M-Instruct-GGUF:Q8_0
+
+      manas generate -m smollm2-135m-instruct -p 'The capital of France is'
+    """
+
+    run(repo=repo, name=name, quantize=quantize.value if quantize else None, force=force)

@@ -318,7 +318,23 @@ def run_generate(*args: str, env: dict, prompt: str = "ROMEO:") -> subprocess.Co
 
 
 def fresh_cache_env(tmp_path: Path, **overrides: str) -> dict:
-    return cli_env(XDG_CACHE_HOME=str(tmp_path / "cache"), **overrides)
+    """An empty cache folder, and a $CC whose "compile" copies the library this test run has built already with the
+    real compiler and flags: these tests are about where the library goes, when it is built again and what runs,
+    not about what the compiler makes (the bit-for-bit tests check that, on the real build), and a real -O3 build of
+    the core costs 5 s of CPU each. A test that names its own CC (overrides) gets it."""
+    env = cli_env(XDG_CACHE_HOME=str(tmp_path / "cache"), CC=str(copying_compiler(tmp_path)))
+    env.update(overrides)
+    return env
+
+
+def copying_compiler(tmp_path: Path) -> Path:
+    """Written once per test (the library's name keys on the compiler file's modification time)."""
+    path = tmp_path / "copying-cc"
+    if not path.exists():
+        built = build.build().path
+        script = f'while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\nexec cp "{built}" "$out"'
+        fake_compiler(tmp_path, script, name=path.name)
+    return path
 
 
 @needs_compiler
@@ -430,7 +446,7 @@ def cached_names(tmp_path: Path) -> tuple[Path, Path]:
     """Where a run with fresh_cache_env(tmp_path) keeps the library and its digest (the folder made private)."""
     folder = tmp_path / "cache" / "manas"
     folder.mkdir(parents=True, mode=0o700, exist_ok=True)
-    library = folder / build.library_name(build.compiler())
+    library = folder / build.library_name(str(copying_compiler(tmp_path)))
     return library, library.with_name(library.name + ".sha256")
 
 
@@ -531,8 +547,8 @@ def test_without_a_compiler_torch_runs_and_asking_for_native_is_one_error_line(t
     )
 
 
-def fake_compiler(tmp_path: Path, body: str) -> Path:
-    path = tmp_path / "fake-cc"
+def fake_compiler(tmp_path: Path, body: str, name: str = "fake-cc") -> Path:
+    path = tmp_path / name
     path.write_text(f"#!/bin/sh\n{body}\n")
     path.chmod(0o755)
     return path

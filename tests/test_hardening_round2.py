@@ -12,7 +12,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -426,10 +425,13 @@ def test_a_second_signal_during_the_clean_up_loses_nothing(rope):
         env=cli_env(),
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    time.sleep(6)  # loaded and generating: a tiny model decodes a token in about a millisecond
+    # Loaded and generating once the window is full (a tiny model decodes a token in about a millisecond): the
+    # notice says so, and the signals come while the rows decode past it.
+    notice = process.stderr.readline()
     for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
         process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=60)
+    stderr = notice + stderr
     assert process.returncode == 130, stderr.decode()
     records = [json.loads(line) for line in stdout.decode().splitlines()]
     assert len(records) == 3 and all(r["generated_tokens"] > 0 for r in records)

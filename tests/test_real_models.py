@@ -340,3 +340,25 @@ def test_a_q4_k_file_converted_to_int8_scores_within_a_hundredth_of_a_nat_of_its
         scores[kind] = manas("score", "-c", out, *RUN_OPTIONS, "--json", stdin=text).ok().json()
     assert scores["int8"]["weights"] == "int8" and scores["float32"]["weights"] == "float32"
     assert abs(scores["int8"]["nats_per_token"] - scores["float32"]["nats_per_token"]) < 0.01
+
+
+def test_a_gpt2_gguf_whose_head_count_is_per_layer_is_one_error_line(tmp_path, learned):
+    """Some architectures store head_count_kv per layer (an array): a GPT-2 block has one count for all layers."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    exported, _ = gguf_roundtrip(learned.path, tmp_path, "f32")
+    reader = gguf.GGUFReader(exported)
+    writer = gguf.GGUFWriter(tmp_path / "per-layer.gguf", "gpt2")
+    copy_fields(writer, {k: v for k, v in reader.fields.items() if k != "gpt2.attention.head_count_kv"})
+    writer.add_key_value(
+        "gpt2.attention.head_count_kv", [4, 4], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32
+    )
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data).reshape(tuple(int(n) for n in reversed(tensor.shape))))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    run = manas("convert", tmp_path / "per-layer.gguf", "--out", tmp_path / "out.safetensors")
+    assert run.returncode == 1 and run.err.startswith("error: ") and "n_kv_head" in run.err, run.err
+    assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()

@@ -20,7 +20,7 @@ from ..torch_engine.model import GPT
 from . import gpt2, huggingface, llama, rotary_layout, starcoder2
 from .gguf_metadata import read_metadata
 from .gguf_vocab import read_gguf, spec_from_fields, string_field
-from .importing import TIED_HEAD, build_model
+from .importing import TIED_HEAD, build_model, make_config
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder2")  # llama.cpp's names of the models manas runs
 LLAMA_LAYER_MODULES = (
@@ -73,7 +73,8 @@ def load_gguf(path: Path) -> GGUFModel:
     names = {tensor.name: tensor for tensor in read_gguf(path).tensors}  # the package reads the tensors
     config = huggingface.config_from_hf(_hf_config(fields, architecture, names, path), path)
     if architecture in ("gpt2", "starcoder2"):  # Hugging Face's GPT-2 has no grouped-query attention; llama.cpp's has
-        config = replace(config, n_kv_head=_field(fields, architecture, "attention.head_count_kv", config.n_head))
+        kv_heads = _field(fields, architecture, "attention.head_count_kv", config.n_head)
+        config = make_config(path, **{**config.__dict__, "n_kv_head": kv_heads})  # checked, as every field is
     state = _hf_state(names, architecture, config, path)
     model = build_model(*_manas_state(state, architecture, config, path), path)
     template = fields.get("tokenizer.chat_template")

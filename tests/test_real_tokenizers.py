@@ -343,3 +343,27 @@ def test_a_sentencepiece_tokenizer_json_gives_the_ids_of_tokenizers_and_sentence
     assert reference.encode(text, add_special_tokens=False).ids == expected
     run = manas("tokenize", "-c", tmp_path / "tokenizer.json", "--no-special", stdin=text.encode())
     assert [int(token) for token in run.ok().out.split()] == expected
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t["added_tokens"].append({"id": 40000, "content": None}), "added_tokens must be objects"),
+        (lambda t: t["model"].__setitem__("vocab", ["a", "b"]), "model.vocab must map pieces to ids"),
+        (lambda t: t["model"]["vocab"].__setitem__("▁zz", 99999), "must have the ids 0 to n-1"),
+        (lambda t: t.__setitem__("pre_tokenizer", {"type": "Sequence", "pretokenizers": {"x": 1}}), None),
+    ],
+)
+def test_a_sentencepiece_tokenizer_json_that_does_not_hold_together_is_one_error_line(tmp_path, change, message):
+    """Untrusted input: a tokenizer.json whose parts have the wrong types or ids is one error line; a pre-tokenizer
+    of an odd shape adds no space prefix, and nothing breaks."""
+    pytest.importorskip("sentencepiece")
+    tokenizer = json.loads(hugging_face_rendering(MISTRAL / "tokenizer.model.v1"))
+    change(tokenizer)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    run = manas("tokenize", "-c", tmp_path / "tokenizer.json", "Hello")
+    if message is None:
+        assert run.returncode == 0 and run.out.split(), run.err
+        return
+    assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err, run.err
+    assert len(run.err.strip().splitlines()) == 1

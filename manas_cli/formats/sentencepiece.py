@@ -202,8 +202,12 @@ def spec_from_tokenizer_json(values: dict, source: str | Path) -> dict:
     vocab, merges, added = model.get("vocab"), model.get("merges") or [], values.get("added_tokens") or []
     if not isinstance(vocab, dict) or not all(type(i) is int for i in vocab.values()) or not isinstance(merges, list):
         raise TokenizerError(f"{source}: tokenizer.json's model.vocab must map pieces to ids, model.merges be a list")
-    if not isinstance(added, list) or not all(isinstance(t, dict) and type(t.get("id")) is int for t in added):
-        raise TokenizerError(f"{source}: tokenizer.json's added_tokens must be objects with an integer 'id'")
+    if not isinstance(added, list) or not all(
+        isinstance(t, dict) and type(t.get("id")) is int and isinstance(t.get("content"), str) for t in added
+    ):
+        raise TokenizerError(
+            f"{source}: tokenizer.json's added_tokens must be objects with a 'content' and an integer 'id'"
+        )
     by_id = vocab | {t.get("content"): t["id"] for t in added}
     if sorted(by_id.values()) != list(range(len(by_id))) or len(by_id) > MAX_PIECES:
         raise TokenizerError(f"{source}: tokenizer.json's pieces must have the ids 0 to n-1, each once")
@@ -235,12 +239,10 @@ def _adds_space_prefix(values: dict) -> bool:
     """Whether the text gets a "▁" before it: a Metaspace pre-tokenizer that prepends (transformers' newer
     rendering), or a Prepend normalizer (its older one)."""
     steps = [values.get("pre_tokenizer"), values.get("normalizer")]
-    flat = [
-        inner
-        for step in steps
-        if isinstance(step, dict)
-        for inner in step.get("pretokenizers", step.get("normalizers", [step]))
-    ]
+    flat = []
+    for step in (step for step in steps if isinstance(step, dict)):
+        inner = step.get("pretokenizers", step.get("normalizers", [step]))
+        flat += inner if isinstance(inner, list) else []
     return any(
         isinstance(step, dict)
         and (

@@ -363,3 +363,20 @@ def test_serve_on_the_native_engine_never_imports_torch(rope):
     )
     modules = [line.split("|")[-1].strip() for line in lines if line.startswith("import time")]
     assert modules and not [module for module in modules if module.split(".")[0] == "torch"]
+
+
+def test_convert_refuses_a_source_config_or_output_without_importing_torch(tmp_path):
+    """What convert checks before the weights (the source, the output, the config, the tokenizer) answers in a fifth
+    of a second: torch is imported for the weights alone. (The refusals' words are tests/test_convert.py's.)"""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')  # lacks the shape
+    (folder / "model.safetensors").write_bytes(b"")
+    (tmp_path / "taken.safetensors").write_bytes(b"x")
+    for source, out in (
+        (folder, tmp_path / "out.safetensors"),
+        (tmp_path / "absent", tmp_path / "out.safetensors"),
+        (folder, tmp_path / "taken.safetensors"),
+    ):
+        assert probe("convert", source, "--out", out) == (1, "torch never imported"), (source, out)
+    assert not (tmp_path / "out.safetensors").exists() and (tmp_path / "taken.safetensors").read_bytes() == b"x"

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from ..engine.config import GPTConfig
 from ..errors import CheckpointError, InputError, TokenizerError
 from ..files import check_output_file
-from ..torch_engine.model import GPT, GPTConfig
 from .huggingface import (
     HF_CONFIG,
     HF_FOLDER,
@@ -32,6 +31,9 @@ from .huggingface import (
 from .importing import load_pickled_weights, load_safetensors, read_plain_pickle
 from .nanogpt import NANOGPT, character_spec, load_nanogpt
 from .tokenizer import build_encoding, spec_from_tiktoken_file, vocabulary_size
+
+if TYPE_CHECKING:
+    from ..torch_engine.model import GPT
 
 
 @dataclass
@@ -61,6 +63,8 @@ def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
                 f"{src} is a nanoGPT checkpoint with its own model_args; --config is for a bare model.safetensors"
             )
         return NANOGPT, load_nanogpt(loaded, src)
+    import torch  # the pickle was read with torch's weights-only loader: its tensors are torch's
+
     if isinstance(loaded, dict) and loaded and all(isinstance(t, torch.Tensor) for t in loaded.values()):
         return hf_kind(HF_WEIGHTS, load_hf(loaded, src, _require_config(src, config_path)))
     raise CheckpointError(
@@ -106,7 +110,7 @@ def _refuse_manas_checkpoint(src: Path) -> None:
     from .header import FORMAT
 
     try:
-        with safe_open(src, framework="pt") as f:
+        with safe_open(src, framework="numpy") as f:  # its header alone: no torch for a refusal
             is_manas = (f.metadata() or {}).get("format") == FORMAT
     except Exception:  # unreadable files get a precise message when their tensors are loaded
         return
@@ -166,9 +170,8 @@ def convert_checkpoint(
     quantize: str | None = None,
 ) -> Converted:
     """Read src (nanoGPT, a Hugging Face folder or weights, or a GGUF file), write the equivalent manas checkpoint to
-    dst atomically, its matrices as int8 or int4 with `quantize`."""
-    from .checkpoint import save_checkpoint
-
+    dst atomically, its matrices as int8 or int4 with `quantize`. What needs no weights is checked first, before
+    torch is imported: a refusal of the source, its config or its tokenizer comes in a fraction of a second."""
     check_output_file(dst, force, inputs=(*source_files(src), config_path, tokenizer_file, tokenizer_meta))
     check_source(src)
     if src.suffix == ".gguf" and src.is_file():
@@ -178,6 +181,8 @@ def convert_checkpoint(
         description, spec = own or tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
         template = folder_chat_template(src) if src.is_dir() else None
         kind, model = load_source(src, config_path)
+    from .checkpoint import save_checkpoint
+
     check_tokenizer_fits(spec, model.config, description)
     parameters = model.num_parameters()
     if quantize is not None:

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from ..engine.config import GPTConfig
 from ..errors import CheckpointError
-from ..torch_engine.model import GPT, GPTConfig
 from .header import TIED
 from .importing import TIED_HEAD, check_tied_head, make_config, typed_field
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..torch_engine.model import GPT
+
 
 MODEL_TYPE = "gpt2"
 # Inside transformer.h.N: GPT-2's module names (nanoGPT's too) and manas' inside blocks.N.
@@ -166,6 +171,10 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """GPT2LMHeadModel's tensors: Conv1D weights transposed, and zero biases where a bias=False model has none
     (a zero bias adds nothing, so the function is the same). lm_head is tied, so it is left out, as
     save_pretrained does."""
+    import torch
+
+    from ..torch_engine.model import GPT
+
     state = model.state_dict()
     with torch.device("meta"):
         with_biases = GPT(replace(model.config, bias=True))

@@ -15,16 +15,14 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tiktoken
-import torch
 
+from ..engine.config import GPTConfig
 from ..errors import CheckpointError, InputError, TokenizerError, first_line
 from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
-from ..torch_engine.model import GPT, GPTConfig
-from ..torch_engine.quantize import dequantize_model
 from . import gpt2, llama, starcoder2
-from .checkpoint import check_finite_tensors, load_checkpoint
 from .importing import TIED_HEAD, build_model, check_tied_head, load_pickled_weights, load_safetensors
 from .tokenizer import (
     DIGITS_PAT_STR,
@@ -40,6 +38,11 @@ from .tokenizer import (
     spec_from_hf_files,
     spec_from_tokenizer_json,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..torch_engine.model import GPT
 
 # What convert reads from a Hugging Face folder.
 HF_CONFIG, HF_SAFETENSORS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
@@ -512,6 +515,9 @@ def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Expor
     """Write checkpoint_path as a Hugging Face GPT-2 or Starcoder2 folder; refuse before writing anything it cannot
     export."""
     from safetensors.torch import save
+
+    from ..torch_engine.quantize import dequantize_model
+    from .checkpoint import check_finite_tensors, load_checkpoint
 
     if out.is_symlink() and out.is_dir():
         out = out.resolve()  # write into the folder the link names, as the user would (a rename would hit the link)

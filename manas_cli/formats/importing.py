@@ -10,13 +10,17 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..engine.config import GPTConfig, parameter_shapes
 from ..errors import CheckpointError, InputError, TokenizerError, first_line
-from ..torch_engine.model import GPT
 from .header import is_pytorch_file
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..torch_engine.model import GPT
+
 
 TIED_HEAD = "lm_head.weight"
 
@@ -24,6 +28,8 @@ TIED_HEAD = "lm_head.weight"
 def build_model(config: GPTConfig, state: dict[str, torch.Tensor], source: Path) -> GPT:
     """A float32 manas model holding exactly the given tensors: every one present, none extra, shapes matching, each
     real floating-point. Checked before the model is built, so its size is backed by the source's tensors."""
+    from ..torch_engine.model import GPT
+
     expected = set()
     for name, shape in parameter_shapes(config):
         if name not in state:
@@ -44,6 +50,8 @@ def build_model(config: GPTConfig, state: dict[str, torch.Tensor], source: Path)
 
 
 def check_tied_head(head: torch.Tensor | None, embedding: torch.Tensor | None, source: Path) -> None:
+    import torch
+
     if head is not None and embedding is not None and not torch.equal(head, embedding):
         raise CheckpointError(
             f"{source}: lm_head.weight differs from the token embedding; manas ties the two (as GPT-2 and "
@@ -58,6 +66,8 @@ def load_pickled_weights(path: Path) -> object:
     """torch.load with weights only: tensors and plain values load, a pickle that would run code is refused. A zip
     checkpoint's tensors are memory-mapped, not read, so their shapes are checked against the config before any
     data is touched; a compressed entry (torch.save never writes one) is refused, as its size is not the file's."""
+    import torch
+
     _refuse_compressed_entries(path)
     with path.open("rb") as f:
         if not is_pytorch_file(f.read(8)):

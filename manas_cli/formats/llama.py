@@ -9,14 +9,17 @@ config field by field (engine/config.py); the rotary layout is rotary_layout.py'
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError
-from ..torch_engine.model import GPT
 from . import rotary_layout
 from .importing import make_config, typed_field
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..torch_engine.model import GPT
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 NAMES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
@@ -106,6 +109,8 @@ def _refuse_unsupported(values: dict, rope: dict, config: GPTConfig, source: Pat
 def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:
     """The folder's tensors under manas' names; a tied model's lm_head, where the file repeats it, must equal the
     token embedding and is dropped."""
+    import torch
+
     head = state.get("lm_head.weight") if config.tie_embeddings else None
     weights = {name: t for name, t in state.items() if not (config.tie_embeddings and name == "lm_head.weight")}
     renamed = rotary_layout.state_to_manas(weights, config, source, BLOCK_MODULES, TOP_MODULES, "Llama-family")

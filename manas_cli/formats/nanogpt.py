@@ -4,12 +4,16 @@ equivalent tokenizer."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..engine.config import GPTConfig
 from ..errors import CheckpointError, TokenizerError
-from ..torch_engine.model import GPT, GPTConfig
 from .gpt2 import gpt2_state_to_manas
 from .importing import build_model, make_config, typed_field
 from .tokenizer import bpe_spec, checked_spec
+
+if TYPE_CHECKING:
+    from ..torch_engine.model import GPT
 
 # nanoGPT's character-level encoding looks each character up alone: one piece per character, newlines included.
 CHARACTER_PAT_STR = r"(?s:.)"

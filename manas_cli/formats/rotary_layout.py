@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
 
 QKV = ("q_proj", "k_proj", "v_proj")
 QKV_MODULES = {f"self_attn.{name}": name for name in QKV}  # inside model.layers.N
@@ -49,6 +52,8 @@ def state_to_manas(
     """A Hugging Face rotary model's tensors under manas' names, q|k|v fused back in manas' rotary layout.
     block_modules: manas' module names inside blocks.N → theirs inside model.layers.N; top_modules: the rest.
     Tensors that are missing, extra or misshapen otherwise are left for importing.build_model to name."""
+    import torch
+
     inverse = {target: module for module, target in block_modules.items()}
     kv_width = config.n_kv_head * config.head_size
     rows = {"q_proj": config.attention_width, "k_proj": kv_width, "v_proj": kv_width}

@@ -8,13 +8,17 @@ differ (fused q|k|v, interleaved rotary pairs) are rotary_layout.py's.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from ..engine.config import GPTConfig
 from ..errors import CheckpointError
-from ..torch_engine.model import GPT, GPTConfig
 from . import rotary_layout
 from .importing import make_config, typed_field
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..torch_engine.model import GPT
 
 ARCHITECTURE = "Starcoder2ForCausalLM"
 MODEL_TYPE = "starcoder2"
@@ -77,6 +81,8 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Starcoder2ForCausalLM's tensors, lm_head left out as it is tied; a bias=False model gets zero biases (adding
     zero changes nothing, and llama.cpp's starcoder2 requires every bias)."""
+    import torch
+
     config = model.config
     state = model.state_dict()
     dtype = model.token_embedding.weight.dtype

@@ -256,15 +256,11 @@ def _naming_the_environment(options: ModelOptions, load):
 def quantize_checkpoint(checkpoint, kind: str, hint: str) -> None:
     """Quantize a loaded float checkpoint's model to int8 or int4, refusing one that is quantized already, or whose
     width int4's groups do not divide."""
-    from .torch_engine.quantize import check_quantizable, quantization, quantize_model, quantized_tensor_names
+    from .torch_engine.quantize import quantization, quantize_checked, quantized_tensor_names
 
     if stored := quantized_tensor_names(checkpoint.model):
         raise InputError(
             f"{checkpoint.path} is already quantized: its tensor {stored[0]} is "
             f"{quantization(checkpoint.model)} ({hint})"
         )
-    try:
-        check_quantizable(checkpoint.model.config, kind)
-    except ValueError as exc:
-        raise InputError(f"{checkpoint.path}: {exc}") from None
-    quantize_model(checkpoint.model, kind)
+    quantize_checked(checkpoint.model, kind, checkpoint.path)

@@ -186,17 +186,9 @@ def convert_checkpoint(
     check_tokenizer_fits(spec, model.config, description)
     parameters = model.num_parameters()
     if quantize is not None:
-        _quantize(model, quantize, src)
+        from ..torch_engine.quantize import quantize_checked
+
+        quantize_checked(model, quantize, src)
     metadata = {"converted_from": kind, **({"chat_template": template} if template else {})}
     save_checkpoint(dst, model, spec, extra_metadata=metadata, overwrite=force)
     return Converted(kind, model.config, parameters, description)
-
-
-def _quantize(model: GPT, kind: str, src: Path) -> None:
-    from ..torch_engine.quantize import check_quantizable, quantize_model
-
-    try:
-        check_quantizable(model.config, kind)
-    except ValueError as exc:
-        raise InputError(f"{src}: {exc}") from None
-    quantize_model(model, kind)

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..engine.config import INT4_GROUP_SIZE, stored_names
+from ..errors import InputError
 from .model import GPT, GPTConfig
 
 INT8_MAX = 127  # symmetric: -127 … 127, so a row's largest magnitude maps to ±127 exactly
@@ -288,6 +289,16 @@ def check_quantizable(config: GPTConfig, kind: str) -> None:
             f"int4 quantizes groups of {INT4_GROUP_SIZE} values: {odd[0]} ({widths[odd[0]]}) must be a "
             f"multiple of {INT4_GROUP_SIZE}; use int8 for this model"
         )
+
+
+def quantize_checked(model: GPT, kind: str, source: object) -> None:
+    """quantize_model, after check_quantizable: a width int4's groups do not divide is one InputError naming
+    source (the file the model came from)."""
+    try:
+        check_quantizable(model.config, kind)
+    except ValueError as exc:
+        raise InputError(f"{source}: {exc}") from None
+    quantize_model(model, kind)
 
 
 @torch.no_grad()

@@ -124,13 +124,13 @@ class RecordBatch:
             if line.error is None:
                 try:
                     ids = encode_prompt(self.checkpoint, line.prompt, self.notify, line.settings.parse_special)
-                except ManasError as exc:  # a character outside a character vocabulary
+                    request = self.requests.prepare(line.settings)
+                except ManasError as exc:  # a character outside a character vocabulary, a schema that won't compile
                     line.error = str(exc)
             if line.error is not None:
                 line.record = {"id": line.id, "line": line.number, "error": line.error}
                 self.flush()
                 continue
-            request = self.requests.prepare(line.settings)
             stats = GenerationStats(prompt_tokens=len(ids))
             self.running[line.number] = Running(request.streams[0], stats, request.seed)
             return request.request(line.number, ids)

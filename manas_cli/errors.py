@@ -31,6 +31,11 @@ class NumericalError(ManasError):
     """The model computed NaN or infinite values from finite weights: they overflow in the dtype it runs in."""
 
 
+class ConstraintError(ManasError):
+    """A constrained request's grammar could not go on (llguidance's step limits, or an internal error): that
+    request fails, never the others batched with it."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that every clean-up (`finally`: temporary files) runs."""
 

@@ -31,18 +31,40 @@ class Prepared:
         return Request(key, prompt, self.sampler, budget, self.settings.logprobs)
 
 
+COMPILED_KEPT = 32
+
+
 class Requests:
     """The requests of one model: what its tokenizer allows and ends with, found once."""
 
     def __init__(self, engine: Engine, encoding) -> None:
         self.engine, self.encoding = engine, encoding
         self.eot, self.allowed = end_of_text_id(encoding), decodable(encoding)
+        self._vocabulary = None  # structured.Vocabulary, built at the first constrained request
+        self._grammars: dict = {}  # (Format, field) -> structured.Grammar, the last COMPILED_KEPT compiled
 
-    def prepare(self, settings: GenerationSettings, rows: int = 1, record: bool = True) -> Prepared:
+    def grammar(self, format, field: str = ""):
+        """A structured output's Format compiled for this model (structured.Grammar), or None for none; InputError
+        (naming `field` where given) when it cannot be compiled, MissingDependencyError without llguidance."""
+        if format is None:
+            return None
+        from .structured import Vocabulary, compile_format
+
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.encoding, self.eot)
+        if (format, field) not in self._grammars:  # --jsonl's lines often share one schema
+            if len(self._grammars) >= COMPILED_KEPT:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[format, field] = compile_format(format, self._vocabulary, field)
+        return self._grammars[format, field]
+
+    def prepare(self, settings: GenerationSettings, rows: int = 1, record: bool = True, grammar=None) -> Prepared:
         """A request of `rows` rows sampled alike (generate's --num-samples); record: keep each row's text and tokens
-        (a single streamed sample keeps none)."""
+        (a single streamed sample keeps none). grammar: settings.format compiled (Requests.grammar), when the
+        caller compiled it already; else it is compiled here."""
         seed = choose_seed(settings.seed)
-        sampler = make_sampler(settings, seed, self.allowed, self.engine)
+        grammar = grammar if grammar is not None else self.grammar(settings.format)
+        sampler = make_sampler(settings, seed, self.allowed, self.engine, grammar)
         streams = [TextStream(self.encoding, self.eot, settings.stop, record) for _ in range(rows)]
         return Prepared(settings, seed, sampler, streams, self.engine.config.block_size)
 

@@ -25,6 +25,7 @@ class GenerationSettings:
     stop: tuple[str, ...] = ()
     logprobs: int = 0
     parse_special: bool = True  # special-token text in the prompt (<|im_start|>) is those tokens, as transformers does
+    format: object | None = None  # structured.Format: a JSON Schema, grammar or regex every text must match
 
     def record(self) -> dict:
         """The sampling settings a --json record reports (its seed and logprobs are fields of their own)."""
@@ -79,14 +80,30 @@ def check(name: str, value: object) -> object:
     return tuple(value) if name == "stop" else value
 
 
+FORMAT_KEYS = ("json_schema", "grammar", "grammar_syntax", "regex")  # a record's structured output (structured.py)
+
+
 def with_overrides(settings: GenerationSettings, overrides: dict) -> GenerationSettings:
-    """settings with a request's own values, each checked; ValueError names an unknown or invalid one."""
+    """settings with a request's own values, each checked; ValueError names an unknown or invalid one. A record's
+    json_schema, grammar (with grammar_syntax) or regex replaces the defaults' structured output."""
     checked = {}
     for name, value in overrides.items():
+        if name in FORMAT_KEYS:
+            continue
         if name not in RULES:
-            raise ValueError(f"unknown key {name!r} (known: prompt, id, {', '.join(RULES)})")
+            raise ValueError(f"unknown key {name!r} (known: prompt, id, {', '.join((*RULES, *FORMAT_KEYS))})")
         checked[name] = check(name, value)
+    if any(overrides.get(name) is not None for name in FORMAT_KEYS):
+        from .structured import format_from_record
+
+        checked["format"] = format_from_record(overrides)
     return GenerationSettings(**{**settings.__dict__, **checked})
+
+
+def as_overrides(settings: GenerationSettings) -> dict:
+    """settings as with_overrides takes them (the keys of a --jsonl record): plain JSON values."""
+    values = {name: value for name, value in settings.__dict__.items() if name != "format"}
+    return {**values, **(settings.format.record() if settings.format is not None else {})}
 
 
 def _integer(value: object) -> bool:

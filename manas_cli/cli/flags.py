@@ -296,6 +296,51 @@ ParseSpecialOption = Annotated[
         ),
     ),
 ]
+JsonSchemaOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--json-schema",
+        metavar="SCHEMA",
+        help=(
+            "Constrain the text to JSON valid under this JSON Schema (inline JSON; '{}' is any JSON value), token by "
+            'token: it always parses. Needs llguidance (pip install "manas-cli[structured]"); docs/structured.md.'
+        ),
+    ),
+]
+JsonSchemaFileOption = Annotated[
+    Optional[Path], typer.Option("--json-schema-file", metavar="FILE", help="--json-schema, read from a file.")
+]
+GrammarOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--grammar",
+        metavar="TEXT",
+        help="Constrain the text to a grammar: llama.cpp's GBNF (root ::= ...) or Lark as llguidance reads it.",
+    ),
+]
+GrammarFileOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--grammar-file", metavar="FILE", help="--grammar, read from a file (.gbnf: GBNF, .lark: Lark, else auto)."
+    ),
+]
+GrammarSyntax = choices("GrammarSyntax", "auto", "gbnf", "lark")
+GrammarSyntaxOption = Annotated[
+    GrammarSyntax,
+    typer.Option("--grammar-syntax", help="The grammar's syntax; auto: Lark where it reads as Lark, else GBNF."),
+]
+RegexOption = Annotated[
+    Optional[str],
+    typer.Option("--regex", metavar="PATTERN", help="Constrain the text to match a regular expression, whole."),
+]
+STRUCTURED_FLAGS = {
+    "json_schema": (JsonSchemaOption, None),
+    "json_schema_file": (JsonSchemaFileOption, None),
+    "grammar": (GrammarOption, None),
+    "grammar_file": (GrammarFileOption, None),
+    "grammar_syntax": (GrammarSyntaxOption, GrammarSyntax.auto),
+    "regex": (RegexOption, None),
+}
 SETTING_FLAGS = {
     "max_tokens": (MaxTokensOption, 200),
     "temperature": (TemperatureOption, GenerationSettings.temperature),
@@ -310,6 +355,7 @@ SETTING_FLAGS = {
     "presence_penalty": (PresencePenaltyOption, 0.0),
     "logprobs": (LogprobsOption, 0),
     "parse_special": (ParseSpecialOption, True),
+    **STRUCTURED_FLAGS,
 }
 
 
@@ -349,7 +395,69 @@ def takes_setting_flags():
 
 
 def settings_of(*, stop: Optional[list[str]], **values) -> GenerationSettings:
-    return GenerationSettings(stop=tuple(stop or ()), **values)
+    structured = {flag: values.pop(flag) for flag in STRUCTURED_FLAGS}
+    return GenerationSettings(stop=tuple(stop or ()), format=format_of(**structured), **values)
+
+
+def format_of(
+    json_schema: Optional[str],
+    json_schema_file: Optional[Path],
+    grammar: Optional[str],
+    grammar_file: Optional[Path],
+    grammar_syntax: Enum,
+    regex: Optional[str],
+):
+    """The structured output the flags ask for (structured.Format), or None; BadParameter for two, or for one
+    that cannot be read."""
+    from ..errors import InputError
+    from ..structured import Format, grammar_format, json_schema_format, syntax_of_file
+
+    given = {
+        "--json-schema": json_schema,
+        "--json-schema-file": json_schema_file,
+        "--grammar": grammar,
+        "--grammar-file": grammar_file,
+        "--regex": regex,
+    }
+    named = [flag for flag, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise typer.BadParameter(f"give one constraint, not {' and '.join(named)}", param_hint=f"'{named[1]}'")
+    if grammar_syntax.value != "auto" and grammar is None and grammar_file is None:
+        raise typer.BadParameter("--grammar-syntax needs --grammar or --grammar-file", param_hint="'--grammar-syntax'")
+    if not named:
+        return None
+    flag = named[0]
+    try:
+        if flag == "--regex":
+            return Format("regex", regex)
+        if flag == "--json-schema":
+            return json_schema_format(json_schema, "the schema")
+        if flag == "--grammar":
+            return grammar_format(grammar, grammar_syntax.value, "the grammar")
+        path = json_schema_file if flag == "--json-schema-file" else grammar_file
+        text = read_text_file(path)
+        if flag == "--json-schema-file":
+            return json_schema_format(text, str(path))
+        return grammar_format(text, syntax_of_file(path, grammar_syntax.value), str(path))
+    except InputError as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"'{flag}'") from None
+
+
+def read_text_file(path: Path, limit: int = 1 << 20) -> str:
+    """A small UTF-8 file's text (a schema, a grammar); InputError naming the file when it cannot be."""
+    from ..errors import InputError
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise InputError(f"{path} is over {limit:,} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path} is not UTF-8 (byte {exc.start + 1})") from None
 
 
 def model_options_of(

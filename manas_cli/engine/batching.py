@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..errors import NumericalError
+from ..errors import ConstraintError, NumericalError
 from .engines import Engine
 from .generation import overflow_keep, slide
 from .prefix_cache import PrefixCache
@@ -44,7 +44,7 @@ class Token:
     logprobs: tuple[float, list[int], list[float]] | None
     last: bool  # its budget is spent, or it is end-of-text, or it failed
     cache: object  # the row's cache (CacheSession or NativeSession), for what it holds once the request is done
-    error: str | None = None  # why this request failed (its logits were not finite); token is then -1
+    error: str | None = None  # why this request failed (its logits were not finite, its grammar); token is then -1
 
 
 class Row:
@@ -77,7 +77,7 @@ class Row:
         position = len(self.request.prompt) - 1 + self.steps
         try:
             (token,), top = self.state.sample(logits, [self.window], position)
-        except NumericalError as exc:  # this request's numbers, not the engine's: the other rows go on
+        except (NumericalError, ConstraintError) as exc:  # this request's, not the engine's: the other rows go on
             return Token(self.request.key, -1, kind, time.perf_counter() - started, None, True, self.session, str(exc))
         seconds = time.perf_counter() - started
         self.window = slide(self.window, token, self.session.block_size)

@@ -64,6 +64,8 @@ class Sampler:
     min_p: float | None = None  # drop tokens less likely than min_p × the most likely one's probability
     penalties: Penalties = Penalties()
     seed: int = 0  # the native core's draws
+    # A structured output's compiled constraint (structured.Grammar): each draw only among the ids it allows next
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -76,15 +78,24 @@ class Sampler:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
-def make_sampler(settings, seed: int, decodable: Sequence[bool] | None, engine) -> Sampler:
+def make_sampler(settings, seed: int, decodable: Sequence[bool] | None, engine, grammar=None) -> Sampler:
     """The sampler of a request's settings (cli/settings.py's GenerationSettings: temperature, top_k, top_p, min_p
-    and the penalties) and seed, for `engine` (engines.Engine), which gives the generator it draws with."""
+    and the penalties) and seed, for `engine` (engines.Engine), which gives the generator it draws with; grammar:
+    the request's compiled structured output, if any."""
     penalties = Penalties(
         settings.repetition_penalty, settings.repeat_last_n, settings.frequency_penalty, settings.presence_penalty
     )
     generator = engine.generator(seed) if settings.temperature > 0 else None
     return Sampler(
-        settings.temperature, settings.top_k, settings.top_p, generator, decodable, settings.min_p, penalties, seed
+        settings.temperature,
+        settings.top_k,
+        settings.top_p,
+        generator,
+        decodable,
+        settings.min_p,
+        penalties,
+        seed,
+        grammar,
     )
 
 

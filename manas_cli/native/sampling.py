@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_int32, c_uint8
 
+from ..engine.constraints import Constraints
 from ..engine.sampling import Sampler, logits_error
 from ..errors import NumericalError
 from .binding import ManasDraw, ManasRow, ManasSampler
@@ -46,6 +47,14 @@ class NativeSampling:
         self.last_n = p.last_n if p.context_needed else 0  # the window's tokens the core needs: these, or none
         self.scratch = ctypes.create_string_buffer(self.library.manas_sample_scratch_bytes(self.drawable))
         self.draw = ManasDraw()
+        self.constraints = Constraints(sampler.grammar, rows) if sampler.grammar is not None else None
+
+    def _mask(self, row: int):
+        """The ids row may draw: the decodable ones, or those its structured output allows next (never an id
+        without a token: structured.Vocabulary marks them special)."""
+        if self.constraints is None:
+            return self.mask
+        return (c_uint8 * self.drawable).from_buffer_copy(self.constraints.allowed(row, self.drawable))
 
     def sample(self, logits: Logits, windows: list[list[int]], position: int) -> tuple[list[int], list | None]:
         """Each row's next token from its logits, and with logprobs (its log-probability, the most likely ids,
@@ -62,11 +71,13 @@ class NativeSampling:
                 ctypes.byref(row),
                 self.vocab,
                 self.drawable,
-                self.mask,
+                self._mask(b),
                 self.scratch,
                 ctypes.byref(draw),
             ):
                 raise NumericalError(logits_error(position, "float32"))
+            if self.constraints is not None:
+                self.constraints.accept(b, draw.token)
             tokens.append(draw.token)
             if top is not None:
                 top.append(

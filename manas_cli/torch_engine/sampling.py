@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.constraints import Constraints
 from ..engine.sampling import Penalties, Sampler, logits_error
 from ..errors import NumericalError
 
@@ -110,13 +111,26 @@ class TorchSampling:
         self.device = model.token_embedding.weight.device
         needed = sampler.penalties.counts_needed
         self.counts = torch.zeros(rows, model.config.vocab_size, device=self.device) if needed else None
+        self.constraints = Constraints(sampler.grammar, rows) if sampler.grammar is not None else None
+
+    def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
+        """Adjusted logits (B, V) with the ids each row's structured output does not allow next at -inf."""
+        if self.constraints is None:
+            return logits
+        rows = [bytearray(self.constraints.allowed(b, logits.size(-1))) for b in range(len(logits))]
+        allowed = torch.stack([torch.frombuffer(row, dtype=torch.uint8) for row in rows]).to(logits.device)
+        return logits.masked_fill(allowed == 0, float("-inf"))
 
     def sample(self, logits: torch.Tensor, windows: list[list[int]], position: int) -> tuple[list[int], list | None]:
         """The next id of each row, and the log-probabilities if asked. position: the text's position the logits
         (B, 1, vocab) follow (0 is the first token), for the error when they are not finite."""
         context = torch.tensor(windows, device=self.device) if self.sampler.penalties.context_needed else None
         adjusted = adjust(self.sampler, check_logits(logits[:, -1:], position)[:, -1], context, self.counts)
+        adjusted = self._constrained(adjusted)
         next_ids = draw(self.sampler, adjusted)
+        if self.constraints is not None:
+            for b, token in enumerate(next_ids[:, 0].tolist()):
+                self.constraints.accept(b, token)
         if self.counts is not None:
             self.counts.scatter_add_(1, next_ids, torch.ones_like(next_ids, dtype=self.counts.dtype))
         top = top_logprobs(adjusted, next_ids, self.logprobs) if self.logprobs else None

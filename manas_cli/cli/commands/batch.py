@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from ...errors import InputError, ManasError, first_line, interrupt_exit_code
-from ...settings import GenerationSettings
+from ...settings import GenerationSettings, as_overrides
 from ..flags import BatchSizeOption, Overflow, OverflowOption, takes_flags, takes_model_flags, takes_setting_flags
 
 if TYPE_CHECKING:
@@ -446,7 +446,7 @@ def generate_command(
       manas batch generate prompts.jsonl -o records.jsonl --resume
     """
 
-    options = {"batch_size": batch_size, "overflow": overflow.value, **vars(settings)}
+    options = {"batch_size": batch_size, "overflow": overflow.value, **as_overrides(settings)}
     run(job=Job("generate", options, task_lines), **files, model_options=model_options)
 
 

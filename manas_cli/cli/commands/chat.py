@@ -11,7 +11,7 @@ import typer
 
 from ...errors import InputError
 from ...settings import GenerationSettings
-from ..flags import checked_setting, takes_model_flags
+from ..flags import STRUCTURED_FLAGS, checked_setting, format_of, takes_flags, takes_model_flags
 
 if TYPE_CHECKING:
     from ...models import ModelOptions
@@ -164,6 +164,7 @@ def _read_message() -> str:
 
 
 @takes_model_flags(cache=False)
+@takes_flags(STRUCTURED_FLAGS, format_of, "answer_format")
 def command(
     system: Annotated[
         Optional[str], typer.Option(help="The system prompt (the template's default without it).")
@@ -196,6 +197,7 @@ def command(
         ),
     ] = False,
     *,
+    answer_format: object,
     model_options: "ModelOptions",
 ) -> None:
     r"""Chat with an instruct model in the terminal, or send it one message per line from a pipe.
@@ -213,7 +215,13 @@ def command(
     """
 
     settings = GenerationSettings(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=()
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=(),
+        format=answer_format,
     )
     run(
         system=system,

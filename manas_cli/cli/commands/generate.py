@@ -160,8 +160,9 @@ def command(
             help=(
                 "Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any "
                 "setting by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, "
-                "repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs); write one --json record "
-                "per line, in input order."
+                "repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs), and a structured output "
+                "of its own (json_schema, grammar with grammar_syntax, or regex); write one --json record per line, "
+                "in input order."
             ),
         ),
     ] = False,

@@ -1,0 +1,201 @@
+"""Structured outputs: a JSON Schema, a grammar (llama.cpp's GBNF, or Lark as llguidance reads it) or a regular
+expression that every generated text must match, enforced token by token.
+
+The constraint engine is llguidance (the library behind llama.cpp's optional grammar backend and vLLM's and
+SGLang's `guidance` backend), an optional extra: `pip install "manas-cli[structured]"`. It is given the checkpoint's
+own vocabulary (every token's bytes, the special tokens, end-of-text) and returns, before each token, which ids may
+follow the text so far. The sampler draws among those only (engine/constraints.py): the mask depends on the request's
+own tokens alone, so a constrained text is as exact as any other (cached == crop-and-recompute, batched == alone).
+
+Everything here is untrusted input: a schema or grammar is bounded in size before it is compiled, and compiling and
+each step are bounded by llguidance's own limits (LLParserLimits); what it cannot compile is one error naming why.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError, MissingDependencyError, first_line
+from .formats.tokenizer import decodable, encode_text, vocabulary_size
+
+KINDS = ("json_schema", "gbnf", "lark", "grammar", "regex")  # "grammar": GBNF or Lark, told apart by its text
+GRAMMAR_SYNTAXES = ("auto", "gbnf", "lark")
+MAX_FORMAT_BYTES = 1 << 20  # a schema or grammar larger than 1 MiB is refused before it is parsed
+# JSON as json.dumps writes it, the layout models have read most: with whitespace free, a small model fills it with
+# newlines until its budget is spent (a schema's "x-guidance" object can set llguidance's other options).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+INSTALL = 'pip install "manas-cli[structured]" (from a clone: pip install -e ".[structured]")'
+
+
+@dataclass(frozen=True)
+class Format:
+    """What a request's text must be: kind (KINDS) and its text (a schema as JSON text, a grammar, a pattern)."""
+
+    kind: str
+    text: str
+
+    def describe(self) -> str:
+        return {"json_schema": "JSON Schema", "regex": "regular expression"}.get(self.kind, "grammar")
+
+    def record(self) -> dict:
+        """As a --jsonl record's fields give it (format_from_record's inverse)."""
+        if self.kind == "json_schema":
+            return {"json_schema": json.loads(self.text)}
+        if self.kind == "regex":
+            return {"regex": self.text}
+        return {"grammar": self.text, "grammar_syntax": {"grammar": "auto"}.get(self.kind, self.kind)}
+
+
+def json_schema_format(schema: object, source: str = "the JSON Schema") -> Format:
+    """A JSON Schema given as a parsed value (an object, or true for any JSON value) or as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InputError(f"{source} is not JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InputError(f"{source} must be a JSON object (or true), not {type(schema).__name__}")
+    if schema is False:
+        raise InputError(f"{source} is false: no text can match it")
+    return Format("json_schema", json.dumps({} if schema is True else schema))
+
+
+def grammar_format(text: str, syntax: str = "auto", source: str = "the grammar") -> Format:
+    """A grammar's text: syntax "gbnf", "lark", or "auto" (Lark where it reads as Lark, else GBNF)."""
+    if syntax not in GRAMMAR_SYNTAXES:
+        raise InputError(f"the grammar syntax must be one of {', '.join(GRAMMAR_SYNTAXES)}, got {syntax!r}")
+    if not text.strip():
+        raise InputError(f"{source} is empty")
+    return Format({"auto": "grammar"}.get(syntax, syntax), text)
+
+
+def syntax_of_file(path: Path, syntax: str = "auto") -> str:
+    """A grammar file's syntax: as given, else by its suffix (.gbnf, .lark), else told from its text."""
+    if syntax != "auto":
+        return syntax
+    return {".gbnf": "gbnf", ".lark": "lark"}.get(path.suffix.lower(), "auto")
+
+
+def format_from_record(record: dict) -> Format | None:
+    """A --jsonl record's or a batch row's own constraint: its `json_schema`, `grammar` (with `grammar_syntax`) or
+    `regex` field, at most one of them."""
+    given = [name for name in ("json_schema", "grammar", "regex") if record.get(name) is not None]
+    if len(given) > 1:
+        raise InputError(f"give one of json_schema, grammar and regex, not {' and '.join(given)}")
+    if record.get("grammar_syntax") is not None and given != ["grammar"]:
+        raise InputError("grammar_syntax needs a grammar")
+    if not given:
+        return None
+    value = record[given[0]]
+    if given[0] == "json_schema":
+        return json_schema_format(value, "json_schema")
+    if not isinstance(value, str):
+        raise InputError(f"{given[0]} must be a string, not {type(value).__name__}")
+    if given[0] == "regex":
+        return Format("regex", value)
+    syntax = record.get("grammar_syntax", "auto")
+    if not isinstance(syntax, str):
+        raise InputError("grammar_syntax must be a string")
+    return grammar_format(value, syntax, "grammar")
+
+
+def require_llguidance():
+    """The llguidance module, or MissingDependencyError saying how to install it."""
+    try:
+        import llguidance
+    except ImportError:
+        raise MissingDependencyError(f"structured outputs need llguidance: {INSTALL}") from None
+    return llguidance
+
+
+class Vocabulary:
+    """A checkpoint's vocabulary as llguidance sees it, built once per model (about 0.1 s for 49,152 tokens).
+
+    Ordinary tokens are their bytes. Special tokens (<|im_start|>) are marked as llguidance's special ones (a 0xFF
+    byte first): no text in a grammar or schema can produce them, only a grammar's <name> or <[id]>. Ids with no
+    token (holes in a tiktoken vocabulary) are special too, under a name no grammar writes, so they are never
+    allowed. End-of-text is the token a constrained text ends with once its grammar accepts."""
+
+    def __init__(self, encoding, eot: int | None) -> None:
+        llguidance = require_llguidance()
+        if eot is None:
+            raise InputError(
+                "a constrained text ends with end-of-text, and this model's vocabulary has none: structured "
+                "outputs need a model with an end-of-text token"
+            )
+        self.encoding, self.eot, self.size = encoding, eot, vocabulary_size(encoding)
+        special = set(encoding._special_tokens.values())  # no public accessor
+        tokens = [
+            (b"\xff" + encoding.decode_single_token_bytes(i) if i in special else encoding.decode_single_token_bytes(i))
+            if known
+            else b"\xff<|manas no token %d|>" % i
+            for i, known in enumerate(decodable(encoding))
+        ]
+        holes = [i for i, known in enumerate(decodable(encoding)) if not known]
+        self.tokenizer = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Wrapped(encoding, tokens, eot, sorted(special) + holes)),
+            n_vocab=self.size,
+            slices=[],  # slices speed up masks over large vocabularies, at ~1 s of set-up: measured not needed
+        )
+
+    def limits(self):
+        """llguidance's bounds on compiling and on each step: its defaults, with errors that name the fault."""
+        return require_llguidance().LLParserLimits(verbose_errors=True)
+
+
+class _Wrapped:
+    """What llguidance's TokenizerWrapper reads: the tokens' bytes, end-of-text, the special ids, and encoding
+    (used where llguidance needs a text's tokens; never for sampling)."""
+
+    bos_token_id = None
+
+    def __init__(self, encoding, tokens: list[bytes], eot: int, special: list[int]) -> None:
+        self.encoding, self.tokens, self.eos_token_id, self.special_token_ids = encoding, tokens, eot, special
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return encode_text(self.encoding, text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled constraint: llguidance's grammar for one vocabulary. matcher() is each row's parser state."""
+
+    vocabulary: Vocabulary
+    grammar: str
+    format: Format
+
+    def matcher(self):
+        llguidance, vocabulary = require_llguidance(), self.vocabulary
+        return llguidance.LLMatcher(vocabulary.tokenizer, self.grammar, log_level=0, limits=vocabulary.limits())
+
+
+def compile_format(format: Format, vocabulary: Vocabulary, field: str = "") -> Grammar:
+    """format compiled for the vocabulary; InputError saying why (named after `field` where given) when llguidance
+    cannot compile it: a schema keyword it does not implement, a grammar that does not parse, a regular expression
+    out of its syntax, a grammar over its size limits."""
+    name = field or f"the {format.describe()}"
+    if len(format.text.encode("utf-8")) > MAX_FORMAT_BYTES:
+        raise InputError(f"{name} has {len(format.text.encode('utf-8')):,} bytes: at most {MAX_FORMAT_BYTES:,}")
+    llguidance = require_llguidance()
+    try:
+        if format.kind == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(format.text, defaults=JSON_LAYOUT)
+        else:
+            grammar = llguidance.grammar_from(format.kind, format.text)
+    except Exception as exc:  # llguidance raises ValueError, or what its GBNF converter meets
+        raise InputError(f"{name} cannot be compiled: {_reason(str(exc))}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, vocabulary.tokenizer, limits=vocabulary.limits())
+    if error and not error.startswith("WARNING"):
+        raise InputError(f"{name} cannot be compiled: {_reason(error)}")
+    compiled = Grammar(vocabulary, grammar, format)
+    matcher = compiled.matcher()
+    if matcher.is_error():
+        raise InputError(f"{name} cannot be compiled: {_reason(matcher.get_error())}")
+    return compiled
+
+
+def _reason(message: str) -> str:
+    """llguidance's message (several lines for a regular expression's fault) as one line of at most 300 chars."""
+    return first_line(Exception(" ".join(message.split())), 300)

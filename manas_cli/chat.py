@@ -8,36 +8,86 @@ is an optional extra (`pip install "manas-cli[chat]"`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from .chat_template import check_size
 from .template_worker import worker
 
 MAX_MESSAGES = 1024
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class Message:
     role: str
-    content: str
+    content: str | None  # None: an assistant's message that only calls tools
+    tool_calls: tuple[dict, ...] = ()  # an assistant's calls: {"id", "type": "function", "function": {...}}
+    tool_call_id: str | None = None  # a tool's message: the call it answers
+
+    def as_template_reads(self) -> dict:
+        """The message as transformers hands it to a template: a call's arguments as the object they encode (as
+        vLLM passes them: templates write them with tojson), keys only where the message has them (Llama 3.x's
+        template asks whether 'tool_calls' is in a message)."""
+        message = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [_call_as_template_reads(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _call_as_template_reads(call: dict) -> dict:
+    function = call["function"]
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:  # not JSON: the text as it is
+        arguments = function["arguments"]
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def parse_messages(value: object) -> list[Message]:
-    """OpenAI's `messages`: a non-empty list of {"role": system|user|assistant, "content": string or text parts};
-    ValueError names the first entry that is not."""
+    """OpenAI's `messages`: a non-empty list of {"role": system|user|assistant|tool, "content": string or text
+    parts}, an assistant's with its `tool_calls`, a tool's with its `tool_call_id`; ValueError names the first
+    entry that is not."""
     if not isinstance(value, list) or not value:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     if len(value) > MAX_MESSAGES:
         raise ValueError(f"at most {MAX_MESSAGES} messages")
-    messages = []
-    for i, entry in enumerate(value):
-        if not isinstance(entry, dict) or entry.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content")
-        if unknown := sorted(set(entry) - {"role", "content", "name"}):
-            raise ValueError(f"messages[{i}] has {unknown[0]!r}, which manas does not take (role, content, name)")
-        messages.append(Message(entry["role"], _content(entry.get("content"), i)))
-    return messages
+    return [_message(entry, i) for i, entry in enumerate(value)]
+
+
+def _message(entry: object, i: int) -> Message:
+    if not isinstance(entry, dict) or entry.get("role") not in ROLES:
+        raise ValueError(f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content")
+    taken = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(
+        entry["role"], set()
+    )
+    if unknown := sorted(set(entry) - taken):
+        raise ValueError(f"messages[{i}] has {unknown[0]!r}, which manas does not take ({', '.join(sorted(taken))})")
+    calls = _tool_calls(entry.get("tool_calls"), i)
+    if entry["role"] == "tool" and not isinstance(entry.get("tool_call_id"), str):
+        raise ValueError(f"messages[{i}] is a tool's answer: it needs the tool_call_id of the call it answers")
+    content = None if calls and entry.get("content") is None else _content(entry.get("content"), i)
+    return Message(entry["role"], content, calls, entry.get("tool_call_id"))
+
+
+def _tool_calls(calls: object, i: int) -> tuple[dict, ...]:
+    """An assistant message's tool_calls, as OpenAI writes them: arguments a JSON string."""
+    if calls is None:
+        return ()
+    shape = (
+        f'messages[{i}].tool_calls must be a list of {{"id", "type": "function", "function": {{"name", "arguments"}}}}'
+    )
+    if not isinstance(calls, list):
+        raise ValueError(shape)
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not all(isinstance(function.get(k), str) for k in ("name", "arguments")):
+            raise ValueError(shape)
+        if not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function":
+            raise ValueError(shape)
+    return tuple(calls)
 
 
 def _content(content: object, i: int) -> str:
@@ -59,12 +109,15 @@ def _content(content: object, i: int) -> str:
     return "\n".join(texts)
 
 
-def render(template: str, messages: list[Message], *, bos_token: str = "", eos_token: str = "") -> str:
-    """The prompt for the assistant's next turn: the template over the messages with add_generation_prompt, rendered
-    in the template worker (bounded by the operating system, see template_worker)."""
+def render(
+    template: str, messages: list[Message], *, bos_token: str = "", eos_token: str = "", tools: list | None = None
+) -> str:
+    """The prompt for the assistant's next turn: the template over the messages (and the tools the model may call)
+    with add_generation_prompt, rendered in the template worker (bounded by the operating system, see
+    template_worker)."""
     check_size(template)
-    as_dicts = [{"role": m.role, "content": m.content} for m in messages]
-    return worker().render(template, as_dicts, bos_token, eos_token)
+    as_dicts = [message.as_template_reads() for message in messages]
+    return worker().render(template, as_dicts, bos_token, eos_token, tools)
 
 
 def check_template(template: str) -> None:
@@ -74,11 +127,12 @@ def check_template(template: str) -> None:
     worker().compile(template)
 
 
-def prompt_ids(template: str, messages: list[Message], encoding) -> list[int]:
+def prompt_ids(template: str, messages: list[Message], encoding, tools: list | None = None) -> list[int]:
     """The token ids the model's next turn follows: the rendered template, its special tokens as themselves (as
     transformers' apply_chat_template tokenizes it: the template writes any BOS itself)."""
     from .formats.tokenizer import END_OF_TEXT, encode_text
 
     bos = getattr(encoding, "bos", None) or ""
     eos = getattr(encoding, "end_of_text", END_OF_TEXT)
-    return encode_text(encoding, render(template, messages, bos_token=bos, eos_token=eos), special=True)
+    text = render(template, messages, bos_token=bos, eos_token=eos, tools=tools)
+    return encode_text(encoding, text, special=True)

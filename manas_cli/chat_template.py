@@ -24,11 +24,16 @@ class TemplateError(InputError):
     """A chat template that cannot render these messages: it does not parse, raises, or runs past its bounds."""
 
 
-def render(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "") -> str:
-    """The prompt for the assistant's next turn: the template over the messages with add_generation_prompt."""
+def render(
+    template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "", tools: list | None = None
+) -> str:
+    """The prompt for the assistant's next turn: the template over the messages with add_generation_prompt, and
+    `tools` (None without: transformers always passes the name, and Llama 3.x's template asks whether it is
+    defined)."""
     compiled = _compile(template)
     context = {
         "messages": messages,
+        "tools": tools,
         "add_generation_prompt": True,
         "bos_token": bos_token,
         "eos_token": eos_token,

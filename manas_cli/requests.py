@@ -5,6 +5,7 @@ token ids, cropped to the window."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class Requests:
         self.eot, self.allowed = end_of_text_id(encoding), decodable(encoding)
         self._vocabulary = None  # structured.Vocabulary, built at the first constrained request
         self._grammars: dict = {}  # (Format, field) -> structured.Grammar, the last COMPILED_KEPT compiled
+        self._compiling = threading.Lock()
 
     def grammar(self, format, field: str = ""):
         """A structured output's Format compiled for this model (structured.Grammar), or None for none; InputError
@@ -50,13 +52,14 @@ class Requests:
             return None
         from .structured import Vocabulary, compile_format
 
-        if self._vocabulary is None:
-            self._vocabulary = Vocabulary(self.encoding, self.eot)
-        if (format, field) not in self._grammars:  # --jsonl's lines often share one schema
-            if len(self._grammars) >= COMPILED_KEPT:
-                self._grammars.pop(next(iter(self._grammars)))
-            self._grammars[format, field] = compile_format(format, self._vocabulary, field)
-        return self._grammars[format, field]
+        with self._compiling:  # the server's request threads take turns (compiling is bounded: structured.py)
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary(self.encoding, self.eot)
+            if (format, field) not in self._grammars:  # --jsonl's lines often share one schema
+                if len(self._grammars) >= COMPILED_KEPT:
+                    self._grammars.pop(next(iter(self._grammars)))
+                self._grammars[format, field] = compile_format(format, self._vocabulary, field)
+            return self._grammars[format, field]
 
     def prepare(self, settings: GenerationSettings, rows: int = 1, record: bool = True, grammar=None) -> Prepared:
         """A request of `rows` rows sampled alike (generate's --num-samples); record: keep each row's text and tokens

@@ -9,7 +9,7 @@ a worker past any of the three is killed and the next request starts a fresh one
 (/health, completions) never wait on a template; chat requests take turns, each waiting at most WALL_S for every
 template render ahead of it.
 
-The protocol is one JSON line each way: {"template", "messages" (null: compile only), "bos", "eos"} in,
+The protocol is one JSON line each way: {"template", "messages" (null: compile only), "bos", "eos", "tools"} in,
 {"text"} or {"error"} out."""
 
 from __future__ import annotations
@@ -45,8 +45,12 @@ class TemplateWorker:
     def compile(self, template: str) -> None:
         self._ask({"template": template, "messages": None, "bos": "", "eos": ""})
 
-    def render(self, template: str, messages: list[dict], bos_token: str, eos_token: str) -> str:
-        return self._ask({"template": template, "messages": messages, "bos": bos_token, "eos": eos_token})
+    def render(
+        self, template: str, messages: list[dict], bos_token: str, eos_token: str, tools: list | None = None
+    ) -> str:
+        return self._ask(
+            {"template": template, "messages": messages, "bos": bos_token, "eos": eos_token, "tools": tools}
+        )
 
     def _ask(self, request: dict) -> str:
         with self._lock:
@@ -152,7 +156,11 @@ def main() -> None:
                 reply = {"text": ""}
             else:
                 text = chat_template.render(
-                    request["template"], request["messages"], bos_token=request["bos"], eos_token=request["eos"]
+                    request["template"],
+                    request["messages"],
+                    bos_token=request["bos"],
+                    eos_token=request["eos"],
+                    tools=request.get("tools"),
                 )
                 reply = {"text": text}
         except TemplateError as exc:

@@ -85,6 +85,7 @@ def run(
             max_connections or default_max_connections(),
             max_tokens or default_max_tokens(checkpoint.model.config.block_size),
             chat=None if template is None else partial(chat_prompt, template, checkpoint),
+            template=template,
         )
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
@@ -112,11 +113,12 @@ def run(
         raise typer.Exit(130) from None
 
 
-def chat_prompt(template: str, checkpoint, messages) -> list[int]:
-    """The messages' prompt ids through the template, cropped to the window as a completion's prompt is."""
+def chat_prompt(template: str, checkpoint, messages, tools: list | None = None) -> list[int]:
+    """The messages' (and tools') prompt ids through the template, cropped to the window as a completion's prompt
+    is."""
     from ...chat import prompt_ids
 
-    return prompt_ids(template, messages, checkpoint.encoding)[-checkpoint.model.config.block_size :]
+    return prompt_ids(template, messages, checkpoint.encoding, tools)[-checkpoint.model.config.block_size :]
 
 
 # ---- the command: its flags and help, and the call ------------------------------------------------------------

@@ -36,6 +36,9 @@ FIELDS = {
     "parse_special": "parse_special",  # manas's: false keeps special-token text in the prompt plain text
     "best_of": None,
     "logit_bias": None,
+    "response_format": None,  # OpenAI's structured output
+    "json_schema": None,  # llama-server's: a JSON Schema
+    "grammar": None,  # llama-server's: a GBNF grammar (or Lark)
 }
 # /v1/chat/completions': messages in place of prompt, logprobs a flag with top_logprobs its count.
 CHAT_FIELDS = {
@@ -48,7 +51,12 @@ CHAT_FIELDS = {
     "max_completion_tokens": "max_tokens",
     "logprobs": None,
     "top_logprobs": None,
+    "tools": None,
+    "tool_choice": None,
+    "parallel_tool_calls": None,
 }
+FORMAT_FIELDS = ("response_format", "json_schema", "grammar")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # Fields clients send with their defaults (LangChain, llm): taken at these values, refused, by name, at any other.
 HARMLESS = {"best_of": (None, 1), "logit_bias": (None, {})}
 
@@ -81,6 +89,7 @@ class Completion:
     stream: bool
     include_usage: bool
     echo: bool
+    format_field: str | None = None  # the field that asked for settings.format, named in its errors
 
 
 def parse_json(body: bytes) -> object:
@@ -118,6 +127,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     top_logprobs: int | None
+    format_field: str | None = None
+    tools: object | None = None  # tools.Tools
 
 
 def parse_completion(value: object, max_tokens: int) -> Completion:
@@ -130,7 +141,9 @@ def parse_completion(value: object, max_tokens: int) -> Completion:
         raise RequestError(f"n × prompts is {n * len(prompts)}: at most {MAX_CHOICES} choices a request", param="n")
     stream, include_usage = _stream_options(value)
     settings = _settings(value, FIELDS, max_tokens, DEFAULT_MAX_TOKENS)
-    return Completion(prompts, n, settings, stream, include_usage, _boolean(value, "echo"))
+    format, field = _format(value)
+    settings = GenerationSettings(**{**settings.__dict__, "format": format})
+    return Completion(prompts, n, settings, stream, include_usage, _boolean(value, "echo"), field)
 
 
 def parse_chat(value: object, max_tokens: int) -> ChatRequest:
@@ -154,7 +167,69 @@ def parse_chat(value: object, max_tokens: int) -> ChatRequest:
     settings = _settings(value, CHAT_FIELDS, max_tokens, max_tokens)
     if logprobs:  # the core reports the chosen token's with at least one alternative; the reply keeps `top`
         settings = GenerationSettings(**{**settings.__dict__, "logprobs": max(1, top)})
-    return ChatRequest(messages, n, settings, stream, include_usage, top if logprobs else None)
+    format, field = _format(value)
+    tools = _tools(value)
+    if tools is not None and tools.choice != "none" and field is not None:
+        raise RequestError(f"give tools or {field}, not both: a tool call's arguments follow its schema", param=field)
+    settings = GenerationSettings(**{**settings.__dict__, "format": format})
+    return ChatRequest(messages, n, settings, stream, include_usage, top if logprobs else None, field, tools)
+
+
+def _tools(value: dict):
+    from ...tools import ToolError, parse_tools
+
+    try:
+        return parse_tools(value)
+    except ToolError as exc:
+        raise RequestError(str(exc), param=exc.param) from None
+
+
+def _format(value: dict):
+    """The structured output a request asks for (structured.Format, or None) and the field that asks: OpenAI's
+    response_format, or llama-server's json_schema or grammar; at most one."""
+    from ...errors import InputError
+    from ...structured import grammar_format, json_schema_format
+
+    given = [name for name in FORMAT_FIELDS if value.get(name) is not None]
+    if len(given) > 1:
+        raise RequestError(f"give one of {', '.join(FORMAT_FIELDS)}, not {' and '.join(given)}", param=given[1])
+    if not given:
+        return None, None
+    field, asked = given[0], value[given[0]]
+    try:
+        if field == "json_schema":
+            return json_schema_format(asked, "json_schema"), field
+        if field == "grammar":
+            if not isinstance(asked, str):
+                raise InputError("grammar must be a string (GBNF, or Lark)")
+            return grammar_format(asked, "auto", "grammar"), field
+        format = _response_format(asked)
+        return format, field if format is not None else None
+    except InputError as exc:
+        raise RequestError(str(exc), param=field) from None
+
+
+def _response_format(asked: object):
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} (any JSON object), or {"type":
+    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    from ...errors import InputError
+    from ...structured import json_schema_format
+
+    kind = asked.get("type") if isinstance(asked, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise InputError(f"response_format must be an object whose type is {', '.join(RESPONSE_FORMATS)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_format({"type": "object"})
+    spec = asked.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InputError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+    if unknown := sorted(set(spec) - {"name", "schema", "strict", "description"}):
+        raise InputError(f"response_format.json_schema has {unknown[0]!r} (it takes name, schema, strict, description)")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise InputError("response_format.json_schema.strict must be true or false")
+    return json_schema_format(spec.get("schema", True), "response_format.json_schema.schema")
 
 
 def _check_fields(value: object, fields: dict) -> None:
@@ -303,6 +378,18 @@ def chat_logprobs(entries: list[dict], top: int) -> dict:
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
     message = {"role": "assistant", "content": text}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_call_deltas(calls: list[dict]) -> list[dict]:
+    """A stream's deltas for whole tool calls, as OpenAI streams them: each call's index, id, type and name, then
+    its arguments."""
+    deltas = []
+    for index, call in enumerate(calls):
+        function = call["function"]
+        named = {"index": index, "id": call["id"], "type": "function", "function": {"name": function["name"]}}
+        deltas.append({"tool_calls": [{**named, "function": {**named["function"], "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]})
+    return deltas
 
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict, finish_reason, logprobs) -> dict:

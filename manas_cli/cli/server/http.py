@@ -14,10 +14,14 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ...errors import ManasError, first_line
 from ...records import json_line
+from ...settings import GenerationSettings
+from ...tools import ToolError, call_format, check_syntax, read_calls
 from .api import (
     FINISH_REASONS,
     RequestError,
@@ -30,6 +34,7 @@ from .api import (
     parse_chat,
     parse_completion,
     parse_json,
+    tool_call_deltas,
     usage,
 )
 from .scheduler import Choice, Ended, QueueFull, Scheduler
@@ -65,9 +70,10 @@ class Server(ThreadingHTTPServer):
         max_connections: int = 256,
         max_tokens: int = 1024,
         chat=None,
+        template: str | None = None,
     ) -> None:
         self.timeout_s, self.max_connections, self.max_tokens = timeout_s, max_connections, max_tokens
-        self.chat = chat
+        self.chat, self.template = chat, template
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
         self.scheduler, self.encode, self.model_id = scheduler, encode, model_id
@@ -277,11 +283,24 @@ class Handler(BaseHTTPRequestHandler):
                 code="not_found",
             )
         request = parse_chat(parse_json(self._body()), self.server.max_tokens)
+        syntax = None
+        if request.tools is not None:
+            try:
+                syntax = check_syntax(self.server.template)
+            except ToolError as exc:
+                raise RequestError(str(exc), param=exc.param) from None
+            specials = set(self.server.scheduler.requests.encoding._special_tokens)  # no public accessor
+            format = call_format(request.tools, syntax, specials)
+            settings = GenerationSettings(**{**request.settings.__dict__, "format": format})
+            request = replace(request, settings=settings, format_field="tools" if format else None)
         try:
-            ids = self.server.chat(request.messages)
+            ids = self.server.chat(request.messages, request.tools.listed if request.tools else None)
         except ManasError as exc:  # the template refused these messages, or failed on them
             raise RequestError(str(exc), param="messages") from None
-        self._run(request, [ids], ChatReply)
+        if syntax is not None and request.tools.choice != "none":
+            self._run(request, [ids], partial(ToolReply, syntax=syntax))
+        else:
+            self._run(request, [ids], ChatReply)
 
     def _completions(self) -> None:
         self._authorize()
@@ -296,6 +315,7 @@ class Handler(BaseHTTPRequestHandler):
         """Each prompt's n choices into the batch, then the answer: streamed, or whole when every choice is done."""
         if failure := self.server.scheduler.failure:
             raise RequestError(failure, status=500, kind="server_error")
+        grammar = self._grammar(request)
         events: queue.Queue = queue.Queue()
         choices = []
         for p, ids in enumerate(prompts):
@@ -303,7 +323,7 @@ class Handler(BaseHTTPRequestHandler):
                 settings = request.settings
                 if settings.seed is not None and i:  # choice i of a seeded request is `generate --seed S+i` alone
                     settings = type(settings)(**{**settings.__dict__, "seed": (settings.seed + i) % 2**64})
-                choice = self.server.scheduler.new_choice(p * request.n + i, ids, settings)
+                choice = self.server.scheduler.new_choice(p * request.n + i, ids, settings, grammar)
                 choice.events = events
                 choices.append(choice)
         try:
@@ -330,6 +350,14 @@ class Handler(BaseHTTPRequestHandler):
             for choice in choices:  # a client gone mid-answer frees its rows at the engine's next step
                 choice.cancelled = choice.cancelled or not choice.stream.finished
             self._first_token_s = min((c.first_token_s for c in choices if c.first_token_s is not None), default=None)
+
+    def _grammar(self, request):
+        """The request's structured output compiled for the model (structured.Grammar), or None; a 400 naming the
+        field that asked for it when it cannot be compiled, or llguidance is not installed."""
+        try:
+            return self.server.scheduler.requests.grammar(request.settings.format, request.format_field or "")
+        except ManasError as exc:
+            raise RequestError(str(exc), param=request.format_field) from None
 
     # ---- the request, checked ----
 
@@ -433,10 +461,12 @@ class Handler(BaseHTTPRequestHandler):
                 if choice.error is not None:  # this choice failed or was cut; the others go on
                     self._event(RequestError(choice.error, status=choice.error_status, kind="server_error").body())
                 else:
-                    self._event(reply.chunk(event.index, "", reply.finish_reason(choice), None))
+                    for body in reply.closing(event.index):
+                        self._event(body)
             elif event.text or event.entry is not None:
                 logprobs = reply.stream_logprobs(event.index, event.text, event.entry)
-                self._event(reply.chunk(event.index, event.text, None, logprobs))
+                for body in reply.delta(event.index, event.text, logprobs):
+                    self._event(body)
         if reply.request.include_usage:
             self._event({**reply.chunk(0, "", None, None), "choices": [], "usage": reply.usage()})
         self.wfile.write(b"data: [DONE]\n\n")
@@ -488,6 +518,14 @@ class Reply:
             self.id, self.created, self.model, [choice_body(index, text, finish_reason, logprobs)], None
         )
 
+    def delta(self, index: int, text: str, logprobs: dict | None) -> list[dict]:
+        """The stream's chunks for text a choice released."""
+        return [self.chunk(index, text, None, logprobs)]
+
+    def closing(self, index: int) -> list[dict]:
+        """The stream's chunks once a choice has finished."""
+        return [self.chunk(index, "", self.finish_reason(self.choice(index)), None)]
+
     def stream_logprobs(self, index: int, text: str, entry: dict | None) -> dict | None:
         """A chunk's token's logprobs, in the legacy shape, its offset counted along the choice's tokens."""
         if not self.request.settings.logprobs or entry is None:
@@ -531,6 +569,47 @@ class ChatReply(Reply):
     def _logprobs(self, stream) -> dict | None:
         top = self.request.top_logprobs
         return None if top is None else chat_logprobs(stream.logprobs, top)
+
+
+class ToolReply(ChatReply):
+    """A chat answer that may call tools (tools.py): the calls read from each choice's whole text, as
+    message.tool_calls with finish_reason "tool_calls"; a stream holds a choice's text back until it has finished
+    (only then is it known to be a call or text), then sends the calls as OpenAI's tool_calls deltas, or the text."""
+
+    def __init__(self, request, prompts: list[list[int]], choices: list[Choice], server: Server, syntax: str) -> None:
+        super().__init__(request, prompts, choices, server)
+        self.syntax = syntax
+        self._read: dict[int, object] = {}
+
+    def read(self, choice: Choice):
+        if choice.index not in self._read:
+            self._read[choice.index] = read_calls(choice.stream.text, self.syntax)
+        return self._read[choice.index]
+
+    def finish_reason(self, choice: Choice) -> str:
+        called = choice.stream.finish_reason == "end_of_text" and self.read(choice).calls
+        return "tool_calls" if called else super().finish_reason(choice)
+
+    def body(self) -> dict:
+        choices = []
+        for choice in self.choices:
+            answer = self.read(choice)
+            body = chat_choice(choice.index, answer.content, self.finish_reason(choice), self._logprobs(choice.stream))
+            if answer.calls:
+                body["message"]["tool_calls"] = answer.calls
+            choices.append(body)
+        return completion_body(self.id, self.created, self.model, choices, self.usage(), "chat.completion")
+
+    def delta(self, index: int, text: str, logprobs: dict | None) -> list[dict]:
+        return []
+
+    def closing(self, index: int) -> list[dict]:
+        answer, chunks = self.read(self.choice(index)), []
+        if answer.content:
+            chunks.append(self.chunk(index, answer.content, None, None))
+        for delta in tool_call_deltas(answer.calls):
+            chunks.append(chat_chunk(self.id, self.created, self.model, index, delta, None, None))
+        return [*chunks, self.chunk(index, "", self.finish_reason(self.choice(index)), None)]
 
 
 def serve(server: Server, grace_s: float, on_ready) -> None:

@@ -101,9 +101,10 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def new_choice(self, index: int, prompt_ids: list[int], settings: GenerationSettings) -> Choice:
-        """A choice of a request; a request without a seed gets a fresh one, as generate does."""
-        return Choice(index, prompt_ids, self.requests.prepare(settings))
+    def new_choice(self, index: int, prompt_ids: list[int], settings: GenerationSettings, grammar=None) -> Choice:
+        """A choice of a request; a request without a seed gets a fresh one, as generate does. grammar:
+        settings.format compiled (Requests.grammar)."""
+        return Choice(index, prompt_ids, self.requests.prepare(settings, grammar=grammar))
 
     def submit(self, choices: list[Choice]) -> None:
         """Queue a request's choices together, or refuse them all when the queue is full."""

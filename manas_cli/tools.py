@@ -1,0 +1,194 @@
+"""Tool calls on the chat endpoint: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` checked; each model
+family's own call syntax, written as a grammar that constrains the answer (structured.py); and the answer's calls
+parsed back into OpenAI's `tool_calls`.
+
+A model calls tools in the syntax it was tuned on, which its chat template shows (llguidance's docs/toolcalls.md
+explains why forcing another one fails):
+- "hermes" (Qwen2.5, Hermes 2 Pro, SmolLM3): each call `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  several in a row where parallel calls are allowed;
+- "llama3" (Llama 3.1, 3.2): one call, the JSON object `{"name": ..., "parameters": {...}}`.
+With tool_choice "required" or a named function the answer is a call from its first token; with "auto" it is free
+text, or, once it opens a call (the tag, or "{" for llama3), a call: the model chooses, the grammar keeps the call
+valid. Every call's arguments are valid under its function's `parameters` schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from .errors import InputError
+from .structured import JSON_LAYOUT, Format
+
+MAX_TOOLS = 128
+SYNTAXES = ("hermes", "llama3")
+
+
+class ToolError(InputError):
+    """A request's tools that cannot be used as given; `param` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A checked request's tools: the functions by name, what the template is given, and the choice."""
+
+    functions: dict[str, dict]  # name -> {"name", "description"?, "parameters"?} as given
+    listed: list[dict]  # the tools as the request gave them, for the chat template
+    choice: str  # "none", "auto", "required", or "function" (a named one)
+    named: str | None
+    parallel: bool
+
+
+def parse_tools(value: dict) -> Tools | None:
+    """A chat request's `tools`, `tool_choice` and `parallel_tool_calls`, or None where it has no tools."""
+    listed, choice = value.get("tools"), value.get("tool_choice")
+    if listed is None:
+        if choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(listed, list) or not listed or len(listed) > MAX_TOOLS:
+        raise ToolError(f"tools must be a list of 1 to {MAX_TOOLS} function tools", "tools")
+    functions = {}
+    for i, tool in enumerate(listed):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}', "tools")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+        if function["name"] in functions:
+            raise ToolError(f"tools[{i}]: a second function named {function['name']!r}", "tools")
+        functions[function["name"]] = {**function, "parameters": parameters}
+    parallel = value.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    choice, named = _choice(choice, functions)
+    return Tools(functions, listed, choice, named, parallel)
+
+
+def _choice(choice: object, functions: dict) -> tuple[str, str | None]:
+    if choice is None:
+        return "auto", None
+    if choice in ("none", "auto", "required"):
+        return choice, None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ToolError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if name not in functions:
+        raise ToolError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    return "function", name
+
+
+def call_syntax(template: str) -> str | None:
+    """The tool-call syntax a chat template shows its model (SYNTAXES), or None: no tools, or a syntax manas does
+    not know."""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "respond with a JSON for a function call" in template:
+        return "llama3"
+    return None
+
+
+def check_syntax(template: str) -> str:
+    """call_syntax, or ToolError naming `tools` for a template without one."""
+    syntax = call_syntax(template)
+    if syntax is None:
+        takes = re.search(r"\btools\b", template) is not None
+        raise ToolError(
+            "this model's chat template takes tools in a call syntax manas does not know (it knows Hermes/Qwen2.5's "
+            "<tool_call> and Llama 3.x's JSON)"
+            if takes
+            else "this model's chat template takes no tools: it was not tuned to call them",
+            "tools",
+        )
+    return syntax
+
+
+def call_format(tools: Tools, syntax: str, special_tokens: set[str]) -> Format | None:
+    """The grammar every answer must match for these tools (None for tool_choice "none"): Lark, with each call's
+    JSON a %json schema. special_tokens: the vocabulary's; a tag that is one is written as that token."""
+    if tools.choice == "none":
+        return None
+    names = [tools.named] if tools.named else list(tools.functions)
+    arguments = "parameters" if syntax == "llama3" else "arguments"
+    schemas = [_call_schema(name, tools.functions[name]["parameters"], arguments) for name in names]
+    schema = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+    body = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
+    free = tools.choice == "auto"
+    if syntax == "llama3":
+        lines = ["start: TEXT | call" if free else "start: call", f"call: {body}", r"TEXT: /([^{](?s:.*))?/"]
+    else:
+        opening, closing = (_tag(tag, special_tokens) for tag in ("<tool_call>", "</tool_call>"))
+        calls = 'call ("\\n" call)*' if tools.parallel else "call"
+        lines = [
+            f"start: TEXT | {calls}" if free else f"start: {calls}",
+            f'call: {opening} "\\n" body "\\n" {closing}',
+            f"body: {body}",
+            # free text that does not open a call (a special-token tag is never text anyway)
+            "TEXT: /(?s:.*)/" if opening.startswith("<") else r"TEXT: /(?s:.*)/ & ~/<tool_call>(?s:.*)/",
+        ]
+    return Format("lark", "\n".join(lines) + "\n")
+
+
+def _call_schema(name: str, parameters: dict, arguments: str) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, arguments: parameters},
+        "required": ["name", arguments],
+        "additionalProperties": False,
+    }
+
+
+def _tag(tag: str, special_tokens: set[str]) -> str:
+    return tag if tag in special_tokens else json.dumps(tag)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An answer read for tool calls: its text beside them (None when it is only calls) and the calls."""
+
+    content: str | None
+    calls: list[dict]  # OpenAI's tool_calls entries
+
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def read_calls(text: str, syntax: str) -> Answer:
+    """The calls an answer makes, as OpenAI's tool_calls (each with a fresh id and its arguments as a JSON string);
+    an answer without a whole call is its text."""
+    if syntax == "llama3":
+        found = [text.strip()] if text.lstrip().startswith("{") else []
+        arguments = "parameters"
+    else:
+        found = HERMES_CALL.findall(text)
+        arguments = "arguments"
+    calls = []
+    for raw in found:
+        try:
+            call = json.loads(raw)
+        except ValueError:
+            return Answer(text, [])
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or arguments not in call:
+            return Answer(text, [])
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call[arguments], ensure_ascii=False)},
+            }
+        )
+    if not calls:
+        return Answer(text, [])
+    before = text[: text.find("<tool_call>")].strip() if syntax == "hermes" else ""
+    return Answer(before or None, calls)

@@ -137,7 +137,9 @@ class Vocabulary:
         self.tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_Wrapped(encoding, tokens, eot, sorted(special) + holes)),
             n_vocab=self.size,
-            slices=[],  # slices speed up masks over large vocabularies, at ~1 s of set-up: measured not needed
+            # no slices (llguidance's precomputed vocabulary splits): measured on SmolLM2's 49,152 tokens, a JSON
+            # mask takes 19 µs (median) without them, 18 with, and they double this set-up (0.07 s → 0.15 s)
+            slices=[],
         )
 
     def limits(self):

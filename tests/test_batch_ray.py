@@ -30,7 +30,8 @@ LONG = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpe
 
 
 def mixed_lines() -> list[bytes]:
-    """200 requests: greedy, seeded, stop strings, past the shipped model's 256-token window, and bad lines."""
+    """200 requests: greedy, seeded, stop strings, past the shipped model's 256-token window, constrained by a JSON
+    Schema or a regular expression, and bad lines."""
     prompts = ["ROMEO:", "JULIET:\n", "KING RICHARD III:\nNow is the", "", "O, ", "First Citizen:\n"]
     lines = []
     for index in range(200):
@@ -45,6 +46,10 @@ def mixed_lines() -> list[bytes]:
             request["id"] = f"request-{index}"
         if index % 50 == 10:
             request.update(prompt=LONG, max_tokens=20)
+        if index % 23 == 4:  # structured outputs: a line's own constraint (issue 59)
+            request["json_schema"] = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}}
+        if index % 29 == 5:
+            request["regex"] = "(yes|no)!"
         lines.append(json.dumps(request).encode())
     lines[17], lines[33], lines[99] = b"not json", b'{"prompt": 5}', b'{"prompt": "x", "temperature": -1}'
     lines[140], lines[141] = b"\xff\xfe not UTF-8", b"[]"

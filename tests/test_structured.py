@@ -95,10 +95,19 @@ def test_a_constraint_that_cannot_be_used_is_one_error_line(checkpoints, flags, 
     assert len(done.err.strip().splitlines()) == 1 and done.out == ""
 
 
+def test_a_schema_file_over_a_mebibyte_is_refused_unread(checkpoints, tmp_path):
+    schema = tmp_path / "huge.json"
+    schema.write_text(json.dumps({"enum": ["x" * 1000] * 1100}))
+    done = run_generate(checkpoints["learned-mha"], "--json-schema-file", schema)
+    assert done.returncode == 2 and f"{schema} is over 1,048,576 bytes" in done.err
+
+
 def test_without_llguidance_the_flags_say_how_to_install_it(checkpoints, tmp_path):
     (tmp_path / "llguidance.py").write_text("raise ImportError('not installed here')\n")
     done = run_generate(checkpoints["learned-mha"], "--regex", "a", PYTHONPATH=str(tmp_path))
-    assert done.returncode == 1 and 'structured outputs need llguidance: pip install "manas-cli[structured]"' in done.err
+    assert (
+        done.returncode == 1 and 'structured outputs need llguidance: pip install "manas-cli[structured]"' in done.err
+    )
 
 
 def test_chat_answers_every_message_under_the_schema(checkpoints, tmp_path):

@@ -17,7 +17,7 @@ from typing import Literal
 
 import pytest
 
-from cli_fixtures import DATA, MANAS, cli_env
+from cli_fixtures import DATA, MANAS, RUN_OPTIONS, cli_env, manas
 from test_serve import running_server
 
 openai = pytest.importorskip("openai")
@@ -162,15 +162,36 @@ def test_llama3_calls_are_its_json_object_with_parameters(smollm2):
     assert done.choices[0].finish_reason == "tool_calls" and len(called(done.choices[0])) == 1
 
 
-def post(server, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        server.url + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+def post(server, body: dict, path: str = "/chat/completions") -> tuple[int, dict]:
+    request = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
+
+
+def test_completions_take_a_structured_output_too(server, smollm2):
+    status, body = post(server, {"prompt": "Yes or no?", "regex": "(yes|no)!", "max_tokens": 10}, "/completions")
+    assert status == 400 and body["error"]["param"] == "regex"  # llama-server's fields are json_schema and grammar
+    status, body = post(server, {"prompt": "Yes or no?", "grammar": 'root ::= ("yes" | "no") "!"'}, "/completions")
+    assert status == 200 and body["choices"][0]["text"] in ("yes!", "no!"), body
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    done = server.client().completions.create(
+        model="m", prompt="JSON:", max_tokens=30, seed=1,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(done.choices[0].text), schema)
+    alone = manas(
+        "generate", "-c", smollm2[1], *RUN_OPTIONS, "-p", "JSON:", "-n", "30", "-s", "1", "--json-schema",
+        json.dumps(schema), "--json",
+    ).ok().json()  # fmt: skip
+    assert done.choices[0].text == alone["text"]  # a seeded constrained answer is generate's
 
 
 def test_response_format_and_llama_servers_fields_constrain_the_answer(server):
@@ -263,9 +284,10 @@ def test_llm_schema_answers_json_valid_under_it(server, tmp_path):
         pytest.skip("llm is not installed")
     models = [{"model_id": "manas", "model_name": "m", "api_base": server.url, "supports_schema": True}]
     (tmp_path / "extra-openai-models.yaml").write_text(json.dumps(models))  # YAML is a superset of JSON
+    llm = os.path.join(os.path.dirname(MANAS[0]), "llm")
+    schema = json.dumps(Person.model_json_schema())
     done = subprocess.run(
-        [os.path.join(os.path.dirname(MANAS[0]), "llm"), "-m", "manas", "--schema", json.dumps(Person.model_json_schema()), "-o", "seed", "9",
-         "-o", "max_tokens", "80", "Invent a person"],
+        [llm, "-m", "manas", "--schema", schema, "-o", "seed", "9", "-o", "max_tokens", "80", "Invent a person"],
         capture_output=True, text=True, timeout=120,
         env={**cli_env(), "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "none"},
     )  # fmt: skip

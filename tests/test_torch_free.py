@@ -81,11 +81,12 @@ def probe(*args, stdin: str = "") -> tuple[int, str]:
             "",
         ),
         (["generate", "--jsonl"], '{"prompt": "ROMEO:", "max_tokens": 3}\n{"prompt": "JULIET:", "max_tokens": 4}\n'),
+        (["generate", "-p", "ROMEO:", "-n", "6", "--json-schema", '{"type": "object"}'], ""),
         (["score"], "ROMEO: what light through yonder window breaks? It is the east."),
         (["bench", "-n", "4", "--prompt-tokens", "4", "-r", "1"], ""),
         (["inspect-cache", "--tokens", "2", "--json"], ""),
     ],
-    ids=["generate", "generate-sampled", "jsonl", "score", "bench", "inspect-cache"],
+    ids=["generate", "generate-sampled", "jsonl", "structured", "score", "bench", "inspect-cache"],
 )
 def test_the_native_path_of_each_command_never_imports_torch(rope, command, stdin):
     code, last = probe(*command, "-c", rope.path, *RUN_OPTIONS, stdin=stdin)

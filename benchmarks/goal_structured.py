@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from goal_llama_family import SHAPES
 from harness import DATA, run_goals
 from manas_cli.engine.generation import GenerationStats, generate
 from manas_cli.errors import InputError
@@ -32,18 +33,7 @@ from manas_cli.requests import Requests, encode_prompt
 from manas_cli.settings import GenerationSettings
 from manas_cli.structured import json_schema_format
 
-SMOLLM2_SHAPE = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
+SMOLLM2_SHAPE = {**SHAPES["smollm2-135m"][1], "vocab_size": 49152}  # the real vocabulary, not GPT-2's
 PROMPT = "Answer in JSON.\n"
 SCHEMAS = 200
 

@@ -126,7 +126,7 @@ class Vocabulary:
                 "outputs need a model with an end-of-text token"
             )
         self.encoding, self.eot, self.size = encoding, eot, vocabulary_size(encoding)
-        special = set(encoding._special_tokens.values())  # no public accessor
+        special = {encoding.encode_single_token(token) for token in encoding.special_tokens_set}
         tokens = [
             (b"\xff" + encoding.decode_single_token_bytes(i) if i in special else encoding.decode_single_token_bytes(i))
             if known

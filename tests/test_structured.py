@@ -84,7 +84,7 @@ def test_a_jsonl_records_own_constraint_gives_generates_answer_and_a_bad_one_is_
         (("--regex", "("), "the regular expression cannot be compiled"),
         (("--regex", "a", "--grammar", "root ::= 'a'"), "give one constraint, not --grammar and --regex"),
         (("--grammar-syntax", "lark"), "--grammar-syntax needs --grammar or --grammar-file"),
-        (("--json-schema-file", "/no/such/schema.json"), "cannot read /no/such/schema.json"),
+        (("--json-schema-file", "/no/such/schema.json"), "JSON Schema file /no/such/schema.json does not exist"),
         (("--json-schema", '{"type": "integer", "minimum": 5, "maximum": 1}'), "Unsatisfiable schema"),
         (("--json-schema", '{"$ref": "#/$defs/missing"}'), "Pointer '/$defs/missing' does not exist"),
     ],
@@ -99,7 +99,7 @@ def test_a_schema_file_over_a_mebibyte_is_refused_unread(checkpoints, tmp_path):
     schema = tmp_path / "huge.json"
     schema.write_text(json.dumps({"enum": ["x" * 1000] * 1100}))
     done = run_generate(checkpoints["learned-mha"], "--json-schema-file", schema)
-    assert done.returncode == 2 and f"{schema} is over 1,048,576 bytes" in done.err
+    assert done.returncode == 2 and f"JSON Schema file {schema} is over 1 MiB" in done.err
 
 
 def test_without_llguidance_the_flags_say_how_to_install_it(checkpoints, tmp_path):

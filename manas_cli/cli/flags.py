@@ -410,7 +410,8 @@ def format_of(
     """The structured output the flags ask for (structured.Format), or None; BadParameter for two, or for one
     that cannot be read."""
     from ..errors import InputError
-    from ..structured import Format, grammar_format, json_schema_format, syntax_of_file
+    from ..structured import MAX_FORMAT_BYTES, Format, grammar_format, json_schema_format, syntax_of_file
+    from .commands.common import read_text_file
 
     given = {
         "--json-schema": json_schema,
@@ -435,29 +436,13 @@ def format_of(
         if flag == "--grammar":
             return grammar_format(grammar, grammar_syntax.value, "the grammar")
         path = json_schema_file if flag == "--json-schema-file" else grammar_file
-        text = read_text_file(path)
+        what = "JSON Schema file" if flag == "--json-schema-file" else "grammar file"
+        text = read_text_file(path, what, "a schema or grammar is at most 1 MiB", MAX_FORMAT_BYTES)
         if flag == "--json-schema-file":
             return json_schema_format(text, str(path))
         return grammar_format(text, syntax_of_file(path, grammar_syntax.value), str(path))
     except InputError as exc:
         raise typer.BadParameter(str(exc), param_hint=f"'{flag}'") from None
-
-
-def read_text_file(path: Path, limit: int = 1 << 20) -> str:
-    """A small UTF-8 file's text (a schema, a grammar); InputError naming the file when it cannot be."""
-    from ..errors import InputError
-
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(data) > limit:
-        raise InputError(f"{path} is over {limit:,} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path} is not UTF-8 (byte {exc.start + 1})") from None
 
 
 def model_options_of(

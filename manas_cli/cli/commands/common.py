@@ -17,12 +17,12 @@ MAX_TEXT_BYTES = 64 * 2**20
 T = TypeVar("T")
 
 
-def read_bounded(source: BinaryIO, what: str, advice: str) -> str:
-    """At most MAX_TEXT_BYTES of UTF-8 text from source; `what` names it and `advice` says what to do when it is
-    longer."""
-    data = source.read(MAX_TEXT_BYTES + 1)
-    if len(data) > MAX_TEXT_BYTES:
-        raise InputError(f"{what} is over {MAX_TEXT_BYTES // 2**20} MiB, the most manas reads as one text: {advice}")
+def read_bounded(source: BinaryIO, what: str, advice: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """At most `limit` bytes (MAX_TEXT_BYTES) of UTF-8 text from source; `what` names it and `advice` says what to
+    do when it is longer."""
+    data = source.read(limit + 1)
+    if len(data) > limit:
+        raise InputError(f"{what} is over {limit // 2**20} MiB, the most manas reads as one text: {advice}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -42,8 +42,8 @@ def read_file(path: Path, what: str, read: Callable[[BinaryIO], T]) -> T:
         raise InputError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
-def read_text_file(path: Path, what: str, advice: str) -> str:
-    text = read_file(path, what, lambda f: read_bounded(f, f"{what} {path}", advice))
+def read_text_file(path: Path, what: str, advice: str, limit: int = MAX_TEXT_BYTES) -> str:
+    text = read_file(path, what, lambda f: read_bounded(f, f"{what} {path}", advice, limit))
     if not text.strip():
         raise InputError(f"{what} {path} is empty")
     return text

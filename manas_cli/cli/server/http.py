@@ -283,16 +283,7 @@ class Handler(BaseHTTPRequestHandler):
                 code="not_found",
             )
         request = parse_chat(parse_json(self._body()), self.server.max_tokens)
-        syntax = None
-        if request.tools is not None:
-            try:
-                syntax = check_syntax(self.server.template)
-            except ToolError as exc:
-                raise RequestError(str(exc), param=exc.param) from None
-            specials = set(self.server.scheduler.requests.encoding._special_tokens)  # no public accessor
-            format = call_format(request.tools, syntax, specials)
-            settings = GenerationSettings(**{**request.settings.__dict__, "format": format})
-            request = replace(request, settings=settings, format_field="tools" if format else None)
+        request, syntax = self._with_tools(request)
         try:
             ids = self.server.chat(request.messages, request.tools.listed if request.tools else None)
         except ManasError as exc:  # the template refused these messages, or failed on them
@@ -301,6 +292,19 @@ class Handler(BaseHTTPRequestHandler):
             self._run(request, [ids], partial(ToolReply, syntax=syntax))
         else:
             self._run(request, [ids], ChatReply)
+
+    def _with_tools(self, request):
+        """A chat request with tools constrained to the model's call syntax (tools.py), and that syntax; as it is,
+        and None, without tools. A 400 naming `tools` for a model whose template takes none."""
+        if request.tools is None:
+            return request, None
+        try:
+            syntax = check_syntax(self.server.template)
+        except ToolError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+        format = call_format(request.tools, syntax, self.server.scheduler.requests.encoding.special_tokens_set)
+        settings = GenerationSettings(**{**request.settings.__dict__, "format": format})
+        return replace(request, settings=settings, format_field="tools" if format else None), syntax
 
     def _completions(self) -> None:
         self._authorize()

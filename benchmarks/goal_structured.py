@@ -210,8 +210,9 @@ TOOLS = [
 
 
 def goal_tools(args) -> dict:
-    """100 requests with tool_choice "required" to a live `manas serve` (Qwen2.5's template, the SmolLM2 shape):
-    every call's arguments must parse and validate under its function's schema."""
+    """100 requests with tool_choice "required" to a live `manas serve` (Qwen2.5's template, the SmolLM2 shape),
+    half with parallel calls: every call's arguments must parse and validate under its function's schema (a call
+    that does not raises here)."""
     import subprocess
     import sys
 
@@ -233,7 +234,8 @@ def goal_tools(args) -> dict:
             for seed in range(100):
                 done = client.chat.completions.create(
                     model="m", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
-                    tool_choice="required", max_tokens=160, temperature=1.0, seed=seed,
+                    tool_choice="required", parallel_tool_calls=seed % 2 == 0, max_tokens=200, temperature=1.0,
+                    seed=seed,
                 )  # fmt: skip
                 choice = done.choices[0]
                 counts["requests"] += 1

@@ -173,3 +173,13 @@ def test_constrained_cached_generation_equals_crop_and_recompute_and_batched_equ
             assert made.error is None
             batched[made.key].append(made.token)
     assert [batched[key] for key in range(len(prompts))] == alone
+
+
+def test_the_readmes_grammar_example_runs_as_written():
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (example,) = re.findall(r"`(manas generate [^`]*--grammar[^`]*)`", readme)
+    done = manas(*shlex.split(example)[1:], "--threads", "1").ok()
+    assert done.out.strip() in ("yes.", "no.")

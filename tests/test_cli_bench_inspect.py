@@ -96,6 +96,17 @@ def test_bench_without_baseline_has_no_uncached_test_and_no_speedup(rope):
     assert report["speedup"] is None
 
 
+def test_bench_depth_fills_the_cache_first_and_names_its_tests_as_llama_bench_does(rope):
+    report = bench(rope, "--depth", "12", "--prompt-tokens", "8", "--tokens", "6", "--repeat", "1", "--json").json()
+    assert [test["name"] for test in report["tests"]] == ["pp8 @ d12", "tg6 @ d12"]  # no baseline by default
+    assert report["depth"] == 12 and report["re_prefills"] == 0
+    assert report["cache_bytes"] >= cache_bytes("rope-gqa", 12 + 8 + 5)  # the depth, the prompt, the decoded
+    with_baseline = bench(rope, "-d", "12", "--prompt-tokens", "8", "-n", "6", "-r", "1", "--baseline", "--json")
+    assert [test["name"] for test in with_baseline.json()["tests"]][-1] == "tg6 @ d12 no-cache"
+    full = manas("bench", "-c", rope.path, *RUN_OPTIONS, "--depth", str(BLOCK_SIZE))
+    assert full.returncode == 2 and f"--depth {BLOCK_SIZE} leaves no room" in full.err
+
+
 def test_bench_prints_a_table_with_the_model_above_and_the_totals_below(rope, tmp_path):
     # A path longer than the 80 columns Rich assumes on a pipe: every line must still come out whole.
     long_path = tmp_path / ("a-folder-name-long-enough-to-pass-eighty-columns-" * 2) / "rope.safetensors"

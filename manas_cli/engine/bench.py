@@ -73,14 +73,27 @@ def run_bench(
     allocation: str = "dynamic",
     overflow: str = "recompute",
     on_step: Callable[[str], None] = lambda label: None,
+    depth: int = 0,
 ) -> BenchResult:
     """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each. on_step is
-    called after every generated token with what is running (a progress bar)."""
-    prompt_tokens = min(prompt_tokens, engine.config.block_size)  # the prefill crops a longer prompt to the window
-    prompt = bench_prompt(engine, prompt_tokens, batch)
+    called after every generated token with what is running (a progress bar).
+
+    depth=D (llama-bench's -d): before each run, D tokens are put in the cache, untimed; the prefill test then
+    times the prompt's P tokens after them (each attending over the D before it), and the decode test decodes after
+    D + P. The uncached baseline recomputes all D + P + the tokens so far at each step."""
+    block_size = engine.config.block_size
+    prompt_tokens = min(prompt_tokens, block_size - depth)  # the prefill crops a longer prompt to the window
+    history = bench_prompt(engine, depth, batch, seed=1)
+    prompt = [row + ids for row, ids in zip(history, bench_prompt(engine, prompt_tokens, batch))]
     greedy = Sampler(temperature=0.0)
-    session = engine.new_session(allocation, capacity=min(engine.config.block_size, prompt_tokens + new_tokens))
-    runs = {"cached": lambda: generate(engine, prompt, greedy, new_tokens, overflow=overflow, session=session)}
+    session = engine.new_session(allocation, capacity=min(block_size, depth + prompt_tokens + new_tokens))
+
+    def cached() -> Iterator[Step]:
+        if depth:
+            session.prefill(history)  # the depth, untimed: generate extends the cache from it
+        return generate(engine, prompt, greedy, new_tokens, overflow=overflow, session=session, reuse=depth)
+
+    runs = {"cached": cached}
     if baseline:
         runs["baseline"] = lambda: generate_reference(engine, prompt, greedy, new_tokens)
     results: dict[str, list[GenerationStats]] = {}
@@ -93,13 +106,14 @@ def run_bench(
             for run in range(repeat)
         ]
     cached = results["cached"]
+    at = f" @ d{depth}" if depth else ""  # llama-bench's names
     measurements = [
-        Measurement(f"pp{prompt_tokens}", [s.prefill_tokens_per_s for s in cached]),
-        Measurement(f"tg{new_tokens}", [s.decode_tokens_per_s for s in cached]),
+        Measurement(f"pp{prompt_tokens}{at}", [s.prefill_tokens_per_s for s in cached]),
+        Measurement(f"tg{new_tokens}{at}", [s.decode_tokens_per_s for s in cached]),
     ]
     if baseline:
         measurements.append(
-            Measurement(f"tg{new_tokens} no-cache", [s.decode_tokens_per_s for s in results["baseline"]])
+            Measurement(f"tg{new_tokens}{at} no-cache", [s.decode_tokens_per_s for s in results["baseline"]])
         )
     return BenchResult(
         measurements=measurements,

@@ -14,27 +14,34 @@ DEFAULT_PROMPT_TOKENS = 128
 DEFAULT_MAX_TOKENS = 256
 
 
-def bench_lengths(block_size: int, prompt_tokens: int | None, tokens: int | None, console) -> tuple[int, int]:
-    """The prompt and decode lengths: by default both fit in the window (the figure is then the cached path's, as a
-    user's short generation sees it); a prompt longer than the window is cropped, with a notice, and a run that
-    passes the window is said to re-prefill."""
+def bench_lengths(
+    block_size: int, prompt_tokens: int | None, tokens: int | None, console, depth: int = 0
+) -> tuple[int, int]:
+    """The prompt and decode lengths: by default both fit in the window after the depth (the figure is then the
+    cached path's, as a user's short generation sees it); a prompt longer than the window is cropped, with a
+    notice, and a run that passes the window is said to re-prefill."""
     from ..render import say
 
-    if prompt_tokens is None:
-        prompt_tokens = min(DEFAULT_PROMPT_TOKENS, block_size // 2)
-    elif prompt_tokens > block_size:
-        say(
-            console,
-            f"notice: --prompt-tokens {prompt_tokens} is more than the model's block_size: prefilling "
-            f"{block_size}, the whole window",
+    if depth >= block_size:
+        raise typer.BadParameter(
+            f"--depth {depth} leaves no room in the model's {block_size}-token window", param_hint="'--depth'"
         )
-        prompt_tokens = block_size
-    if tokens is None:
-        return prompt_tokens, max(1, min(DEFAULT_MAX_TOKENS, block_size - prompt_tokens))
-    if prompt_tokens + tokens > block_size + 1:
+    room = block_size - depth
+    if prompt_tokens is None:
+        prompt_tokens = min(DEFAULT_PROMPT_TOKENS, max(1, room // 2))
+    elif prompt_tokens > room:
         say(
             console,
-            f"notice: {prompt_tokens} prompt tokens and {tokens} new ones pass the {block_size}-token "
+            f"notice: --prompt-tokens {prompt_tokens} is more than the model's block_size leaves after the depth: "
+            f"prefilling {room}, the whole window",
+        )
+        prompt_tokens = room
+    if tokens is None:
+        return prompt_tokens, max(1, min(DEFAULT_MAX_TOKENS, room - prompt_tokens))
+    if depth + prompt_tokens + tokens > block_size + 1:
+        say(
+            console,
+            f"notice: {depth + prompt_tokens} prompt tokens and {tokens} new ones pass the {block_size}-token "
             "window: the decode figure includes its re-prefills (see --overflow)",
         )
     return prompt_tokens, tokens
@@ -46,11 +53,12 @@ def run(
     prompt_tokens: int | None,
     repeat: int,
     batch: int,
-    baseline: bool,
+    baseline: bool | None,
     overflow: str,
     sweep: bool,
     json_output: bool,
     model_options: "ModelOptions",
+    depth: int = 0,
 ) -> None:
     from ...engine.bench import run_bench
     from ...engine.bench import sweep as sweep_positions
@@ -63,8 +71,10 @@ def run(
     checkpoint, threads, engine = load_model(model_options, console)
     model = checkpoint.model
     block_size = model.config.block_size
-    prompt_tokens, tokens = bench_lengths(block_size, prompt_tokens, tokens, console)
-    check_memory(engine, batch, min(block_size, prompt_tokens + tokens), "--batch (or --prompt-tokens, --tokens)")
+    prompt_tokens, tokens = bench_lengths(block_size, prompt_tokens, tokens, console, depth)
+    baseline = depth == 0 if baseline is None else baseline
+    positions = min(block_size, depth + prompt_tokens + tokens)
+    check_memory(engine, batch, positions, "--batch (or --depth, --prompt-tokens, --tokens)")
     info = {
         "path": str(checkpoint.path),
         "parameters": model.num_parameters(),
@@ -81,7 +91,7 @@ def run(
     steps = (repeat + 1) * tokens * (2 if baseline else 1)  # each test's warm-up run and its timed runs
     with token_progress(console, steps, "warming up") as advance:
         result = run_bench(
-            engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow, on_step=advance
+            engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow, advance, depth
         )
     sweep_rows = None
     if sweep:
@@ -102,6 +112,7 @@ def run(
         "peak_memory_bytes": result.peak_memory_bytes,
         "cache_bytes": result.cache_bytes,
         "batch": batch,
+        "depth": depth,
         "repeat": repeat,
         "overflow": overflow,
     }
@@ -157,8 +168,25 @@ def command(
     ] = 3,
     batch: Annotated[int, typer.Option(min=1, help="Rows decoded together.")] = 1,
     baseline: Annotated[
-        bool, typer.Option("--baseline/--no-baseline", help="Also time uncached crop-and-recompute decoding.")
-    ] = True,
+        Optional[bool],
+        typer.Option(
+            "--baseline/--no-baseline",
+            help="Also time uncached crop-and-recompute decoding. Default: without --depth.",
+            show_default=False,
+        ),
+    ] = None,
+    depth: Annotated[
+        int,
+        typer.Option(
+            "--depth",
+            "-d",
+            min=0,
+            help=(
+                "Tokens already in the cache before each test, as llama-bench's -d: the prefill test times the "
+                "prompt after them, the decode test decodes after both (a long chat's later turns)."
+            ),
+        ),
+    ] = 0,
     overflow: Annotated[
         Overflow,
         typer.Option(
@@ -185,6 +213,8 @@ def command(
 
       manas bench --tokens 512 --overflow shift --no-baseline --sweep
 
+      manas bench --depth 2048 --prompt-tokens 512 --tokens 128
+
       manas bench --json | jq '.tests[] | {name, tokens_per_s_mean}'
     """
 
@@ -198,4 +228,5 @@ def command(
         sweep=sweep,
         json_output=json_output,
         model_options=model_options,
+        depth=depth,
     )

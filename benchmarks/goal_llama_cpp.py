@@ -57,8 +57,9 @@ def llama_cpp_files(checkpoint: Path, folder: Path) -> dict[str, Path]:
     return files
 
 
-def llama_cpp_rates(gguf: Path, prompt_tokens: int, new_tokens: int, threads: int) -> dict[str, float]:
-    """llama-bench's prefill and decode tokens/s; --repack 0: its repacked path dies on CPUs with AMX."""
+def llama_cpp_rates(gguf: Path, prompt_tokens: int, new_tokens: int, threads: int, depth: int = 0) -> dict[str, float]:
+    """llama-bench's prefill and decode tokens/s (after `depth` tokens in the cache: its -d); --repack 0: its
+    repacked path dies on CPUs with AMX."""
     done = subprocess.run(
         realtime(
             [
@@ -75,6 +76,8 @@ def llama_cpp_rates(gguf: Path, prompt_tokens: int, new_tokens: int, threads: in
                 "1",
                 "--repack",
                 "0",
+                "-d",
+                str(depth),
                 "-o",
                 "json",
             ]
@@ -91,9 +94,16 @@ def llama_cpp_rates(gguf: Path, prompt_tokens: int, new_tokens: int, threads: in
 
 
 def manas_bench_rates(
-    checkpoint: Path, prompt_tokens: int, new_tokens: int, threads: int, weights: str, engine: str = "native"
+    checkpoint: Path,
+    prompt_tokens: int,
+    new_tokens: int,
+    threads: int,
+    weights: str,
+    engine: str = "native",
+    depth: int = 0,
 ) -> dict[str, float]:
-    """A whole `manas bench` process's prefill and decode tokens/s, as a user runs it."""
+    """A whole `manas bench` process's prefill and decode tokens/s (after `depth` tokens in the cache), as a user
+    runs it."""
     quantize = [] if weights == "float32" else ["--quantize", weights]
     done = subprocess.run(
         realtime(
@@ -114,6 +124,8 @@ def manas_bench_rates(
                 "--json",
                 "--engine",
                 engine,
+                "--depth",
+                str(depth),
                 *quantize,
             ]
         ),
@@ -126,11 +138,12 @@ def manas_bench_rates(
 
 
 def against_llama_cpp(
-    checkpoint: Path, prompt_tokens: int, new_tokens: int, runs: int, torch_too: bool = False
+    checkpoint: Path, prompt_tokens: int, new_tokens: int, runs: int, torch_too: bool = False, depth: int = 0
 ) -> dict:
     """manas float32, int8 and int4 (the native engine; with torch_too, the torch engine's as well) beside
     llama.cpp f32, q8_0 and q4_0 on the same weights, every command a whole process, all of them taking turns
-    round after round (the first round warms up), on 1 and on 2 threads."""
+    round after round (the first round warms up), on 1 and on 2 threads; depth: tokens in the cache before both
+    tests (llama-bench's -d, manas bench's --depth)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
@@ -139,10 +152,10 @@ def against_llama_cpp(
         for threads in (1, 2):
             for weights, peer in LLAMA_CPP_TYPES.items():
                 commands[f"manas_{weights}_{threads}t"] = lambda w=weights, t=threads: manas_bench_rates(
-                    checkpoint, prompt_tokens, new_tokens, t, w
+                    checkpoint, prompt_tokens, new_tokens, t, w, depth=depth
                 )
                 commands[f"llama_cpp_{peer}_{threads}t"] = lambda p=peer, t=threads: llama_cpp_rates(
-                    gguf[p], prompt_tokens, new_tokens, t
+                    gguf[p], prompt_tokens, new_tokens, t, depth
                 )
                 if torch_too:
                     commands[f"manas_torch_{weights}_{threads}t"] = lambda w=weights, t=threads: manas_bench_rates(
@@ -158,14 +171,22 @@ def against_llama_cpp(
         name: {key: round(statistics.median(s[key] for s in taken), 1) for key in ("prefill", "decode")}
         for name, taken in samples.items()
     }
-    ratios = {
+    return {
+        "tokens_per_s": rates,
+        "decode_ratio": ratios_of(rates, "decode"),
+        "prefill_ratio": ratios_of(rates, "prefill"),
+    }
+
+
+def ratios_of(rates: dict, test: str) -> dict[str, float]:
+    """manas ÷ llama.cpp for one test ("decode" or "prefill"), each weight type against its peer, 1 and 2 threads."""
+    return {
         f"{weights}_over_{peer}_{threads}t": round(
-            rates[f"manas_{weights}_{threads}t"]["decode"] / rates[f"llama_cpp_{peer}_{threads}t"]["decode"], 2
+            rates[f"manas_{weights}_{threads}t"][test] / rates[f"llama_cpp_{peer}_{threads}t"][test], 2
         )
         for threads in (1, 2)
         for weights, peer in LLAMA_CPP_TYPES.items()
     }
-    return {"tokens_per_s": rates, "decode_ratio": ratios}
 
 
 def goal_llama_cpp_gpt2(runs: int) -> dict:
@@ -190,16 +211,7 @@ def goal_llama_cpp_medium(runs: int) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        result = against_llama_cpp(gpt2_checkpoint(Path(folder), "355M"), GPT2_PROMPT_TOKENS, 64, runs)
-    rates = result["tokens_per_s"]
-    result["prefill_ratio"] = {
-        f"{weights}_over_{peer}_{t}t": round(
-            rates[f"manas_{weights}_{t}t"]["prefill"] / rates[f"llama_cpp_{peer}_{t}t"]["prefill"], 2
-        )
-        for weights, peer in LLAMA_CPP_TYPES.items()
-        for t in (1, 2)
-    }
-    return result
+        return against_llama_cpp(gpt2_checkpoint(Path(folder), "355M"), GPT2_PROMPT_TOKENS, 64, runs)
 
 
 def goal_llama_cpp_shipped(runs: int) -> dict:

@@ -5,6 +5,7 @@ classes (no weights can be downloaded here), each converted by `manas convert` f
            and the GGUF export's greedy text in llama-completion against manas' (SmolLM2 shape, 8 prompts).
   speed:   decode and prefill against llama.cpp on the same weights (manas' GGUF, q8_0/q4_0 by llama-quantize).
   startup: a whole `manas generate -n 100` process against llama-completion's (SmolLM2 shape, float32).
+  depth:   pp512 and tg128 after 2,048 tokens in the cache against llama-bench -d 2048 (SmolLM2 shape).
 
 The tokenizer is GPT-2's (byte-level BPE), so the vocabularies of SmolLM2 (49,152) and TinyLlama (32,000) are
 GPT-2's 50,257 here; Qwen2.5 keeps its 151,936 rows, more than the tokenizer has (as the real one does).
@@ -206,7 +207,16 @@ def goal_startup(args) -> dict:
     return {"seconds": best, "manas_over_llama_completion": round(best["manas"] / best["llama_completion"], 2)}
 
 
-GOALS = {"exact": goal_exact, "speed": goal_speed, "startup": goal_startup}
+def goal_depth(args) -> dict:
+    """Issue 60's goal 2 on the SmolLM2 shape: prefill of 512 tokens and 128 decoded after 2,048 already in the
+    cache (manas bench --depth, llama-bench -d), float32/int8/int4 beside f32/q8_0/q4_0, 1 and 2 threads. Goal:
+    decode ≥ 1.2× and prefill ≥ 1.0× llama.cpp."""
+    with tempfile.TemporaryDirectory() as folder:
+        _, checkpoint = hf_model_and_checkpoint("smollm2-135m", Path(folder))
+        return against_llama_cpp(checkpoint, 512, 128, args.runs, depth=2048)
+
+
+GOALS = {"exact": goal_exact, "speed": goal_speed, "startup": goal_startup, "depth": goal_depth}
 
 if __name__ == "__main__":
     run_goals(GOALS, __doc__)

@@ -62,11 +62,33 @@ typedef struct {
     float top_logprobs[MAX_LOGPROBS];
 } ManasDraw;
 
+/* The largest of n values (none a NaN): each lane keeps its own largest and the lanes meet at the end, as
+   attention's scale_to_top does; the same value in any order (up to a zero's sign, which no caller can tell). */
+static float largest(int n, const float *x) {
+    Lanes top = splat(-INFINITY);
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) top = larger(top, load_lanes(x + i));
+    float lanes[LANES], highest = -INFINITY;
+    store_lanes(lanes, top);
+    for (int l = 0; l < LANES; l++) highest = lanes[l] > highest ? lanes[l] : highest;
+    for (; i < n; i++) highest = x[i] > highest ? x[i] : highest;
+    return highest;
+}
+
+/* The first id of the largest of n values (none a NaN): a pass for the largest, lane by lane, then one that stops
+   at it; a single pass comparing one value at a time waits on each compare (a fifth of a 150,000-token draw). */
 static int argmax(int n, const float *x) {
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
+    float top = largest(n, x);
+    int i = 0;
+    while (i < n - 1 && x[i] != top) i++;
+    return i;
+}
+
+/* Whether all n values are finite, in a pass that does not stop early (so the compiler vectorizes it). */
+static int all_finite(int n, const float *x) {
+    int finite = 1;
+    for (int i = 0; i < n; i++) finite &= isfinite(x[i]) != 0;
+    return finite;
 }
 
 /* The logits sampling starts from: undecodable ids −∞, then the repetition penalty over the window's last
@@ -108,6 +130,20 @@ static void report_logprobs(int n, const float *a, int k, int token, ManasDraw *
     for (int j = 0; j < k; j++) out->top_logprobs[j] = a[out->top_ids[j]] - lse;
 }
 
+/* Restore the min-heap order of heap[0 .. k) below position i. */
+static void sift_down(float *heap, int k, int i) {
+    for (;;) {
+        int smallest = i, left = 2 * i + 1, right = left + 1;
+        if (left < k && heap[left] < heap[smallest]) smallest = left;
+        if (right < k && heap[right] < heap[smallest]) smallest = right;
+        if (smallest == i) return;
+        float t = heap[i];
+        heap[i] = heap[smallest];
+        heap[smallest] = t;
+        i = smallest;
+    }
+}
+
 /* Probabilities sort by a key: the complement of the float's bits (non-negative floats order as their bits do)
    above the id, so ascending keys are descending probabilities, ties by ascending id. */
 static int ascending(const void *x, const void *y) {
@@ -115,64 +151,115 @@ static int ascending(const void *x, const void *y) {
     return (i > j) - (i < j);
 }
 
-/* The k-th largest of n values (k ≥ 1), by quickselect on a copy in `work`. */
-static float kth_largest(int n, const float *x, int k, float *work) {
-    memcpy(work, x, n * sizeof *work);
-    int lo = 0, hi = n - 1, want = k - 1;
+/* The k-th largest of n values (1 ≤ k < n), in one pass: a min-heap of the k largest so far in `heap`, whose root
+   each value is compared with (a value below it, almost all of a vocabulary, costs that one comparison). */
+static float kth_largest(int n, const float *x, int k, float *heap) {
+    memcpy(heap, x, k * sizeof *heap);
+    for (int i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+    for (int i = k; i < n; i++)
+        if (x[i] > heap[0]) {
+            heap[0] = x[i];
+            sift_down(heap, k, 0);
+        }
+    return heap[0];
+}
+
+/* keys[0 .. count) reordered so that its m smallest come first, in no order (quickselect; the keys are distinct). */
+static void smallest_first(uint64_t *keys, int count, int m) {
+    int lo = 0, hi = count - 1, want = m - 1;
     while (lo < hi) {
-        float pivot = work[lo + (hi - lo) / 2];
+        uint64_t pivot = keys[lo + (hi - lo) / 2];
         int i = lo, j = hi;
         while (i <= j) {
-            while (work[i] > pivot) i++;
-            while (work[j] < pivot) j--;
+            while (keys[i] < pivot) i++;
+            while (keys[j] > pivot) j--;
             if (i <= j) {
-                float t = work[i];
-                work[i++] = work[j];
-                work[j--] = t;
+                uint64_t t = keys[i];
+                keys[i++] = keys[j];
+                keys[j--] = t;
             }
         }
         if (want <= j) hi = j;
         else if (want >= i) lo = i;
         else break;
     }
-    return work[want];
 }
 
-/* Probabilities of the tempered logits x (their max finite), in place: top-k drops what is below the k-th
-   largest, top-p keeps the smallest prefix of the sorted probabilities whose mass reaches top_p (the most likely
-   token always), min-p drops what is below min_p × the largest. Unnormalized: the draw divides by their sum. */
-static void filtered_probabilities(const ManasSampler *s, int n, float *x, uint64_t *keys) {
+/* Top-p over the kept ids' keys: zero every probability past the smallest prefix of the sorted probabilities
+   whose mass (each p = x / total, summed in that order) reaches top_p; the most likely is always kept. The order
+   is a whole sort's, found a block at a time (the block's keys selected, then sorted): a peaked distribution
+   stops within its first 64 tokens instead of sorting a vocabulary of 150,000. */
+static void keep_top_p(uint64_t *keys, int kept, float *x, double total, float top_p) {
+    double before = 0;
+    for (int start = 0, block = 64; start < kept; start += block, block *= 4) {
+        int count = kept - start < block ? kept - start : block;
+        smallest_first(keys + start, kept - start, count);
+        qsort(keys + start, count, sizeof *keys, ascending);
+        for (int j = start; j < start + count; j++) {
+            if (j > 0 && before >= top_p) {
+                for (; j < kept; j++) x[(uint32_t)keys[j]] = 0;
+                return;
+            }
+            before += x[(uint32_t)keys[j]] / total;
+        }
+    }
+}
+
+/* e^(x − top), 0 below the exponential's floor: one value of exp_span's. */
+static inline float exp_one(float x, float top) {
+    float below = x - top;
+    return below < EXP_FLOOR ? 0.0f : exponential(below);
+}
+
+/* Probabilities of the tempered logits x (their max finite), in place, and the ids that may be drawn: top-k drops
+   what is below the k-th largest, top-p keeps the smallest prefix of the sorted probabilities whose mass reaches
+   top_p (the most likely token always), min-p drops what is below min_p × the largest. Unnormalized: the draw
+   divides by their sum. Returns how many ids top-k keeps, those ids ascending in `ids` (all n without top-k); x
+   is 0 at every other id. Only the kept ids' exponentials are computed, each as exp_below computes it, and sums
+   run over them in id order: the other terms are exact zeros, so every sum has a whole pass's bits. */
+static int filtered_probabilities(const ManasSampler *s, int n, float *x, uint64_t *keys, int32_t *ids) {
+    int m = 0;
     if (s->top_k > 0 && s->top_k < n) {
         float kth = kth_largest(n, x, s->top_k, (float *)keys);
-        for (int i = 0; i < n; i++)
-            if (x[i] < kth) x[i] = -INFINITY;
+        for (int i = 0; i < n; i++) {
+            if (x[i] < kth) x[i] = 0;
+            else ids[m++] = i;
+        }
+    } else {
+        for (int i = 0; i < n; i++) ids[m++] = i;
     }
-    double total = exp_below(n, x, x[argmax(n, x)], x);
+    double total = 0;
+    if (m == n) {
+        total = exp_below(n, x, largest(n, x), x);
+    } else {
+        float top = x[ids[0]];
+        for (int j = 1; j < m; j++) top = x[ids[j]] > top ? x[ids[j]] : top;
+        for (int j = 0; j < m; j++) total += x[ids[j]] = exp_one(x[ids[j]], top);
+    }
     if (s->top_p < 1.0f) {
         int kept = 0;
-        for (int i = 0; i < n; i++) {
+        for (int j = 0; j < m; j++) {
             uint32_t bits;
-            memcpy(&bits, &x[i], sizeof bits);
-            if (x[i] > 0) keys[kept++] = (uint64_t)~bits << 32 | (uint32_t)i;
+            memcpy(&bits, &x[ids[j]], sizeof bits);
+            if (x[ids[j]] > 0) keys[kept++] = (uint64_t)~bits << 32 | (uint32_t)ids[j];
         }
-        qsort(keys, kept, sizeof *keys, ascending);
-        double before = 0;
-        for (int j = 0; j < kept; j++) {
-            uint32_t id = (uint32_t)keys[j];
-            double p = x[id] / total;
-            if (j > 0 && before >= s->top_p) x[id] = 0;
-            before += p;
-        }
+        keep_top_p(keys, kept, x, total, s->top_p);
     }
     if (s->min_p > 0) {
-        float floor = s->min_p * x[argmax(n, x)];
-        for (int i = 0; i < n; i++)
-            if (x[i] < floor) x[i] = 0;
+        float largest = 0;
+        for (int j = 0; j < m; j++)
+            if (x[ids[j]] > largest) largest = x[ids[j]];
+        float floor = s->min_p * largest;
+        for (int j = 0; j < m; j++)
+            if (x[ids[j]] < floor) x[ids[j]] = 0;
     }
+    return m;
 }
 
 /* Bytes of scratch manas_sample needs for a vocabulary of n. */
-EXPORT size_t manas_sample_scratch_bytes(int n) { return (size_t)n * (2 * sizeof(float) + sizeof(uint64_t) + 1); }
+EXPORT size_t manas_sample_scratch_bytes(int n) {
+    return (size_t)n * (2 * sizeof(float) + sizeof(uint64_t) + sizeof(int32_t) + 1);
+}
 
 /* The next token of row r (ManasRow: its vocab logits, of which the first n may be drawn), and with s->logprobs
    its log-probabilities; the drawn token is added to r->counts. Returns 0, or 1 when the logits are not all
@@ -181,29 +268,30 @@ EXPORT int manas_sample(const ManasSampler *s, const ManasRow *r, int vocab, int
                         void *scratch, ManasDraw *out) {
     const float *logits = r->logits;
     int32_t *counts = r->counts;
-    for (int i = 0; i < vocab; i++)
-        if (!isfinite(logits[i])) return 1;
-    uint64_t *keys = scratch;
-    float *a = (float *)(keys + n), *x = a + n;
-    uint8_t *seen = (uint8_t *)(x + n);
+    if (!all_finite(vocab, logits)) return 1;
+    uint64_t *keys = scratch;                    /* (n,) top-p's sort keys; top-k's copy of the logits first */
+    float *a = (float *)(keys + n), *x = a + n;  /* (n,) each: the adjusted logits; the probabilities */
+    int32_t *ids = (int32_t *)(x + n);           /* (n,) the ids top-k keeps */
+    uint8_t *seen = (uint8_t *)(ids + n);        /* (n,) the repetition penalty's marks */
     memcpy(a, logits, n * sizeof *a);
     memset(seen, 0, n);
     adjust(s, a, n, decodable, r->window, r->window_len, counts, seen);
-    int token = argmax(n, a);
+    int token = -1;  /* greedy's argmax, found only where it is the answer */
     if (s->temperature > 0) {
         for (int i = 0; i < n; i++) x[i] = a[i] / s->temperature;
-        if (isfinite(x[argmax(n, x)])) {  /* else too small a temperature to divide by: its limit, the argmax */
-            filtered_probabilities(s, n, x, keys);
+        if (isfinite(largest(n, x))) {  /* else too small a temperature to divide by: its limit, the argmax */
+            int m = filtered_probabilities(s, n, x, keys, ids);
             double total = 0;
-            for (int i = 0; i < n; i++) total += x[i];
+            for (int j = 0; j < m; j++) total += x[ids[j]];
             double target = manas_uniform(s->seed, r->row, r->position) * total, mass = 0;
-            for (int i = 0; i < n; i++) {
-                if (x[i] <= 0) continue;
-                token = i;
-                if ((mass += x[i]) > target) break;
+            for (int j = 0; j < m; j++) {
+                if (x[ids[j]] <= 0) continue;
+                token = ids[j];
+                if ((mass += x[ids[j]]) > target) break;
             }
         }
     }
+    if (token < 0) token = argmax(n, a);
     out->token = token;
     int k = s->logprobs < n ? s->logprobs : n;  /* no more alternatives than ids */
     if (k > 0) report_logprobs(n, a, k > MAX_LOGPROBS ? MAX_LOGPROBS : k, token, out);

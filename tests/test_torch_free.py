@@ -246,10 +246,11 @@ def test_frequency_and_presence_penalties_count_the_rows_own_tokens(tiny_native)
         dict(temperature=0.7),
         dict(temperature=1.0, top_k=5),
         dict(temperature=1.0, top_p=0.8),
+        dict(temperature=1.0, top_p=0.995),  # keeps most ids: the core sorts them block after block (64, 256, ...)
         dict(temperature=1.3, min_p=0.05),
         dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02),
     ],
-    ids=["temperature", "top-k", "top-p", "min-p", "all"],
+    ids=["temperature", "top-k", "top-p", "top-p-past-blocks", "min-p", "all"],
 )
 def test_draws_follow_torchs_filtered_distribution(tiny_native, options):
     """4,000 draws of one row (positions 0..3,999 of the counter) against the probabilities torch's sampler

@@ -65,7 +65,8 @@ def parse_tools(value: dict) -> Tools | None:
         if function["name"] in functions:
             raise ToolError(f"tools[{i}]: a second function named {function['name']!r}", "tools")
         functions[function["name"]] = {**function, "parameters": parameters}
-    parallel = value.get("parallel_tool_calls", True)
+    parallel = value.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel  # OpenAI's default
     if not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
     choice, named = _choice(choice, functions)

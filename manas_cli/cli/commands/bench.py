@@ -30,10 +30,14 @@ def bench_lengths(
     if prompt_tokens is None:
         prompt_tokens = min(DEFAULT_PROMPT_TOKENS, max(1, room // 2))
     elif prompt_tokens > room:
+        limit = (
+            f"the {room} positions --depth {depth} leaves of the model's block_size"
+            if depth
+            else "the model's block_size"
+        )
         say(
             console,
-            f"notice: --prompt-tokens {prompt_tokens} is more than the model's block_size leaves after the depth: "
-            f"prefilling {room}, the whole window",
+            f"notice: --prompt-tokens {prompt_tokens} is more than {limit}: prefilling {room}, the whole window",
         )
         prompt_tokens = room
     if tokens is None:

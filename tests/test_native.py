@@ -275,12 +275,15 @@ def test_the_core_reads_the_torch_models_own_memory_but_its_layers_panels(native
         assert relative_error(after, model(ids)) <= 1e-4
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
-def test_panels_change_where_weights_are_read_not_the_logits_bit_for_bit(native_library, weights):
+@pytest.mark.parametrize(
+    "weights, width", [("float32", 128), ("int8", 128), ("int4", 128), ("int4", 64), ("int4", 192)]
+)
+def test_panels_change_where_weights_are_read_not_the_logits_bit_for_bit(native_library, weights, width):
     """Rows read from panels (and int4's scales and zeros laid out with them) or as stored, the same logits bit
     for bit: an output layer of 301 rows (the last panel part padding), both integer and float products, prefill
-    and decode."""
-    model = configured_model("rope", "gqa", True, "tanh", weights, n_embd=128, vocab_size=301)
+    and decode. int4 rows of 64 and 192 inputs are 32 and 96 bytes: their panels pad each row to whole units (as
+    SmolLM2's 576 inputs, 288 bytes)."""
+    model = configured_model("rope", "gqa", True, "tanh", weights, n_embd=width, vocab_size=301)
     ids = random_ids(2, BLOCK_SIZE, seed=5)
     for float_activations in (False, True):
         packed = native_model(model, native_library, float_activations=float_activations)

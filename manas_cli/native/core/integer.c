@@ -316,7 +316,8 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
        one row of x, is otherwise latency-bound on them (int8 at GPT-2 size here: 136 against 105 tok/s for the
        next tile, 10% more again for the one after; int4's shorter rows need the distance). A hint, not a read. */
     int ahead = o0 + (1 + PREFETCH_TILES) * OT <= linear->n_out;
-    size_t prefetch = ahead ? PREFETCH_TILES * OT * row_bytes(linear) : 0;
+    size_t stride = linear->panels ? panel_row_bytes(linear) : row_bytes(linear);  /* from a row to the next's */
+    size_t prefetch = ahead ? PREFETCH_TILES * OT * stride : 0;
     Row rows[TILE];
 #pragma GCC unroll 8
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));

@@ -235,6 +235,13 @@ static inline size_t row_bytes(const ManasLinear *linear) {
     return linear->kind == WEIGHTS_F32 ? n * sizeof(float) : linear->kind == WEIGHTS_INT8 ? n : n / 2;
 }
 
+/* The bytes of one weight row in a layer's panels: its bytes as stored, up to a whole PANEL_UNIT, the rest zeros.
+   Only an int4 row of whole groups of 64 columns (32 bytes each) ends part-way through a unit (SmolLM2's 576
+   columns are 288 bytes, four units and a half); a group never straddles two. */
+static inline size_t panel_row_bytes(const ManasLinear *linear) {
+    return (row_bytes(linear) + PANEL_UNIT - 1) / PANEL_UNIT * PANEL_UNIT;
+}
+
 /* Where weight row o is read: byte b of it at start + b / PANEL_UNIT × stride + b % PANEL_UNIT. Every read of a
    row (a chunk, a block, a group) lies within one unit. */
 typedef struct {
@@ -243,11 +250,11 @@ typedef struct {
 } Row;
 
 static inline Row weight_row(const ManasLinear *linear, size_t o) {
-    size_t bytes = row_bytes(linear);
-    if (linear->panels)
-        return (Row){(const uint8_t *)linear->panels + o / TILE * TILE * bytes + o % TILE * PANEL_UNIT,
-                     TILE * PANEL_UNIT};
-    return (Row){(const uint8_t *)linear->weight + o * bytes, PANEL_UNIT};
+    if (linear->panels) {
+        size_t tile = o / TILE * TILE * panel_row_bytes(linear);  /* the bytes of the panels before row o's */
+        return (Row){(const uint8_t *)linear->panels + tile + o % TILE * PANEL_UNIT, TILE * PANEL_UNIT};
+    }
+    return (Row){(const uint8_t *)linear->weight + o * row_bytes(linear), PANEL_UNIT};
 }
 
 static inline const uint8_t *row_byte(Row row, size_t b) {

@@ -171,7 +171,7 @@ static int int4_integer(const ManasLinear *linear) {
 /* The bytes of a layer's weight panels, and of the scales and zeros an int4 integer product reads that follow
    them (int4_groups' layout, tile after tile). */
 static size_t panel_weight_bytes(const ManasLinear *linear) {
-    return ((size_t)linear->n_out + TILE - 1) / TILE * TILE * row_bytes(linear);
+    return ((size_t)linear->n_out + TILE - 1) / TILE * TILE * panel_row_bytes(linear);
 }
 
 static size_t tile_group_scale_count(const ManasLinear *linear) {

@@ -114,25 +114,30 @@ EXPORT int manas_dequantized_finite(const ManasLinear *linear, float *row) {
 }
 
 /* The bytes of a layer's panels (see PANEL_UNIT), or 0 where it keeps its rows as stored: rows that are not whole
-   units (a row's last unit would mix it with the next), or no layer. */
+   units (a row's last unit would mix it with the next) but int4 rows of whole groups (their last unit padded, see
+   panel_row_bytes), or no layer. */
 EXPORT size_t manas_panel_bytes(const ManasLinear *linear) {
     size_t bytes = row_bytes(linear);
-    if (!linear->weight || bytes == 0 || bytes % PANEL_UNIT) return 0;
+    int padded = linear->kind == WEIGHTS_INT4 && int4_integer(linear);
+    if (!linear->weight || bytes == 0 || (bytes % PANEL_UNIT && !padded)) return 0;
     size_t tiles = ((size_t)linear->n_out + TILE - 1) / TILE;
     return panel_weight_bytes(linear) + tiles * tile_group_scale_count(linear) * sizeof(uint16_t);
 }
 
 /* Writes the layer's panels to out, manas_panel_bytes of it: each row's units to their places (zeros in the last
-   panel's rows past n_out), then an int4 integer product's scales and zeros, tile by tile. */
+   panel's rows past n_out, and past the end of a row that ends part-way through a unit), then an int4 integer
+   product's scales and zeros, tile by tile. */
 EXPORT void manas_pack(const ManasLinear *linear, void *out) {
-    size_t bytes = row_bytes(linear), units = bytes / PANEL_UNIT, rows = (size_t)linear->n_out;
+    size_t bytes = row_bytes(linear), units = panel_row_bytes(linear) / PANEL_UNIT, rows = (size_t)linear->n_out;
     size_t tiles = (rows + TILE - 1) / TILE;
     for (size_t o = 0; o < tiles * TILE; o++) {
-        uint8_t *panel = (uint8_t *)out + o / TILE * TILE * bytes + o % TILE * PANEL_UNIT;
-        const uint8_t *row = (const uint8_t *)linear->weight + o * bytes;
+        uint8_t *panel = (uint8_t *)out + o / TILE * TILE * panel_row_bytes(linear) + o % TILE * PANEL_UNIT;
         for (size_t u = 0; u < units; u++) {
-            if (o < rows) memcpy(panel + u * TILE * PANEL_UNIT, row + u * PANEL_UNIT, PANEL_UNIT);
-            else memset(panel + u * TILE * PANEL_UNIT, 0, PANEL_UNIT);
+            uint8_t *to = panel + u * TILE * PANEL_UNIT;
+            size_t held = o < rows && u * PANEL_UNIT < bytes ? bytes - u * PANEL_UNIT : 0;  /* the row's, in unit u */
+            held = held < PANEL_UNIT ? held : PANEL_UNIT;
+            if (held) memcpy(to, (const uint8_t *)linear->weight + o * bytes + u * PANEL_UNIT, held);
+            memset(to + held, 0, PANEL_UNIT - held);
         }
     }
     uint16_t *scales = (uint16_t *)((uint8_t *)out + panel_weight_bytes(linear));

@@ -127,13 +127,9 @@ class Vocabulary:
             )
         self.encoding, self.eot, self.size = encoding, eot, vocabulary_size(encoding)
         special = {encoding.encode_single_token(token) for token in encoding.special_tokens_set}
-        tokens = [
-            (b"\xff" + encoding.decode_single_token_bytes(i) if i in special else encoding.decode_single_token_bytes(i))
-            if known
-            else b"\xff<|manas no token %d|>" % i
-            for i, known in enumerate(decodable(encoding))
-        ]
-        holes = [i for i, known in enumerate(decodable(encoding)) if not known]
+        known = decodable(encoding)
+        holes = [i for i, has_token in enumerate(known) if not has_token]
+        tokens = [_token_bytes(encoding, i, has_token, i in special) for i, has_token in enumerate(known)]
         self.tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_Wrapped(encoding, tokens, eot, sorted(special) + holes)),
             n_vocab=self.size,
@@ -145,6 +141,14 @@ class Vocabulary:
     def limits(self):
         """llguidance's bounds on compiling and on each step: its defaults, with errors that name the fault."""
         return require_llguidance().LLParserLimits(verbose_errors=True)
+
+
+def _token_bytes(encoding, token: int, has_token: bool, special: bool) -> bytes:
+    """A token as llguidance reads it: its bytes; a special token's after 0xFF (llguidance's mark); an id without a
+    token as a special one no grammar names."""
+    if not has_token:
+        return b"\xff<|manas no token %d|>" % token
+    return (b"\xff" if special else b"") + encoding.decode_single_token_bytes(token)
 
 
 class _Wrapped:

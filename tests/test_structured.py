@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from cli_fixtures import RUN_OPTIONS, checkpoints, manas  # noqa: F401 (checkpoints: a fixture)
+from cli_fixtures import DATA, RUN_OPTIONS, checkpoints, manas  # noqa: F401 (checkpoints: a fixture)
 
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -54,6 +54,30 @@ def test_a_grammar_file_in_gbnf_or_lark_and_a_regex_constrain_the_text(checkpoin
         assert shape.fullmatch(answer["text"]) and answer["finish_reason"] == "end_of_text", (flags, answer)
     answer = run_generate(checkpoints["learned-mha"], "--regex", r"[0-9]{3}-[A-Z]{2}", "-t", "0", "--json").ok().json()
     assert re.fullmatch(r"[0-9]{3}-[A-Z]{2}", answer["text"]) and answer["finish_reason"] == "end_of_text"
+
+
+LLAMA_CPP_GRAMMARS = sorted((DATA / "llamacpp" / "grammars").glob("*.gbnf"))  # data/SOURCES.md
+
+
+def test_llama_cpps_own_grammars_compile_and_constrain_the_text(checkpoints):
+    """Every example grammar llama.cpp ships compiles and constrains generation (the library, in-process: the
+    CLI's --grammar-file is tested above); a JSON one's finished answer parses."""
+    from manas_cli.engine.generation import generate
+    from manas_cli.requests import Requests
+    from manas_cli.settings import GenerationSettings
+    from manas_cli.structured import grammar_format
+
+    checkpoint, runner = opened(checkpoints["rope-gqa"], "native", None)
+    requests = Requests(runner, checkpoint.encoding)
+    ids = checkpoint.encoding.encode_ordinary("ROMEO:")
+    for path in LLAMA_CPP_GRAMMARS:
+        settings = GenerationSettings(max_tokens=40, seed=2, format=grammar_format(path.read_text()))
+        request = requests.prepare(settings)
+        tokens = [step.tokens[0] for step in generate(runner, [ids], request.sampler, 40, requests.eot)]
+        ended = tokens[-1] == requests.eot
+        text = checkpoint.encoding.decode(tokens[:-1] if ended else tokens)
+        if path.stem.startswith("json") and ended:
+            json.loads(text)
 
 
 def test_a_jsonl_records_own_constraint_gives_generates_answer_and_a_bad_one_is_that_lines_error(checkpoints):

@@ -207,3 +207,19 @@ def test_the_readmes_grammar_example_runs_as_written():
     (example,) = re.findall(r"`(manas generate [^`]*--grammar[^`]*)`", readme)
     done = manas(*shlex.split(example)[1:], "--threads", "1").ok()
     assert done.out.strip() in ("yes.", "no.")
+
+
+@pytest.mark.parametrize(
+    "given",
+    [("json_schema", {"type": "object"}), ("grammar", 'root ::= "a"'), ("regex", "a+")],
+    ids=["json_schema", "grammar", "regex"],
+)
+def test_batchs_settings_reach_its_ray_actors_as_a_records_fields(given):
+    """manas batch generate hands its flags' settings to the actors as a --jsonl record's keys (as_overrides), which
+    the actors read back (with_overrides): the constraint survives the trip."""
+    from manas_cli.settings import GenerationSettings, as_overrides, with_overrides
+    from manas_cli.structured import format_from_record
+
+    settings = GenerationSettings(max_tokens=5, format=format_from_record(dict([given])))
+    keys = json.loads(json.dumps(as_overrides(settings)))  # as the job's options travel
+    assert with_overrides(GenerationSettings(), keys) == settings

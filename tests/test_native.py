@@ -95,6 +95,32 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
+X86_WITH_AVX2_AND_FMA = platform.machine() == "x86_64" and {"avx2", "fma"} <= set(build.cpu_features().split())
+
+
+@needs_compiler
+@pytest.mark.skipif(not X86_WITH_AVX2_AND_FMA, reason="needs an x86-64 CPU with AVX2 and FMA")
+def test_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path, native_library):
+    """The same source built for this CPU (AVX-512 VNNI where it has it: the core the other tests load, built as the
+    CLI builds it), for AVX2 and for plain C with FMA: the integer sums are exact and combined in one order, so the
+    logits are identical, bit for bit. First in the module: under CI's sanitizers it is the longest test (two cores
+    compiled with them), so it starts at once on one worker while the others share the rest."""
+    flags = [flag for flag in build.FLAGS if not flag.startswith("-march")]
+    builds = {  # the two builds at once: each takes a core for seconds (a minute under the sanitizers)
+        tmp_path / f"core{n}.so": subprocess.Popen(
+            [build.compiler(), *flags, *march, "-o", str(tmp_path / f"core{n}.so"), str(build.SOURCE), *build.LIBRARIES]
+        )
+        for n, march in enumerate((["-march=haswell"], ["-march=x86-64", "-mfma"]), start=1)
+    }
+    assert [compiler.wait() for compiler in builds.values()] == [0, 0]
+    libraries = [native_library, *(declare(ctypes.CDLL(str(path))) for path in builds)]
+    for weights, width in (("int8", 64), ("int8", 40), ("int4", 64), ("int4", 96)):
+        model = configured_model("rope", "gqa", True, "tanh", weights, n_embd=width, n_head=4)
+        ids = random_ids(2, BLOCK_SIZE)
+        logits = [all_logits(native_model(model, library), ids) for library in libraries]
+        assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
 @pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=configuration_id)
 def test_native_logits_equal_the_torch_models_within_float32_rounding(native_library, configuration):
     """With float activations (int8's integer products have their own reference, below)."""
@@ -731,31 +757,6 @@ def test_torch_is_given_one_thread_when_the_core_runs():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=300)
     assert done.stdout.split() == ["native", "1", "2"], done.stderr
-
-
-X86_WITH_AVX2_AND_FMA = platform.machine() == "x86_64" and {"avx2", "fma"} <= set(build.cpu_features().split())
-
-
-@needs_compiler
-@pytest.mark.skipif(not X86_WITH_AVX2_AND_FMA, reason="needs an x86-64 CPU with AVX2 and FMA")
-def test_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path, native_library):
-    """The same source built for this CPU (AVX-512 VNNI where it has it: the core the other tests load, built as the
-    CLI builds it), for AVX2 and for plain C with FMA: the integer sums are exact and combined in one order, so the
-    logits are identical, bit for bit."""
-    flags = [flag for flag in build.FLAGS if not flag.startswith("-march")]
-    builds = {  # the two builds at once: each takes a core for seconds (a minute under the sanitizers)
-        tmp_path / f"core{n}.so": subprocess.Popen(
-            [build.compiler(), *flags, *march, "-o", str(tmp_path / f"core{n}.so"), str(build.SOURCE), *build.LIBRARIES]
-        )
-        for n, march in enumerate((["-march=haswell"], ["-march=x86-64", "-mfma"]), start=1)
-    }
-    assert [compiler.wait() for compiler in builds.values()] == [0, 0]
-    libraries = [native_library, *(declare(ctypes.CDLL(str(path))) for path in builds)]
-    for weights, width in (("int8", 64), ("int8", 40), ("int4", 64), ("int4", 96)):
-        model = configured_model("rope", "gqa", True, "tanh", weights, n_embd=width, n_head=4)
-        ids = random_ids(2, BLOCK_SIZE)
-        logits = [all_logits(native_model(model, library), ids) for library in libraries]
-        assert all(torch.equal(logits[0], other) for other in logits[1:])
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -111,6 +111,7 @@ def test_a_jsonl_records_own_constraint_gives_generates_answer_and_a_bad_one_is_
         (("--json-schema-file", "/no/such/schema.json"), "JSON Schema file /no/such/schema.json does not exist"),
         (("--json-schema", '{"type": "integer", "minimum": 5, "maximum": 1}'), "Unsatisfiable schema"),
         (("--json-schema", '{"$ref": "#/$defs/missing"}'), "Pointer '/$defs/missing' does not exist"),
+        (("--json-schema", '{"not": {"type": "integer"}}'), 'Unimplemented keys: ["not"]'),
     ],
 )  # fmt: skip
 def test_a_constraint_that_cannot_be_used_is_one_error_line(checkpoints, flags, message):

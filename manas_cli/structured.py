@@ -59,7 +59,10 @@ def json_schema_format(schema: object, source: str = "the JSON Schema") -> Forma
         raise InputError(f"{source} must be a JSON object (or true), not {type(schema).__name__}")
     if schema is False:
         raise InputError(f"{source} is false: no text can match it")
-    return Format("json_schema", json.dumps({} if schema is True else schema))
+    try:
+        return Format("json_schema", json.dumps({} if schema is True else schema))
+    except RecursionError:
+        raise InputError(f"{source} nests too deeply") from None
 
 
 def grammar_format(text: str, syntax: str = "auto", source: str = "the grammar") -> Format:

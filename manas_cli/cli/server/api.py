@@ -109,12 +109,20 @@ def parse_json(body: bytes) -> object:
 
 def _has_lone_surrogate(value: object) -> bool:
     """Whether any string in a parsed JSON value holds an unpaired surrogate (JSON's \\uD800 escapes allow one;
-    no text can be encoded from it)."""
-    if isinstance(value, str):
-        return not value.isascii() and any("\ud800" <= c <= "\udfff" for c in value)
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    return isinstance(value, list) and any(_has_lone_surrogate(v) for v in value)
+    no text can be encoded from it). A walk with a stack, not recursion: a JSON Schema may nest deeper than
+    Python's recursion limit."""
+    pending = [value]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            if not value.isascii() and any("\ud800" <= c <= "\udfff" for c in value):
+                return True
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return False
 
 
 @dataclass(frozen=True)

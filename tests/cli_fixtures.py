@@ -6,11 +6,18 @@ Test modules import the fixtures by name; the checkpoints are built once per ses
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import resource
+import selectors
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
@@ -230,9 +237,156 @@ def manas(*args: str | Path, stdin: bytes = b"", fresh: bool = False, **env: str
     args = tuple(str(arg) for arg in args)
     key = (args, stdin, tuple(sorted(env.items())))
     if fresh or key not in _runs:
-        done = subprocess.run([*MANAS, *args], input=stdin, capture_output=True, env=cli_env(**env), timeout=300)
-        _runs[key] = Run(args, done.returncode, done.stdout, done.stderr)
+        returncode, stdout, stderr = run_cli(args, stdin, cli_env(**env))
+        _runs[key] = Run(args, returncode, stdout, stderr)
     return _runs[key]
+
+
+# ---- the CLI's processes forked from a zygote that has imported torch ------------------------------------------
+# A run spends 1-2 s importing torch and the CLI before it reads its arguments, and the suite runs the CLI about a
+# thousand times: cli_zygote.py imports them once and forks each run from there. A run whose environment differs
+# from the zygote's in what is read at start-up gets a fresh interpreter, as does every run with MANAS_TEST_FRESH=1.
+STARTUP = ("PYTHON", "LC_", "LANG", "OMP_", "GOMP_", "KMP_", "MKL_")  # read as the interpreter and torch start
+ZYGOTE = Path(__file__).resolve().parent / "cli_zygote.py"
+TIMEOUT = 300
+
+
+def cli(
+    *args: str | Path,
+    stdin: bytes | str = b"",
+    env: dict[str, str] | None = None,
+    text: bool = False,
+    umask: int | None = None,
+    address_space: int | None = None,
+) -> subprocess.CompletedProcess:
+    """`manas ARGS` as subprocess.run(capture_output=True) runs it, forked from the zygote where it can be: env is
+    the whole environment (cli_env() when None), umask and address_space (RLIMIT_AS) the child's."""
+    args = tuple(str(arg) for arg in args)
+    stdin = stdin.encode() if isinstance(stdin, str) else stdin
+    returncode, stdout, stderr = run_cli(args, stdin, cli_env() if env is None else env, umask, address_space)
+    if text:
+        stdout, stderr = stdout.decode(), stderr.decode()
+    return subprocess.CompletedProcess([*MANAS, *args], returncode, stdout, stderr)
+
+
+def run_cli(
+    args: tuple[str, ...], stdin: bytes, env: dict[str, str], umask: int | None = None, address_space: int | None = None
+) -> tuple[int, bytes, bytes]:
+    zygote = _zygote()
+    if os.environ.get("MANAS_TEST_LOG"):
+        with open(os.environ["MANAS_TEST_LOG"], "a") as log:
+            fresh = zygote is None or _startup(env) != zygote.startup or zygote.lock.locked()
+            print("fresh" if fresh else "zygote", args[0], _startup(env) if fresh else "", file=log)
+    if zygote is None or _startup(env) != zygote.startup or not zygote.lock.acquire(blocking=False):
+        done = subprocess.run(
+            [*MANAS, *args], input=stdin, capture_output=True, env=env, timeout=TIMEOUT,
+            preexec_fn=lambda: _limit(umask, address_space),
+        )  # fmt: skip
+        return done.returncode, done.stdout, done.stderr
+    try:
+        return zygote.run(args, stdin, env, umask, address_space)
+    finally:
+        zygote.lock.release()
+
+
+def _limit(umask: int | None, address_space: int | None) -> None:
+    if umask is not None:
+        os.umask(umask)
+    if address_space is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+
+def _startup(env: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if name.startswith(STARTUP)}
+
+
+class Zygote:
+    def __init__(self) -> None:
+        self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = cli_env()
+        self.startup = _startup(env)
+        self.process = subprocess.Popen(
+            [sys.executable, str(ZYGOTE), str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        theirs.close()
+        self.lock = threading.Lock()
+
+    def run(
+        self, args: tuple[str, ...], stdin: bytes, env: dict[str, str], umask: int | None, address_space: int | None
+    ) -> tuple[int, bytes, bytes]:
+        """One run forked from the zygote, its pipes fed and drained here as subprocess.run does."""
+        (stdin_read, stdin_write), (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe(), os.pipe()
+        request = {"args": list(args), "env": env, "cwd": os.getcwd(), "umask": umask, "address_space": address_space}
+        request = json.dumps(request).encode()
+        socket.send_fds(self.channel, [request], [stdin_read, out_write, err_write])
+        for descriptor in (stdin_read, out_write, err_write):
+            os.close(descriptor)
+        pid = json.loads(self.channel.recv(1 << 16))["pid"]
+        try:
+            stdout, stderr = _exchange(stdin_write, out_read, err_read, stdin, time.monotonic() + TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            raise
+        finally:
+            status = json.loads(self.channel.recv(1 << 16))["status"]
+        return status, stdout, stderr
+
+    def close(self) -> None:
+        self.channel.send(b"")
+        self.process.wait(timeout=30)
+        self.channel.close()
+
+
+def _exchange(stdin: int, out: int, err: int, data: bytes, deadline: float) -> tuple[bytes, bytes]:
+    """Write data to stdin, then close it, while reading out and err to their ends; or TimeoutExpired. Closes all
+    three."""
+    chunks: dict[int, list[bytes]] = {out: [], err: []}
+    written = 0
+    with selectors.DefaultSelector() as selector:
+        os.set_blocking(stdin, False)
+        for descriptor, events in (
+            (stdin, selectors.EVENT_WRITE),
+            (out, selectors.EVENT_READ),
+            (err, selectors.EVENT_READ),
+        ):
+            selector.register(descriptor, events)
+        try:
+            while selector.get_map():
+                ready = selector.select(max(deadline - time.monotonic(), 0))
+                if not ready:
+                    raise subprocess.TimeoutExpired(MANAS, TIMEOUT)
+                for key, _ in ready:
+                    if key.fd != stdin:
+                        chunk = os.read(key.fd, 65536)
+                        chunks[key.fd].append(chunk)
+                        if not chunk:
+                            selector.unregister(key.fd)
+                            os.close(key.fd)
+                        continue
+                    try:
+                        written += os.write(stdin, data[written : written + 65536])
+                    except BrokenPipeError:  # the run stopped reading: as subprocess.run, not an error
+                        written = len(data)
+                    if written >= len(data):
+                        selector.unregister(stdin)
+                        os.close(stdin)
+        finally:
+            for descriptor in list(selector.get_map()):
+                os.close(descriptor)
+    return b"".join(chunks[out]), b"".join(chunks[err])
+
+
+_zygotes: list[Zygote | None] = []
+
+
+def _zygote() -> Zygote | None:
+    """This test process's zygote, started at its first run; None with MANAS_TEST_FRESH=1."""
+    if not _zygotes:
+        _zygotes.append(None if os.environ.get("MANAS_TEST_FRESH") == "1" else Zygote())
+        if _zygotes[0] is not None:
+            atexit.register(_zygotes[0].close)
+    return _zygotes[0]
 
 
 def generate(

@@ -16,6 +16,16 @@ from manas_cli.native.session import NativeSession
 from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.torch_engine.model import GPT, GPTConfig
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: runs for tens of seconds; scheduled first (pytest_collection_modifyitems)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first, in their order: one started last would end the run alone on one worker while the other
+    worker waits. (xdist hands out the tests in this order, after test_batch_ray's one group.)"""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 # One thread for the whole session: the suite is tiny, CI has 2 cores, and a background job may hold the rest.
 torch.set_num_threads(1)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cli_fixtures import cli
 from conftest import engine_of
 from manas_cli.engine.generation import generate
 from manas_cli.engine.sampling import Sampler
@@ -35,13 +36,7 @@ SMALL_VOCAB = 96  # for models whose conversion is refused before any tokenizer 
 
 def run_manas(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The real CLI, one thread (the machine's other core belongs to whoever else is running)."""
-    return subprocess.run(
-        [*MANAS, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
+    return cli(*args, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, text=True)
 
 
 def assert_converted(result: subprocess.CompletedProcess, dst: Path) -> None:

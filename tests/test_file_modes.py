@@ -3,23 +3,19 @@ the private 0600 of a temporary file nor a mode of its own."""
 
 from __future__ import annotations
 
-import os
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, rope  # noqa: F401 (fixtures)
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli, cli_env, learned, rope  # noqa: F401 (fixtures)
 from test_hardening_writes import TINY_SHAPE, write_nanogpt
 
 UMASK = 0o027  # neither 022 nor 077: a forced 0644, 0600 or 0755 all show
 
 
 def run_under_umask(*args: str | Path) -> None:
-    done = subprocess.run(
-        [*MANAS, *map(str, args)], capture_output=True, env=cli_env(), timeout=300, preexec_fn=lambda: os.umask(UMASK)
-    )
+    done = cli(*args, umask=UMASK)
     assert done.returncode == 0, done.stderr.decode()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import resource
 import subprocess
 import sys
 import zipfile
@@ -18,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from cli_fixtures import BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, rope  # noqa: F401
+from cli_fixtures import BLOCK_SIZE, MANAS, RUN_OPTIONS, checkpoints, cli, cli_env, learned, rope  # noqa: F401
 from manas_cli.engine.config import parameter_shapes
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.formats.gpt2 import gpt2_name
@@ -30,15 +29,9 @@ SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "shakespeare.saf
 BYTE_RANKS = {bytes([i]): i for i in range(256)}
 
 
-def limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
-
-
 def run(*args: str | Path, stdin: bytes = b"") -> subprocess.CompletedProcess:
     """The real CLI under the address-space limit."""
-    return subprocess.run(
-        [*MANAS, *map(str, args)], input=stdin, capture_output=True, env=cli_env(), preexec_fn=limit_memory, timeout=300
-    )
+    return cli(*args, stdin=stdin, address_space=ADDRESS_SPACE)
 
 
 def assert_one_error(result: subprocess.CompletedProcess, *fragments: str) -> str:

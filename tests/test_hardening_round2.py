@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, manas, rope  # noqa: F401 (fixtures)
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli, cli_env, learned, manas, rope  # noqa: F401 (fixtures)
 from manas_cli.formats.tokenizer import GPT2_PAT_STR, bpe_spec, build_encoding, pattern_is_safe
 from test_hardening_load import (
     assert_one_error,
@@ -561,10 +561,5 @@ def test_a_broken_gguf_install_says_to_reinstall(tmp_path, rope):
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / "__init__.py").write_text("raise RuntimeError('numpy ABI mismatch')\n")
     env = cli_env(PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
-    result = subprocess.run(
-        [*MANAS, "export", rope.path, "--format", "gguf", "--out", tmp_path / "m.gguf"],
-        capture_output=True,
-        env=env,
-        timeout=120,
-    )
+    result = cli("export", rope.path, "--format", "gguf", "--out", tmp_path / "m.gguf", env=env)
     assert_one_error(result, "fails to import", "numpy ABI mismatch", "reinstall")

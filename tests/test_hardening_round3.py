@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, learned, manas, rope  # noqa: F401 (fixtures)
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli, cli_env, learned, manas, rope  # noqa: F401 (fixtures)
 from manas_cli.errors import TokenizerError
 from manas_cli.formats.tokenizer import bytes_to_unicode, spec_from_hf_files
 from test_hardening_load import assert_one_error, read_parts, write_variant
@@ -30,13 +30,7 @@ GOOD = json.dumps({"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
 
 
 def jsonl_run(checkpoint: Path, data: bytes, *args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*MANAS, "generate", "-c", checkpoint, *RUN_OPTIONS, "--jsonl", *map(str, args)],
-        input=data,
-        capture_output=True,
-        env=cli_env(),
-        timeout=300,
-    )
+    return cli("generate", "-c", checkpoint, *RUN_OPTIONS, "--jsonl", *args, stdin=data)
 
 
 def records(done: subprocess.CompletedProcess) -> list[dict]:
@@ -237,12 +231,7 @@ def loud_at_10(learned, tmp_path_factory) -> Path:
 
 
 def test_logits_that_overflow_after_the_prompt_are_an_error_naming_the_position(loud_at_10):
-    done = subprocess.run(
-        [*MANAS, "generate", "-c", loud_at_10, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "20", "-t", "0"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=300,
-    )
+    done = cli("generate", "-c", loud_at_10, *RUN_OPTIONS, "-p", "ROMEO:", "-n", "20", "-t", "0")
     err = done.stderr.decode()
     assert done.returncode == 1 and "NaN or infinite logits at position 10" in err, err
     assert b"\x00" not in done.stdout and "Traceback" not in err
@@ -250,12 +239,7 @@ def test_logits_that_overflow_after_the_prompt_are_an_error_naming_the_position(
 
 def test_score_refuses_logits_that_overflow_naming_the_position(loud_at_10, tmp_path):
     (tmp_path / "t.txt").write_text("ROMEO: what light through yonder window breaks? It is the east.")
-    done = subprocess.run(
-        [*MANAS, "score", tmp_path / "t.txt", "-c", loud_at_10, *RUN_OPTIONS, "--json"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=300,
-    )
+    done = cli("score", tmp_path / "t.txt", "-c", loud_at_10, *RUN_OPTIONS, "--json")
     # the whole window runs at once, and attention carries the overflow back to earlier positions too
     assert_one_error(done, "NaN or infinite logits at position")
 
@@ -332,12 +316,7 @@ def test_added_tokens_a_folder_lists_are_special_tokens(tmp_path):
     manas("tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken").ok()
     assert "[PAD]" in manas("tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken", "--force").ok().err
     (tmp_path / "added_tokens.json").unlink()
-    done = subprocess.run(
-        [*MANAS, "tokenizer", tmp_path, "--out", tmp_path / "u.tiktoken"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=120,
-    )
+    done = cli("tokenizer", tmp_path, "--out", tmp_path / "u.tiktoken")
     assert_one_error(done, "token '[PAD]' (id 257) is longer than a byte, but no merge builds it")
 
 
@@ -345,12 +324,7 @@ def test_the_tokenizer_command_refuses_a_vocab_of_unbuilt_tokens_instead_of_drop
     vocab, merges = hf_files(["a b"], {f"word{index}": 257 + index for index in range(1000)})
     (tmp_path / "vocab.json").write_text(vocab)
     (tmp_path / "merges.txt").write_text(merges)
-    done = subprocess.run(
-        [*MANAS, "tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=120,
-    )
+    done = cli("tokenizer", tmp_path, "--out", tmp_path / "t.tiktoken")
     assert_one_error(done, "no merge builds it and it is not a special token")
     assert not (tmp_path / "t.tiktoken").exists()
 
@@ -363,12 +337,7 @@ def test_a_checkpoint_with_100000_special_tokens_is_refused(rope, tmp_path):
     path = write_variant(
         tmp_path / "many.safetensors", rope.path, tokenizer=spec, config={"vocab_size": first + 100_000}
     )
-    done = subprocess.run(
-        [*MANAS, "generate", "-c", path, *RUN_OPTIONS, "-p", "a", "-n", "1"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=120,
-    )
+    done = cli("generate", "-c", path, *RUN_OPTIONS, "-p", "a", "-n", "1")
     assert_one_error(done, "100,001 special tokens; at most 4,096 are allowed")
 
 
@@ -411,12 +380,7 @@ def test_a_tokenizer_json_of_another_kind_is_refused_naming_it(tokenizer_json_fo
     tokenizer = json.loads((tokenizer_json_folder / "tokenizer.json").read_text())
     tokenizer["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁"}
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    done = subprocess.run(
-        [*MANAS, "convert", folder, "--out", tmp_path / "o.safetensors"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=120,
-    )
+    done = cli("convert", folder, "--out", tmp_path / "o.safetensors")
     assert_one_error(done, "pre-tokenizer is 'Metaspace'")
 
 
@@ -447,12 +411,7 @@ def test_endless_input_is_refused_at_the_cap(rope, command):
 
 
 def test_train_refuses_endless_text_at_the_cap(tmp_path):
-    done = subprocess.run(
-        [*MANAS, "train", "/dev/zero", "--out", tmp_path / "m.safetensors"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=120,
-    )
+    done = cli("train", "/dev/zero", "--out", tmp_path / "m.safetensors")
     assert_one_error(done, "training text /dev/zero is over 64 MiB")
 
 
@@ -505,27 +464,19 @@ def test_out_of_memory_advice_names_the_commands_own_flags(tmp_path):
 
 def test_a_pytorch_checkpoint_given_to_generate_says_convert_it(tmp_path):
     torch.save({"model": {"w": torch.zeros(2)}, "model_args": {}}, tmp_path / "ckpt.pt")
-    done = subprocess.run(
-        [*MANAS, "generate", "-c", tmp_path / "ckpt.pt", "-p", "a"], capture_output=True, env=cli_env(), timeout=120
-    )
+    done = cli("generate", "-c", tmp_path / "ckpt.pt", "-p", "a")
     assert_one_error(done, "this is a PyTorch checkpoint", f"manas convert {tmp_path / 'ckpt.pt'} --out")
 
 
 def test_garbage_given_to_convert_is_said_to_be_no_pytorch_checkpoint(tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint at all\n" * 100)
-    done = subprocess.run(
-        [
-            *MANAS,
-            "convert",
-            tmp_path / "ckpt.pt",
-            "--out",
-            tmp_path / "o.safetensors",
-            "--tokenizer-file",
-            ROOT / "tests" / "data" / "gpt2.tiktoken",
-        ],
-        capture_output=True,
-        env=cli_env(),
-        timeout=120,
+    done = cli(
+        "convert",
+        tmp_path / "ckpt.pt",
+        "--out",
+        tmp_path / "o.safetensors",
+        "--tokenizer-file",
+        ROOT / "tests" / "data" / "gpt2.tiktoken",
     )
     line = assert_one_error(done, "neither the zip archive torch.save writes nor a pickle")
     assert "weights_only" not in line and "PyTorch 2.6" not in line
@@ -544,7 +495,7 @@ def test_score_with_stride_equal_to_the_window_scores_k_windows_and_one_token(ro
 def test_an_output_name_over_255_bytes_is_refused_before_any_work(rope, tmp_path):
     long = tmp_path / ("m" * 300 + ".gguf")
     for command in (["export", rope.path, "--format", "gguf", "--out", long], ["quantize", rope.path, "--out", long]):
-        done = subprocess.run([*MANAS, *command], capture_output=True, env=cli_env(), timeout=120)
+        done = cli(*command)
         assert_one_error(done, "the file name is 305 bytes long, and a name may have at most 255")
 
 
@@ -561,12 +512,7 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_says_the_disk_is_full_and_leaves_nothing(small_disk):
     shipped = ROOT / "checkpoints" / "shakespeare.safetensors"  # 18 MB: more than the disk holds
-    done = subprocess.run(
-        [*MANAS, "export", shipped, "--format", "gguf", "--out", small_disk / "m.gguf"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=120,
-    )
+    done = cli("export", shipped, "--format", "gguf", "--out", small_disk / "m.gguf")
     if b"gguf" in done.stderr and b"pip install" in done.stderr:
         pytest.skip("the gguf extra is not installed")
     assert_one_error(done, "the disk is full", "free some space")
@@ -594,12 +540,7 @@ def test_resuming_training_from_an_int4_file_calls_it_int4(rope, tmp_path):
     text.write_text((ROOT / "tests" / "data" / "tinyshakespeare-head.txt").read_text()[:20_000])
     out = tmp_path / "int4.safetensors"
     manas("quantize", rope.path, "--bits", "4", "--out", out).ok()
-    done = subprocess.run(
-        [*MANAS, "train", text, "--out", out, "--resume", "--steps", "1"],
-        capture_output=True,
-        env=cli_env(),
-        timeout=120,
-    )
+    done = cli("train", text, "--out", out, "--resume", "--steps", "1")
     assert_one_error(done, "is an int4 checkpoint: training needs float weights")
 
 

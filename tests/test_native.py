@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cli_fixtures import MANAS, RUN_OPTIONS, cli_env
+from cli_fixtures import MANAS, RUN_OPTIONS, cli, cli_env
 from conftest import BLOCK_SIZE, all_logits, cache_layers, make_model, native_model, needs_compiler, step_logits
 from manas_cli.engine.threads import usable_cpus
 from manas_cli.formats.checkpoint import load_checkpoint
@@ -99,6 +99,7 @@ X86_WITH_AVX2_AND_FMA = platform.machine() == "x86_64" and {"avx2", "fma"} <= se
 
 
 @needs_compiler
+@pytest.mark.slow
 @pytest.mark.skipif(not X86_WITH_AVX2_AND_FMA, reason="needs an x86-64 CPU with AVX2 and FMA")
 def test_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path, native_library):
     """The same source built for this CPU (AVX-512 VNNI where it has it: the core the other tests load, built as the
@@ -337,13 +338,7 @@ def test_the_core_refuses_weights_it_does_not_run(native_library):
 
 
 def run_generate(*args: str, env: dict, prompt: str = "ROMEO:") -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*MANAS, "generate", "-p", prompt, "-n", "8", "-t", "0", *RUN_OPTIONS, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    return cli("generate", "-p", prompt, "-n", "8", "-t", "0", *RUN_OPTIONS, *args, env=env, text=True)
 
 
 def fresh_cache_env(tmp_path: Path, **overrides: str) -> dict:
@@ -687,44 +682,39 @@ def test_the_library_is_keyed_by_source_flags_compiler_and_cpu(monkeypatch):
 @needs_compiler
 def test_bench_and_score_name_the_engine(tmp_path):
     env = fresh_cache_env(tmp_path)
-    bench = subprocess.run(
-        [*MANAS, "bench", "-n", "4", "--prompt-tokens", "4", "-r", "1", "--no-baseline", *RUN_OPTIONS, "--json"],
-        capture_output=True,
-        text=True,
+    bench = cli(
+        "bench",
+        "-n",
+        "4",
+        "--prompt-tokens",
+        "4",
+        "-r",
+        "1",
+        "--no-baseline",
+        *RUN_OPTIONS,
+        "--json",
         env=env,
-        timeout=300,
+        text=True,
     )
     assert bench.returncode == 0, bench.stderr
     assert json.loads(bench.stdout)["model"]["engine"] == "native"
-    table = subprocess.run(
-        [
-            *MANAS,
-            "bench",
-            "-n",
-            "4",
-            "--prompt-tokens",
-            "4",
-            "-r",
-            "1",
-            "--no-baseline",
-            *RUN_OPTIONS,
-            "--engine",
-            "torch",
-        ],
-        capture_output=True,
-        text=True,
+    table = cli(
+        "bench",
+        "-n",
+        "4",
+        "--prompt-tokens",
+        "4",
+        "-r",
+        "1",
+        "--no-baseline",
+        *RUN_OPTIONS,
+        "--engine",
+        "torch",
         env=env,
-        timeout=300,
+        text=True,
     )
     assert "torch engine" in table.stdout
-    score = subprocess.run(
-        [*MANAS, "score", *RUN_OPTIONS, "--json"],
-        input="To be, or not to be: that is it.",
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    score = cli("score", *RUN_OPTIONS, "--json", stdin="To be, or not to be: that is it.", env=env, text=True)
     assert json.loads(score.stdout)["engine"] == "native"
 
 
@@ -732,13 +722,8 @@ def test_native_and_torch_score_the_same_text_alike(shakespeare_held_out, tmp_pa
     env = fresh_cache_env(tmp_path)
     scores = {}
     for engine in ("native", "torch"):
-        done = subprocess.run(
-            [*MANAS, "score", *RUN_OPTIONS, "--engine", engine, "--json"],
-            input=shakespeare_held_out[:6000],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
+        done = cli(
+            "score", *RUN_OPTIONS, "--engine", engine, "--json", stdin=shakespeare_held_out[:6000], env=env, text=True
         )
         assert done.returncode == 0, done.stderr
         scores[engine] = json.loads(done.stdout)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, generate_with_compiler, manas, rope  # noqa: F401
+from cli_fixtures import RUN_OPTIONS, checkpoints, cli, generate_with_compiler, manas, rope  # noqa: F401
 from conftest import all_logits, native_model, needs_compiler
 from manas_cli.formats.header import open_checkpoint
 from manas_cli.native import build
@@ -153,8 +153,7 @@ def dumps(tmp_path_factory, native_library) -> dict[str, Path]:
     files = {"float32": SHIPPED}
     for bits in (8, 4):
         files[f"int{bits}"] = folder / f"int{bits}.safetensors"
-        command = [*MANAS, "quantize", str(SHIPPED), "--bits", str(bits), "--out", str(files[f"int{bits}"])]
-        subprocess.run(command, check=True, capture_output=True, env=cli_env(), timeout=300)
+        assert cli("quantize", SHIPPED, "--bits", bits, "--out", files[f"int{bits}"]).returncode == 0
     out = {}
     for name, path in files.items():
         header = open_checkpoint(path)
@@ -199,7 +198,17 @@ def test_the_driver_prints_the_engines_own_logits_bit_for_bit(dumps, host_output
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", ["x86-64", "x86-64-v3", "x86-64-v4", "native", "clang", "aarch64"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("aarch64", marks=pytest.mark.slow),  # emulated: about 90 s
+        pytest.param("x86-64", marks=pytest.mark.slow),  # fmaf calls: about 20 s
+        "x86-64-v3",
+        "x86-64-v4",
+        "native",
+        "clang",
+    ],
+)
 def test_every_target_gives_the_hosts_bits(name, dumps, host_outputs, tmp_path):
     """The shipped model's logits over its whole window and 20 seeds' tokens (and a hash of every decode step's
     logits), and its int8 and int4 copies' (integer products), on 1 and 2 threads: byte for byte the host build's

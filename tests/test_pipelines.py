@@ -22,6 +22,7 @@ from cli_fixtures import (  # noqa: F401 (fixtures)
     RUN_OPTIONS,
     TinyCheckpoint,
     checkpoints,
+    cli,
     cli_env,
     learned,
     manas,
@@ -80,12 +81,14 @@ def mixed_requests(count: int, seed: int, max_tokens: tuple[int, int]) -> list[d
 
 
 def jsonl(checkpoint_path: Path, lines: list[str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*MANAS, "generate", "-c", checkpoint_path, *RUN_OPTIONS, "--jsonl", *args],
-        input="".join(line + "\n" for line in lines).encode(),
-        capture_output=True,
-        env=cli_env(),
-        timeout=600,
+    return cli(
+        "generate",
+        "-c",
+        checkpoint_path,
+        *RUN_OPTIONS,
+        "--jsonl",
+        *args,
+        stdin="".join(line + "\n" for line in lines).encode(),
     )
 
 

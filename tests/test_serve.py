@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli_env, manas  # noqa: F401 (checkpoints: a fixture)
+from cli_fixtures import MANAS, RUN_OPTIONS, checkpoints, cli, cli_env, manas  # noqa: F401 (checkpoints: a fixture)
 
 openai = pytest.importorskip("openai")
 
@@ -289,13 +289,14 @@ def test_sixteen_clients_at_once_each_get_what_they_would_alone(server, checkpoi
     requests = [
         json.dumps({"prompt": p, "max_tokens": 8 + i, "temperature": 0.8, "seed": i}) for i, p in enumerate(prompts)
     ]
-    alone = subprocess.run(
-        [*MANAS, "generate", "-c", str(checkpoints["rope-gqa"].path), *RUN_OPTIONS, "--jsonl"],
-        input="\n".join(requests) + "\n",
-        capture_output=True,
+    alone = cli(
+        "generate",
+        "-c",
+        str(checkpoints["rope-gqa"].path),
+        *RUN_OPTIONS,
+        "--jsonl",
+        stdin="\n".join(requests) + "\n",
         text=True,
-        env=cli_env(),
-        timeout=300,
     )
     assert results == [json.loads(line)["text"] for line in alone.stdout.splitlines()]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_fixtures import MANAS, cli_env
+from cli_fixtures import MANAS, cli, cli_env
 from conftest import needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.torch_engine.quantize import quantize_model
@@ -116,7 +116,7 @@ def test_the_model_cards_samples_are_what_their_commands_print():
     samples = model_card_samples()
     assert len(samples) == 3
     for args, text in samples:
-        done = subprocess.run([*MANAS, *args, "-c", str(CHECKPOINT)], capture_output=True, env=cli_env(), timeout=300)
+        done = cli(*args, "-c", str(CHECKPOINT))
         assert done.returncode == 0, done.stderr.decode()
         assert done.stdout.decode("utf-8").rstrip("\n") == text
 
@@ -134,13 +134,7 @@ def test_integer_products_cost_at_most_0_005_nats_per_char_against_float_activat
     assert subprocess.run(run, capture_output=True, env=cli_env(), timeout=300).returncode == 0
     scores = {}
     for flags in ((), ("--float-activations",)):
-        done = subprocess.run(
-            [*MANAS, "score", str(HELD_OUT), "-c", str(quantized), "--engine", "native", "--json", *flags],
-            capture_output=True,
-            text=True,
-            env=cli_env(),
-            timeout=300,
-        )
+        done = cli("score", str(HELD_OUT), "-c", str(quantized), "--engine", "native", "--json", *flags, text=True)
         assert done.returncode == 0, done.stderr
         scores[flags] = json.loads(done.stdout)["nats_per_char"]
     integer, floats = scores[()], scores[("--float-activations",)]

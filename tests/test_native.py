@@ -101,11 +101,11 @@ X86_WITH_AVX2_AND_FMA = platform.machine() == "x86_64" and {"avx2", "fma"} <= se
 @needs_compiler
 @pytest.mark.slow
 @pytest.mark.skipif(not X86_WITH_AVX2_AND_FMA, reason="needs an x86-64 CPU with AVX2 and FMA")
-def test_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path, native_library):
+def test_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp_path, request):
     """The same source built for this CPU (AVX-512 VNNI where it has it: the core the other tests load, built as the
     CLI builds it), for AVX2 and for plain C with FMA: the integer sums are exact and combined in one order, so the
-    logits are identical, bit for bit. First in the module: under CI's sanitizers it is the longest test (two cores
-    compiled with them), so it starts at once on one worker while the others share the rest."""
+    logits are identical, bit for bit. Marked slow, so it starts first: under CI's sanitizers its two builds take a
+    minute, so they start before it asks for the host's core, which the other worker is building meanwhile."""
     flags = [flag for flag in build.FLAGS if not flag.startswith("-march")]
     builds = {  # the two builds at once: each takes a core for seconds (a minute under the sanitizers)
         tmp_path / f"core{n}.so": subprocess.Popen(
@@ -113,6 +113,7 @@ def test_integer_products_are_the_same_bits_from_every_instruction_set_build(tmp
         )
         for n, march in enumerate((["-march=haswell"], ["-march=x86-64", "-mfma"]), start=1)
     }
+    native_library = request.getfixturevalue("native_library")
     assert [compiler.wait() for compiler in builds.values()] == [0, 0]
     libraries = [native_library, *(declare(ctypes.CDLL(str(path))) for path in builds)]
     for weights, width in (("int8", 64), ("int8", 40), ("int4", 64), ("int4", 96)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -16,14 +17,33 @@ from manas_cli.native.session import NativeSession
 from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.torch_engine.model import GPT, GPTConfig
 
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: runs for tens of seconds; scheduled first (pytest_collection_modifyitems)")
+    config.addinivalue_line(
+        "markers", "slow: runs for tens of seconds; scheduled first (pytest_collection_modifyitems)"
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The slow tests first, in their order: one started last would end the run alone on one worker while the other
     worker waits. (xdist hands out the tests in this order, after test_batch_ray's one group.)"""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, fill) -> Path:
+    """A folder that every worker of this run shares, filled once: the first worker to take its lock calls
+    fill(folder), the others wait for it and find it filled. For what costs a worker many seconds to make."""
+    base = tmp_path_factory.getbasetemp()
+    root = base if worker_id == "master" else base.parent  # under xdist, the workers' folders' common parent
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".filled").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed while filling it left
+            folder.mkdir()
+            fill(folder)
+            (folder / ".filled").touch()
+    return folder
 
 
 # One thread for the whole session: the suite is tiny, CI has 2 cores, and a background job may hold the rest.

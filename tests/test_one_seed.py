@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from cli_fixtures import RUN_OPTIONS, checkpoints, cli, generate_with_compiler, manas, rope  # noqa: F401
-from conftest import all_logits, native_model, needs_compiler
+from conftest import all_logits, native_model, needs_compiler, shared_folder
 from manas_cli.formats.header import open_checkpoint
 from manas_cli.native import build
 from manas_cli.native.binding import WEIGHTS_F32, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear, ManasModel
+from manas_cli.native.model import NativeGPT
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "checkpoints" / "shakespeare.safetensors"
@@ -145,34 +146,46 @@ def target(name: str) -> tuple[list[str], list[str], list[str]]:
     return [gcc], march[name], []
 
 
-@pytest.fixture(scope="module")
-def dumps(tmp_path_factory, native_library) -> dict[str, Path]:
+KINDS = ("float32", "int8", "int4")
+
+
+def checkpoint_of(kind: str, folder: Path) -> Path:
+    return SHIPPED if kind == "float32" else folder / f"{kind}.safetensors"
+
+
+def bound(kind: str, folder: Path, native_library) -> tuple[NativeGPT, list[int]]:
+    """The kind's model as the core binds it, and the prompt its dump runs over: the whole window for float32 (the
+    held-out text), 64 positions for its int8 and int4 copies."""
+    header = open_checkpoint(checkpoint_of(kind, folder))
+    model = native_model(header, native_library)
+    positions = model.config.block_size if kind == "float32" else 64
+    return model, header.header.encoding.encode(HELD_OUT.read_text(encoding="utf-8")[:4000])[:positions]
+
+
+def write_dumps(folder: Path, native_library) -> None:
     """The shipped model as float32, int8 and int4 (`manas quantize`), each bound by the core as the engine binds
-    it, dumped with its whole window's prompt (held-out text) and a short prompt for the seeds."""
-    folder = tmp_path_factory.mktemp("dumps")
-    files = {"float32": SHIPPED}
+    it, dumped with its prompt and a short prompt for the seeds (all 20 for float32, 5 for the others); then the
+    driver built as the engine builds the core (-march=native, gcc), and each dump's output."""
     for bits in (8, 4):
-        files[f"int{bits}"] = folder / f"int{bits}.safetensors"
-        assert cli("quantize", SHIPPED, "--bits", bits, "--out", files[f"int{bits}"]).returncode == 0
-    out = {}
-    for name, path in files.items():
-        header = open_checkpoint(path)
-        model = native_model(header, native_library)
-        whole = name == "float32"
-        positions, seeds = (model.config.block_size, SEEDS) if whole else (64, SEEDS[:5])
-        window = header.header.encoding.encode(HELD_OUT.read_text(encoding="utf-8")[:4000])[:positions]
-        out[name] = folder / f"{name}.dump"
-        write_dump(out[name], model.bound, window, header.header.encoding.encode("ROMEO:"), seeds)
-        out[f"{name}-model"] = model
-        out[f"{name}-window"] = window
-    return out
+        assert cli("quantize", SHIPPED, "--bits", bits, "--out", checkpoint_of(f"int{bits}", folder)).returncode == 0
+    for kind in KINDS:
+        model, window = bound(kind, folder, native_library)
+        seed_prompt = open_checkpoint(SHIPPED).header.encoding.encode("ROMEO:")
+        write_dump(folder / f"{kind}.dump", model.bound, window, seed_prompt, SEEDS if kind == "float32" else SEEDS[:5])
+    driver = compile_driver([build.compiler()], ["-march=native"], folder / "driver")
+    for kind in KINDS:
+        (folder / f"{kind}.out").write_text(run_driver([], driver, folder / f"{kind}.dump"))
 
 
 @pytest.fixture(scope="module")
-def host_outputs(dumps, tmp_path_factory) -> dict[str, str]:
-    """The driver built as the engine builds the core (-march=native, gcc), each dump's output."""
-    driver = compile_driver([build.compiler()], ["-march=native"], tmp_path_factory.mktemp("host") / "driver")
-    return {name: run_driver([], driver, dumps[name]) for name in ("float32", "int8", "int4")}
+def dumps(tmp_path_factory, worker_id, native_library) -> Path:
+    """The folder of write_dumps, written once per run: the workers share it."""
+    return shared_folder(tmp_path_factory, worker_id, "one-seed", lambda folder: write_dumps(folder, native_library))
+
+
+@pytest.fixture(scope="module")
+def host_outputs(dumps) -> dict[str, str]:
+    return {kind: (dumps / f"{kind}.out").read_text() for kind in KINDS}
 
 
 def run_driver(runner: list[str], driver: Path, dump: Path, threads: int = 1) -> str:
@@ -182,12 +195,12 @@ def run_driver(runner: list[str], driver: Path, dump: Path, threads: int = 1) ->
 
 
 @needs_compiler
-def test_the_driver_prints_the_engines_own_logits_bit_for_bit(dumps, host_outputs):
+def test_the_driver_prints_the_engines_own_logits_bit_for_bit(dumps, host_outputs, native_library):
     """The host build of the driver is the engine: its prefill logits are the Python engine's, bit for bit, so a
     target that agrees with it agrees with manas."""
-    for name in ("float32", "int8", "int4"):
-        ids = torch.tensor([dumps[f"{name}-window"]])
-        logits = all_logits(dumps[f"{name}-model"], ids)[0]
+    for name in KINDS:
+        model, window = bound(name, dumps, native_library)
+        logits = all_logits(model, torch.tensor([window]))[0]
         bits = logits.contiguous().view(torch.int32).numpy().astype("uint32")
         expected = [f"prefill {r}: " + " ".join(f"{b:08x}" for b in row) for r, row in enumerate(bits)]
         assert host_outputs[name].splitlines()[: len(expected)] == expected
@@ -219,7 +232,7 @@ def test_every_target_gives_the_hosts_bits(name, dumps, host_outputs, tmp_path):
     if name not in ("x86-64", "aarch64"):  # the slow ones (fmaf calls; emulation) leave 2 threads to the others
         runs.append(("float32", 2))
     for kind, threads in runs:
-        assert run_driver(runner, driver, dumps[kind], threads) == host_outputs[kind], (name, kind, threads)
+        assert run_driver(runner, driver, dumps / f"{kind}.dump", threads) == host_outputs[kind], (name, kind, threads)
 
 
 @needs_compiler

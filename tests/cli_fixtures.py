@@ -270,13 +270,16 @@ def cli(
 
 
 def run_cli(
-    args: tuple[str, ...], stdin: bytes, env: dict[str, str], umask: int | None = None, address_space: int | None = None
+    args: tuple[str, ...],
+    stdin: bytes,
+    env: dict[str, str],
+    umask: int | None = None,
+    address_space: int | None = None,
+    fork: bool = True,
 ) -> tuple[int, bytes, bytes]:
-    zygote = _zygote()
-    if os.environ.get("MANAS_TEST_LOG"):
-        with open(os.environ["MANAS_TEST_LOG"], "a") as log:
-            fresh = zygote is None or _startup(env) != zygote.startup or zygote.lock.locked()
-            print("fresh" if fresh else "zygote", args[0], _startup(env) if fresh else "", file=log)
+    """(returncode, stdout, stderr) of `manas ARGS`: forked from this worker's zygote where it can be (fork=False:
+    never), else a fresh interpreter."""
+    zygote = _zygote() if fork else None
     if zygote is None or _startup(env) != zygote.startup or not zygote.lock.acquire(blocking=False):
         done = subprocess.run(
             [*MANAS, *args], input=stdin, capture_output=True, env=env, timeout=TIMEOUT,

@@ -683,37 +683,11 @@ def test_the_library_is_keyed_by_source_flags_compiler_and_cpu(monkeypatch):
 @needs_compiler
 def test_bench_and_score_name_the_engine(tmp_path):
     env = fresh_cache_env(tmp_path)
-    bench = cli(
-        "bench",
-        "-n",
-        "4",
-        "--prompt-tokens",
-        "4",
-        "-r",
-        "1",
-        "--no-baseline",
-        *RUN_OPTIONS,
-        "--json",
-        env=env,
-        text=True,
-    )
+    quick_bench = ("bench", "-n", "4", "--prompt-tokens", "4", "-r", "1", "--no-baseline", *RUN_OPTIONS)
+    bench = cli(*quick_bench, "--json", env=env, text=True)
     assert bench.returncode == 0, bench.stderr
     assert json.loads(bench.stdout)["model"]["engine"] == "native"
-    table = cli(
-        "bench",
-        "-n",
-        "4",
-        "--prompt-tokens",
-        "4",
-        "-r",
-        "1",
-        "--no-baseline",
-        *RUN_OPTIONS,
-        "--engine",
-        "torch",
-        env=env,
-        text=True,
-    )
+    table = cli(*quick_bench, "--engine", "torch", env=env, text=True)
     assert "torch engine" in table.stdout
     score = cli("score", *RUN_OPTIONS, "--json", stdin="To be, or not to be: that is it.", env=env, text=True)
     assert json.loads(score.stdout)["engine"] == "native"

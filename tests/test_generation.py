@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from conftest import BLOCK_SIZE, engine_of, make_model, sample
+from conftest import BLOCK_SIZE, ENGINES, engine_of, make_model, sample
 from manas_cli.engine.generation import GenerationStats, crop_window, generate, generate_reference
 from manas_cli.engine.sampling import Penalties, Sampler
 from manas_cli.torch_engine.kv_cache import CacheSession
@@ -108,7 +108,10 @@ def decode_is_bitwise_the_full_window(model, ids: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("allocation", ["dynamic", "static"])
-@pytest.mark.parametrize("path", QUANTIZED_PATHS)
+@pytest.mark.parametrize(  # the core reads the stored codes whichever product torch would use: one path per kind
+    ("engine", "path"),
+    [(engine, path) for engine in ENGINES for path in QUANTIZED_PATHS if engine == "torch" or "kernel" in path],
+)
 @pytest.mark.parametrize("sampler", ["greedy", "top-k-top-p"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_quantized_cached_generation_equals_its_own_crop_and_recompute_past_the_window(

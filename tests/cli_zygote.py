@@ -52,6 +52,7 @@ def run_child(request: dict, descriptors: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    sys.path[0] = request["cwd"]  # as `python -m` puts the folder it runs in first, where this script's folder was
     if request["umask"] is not None:
         os.umask(request["umask"])
     if request["address_space"] is not None:
@@ -60,8 +61,8 @@ def run_child(request: dict, descriptors: list[int]) -> None:
     try:
         runpy.run_module("manas_cli", run_name="__main__", alter_sys=True)
         status = 0
-    except SystemExit as exit:
-        status = exit_status(exit.code)
+    except SystemExit as stop:
+        status = exit_status(stop.code)
     except BaseException:
         sys.excepthook(*sys.exc_info())
         status = 1

@@ -281,9 +281,10 @@ def run_cli(
     never), else a fresh interpreter."""
     zygote = _zygote() if fork else None
     if zygote is None or _startup(env) != zygote.startup or not zygote.lock.acquire(blocking=False):
+        limited = umask is not None or address_space is not None
         done = subprocess.run(
             [*MANAS, *args], input=stdin, capture_output=True, env=env, timeout=TIMEOUT,
-            preexec_fn=lambda: _limit(umask, address_space),
+            preexec_fn=(lambda: _limit(umask, address_space)) if limited else None,
         )  # fmt: skip
         return done.returncode, done.stdout, done.stderr
     try:
@@ -304,6 +305,8 @@ def _startup(env: dict[str, str]) -> dict[str, str]:
 
 
 class Zygote:
+    """cli_zygote.py, started with cli_env() and spoken to over a socket pair; one run at a time (the lock)."""
+
     def __init__(self) -> None:
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = cli_env()

@@ -3,13 +3,12 @@
 import json
 import re
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from cli_fixtures import MANAS, cli, cli_env
+from cli_fixtures import cli
 from conftest import needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint, save_checkpoint
 from manas_cli.torch_engine.quantize import quantize_model
@@ -130,8 +129,7 @@ def test_integer_products_cost_at_most_0_005_nats_per_char_against_float_activat
     """The core's default int8 and int4 products against its --float-activations path, through `manas score` on
     the shipped model's quantized files."""
     quantized = tmp_path / f"int{bits}.safetensors"
-    run = [*MANAS, "quantize", str(CHECKPOINT), "--bits", str(bits), "--out", str(quantized)]
-    assert subprocess.run(run, capture_output=True, env=cli_env(), timeout=300).returncode == 0
+    assert cli("quantize", CHECKPOINT, "--bits", bits, "--out", quantized).returncode == 0
     scores = {}
     for flags in ((), ("--float-activations",)):
         done = cli("score", str(HELD_OUT), "-c", str(quantized), "--engine", "native", "--json", *flags, text=True)

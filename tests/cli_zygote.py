@@ -3,9 +3,9 @@ forks a child for each run the tests ask of it: the child takes the run's pipes 
 its environment, working folder and arguments, and runs `python -m manas_cli` as the interpreter would, to its own
 exit status. Each run is still a process of its own, and everything a run does after start-up is the real CLI's.
 
-cli_fixtures.manas sends runs here; a run whose environment changes what is read at start-up (PYTHON*, locale,
-OpenMP, Hugging Face, Ray: the names in STARTUP) gets a fresh interpreter instead, as does every run when
-MANAS_TEST_FRESH=1.
+cli_fixtures.run_cli (under manas() and cli()) sends runs here; a run whose environment changes what is read at
+start-up (PYTHON*, locale, OpenMP: the names in cli_fixtures.STARTUP) gets a fresh interpreter instead, as does
+every run when MANAS_TEST_FRESH=1.
 
 Protocol, over the SOCK_SEQPACKET socket whose descriptor is argv[1]: a request is one JSON message ({"args",
 "env", "cwd", "umask", "address_space"}) carrying three descriptors (stdin, stdout, stderr); the answers are

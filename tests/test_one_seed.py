@@ -168,9 +168,9 @@ def write_dumps(folder: Path, native_library) -> None:
     driver built as the engine builds the core (-march=native, gcc), and each dump's output."""
     for bits in (8, 4):
         assert cli("quantize", SHIPPED, "--bits", bits, "--out", checkpoint_of(f"int{bits}", folder)).returncode == 0
+    seed_prompt = open_checkpoint(SHIPPED).header.encoding.encode("ROMEO:")
     for kind in KINDS:
         model, window = bound(kind, folder, native_library)
-        seed_prompt = open_checkpoint(SHIPPED).header.encoding.encode("ROMEO:")
         write_dump(folder / f"{kind}.dump", model.bound, window, seed_prompt, SEEDS if kind == "float32" else SEEDS[:5])
     driver = compile_driver([build.compiler()], ["-march=native"], folder / "driver")
     for kind in KINDS:

@@ -17,14 +17,16 @@ import subprocess
 import threading
 import time
 
-from harness import MANAS, run_goals
+from harness import MANAS, realtime, run_goals
 from manas_cli.models import resolve_checkpoint
 
 READY = re.compile(r"manas serve: http://127\.0\.0\.1:(\d+)/v1")
 
 
-def start_server(*flags: str) -> tuple[subprocess.Popen, int]:
-    process = subprocess.Popen([*MANAS, "serve", "--port", "0", *flags], stderr=subprocess.PIPE, text=True)
+def start_server(*flags: str, priority: bool = False) -> tuple[subprocess.Popen, int]:
+    """A `manas serve` on a free port, under `chrt -f 1` with priority (as its peer llama-server is)."""
+    command = [*MANAS, "serve", "--port", "0", *flags]
+    process = subprocess.Popen(realtime(command) if priority else command, stderr=subprocess.PIPE, text=True)
     while line := process.stderr.readline():
         if found := READY.search(line):
             threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
@@ -32,15 +34,15 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, int]:
     raise RuntimeError("the server did not start")
 
 
-def post(port: int, body: dict, stream: bool = False):
+def post(port: int, body: dict, path: str = "/v1/completions"):
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
     return connection, response
 
 
-def complete(port: int, body: dict) -> dict:
-    connection, response = post(port, body)
+def complete(port: int, body: dict, path: str = "/v1/completions") -> dict:
+    connection, response = post(port, body, path)
     data = json.loads(response.read())
     connection.close()
     return data
@@ -66,7 +68,7 @@ def alone_texts(requests: list[dict]) -> list[str]:
     return [json.loads(line)["text"] for line in done.stdout.splitlines()]
 
 
-def concurrent(port: int, requests: list[dict], clients: int) -> tuple[list, float]:
+def concurrent(port: int, requests: list[dict], clients: int, path: str = "/v1/completions") -> tuple[list, float]:
     answers = [None] * len(requests)
     pending = iter(range(len(requests)))
     lock = threading.Lock()
@@ -77,7 +79,7 @@ def concurrent(port: int, requests: list[dict], clients: int) -> tuple[list, flo
                 index = next(pending, None)
             if index is None:
                 return
-            answers[index] = complete(port, requests[index])
+            answers[index] = complete(port, requests[index], path)
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]

@@ -187,6 +187,12 @@ def run_goals(goals: dict[str, Callable[[argparse.Namespace], dict]], descriptio
     parser.add_argument("--threads", type=int, default=2, help="threads of goals 1, 2 and 4 (the others set their own)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--weights", choices=("float32", "int8", "int4"), default="float32", help="weights of the goals that take one"
+    )
+    parser.add_argument(
+        "--slots", type=int, default=16, help="rows a server decodes together (--batch-size; llama-server's -np)"
+    )
     args = parser.parse_args()
     report = {
         "machine": cpu_name(),

@@ -738,3 +738,23 @@ def test_a_prefill_extended_from_a_kept_or_copied_prefix_is_a_whole_prefill_bit_
     assert torch.equal(step_logits(copied.extend([ids], 9)), expected)
     for session in (earlier, copied):
         assert all(torch.equal(a, b) for pair in zip(cache_layers(session), cache_layers(whole)) for a, b in zip(*pair))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+def test_a_decoded_cache_handed_over_holds_what_a_prefill_of_its_tokens_holds(native_library, weights, family):
+    """What the prefix cache keeps of a finished request: its prompt prefilled and its answer decoded token by
+    token, handed over without a copy (its room past the positions included), restored into another row and
+    extended: the logits of a whole prefill, bit for bit."""
+    native = native_model(configured_model("rope", "gqa", True, "tanh", weights, family), native_library)
+    ids = random_ids(1, BLOCK_SIZE, seed=8)[0].tolist()
+    expected = step_logits(NativeSession(native).prefill([ids])).clone()
+    answered = NativeSession(native)
+    answered.prefill([ids[:5]])
+    for token in ids[5:12]:  # the answer's tokens, each decoded
+        answered.decode([token])
+    snapshot = answered.hand_over()
+    assert snapshot.positions == 12 and snapshot.size > 12 and answered.positions == 0
+    copied = NativeSession(native)
+    copied.restore(snapshot, 12)
+    assert torch.equal(step_logits(copied.extend([ids], 12)), expected)

@@ -54,6 +54,7 @@ class Row:
         self.request, self.eot_id = request, eot_id
         self.session = engine.new_session()
         self.window = request.prompt[-engine.config.block_size :]
+        self.prompt_length = len(self.window)
         self.state = engine.sampling_state(request.sampler, 1, request.logprobs)
         self.steps = 0
 
@@ -71,6 +72,14 @@ class Row:
         if reusable:
             prefixes.add(self.window, self.session.snapshot())
         return "prefill", logits
+
+    def hand_over(self, prefixes: PrefixCache) -> None:
+        """Once the request is done, its cache into the prefix cache, moved rather than copied: the prompt and the
+        answer, which a chat's next turn starts with. Only where the window never slid (nor re-prefilled), so the
+        cache holds its tokens but the last from position 0."""
+        cached = self.window[:-1]
+        if self.prompt_length + self.steps == len(self.window) and self.session.positions == len(cached):
+            prefixes.add(cached, self.session.hand_over())
 
     def take(self, logits, kind: str, started: float) -> Token:
         """Sample this row's next token from its logits (one row)."""
@@ -121,4 +130,8 @@ def generate_batched(
             for index, row in enumerate(decoding):
                 made[row] = row.take(logits[index : index + 1], "decode", started)
         yield [made[row] for row in rows]
-        rows = [row for row in rows if not (made[row].last or finished(row.request.key))]
+        done = [row for row in rows if made[row].last or finished(row.request.key)]
+        for row in done:
+            if prefixes is not None and hasattr(row.session, "hand_over") and made[row].error is None:
+                row.hand_over(prefixes)
+        rows = [row for row in rows if row not in done]

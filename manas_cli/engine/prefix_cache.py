@@ -38,10 +38,13 @@ class PrefixCache:
         return best, self.entries[found].snapshot
 
     def add(self, window: list[int], snapshot) -> None:
-        """Keep a prefilled window's snapshot, dropping the least recently used past max_bytes."""
+        """Keep a prefilled window's snapshot, dropping the least recently used past max_bytes, and the entries
+        whose tokens start it: any window shares at least as long a start with it as with them."""
         key, nbytes = tuple(window), snapshot.nbytes
         if nbytes > self.max_bytes or key in self.entries:
             return
+        for tokens in [tokens for tokens in self.entries if len(tokens) < len(key) and key[: len(tokens)] == tokens]:
+            self.bytes -= self.entries.pop(tokens).nbytes
         self.entries[key] = Entry(snapshot, nbytes)
         self.bytes += nbytes
         while self.bytes > self.max_bytes:

@@ -117,19 +117,27 @@ class NativeSession:
             for layer in range(layers):
                 source = ctypes.addressof(cached) + 4 * layer * self.size * self.position_floats
                 ctypes.memmove(ctypes.addressof(copy) + 4 * layer * n, source, 4 * n)
-        return Snapshot(self.positions, k, v)
+        return Snapshot(self.positions, k, v, self.positions)
+
+    def hand_over(self) -> Snapshot:
+        """Row 0's cached keys and values as a snapshot without a copy, the session left empty: a finished
+        request's cache, which nothing reads again, kept for the prefix cache at no cost."""
+        if self.batch_size != 1:
+            raise ValueError(f"only a cache of one row can be handed over, not of {self.batch_size}")
+        snapshot = Snapshot(self.positions, self.k, self.v, self.size)
+        self.reset()
+        return snapshot
 
     def restore(self, snapshot: Snapshot, keep: int, room: int = 0) -> None:
         """One row holding a snapshot's first `keep` positions, as the prefill that made them left them, in a cache
         with room for `room` positions (the prompt it will be extended to: allocated once, not grown)."""
-        positions, k, v = snapshot.positions, snapshot.k, snapshot.v
         self.reset()
         self.allocate(1, max(keep, room))
-        n, kept = positions * self.position_floats, keep * self.position_floats
-        for copy, cached in ((k, self.k), (v, self.v)):
+        stride, kept = snapshot.size * self.position_floats, keep * self.position_floats
+        for copy, cached in ((snapshot.k, self.k), (snapshot.v, self.v)):
             for layer in range(self.model.config.n_layer):
                 target = ctypes.addressof(cached) + 4 * layer * self.size * self.position_floats
-                ctypes.memmove(target, ctypes.addressof(copy) + 4 * layer * n, 4 * kept)
+                ctypes.memmove(target, ctypes.addressof(copy) + 4 * layer * stride, 4 * kept)
         self.positions, self.batch_size = keep, 1
 
     def run_prompts(self, ids: list[list[int]], logits_from: int) -> Logits:
@@ -180,11 +188,13 @@ class NativeSession:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A row's cached keys and values, copied: k and v each (n_layer, positions, n_kv_head, head_size) float32."""
+    """A row's cached keys and values: k and v each (n_layer, size, n_kv_head, head_size) float32, the first
+    `positions` of each layer's `size` filled (size is positions for a copy, the cache's room for a hand-over)."""
 
     positions: int
     k: object
     v: object
+    size: int
 
     @property
     def nbytes(self) -> int:

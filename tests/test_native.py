@@ -758,3 +758,41 @@ def test_a_decoded_cache_handed_over_holds_what_a_prefill_of_its_tokens_holds(na
     copied = NativeSession(native)
     copied.restore(snapshot, 12)
     assert torch.equal(step_logits(copied.extend([ids], 12)), expected)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+def test_prompts_run_in_the_decode_rows_call_as_they_run_alone(native_library, weights, family):
+    """A server's step (run_rows): two rows decoding, a new prompt and a prompt extending a restored start, all in
+    one call; each row's logits and cache are those of its own prefill, extend or decode, bit for bit."""
+    from manas_cli.native.session import run_rows
+
+    native = native_model(configured_model("rope", "gqa", True, "tanh", weights, family), native_library)
+    ids = random_ids(4, BLOCK_SIZE, seed=9).tolist()
+    alone, together = [NativeSession(native) for _ in range(4)], [NativeSession(native) for _ in range(4)]
+    for sessions in (alone, together):
+        sessions[0].prefill([ids[0][:6]])
+        sessions[1].prefill([ids[1][:11]])
+    earlier = NativeSession(native)
+    earlier.prefill([ids[3][:7]])
+    together[3].restore(earlier.snapshot(), 7, 14)
+    expected = [
+        alone[0].decode([ids[0][6]]),
+        alone[1].decode([ids[1][11]]),
+        alone[2].prefill([ids[2][:15]]),
+        alone[3].prefill([ids[3][:14]]),
+    ]
+    logits = run_rows(
+        native,
+        [
+            (together[0], [ids[0][6]]),
+            (together[1], [ids[1][11]]),
+            (together[2], ids[2][:15]),
+            (together[3], ids[3][7:14]),
+        ],
+    )
+    for row in range(4):
+        assert torch.equal(step_logits(logits[row : row + 1]), step_logits(expected[row]))
+        assert together[row].positions == alone[row].positions
+        pairs = zip(cache_layers(together[row]), cache_layers(alone[row]))
+        assert all(torch.equal(a, b) for pair in pairs for a, b in zip(*pair))

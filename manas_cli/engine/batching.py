@@ -2,12 +2,14 @@
 cache, sampler and stopping point; when a row finishes, the next request takes its place (as vLLM and llama.cpp's
 server do).
 
-A request's prompt is prefilled alone, and so is each re-prefill of its window, exactly as `generate` does them
-for one request. The decode steps of the rows in between run as one forward pass: the projections read each weight
-once for every row, and attention runs row by row over that row's own cache. Each row's numbers are those of the
-request alone: on the native engine bit for bit (its products sum each row in the same order whatever rows share
-a call); on torch, a matrix product over several rows may sum in another order than over one (the last bit of a
-float32), which can flip a near tie.
+The decode steps of the rows run as one forward pass: the projections read each weight once for every row, and
+attention runs row by row over that row's own cache. On the native engine the prompts of the requests that start
+at a step run in that same pass (up to JOINT_ROWS tokens; a longer one is prefilled alone), so a new request costs
+its prompt's arithmetic, not another pass over the weights; on torch each is prefilled alone. Each re-prefill of a
+window runs alone, exactly as `generate` does it. Each row's numbers are those of the request alone: on the native
+engine bit for bit (its products sum each row in the same order whatever rows share a call); on torch, a matrix
+product over several rows may sum in another order than over one (the last bit of a float32), which can flip a
+near tie.
 """
 
 from __future__ import annotations
@@ -58,19 +60,27 @@ class Row:
         self.state = engine.sampling_state(request.sampler, 1, request.logprobs)
         self.steps = 0
 
-    def prefill(self, prefixes) -> tuple[str, object]:
-        """The first step: the window prefilled, or, where the prefix cache holds its start (an engine whose
-        sessions take snapshots: the native one), that start copied in and only the rest prefilled; the window
-        then kept for later requests."""
-        reusable = prefixes is not None and hasattr(self.session, "snapshot")
-        keep, snapshot = prefixes.find(self.window) if reusable else (0, None)
+    def start(self, prefixes: PrefixCache | None) -> list[int]:
+        """The first step's tokens still to run: the window, or, where the prefix cache holds its start (an engine
+        whose sessions take snapshots: the native one), what follows that start, once it is copied in."""
+        keep, snapshot = prefixes.find(self.window) if self.reuses(prefixes) else (0, None)
         if snapshot is not None:
             self.session.restore(snapshot, keep, len(self.window))
-            logits = self.session.extend([self.window], keep)
-        else:
-            logits = self.session.prefill([self.window])
-        if reusable:
+        return self.window[keep:]
+
+    def started(self, prefixes: PrefixCache | None) -> None:
+        """The prefilled window kept for later requests."""
+        if self.reuses(prefixes):
             prefixes.add(self.window, self.session.snapshot())
+
+    def reuses(self, prefixes: PrefixCache | None) -> bool:
+        return prefixes is not None and hasattr(self.session, "snapshot")
+
+    def prefill(self, prefixes: PrefixCache | None) -> tuple[str, object]:
+        """The first step alone: start, the rest prefilled, started."""
+        keep = len(self.window) - len(self.start(prefixes))
+        logits = self.session.extend([self.window], keep) if keep else self.session.prefill([self.window])
+        self.started(prefixes)
         return "prefill", logits
 
     def hand_over(self, prefixes: PrefixCache) -> None:
@@ -93,6 +103,17 @@ class Row:
         self.steps += 1
         last = self.steps == self.request.max_tokens or token == self.eot_id
         return Token(self.request.key, token, kind, seconds, top[0] if top else None, last, self.session)
+
+
+# The most prompt tokens a step runs beside its decode rows in one call (a longer prompt is prefilled on its own):
+# the call's scratch holds every row's activations, and a few steps' worth of prompts keeps it to megabytes.
+JOINT_ROWS = 1024
+
+
+def joins(engine: Engine, joining: list[Row], row: Row) -> bool:
+    """Whether a new request's prompt runs in the step's one call with the decode rows and the other new prompts:
+    on an engine that runs them together (native), within JOINT_ROWS."""
+    return hasattr(engine, "run_rows") and sum(len(r.window) for r in joining) + len(row.window) <= JOINT_ROWS
 
 
 def generate_batched(
@@ -118,17 +139,25 @@ def generate_batched(
         if not rows:
             return
         started = time.perf_counter()
-        made, decoding = {}, []
+        made, decoding, joining = {}, [], []
         for row in rows:
+            if row.steps == 0 and joins(engine, joining, row):
+                joining.append(row)
+                continue
             due = row.prefill(prefixes) if row.steps == 0 else prefill_if_due(row.session, [row.window], False, keep)
             if due is None:
                 decoding.append(row)
             else:
                 made[row] = row.take(due[1], due[0], started)
-        if decoding:
+        if joining:
+            parts = [(row.session, [row.window[-1]]) for row in decoding]
+            logits = engine.run_rows(parts + [(row.session, row.start(prefixes)) for row in joining])
+            for row in joining:
+                row.started(prefixes)
+        elif decoding:
             logits = engine.decode_rows([row.window[-1] for row in decoding], [row.session for row in decoding])
-            for index, row in enumerate(decoding):
-                made[row] = row.take(logits[index : index + 1], "decode", started)
+        for index, row in enumerate(decoding + joining):
+            made[row] = row.take(logits[index : index + 1], "decode" if row.steps else "prefill", started)
         yield [made[row] for row in rows]
         done = [row for row in rows if made[row].last or finished(row.request.key)]
         for row in done:

@@ -12,7 +12,7 @@ from ..engine.sampling import Sampler, logits_error
 from ..errors import NumericalError
 from .model import Logits, NativeGPT, int32s
 from .sampling import NativeSampling
-from .session import NativeSession, decode_rows
+from .session import NativeSession, decode_rows, run_rows
 
 
 class NativeEngine:
@@ -48,6 +48,10 @@ class NativeEngine:
 
     def decode_rows(self, tokens: list[int], sessions: list[NativeSession]) -> Logits:
         return decode_rows(self.model, tokens, sessions)
+
+    def run_rows(self, rows: list[tuple[NativeSession, list[int]]]) -> Logits:
+        """A continuous batch's step in one call: decode rows and new prompts together (session.run_rows)."""
+        return run_rows(self.model, rows)
 
     def last_logits(self, windows: list[list[int]]) -> Logits:
         """The logits of each row's last position, (B, vocab), each row from position 0."""

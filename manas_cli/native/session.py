@@ -201,6 +201,24 @@ class Snapshot:
         return 2 * ctypes.sizeof(self.k)
 
 
+def run_rows(model: NativeGPT, rows: list[tuple[NativeSession, list[int]]]) -> Logits:
+    """One forward call over one-row sessions, each extended by its tokens from its own positions (a decode step's
+    one token, a new request's prompt or what the prefix cache did not hold of it): the logits of each one's last
+    token, in order. Each row's arithmetic is its own whichever rows share the call, so each session ends as its own
+    prefill, extend or decode would leave it, bit for bit; the weights are read once for all of them."""
+    tokens, positions, caches, logit_rows = [], [], [], []
+    for session, new in rows:
+        session.allocate(1, session.positions + len(new))
+        tokens += new
+        positions += range(session.positions, session.positions + len(new))
+        caches += [session.cache(0)] * len(new)
+        logit_rows.append(len(tokens) - 1)
+    logits = model.run(tokens, positions, caches, logit_rows)
+    for session, new in rows:
+        session.positions, session.batch_size = session.positions + len(new), 1
+    return logits
+
+
 def decode_rows(model: NativeGPT, tokens: list[int], sessions: list[NativeSession]) -> Logits:
     """One new token for each row of several sessions at once, tokens in the sessions' row order, each at its
     own position over its own cache; their logits (R, vocab)."""

@@ -55,6 +55,9 @@ def server_turns(checkpoint: Path, template: Path, *flags: str) -> list[tuple[fl
             if not line:
                 raise RuntimeError("manas serve did not start: " + "".join(lines))
         client = openai.OpenAI(base_url=f"http://{found[1]}:{found[2]}/v1", api_key="none", timeout=600)
+        # a process's first request pays for its first touch of the weights (about 50 ms here, whichever server
+        # runs first): a warm-up that shares no token with the chat, so the prefix cache holds nothing it can use
+        client.completions.create(model="m", prompt="x", max_tokens=1)
         messages, turns = [], []
         for text in MESSAGES:
             messages.append({"role": "user", "content": text})

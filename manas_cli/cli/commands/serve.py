@@ -198,8 +198,8 @@ def command(
         typer.Option(
             min=0,
             help="Memory for the exact prefix cache (native engine): a prompt that starts as a recent one did (a "
-            "shared system prompt, a chat's earlier turns) copies that start's K/V and prefills only the rest, its "
-            "answer unchanged bit for bit; least recently used out first. 0 turns it off.",
+            "shared system prompt, a chat's earlier turns and answers) copies that start's K/V and prefills only the "
+            "rest, its answer unchanged bit for bit; least recently used out first. 0 turns it off.",
         ),
     ] = 256,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from goal_llama_cpp import LLAMA_CPP_DIR, LLAMA_CPP_TYPES, llama_cpp_files
@@ -83,6 +84,35 @@ def tokens_per_s(port: int, clients: int) -> tuple[float, list[str]]:
     return tokens / seconds, [answer["choices"][0]["text"] for answer in answers]
 
 
+def taking_turns(
+    manas_port: int, llama_port: int, measure: Callable[[int, int], tuple[float, list[str]]], runs: int
+) -> tuple[dict[str, float], dict[int, list[str]]]:
+    """Both servers warmed by one client, then round after round each number of clients on manas, then on
+    llama-server: the median tokens/s of each, and manas's texts of the last round by clients."""
+    rates: dict[str, list[float]] = {}
+    texts: dict[int, list[str]] = {}
+    for port in (manas_port, llama_port):
+        measure(port, 1)
+    for _ in range(runs):
+        for clients in CLIENTS:
+            rate, texts[clients] = measure(manas_port, clients)
+            rates.setdefault(f"manas_{clients}", []).append(rate)
+            rate, _ = measure(llama_port, clients)
+            rates.setdefault(f"llama_server_{clients}", []).append(rate)
+            print(clients, {name: values[-1] for name, values in rates.items()}, file=sys.stderr, flush=True)
+    return {name: round(statistics.median(values), 1) for name, values in rates.items()}, texts
+
+
+def ratios(median: dict[str, float]) -> dict[int, float]:
+    return {clients: round(median[f"manas_{clients}"] / median[f"llama_server_{clients}"], 2) for clients in CLIENTS}
+
+
+def stop(*processes: subprocess.Popen) -> None:
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
 def goal_llama_server(args) -> dict:
     checkpoint = resolve_checkpoint(None)
     with tempfile.TemporaryDirectory() as folder:
@@ -95,27 +125,13 @@ def goal_llama_server(args) -> dict:
         flags = ("--threads", str(args.threads), "--batch-size", str(BATCH_SIZE), "--max-connections", "256")
         manas, manas_port = start_server("-c", str(checkpoint), *flags, priority=True)
         llama, llama_port = start_llama_server(gguf, args.threads, block_size)
-        rates: dict[str, list[float]] = {}
-        texts: dict[int, list[str]] = {}
         try:
-            for port in (manas_port, llama_port):  # warm-up
-                tokens_per_s(port, 1)
-            for _ in range(args.runs):
-                for clients in CLIENTS:
-                    rate, texts[clients] = tokens_per_s(manas_port, clients)
-                    rates.setdefault(f"manas_{clients}", []).append(rate)
-                    rate, _ = tokens_per_s(llama_port, clients)
-                    rates.setdefault(f"llama_server_{clients}", []).append(rate)
+            median, texts = taking_turns(manas_port, llama_port, tokens_per_s, args.runs)
         finally:
-            for process in (manas, llama):
-                process.send_signal(signal.SIGTERM)
-                process.wait(60)
-    median = {name: round(statistics.median(values), 1) for name, values in rates.items()}
+            stop(manas, llama)
     return {
         "tokens_per_s": median,
-        "manas_over_llama_server": {
-            clients: round(median[f"manas_{clients}"] / median[f"llama_server_{clients}"], 2) for clients in CLIENTS
-        },
+        "manas_over_llama_server": ratios(median),
         "every_answer_equals_generate_alone": all(texts[c] == alone_texts(requests_for(c)) for c in CLIENTS),
         "goal": "≥ 1.0× at 1 client, ≥ 1.5× at 16 and 64, every answer equal",
     }
@@ -151,31 +167,16 @@ def goal_smollm2(args) -> dict:
         llama, llama_port = start_llama_server(
             gguf, args.threads, CHAT_WINDOW, "--jinja", "--chat-template-file", str(template), slots=args.slots
         )
-        rates: dict[str, list[float]] = {}
-        texts: dict[int, list[str]] = {}
         try:
-            for port in (manas_port, llama_port):  # warm-up
-                chat_rate(port, 1)
-            for _ in range(args.runs):
-                for clients in CLIENTS:
-                    rate, texts[clients] = chat_rate(manas_port, clients)
-                    rates.setdefault(f"manas_{clients}", []).append(rate)
-                    rate, _ = chat_rate(llama_port, clients)
-                    rates.setdefault(f"llama_server_{clients}", []).append(rate)
-                    print(clients, {name: values[-1] for name, values in rates.items()}, file=sys.stderr, flush=True)
+            median, texts = taking_turns(manas_port, llama_port, chat_rate, args.runs)
         finally:
-            for process in (manas, llama):
-                process.send_signal(signal.SIGTERM)
-                process.wait(60)
+            stop(manas, llama)
     alone = dict(zip(map(json.dumps, chat_requests(1)), texts[1]))
-    median = {name: round(statistics.median(values), 1) for name, values in rates.items()}
     return {
         "weights": args.weights,
         "slots": args.slots,
         "tokens_per_s": median,
-        "manas_over_llama_server": {
-            clients: round(median[f"manas_{clients}"] / median[f"llama_server_{clients}"], 2) for clients in CLIENTS
-        },
+        "manas_over_llama_server": ratios(median),
         "every_answer_equals_one_client": all(
             alone[json.dumps(request)] == text
             for clients in CLIENTS

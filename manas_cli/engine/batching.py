@@ -161,6 +161,6 @@ def generate_batched(
         yield [made[row] for row in rows]
         done = [row for row in rows if made[row].last or finished(row.request.key)]
         for row in done:
-            if prefixes is not None and hasattr(row.session, "hand_over") and made[row].error is None:
+            if row.reuses(prefixes) and made[row].error is None:
                 row.hand_over(prefixes)
         rows = [row for row in rows if row not in done]

@@ -232,6 +232,31 @@ def test_a_cached_decode_step_is_bit_for_bit_the_full_windows_position(native_li
             logits = step_logits(session.decode(sequence[:, end : end + 1]))
 
 
+# Query and key/value heads whose decode attention takes a key head's query heads in groups of up to four
+# (SmolLM2's 9 over 3, a 7-head group as Qwen2.5-0.5B's, every head its own), one head size with a tail past a
+# vector's 16 lanes.
+LONG_CACHE_HEADS = [(9, 3, 16), (7, 1, 16), (3, 3, 24)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("heads", LONG_CACHE_HEADS, ids=lambda h: f"{h[0]}q-{h[1]}kv-hs{h[2]}")
+def test_a_decode_step_over_a_long_cache_is_the_windows_position_bit_for_bit(native_library, heads, threads):
+    """A decode step reads its cache a block of positions at a time (attention.c, attend_pass), each thread its
+    share of the heads: over several blocks and a partial one, on any number of threads, every step's logits are
+    the full window's last position's."""
+    n_head, n_kv_head, head_dim = heads
+    model = make_model("rope", n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim, n_embd=48, block_size=80,
+                       norm="rmsnorm", mlp="swiglu", ffn_hidden=64)
+    native = native_model(model, native_library, threads)
+    sequence = random_ids(1, 75, seed=3)
+    session = NativeSession(native)
+    logits = step_logits(session.prefill(sequence[:, :2]))
+    for end in range(2, sequence.size(1)):
+        if end in (2, 17, 33, 50, 74):
+            assert torch.equal(logits[:, 0], all_logits(native, sequence[:, :end])[:, -1]), end
+        logits = step_logits(session.decode(sequence[:, end : end + 1]))
+
+
 @pytest.mark.parametrize("logit_rows", [[3], [-1], [0, 1, 2, 0]], ids=["past-the-rows", "negative", "too-many"])
 def test_the_core_is_never_asked_for_the_logits_of_a_row_it_did_not_run(native_library, logit_rows):
     """The last layer gathers the logit rows into scratch sized for the call's rows: Python checks them first."""

@@ -142,7 +142,7 @@ static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char
         {&s->reordered, R * W},
         {&s->angles, R * hs},
         {&s->tiles, (size_t)threads * TILE * W},
-        {&s->scores, (size_t)threads * score_rows(m) * (size_t)m->block_size},
+        {&s->scores, (size_t)threads * score_rows(m) * score_span(m)},
         {&s->quantized, R * quantized_floats((int)W)},
     };
     char *first = base ? (char *)(((uintptr_t)base + 63) & ~(uintptr_t)63) : NULL;

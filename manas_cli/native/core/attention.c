@@ -1,38 +1,24 @@
 /* Causal attention over each row's KV cache: a row's query heads against its own cached positions 0..position
-   only, softmax(q·k / √hs) · v, rows that share a cache (a prefill) taken ATTEND_ROWS at a time so a cached key
-   serves several queries, a decode row's heads by position with its cache asked for ahead; then the new key and
-   value written into the cache.
+   only, softmax(q·k / √hs) · v; then the new key and value written into the cache. The queries that read the same
+   cached keys (a prefill's rows of one head, a decode row's query heads of one key head) go through them
+   ATTEND_ROWS at a time, each cached vector loaded once for them all, their sums held in registers.
 
    Part of the core's one translation unit (core.c includes it after functions.c). */
 
-/* For each of ROWS rows k sharing the cached values (rows `stride` apart), in ascending order of their
-   positions: out[k] = Σ_t weights[k][t] · v_t over its own positions, LANES features at a time in registers, the
-   positions summed in order: the same sums whichever rows share the call. */
 #define ATTEND_ROWS 4
-static inline __attribute__((always_inline)) void mix_values(int ROWS, int hs, const int *positions,
-                                                             const float *const *weights, const float *values,
-                                                             int stride, float *const *out) {
-    int shared = positions[0];  /* the positions every row attends: its rows are in ascending order */
-    int i = 0;
-    for (; i + LANES <= hs; i += LANES) {
-        Lanes sum[ATTEND_ROWS];
-        for (int k = 0; k < ROWS; k++) sum[k] = splat(0.0f);
-        for (int t = 0; t < shared; t++) {
-            Lanes v = load_lanes(values + (size_t)t * stride + i);
-            for (int k = 0; k < ROWS; k++) sum[k] = madd(sum[k], splat(weights[k][t]), v);
-        }
-        for (int k = 0; k < ROWS; k++) {
-            for (int t = shared; t < positions[k]; t++)
-                sum[k] = madd(sum[k], splat(weights[k][t]), load_lanes(values + (size_t)t * stride + i));
-            store_lanes(out[k] + i, sum[k]);
-        }
-    }
-    for (; i < hs; i++)
-        for (int k = 0; k < ROWS; k++) {
-            float sum = 0.0f;
-            for (int t = 0; t < positions[k]; t++) sum = madd1(sum, weights[k][t], values[(size_t)t * stride + i]);
-            out[k][i] = sum;
-        }
+
+/* How many positions ahead a pass over the cache asks for it, into L2: at a decode step the cache streams from
+   memory beside the weights, and one position's 4 lines a head at a time do not wake the hardware's prefetcher
+   (SmolLM2 shape, float32, 2,048 positions, 1 thread, AMD host: 35.7 tok/s without, 39–43 at 16–128 positions
+   into L2, 34–35 into L1). */
+#define ATTEND_PREFETCH_POSITIONS 64
+
+/* Ask for the cache line ATTEND_PREFETCH_POSITIONS positions on from x, into L2. The address is computed as a
+   number, not as a pointer (which may not pass the end of its array): a prefetch past the cache reads nothing and
+   never faults. */
+static inline void prefetch_ahead(const float *x, int kv_width) {
+    size_t ahead = (size_t)ATTEND_PREFETCH_POSITIONS * kv_width * sizeof(float);
+    __builtin_prefetch((const void *)((uintptr_t)x + ahead), 0, 2);
 }
 
 /* x[t] *= scale for t < n, and the largest result (a NaN never is): each lane keeps its own largest and the lanes
@@ -56,24 +42,94 @@ static float scale_to_top(int n, float *x, float scale) {
     return highest;
 }
 
-/* q·k against the cached keys at positions t .. t + 3 (keys: one head's key at position 0, a position kv_width
-   floats on), into scores[t ..]: four at once from a multiple of 4, one at a time past the last whole four. */
-static inline void four_scores(int hs, const float *q, const float *keys, int kv_width, int t, float *scores) {
-    const float *four[4];
-    for (int k = 0; k < 4; k++) four[k] = keys + (size_t)(t + k) * kv_width;
-    dot4(hs, q, four, scores + t);
-}
-
+/* q · the cached key at position t (keys: one head's key at position 0, a position kv_width floats on). */
 static inline float one_score(int hs, const float *q, const float *keys, int kv_width, int t) {
     return dot(hs, q, keys + (size_t)t * kv_width);
 }
 
-/* One row's scaled scores over its positions for one head, q·k / √hs, into scores; returns the largest. */
-static float attention_scores(int hs, int positions, const float *q, const float *keys, int kv_width, float *scores) {
-    int t = 0;
-    for (; t + 4 <= positions; t += 4) four_scores(hs, q, keys, kv_width, t, scores);
-    for (; t < positions; t++) scores[t] = one_score(hs, q, keys, kv_width, t);
-    return scale_to_top(positions, scores, 1.0f / sqrtf((float)hs));
+/* scores[k][t .. t + 3] = q[k] · the keys at positions t .. t + 3, for QUERIES queries: each key vector loaded
+   once for them all; each product dot's arithmetic (its lanes, its tail), the four met together (sum_lanes4). */
+static inline __attribute__((always_inline)) void four_scores(int QUERIES, int hs, const float *const *q,
+                                                              const float *keys, int kv_width, int t,
+                                                              float *const *scores) {
+    Lanes lanes[ATTEND_ROWS][4];
+    const float *key[4];
+    for (int p = 0; p < 4; p++) key[p] = keys + (size_t)(t + p) * kv_width;
+    for (int k = 0; k < QUERIES; k++)
+        for (int p = 0; p < 4; p++) lanes[k][p] = splat(0.0f);
+    int i = 0;
+    for (; i + LANES <= hs; i += LANES) {
+        Lanes four[4];
+        for (int p = 0; p < 4; p++) {
+            prefetch_ahead(key[p] + i, kv_width);
+            four[p] = load_lanes(key[p] + i);
+        }
+        for (int k = 0; k < QUERIES; k++) {
+            Lanes x = load_lanes(q[k] + i);
+            for (int p = 0; p < 4; p++) lanes[k][p] = madd(lanes[k][p], x, four[p]);
+        }
+    }
+    for (int k = 0; k < QUERIES; k++) {
+        for (int p = 0; p < 4 && i < hs; p++) {  /* a head size that is not a multiple of LANES: lane by lane */
+            float tail[LANES];
+            store_lanes(tail, lanes[k][p]);
+            for (int l = 0; i + l < hs; l++) tail[l] = madd1(tail[l], q[k][i + l], key[p][i + l]);
+            lanes[k][p] = load_lanes(tail);
+        }
+        sum_lanes4(lanes[k], scores[k] + t);
+    }
+}
+
+/* scores[k][t] = q[k] · key_t for positions t0 .. t1 − 1 and QUERIES queries (unscaled), four positions at a time
+   while there are four. */
+static inline __attribute__((always_inline)) void scores_of(int QUERIES, int hs, int t0, int t1,
+                                                            const float *const *q, const float *keys, int kv_width,
+                                                            float *const *scores) {
+    int t = t0;
+    for (; t + 4 <= t1; t += 4) four_scores(QUERIES, hs, q, keys, kv_width, t, scores);
+    for (; t < t1; t++)
+        for (int k = 0; k < QUERIES; k++) scores[k][t] = one_score(hs, q[k], keys, kv_width, t);
+}
+
+/* For QUERIES queries: out[k][i .. i + CHUNKS·LANES) += Σ weights[k][t] · v_t[i ..] over positions t0 .. t1 − 1 in
+   order (values: a head's value at position 0, a position kv_width floats on), the sums held in registers from
+   out and back, so each lane adds its positions in order however the positions are split between calls. */
+static inline __attribute__((always_inline)) void mix_chunks(int QUERIES, int CHUNKS, int i, int t0, int t1,
+                                                             const float *const *weights, const float *values,
+                                                             int kv_width, float *const *out) {
+    Lanes sum[ATTEND_ROWS][4];
+    for (int k = 0; k < QUERIES; k++)
+        for (int c = 0; c < CHUNKS; c++) sum[k][c] = load_lanes(out[k] + i + c * LANES);
+    for (int t = t0; t < t1; t++) {
+        const float *v = values + (size_t)t * kv_width + i;
+        Lanes x[4];
+        for (int c = 0; c < CHUNKS; c++) {
+            prefetch_ahead(v + c * LANES, kv_width);
+            x[c] = load_lanes(v + c * LANES);
+        }
+        for (int k = 0; k < QUERIES; k++) {
+            Lanes weight = splat(weights[k][t]);
+            for (int c = 0; c < CHUNKS; c++) sum[k][c] = madd(sum[k][c], weight, x[c]);
+        }
+    }
+    for (int k = 0; k < QUERIES; k++)
+        for (int c = 0; c < CHUNKS; c++) store_lanes(out[k] + i + c * LANES, sum[k][c]);
+}
+
+/* out[k] += Σ weights[k][t] · v_t over positions t0 .. t1 − 1, for QUERIES queries: four vectors of each at a
+   time (16 sums in registers), then one, then a head size's tail lane by lane. */
+static inline __attribute__((always_inline)) void mix_of(int QUERIES, int hs, int t0, int t1,
+                                                         const float *const *weights, const float *values,
+                                                         int kv_width, float *const *out) {
+    int i = 0;
+    for (; i + 4 * LANES <= hs; i += 4 * LANES) mix_chunks(QUERIES, 4, i, t0, t1, weights, values, kv_width, out);
+    for (; i + LANES <= hs; i += LANES) mix_chunks(QUERIES, 1, i, t0, t1, weights, values, kv_width, out);
+    for (; i < hs; i++)
+        for (int k = 0; k < QUERIES; k++) {
+            float sum = out[k][i];
+            for (int t = t0; t < t1; t++) sum = madd1(sum, weights[k][t], values[(size_t)t * kv_width + i]);
+            out[k][i] = sum;
+        }
 }
 
 /* Attention of one query head of one row over its cache's positions 0..position: softmax(q·k / √hs) · v. Tasks
@@ -113,46 +169,91 @@ static inline __attribute__((always_inline)) void softmax_rows(int ROWS, const i
     }
 }
 
+/* ROWS rows of a prefill, one head, positions ascending: the positions they all attend together (from the cached
+   keys and values each loaded once for all the rows), each row's later ones alone. */
 static inline __attribute__((always_inline)) void attend_rows(int ROWS, int hs, const int *positions,
                                                               const float *const *q, const float *keys,
                                                               const float *values, int kv_width,
                                                               float *const *weights, float *const *out) {
+    int shared = positions[0];
     float tops[ATTEND_ROWS];
-    for (int k = 0; k < ROWS; k++) tops[k] = attention_scores(hs, positions[k], q[k], keys, kv_width, weights[k]);
+    scores_of(ROWS, hs, 0, shared / 4 * 4, q, keys, kv_width, weights);
+    for (int k = 0; k < ROWS; k++) {
+        scores_of(1, hs, shared / 4 * 4, positions[k], q + k, keys, kv_width, weights + k);
+        tops[k] = scale_to_top(positions[k], weights[k], 1.0f / sqrtf((float)hs));
+    }
     softmax_rows(ROWS, positions, tops, weights);
-    mix_values(ROWS, hs, positions, (const float *const *)weights, values, kv_width, out);
+    const float *const *w = (const float *const *)weights;
+    for (int k = 0; k < ROWS; k++) memset(out[k], 0, (size_t)hs * sizeof(float));
+    mix_of(ROWS, hs, 0, shared, w, values, kv_width, out);
+    for (int k = 0; k < ROWS; k++) mix_of(1, hs, shared, positions[k], w + k, values, kv_width, out + k);
 }
 
-/* How many positions ahead a decode step's attention asks for the cache: the hardware's prefetcher follows one
-   stream of whole rows, but not far enough ahead at a row's 3 KiB (GPT-2 shape, int8, 544 positions, 1 thread,
-   AMD host: 166 tok/s without, 185–200 at 8 positions, 191 at 4, 170 at 16; 206 at 8 with dot4 inlined). */
-#define ATTEND_PREFETCH_POSITIONS 8
+/* The query heads whose scores a thread holds at once: its share of a decode row's, or ATTEND_ROWS rows. */
+static int score_rows(const ManasModel *m) { return m->n_head > ATTEND_ROWS ? m->n_head : ATTEND_ROWS; }
 
-/* Ask for the cache lines of x[0 .. n − 1] (a head's keys or values a few positions on). */
-static inline void prefetch_floats(const float *x, int n) {
-    for (int i = 0; i < n; i += 64 / (int)sizeof(float)) __builtin_prefetch(x + i);
+/* Floats from one head's scores to the next's: the window and a cache line. At a whole window apart (a power of
+   two) every head's score at position t fell in the same set of the 8-way L1, and a decode step's 9 heads (SmolLM2)
+   evicted each other's lines at every position. */
+static size_t score_span(const ManasModel *m) { return (size_t)m->block_size + 64 / sizeof(float); }
+
+/* A decode row goes through its cache ATTEND_BLOCK positions at a time, all its heads in each block (a key head's
+   query heads ATTEND_ROWS at a time), so the cache is read a block of whole rows at a time, one stream: head by
+   head it came in 256-byte pieces 3 KiB apart, at a third of the bandwidth. */
+#define ATTEND_BLOCK 16
+
+/* The query heads from h on (before h1) that share h's key head, at most ATTEND_ROWS. */
+static int heads_sharing(int h, int h1, int group) {
+    int next = (h / group + 1) * group, end = next < h1 ? next : h1;
+    return end - h < ATTEND_ROWS ? end - h : ATTEND_ROWS;
+}
+
+/* QUERIES query heads sharing a key head over positions t0 .. t1 − 1 (keys, values: that head's at position 0; q,
+   weights, out: each query head's): their scores into weights (unscaled), or with `mix` out += weights · v. */
+static inline __attribute__((always_inline)) void block_of_heads(int QUERIES, int hs, int mix, int t0, int t1,
+                                                                 const float *const *q, const float *keys,
+                                                                 const float *values, int kv_width,
+                                                                 float *const *weights, float *const *out) {
+    if (mix) mix_of(QUERIES, hs, t0, t1, (const float *const *)weights, values, kv_width, out);
+    else scores_of(QUERIES, hs, t0, t1, q, keys, kv_width, weights);
+}
+
+/* One pass of a decode row over its cache for its heads h0 .. h1 − 1, block by block: their scores, or with `mix`
+   their values' sums. */
+static void attend_pass(const ManasModel *m, int mix, int positions, const float *q, const float *keys,
+                        const float *values, int h0, int h1, float *scores, float *out) {
+    int hs = m->head_size, group = m->n_head / m->n_kv_head, kv_width = m->n_kv_head * hs;
+    size_t span = score_span(m);
+    for (int t0 = 0; t0 < positions; t0 += ATTEND_BLOCK) {
+        int t1 = t0 + ATTEND_BLOCK < positions ? t0 + ATTEND_BLOCK : positions;
+        for (int h = h0, heads; h < h1; h += heads) {
+            heads = heads_sharing(h, h1, group);
+            size_t kv = (size_t)(h / group) * hs;
+            const float *qs[ATTEND_ROWS];
+            float *weights[ATTEND_ROWS], *sums[ATTEND_ROWS];
+            for (int k = 0; k < heads; k++) {
+                qs[k] = q + (h + k) * hs;
+                weights[k] = scores + (h + k - h0) * span;
+                sums[k] = out + (h + k) * hs;
+            }
+            switch (heads) {  /* each count its own code, its sums in registers */
+            case 4: block_of_heads(4, hs, mix, t0, t1, qs, keys + kv, values + kv, kv_width, weights, sums); break;
+            case 3: block_of_heads(3, hs, mix, t0, t1, qs, keys + kv, values + kv, kv_width, weights, sums); break;
+            case 2: block_of_heads(2, hs, mix, t0, t1, qs, keys + kv, values + kv, kv_width, weights, sums); break;
+            default: block_of_heads(1, hs, mix, t0, t1, qs, keys + kv, values + kv, kv_width, weights, sums);
+            }
+        }
+    }
 }
 
 /* One row's attention for query heads h0 .. h1 − 1 (a decode step's), the same arithmetic as attend_rows' head by
-   head, but each pass over the cache goes position by position through all those heads: the cache is read a
-   position's whole row at a time, one stream, where head by head it came in 256-byte pieces 3 KiB apart, at a
-   third of the bandwidth (GPT-2-shape int8 decode at 544 positions: 12 GB/s). keys, values: the layer's cache at
-   position 0; q: the row's queries; out: its heads' outputs; scores: (h1 − h0, block_size). The values are
-   summed into out, which stays in L1: each output lane still adds its positions in order. */
+   head: the scores' pass, each head's softmax, the values' pass. keys, values: the layer's cache at position 0;
+   q: the row's queries; out: its heads' outputs; scores: (h1 − h0, score_span). */
 static void attend_row_by_position(const ManasModel *m, int positions, const float *q, const float *keys,
                                    const float *values, int h0, int h1, float *scores, float *out) {
-    int hs = m->head_size, group = m->n_head / m->n_kv_head, kv_width = m->n_kv_head * hs, t = 0;
-    size_t span = (size_t)m->block_size;
-    for (; t + 4 <= positions; t += 4)
-        for (int h = h0; h < h1; h++) {
-            if (t + 4 + ATTEND_PREFETCH_POSITIONS <= positions)
-                for (int k = 0; k < 4; k++)
-                    prefetch_floats(keys + (size_t)(t + k + ATTEND_PREFETCH_POSITIONS) * kv_width + h / group * hs, hs);
-            four_scores(hs, q + h * hs, keys + h / group * hs, kv_width, t, scores + (h - h0) * span);
-        }
-    for (; t < positions; t++)
-        for (int h = h0; h < h1; h++)
-            scores[(h - h0) * span + t] = one_score(hs, q + h * hs, keys + h / group * hs, kv_width, t);
+    int hs = m->head_size;
+    size_t span = score_span(m);
+    attend_pass(m, 0, positions, q, keys, values, h0, h1, scores, out);
     int same[ATTEND_ROWS];  /* every head's positions: the row's */
     for (int k = 0; k < ATTEND_ROWS; k++) same[k] = positions;
     for (int h = h0; h < h1;) {
@@ -167,21 +268,8 @@ static void attend_row_by_position(const ManasModel *m, int positions, const flo
         h += heads;
     }
     memset(out + h0 * hs, 0, (size_t)(h1 - h0) * hs * sizeof(float));
-    for (t = 0; t < positions; t++)
-        for (int h = h0; h < h1; h++) {
-            float weight = scores[(h - h0) * span + t], *sum = out + h * hs;
-            const float *v = values + (size_t)t * kv_width + h / group * hs;
-            if (t + ATTEND_PREFETCH_POSITIONS < positions)
-                prefetch_floats(v + (size_t)ATTEND_PREFETCH_POSITIONS * kv_width, hs);
-            int i = 0;
-            for (; i + LANES <= hs; i += LANES)
-                store_lanes(sum + i, madd(load_lanes(sum + i), splat(weight), load_lanes(v + i)));
-            for (; i < hs; i++) sum[i] = madd1(sum[i], weight, v[i]);
-        }
+    attend_pass(m, 1, positions, q, keys, values, h0, h1, scores, out);
 }
-
-/* The query heads whose scores a thread holds at once: its share of a decode row's, or ATTEND_ROWS rows. */
-static int score_rows(const ManasModel *m) { return m->n_head > ATTEND_ROWS ? m->n_head : ATTEND_ROWS; }
 
 /* Whether every row of the call has its cache to itself (a decode step's rows, one or batched, each its own
    sequence's), so none has another row to share a head's keys with. */
@@ -199,7 +287,7 @@ static void attend_heads(void *context, int begin, int end, int thread) {
     const ManasModel *m = a->model;
     int hs = m->head_size, group = m->n_head / m->n_kv_head, kv_width = m->n_kv_head * hs;
     int width = m->n_head * hs, qkv_width = width + 2 * kv_width;
-    float *scores = a->scores + (size_t)thread * score_rows(m) * m->block_size;
+    float *scores = a->scores + (size_t)thread * score_rows(m) * score_span(m);
     if (a->alone) {
         for (int row = 0; row < a->rows && row < end; row++) {
             int h0 = begin > row ? (begin - row + a->rows - 1) / a->rows : 0, h1 = (end - 1 - row) / a->rows + 1;
@@ -225,7 +313,7 @@ static void attend_heads(void *context, int begin, int end, int thread) {
         float *weights[ATTEND_ROWS], *out[ATTEND_ROWS];
         for (int k = 0; k < rows; k++) {
             positions[k] = a->positions[source(a, row + k)] + 1;
-            weights[k] = scores + (size_t)k * m->block_size;
+            weights[k] = scores + (size_t)k * score_span(m);
             out[k] = a->attention + (size_t)(row + k) * width + head * hs;
             q[k] = a->qkv + (size_t)source(a, row + k) * qkv_width + head * hs;
         }

@@ -55,24 +55,6 @@ static float dot(int n, const float *a, const float *b) {
     return sum_lanes(load_lanes(tail));
 }
 
-/* dot(n, a, b[k]) for four vectors b, each the same arithmetic as dot's, reduced together (attention's q against
-   four cached keys). */
-static void dot4(int n, const float *a, const float *const *b, float *out) {
-    Lanes lanes[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
-    int i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        Lanes x = load_lanes(a + i);
-        for (int k = 0; k < 4; k++) lanes[k] = madd(lanes[k], x, load_lanes(b[k] + i));
-    }
-    for (int k = 0; k < 4 && i < n; k++) {
-        float tail[LANES];
-        store_lanes(tail, lanes[k]);
-        for (int l = 0; i + l < n; l++) tail[l] = madd1(tail[l], a[i + l], b[k][i + l]);
-        lanes[k] = load_lanes(tail);
-    }
-    sum_lanes4(lanes, out);
-}
-
 /* What a product's sum becomes: int8's times its row's scale, then the float bias. With float activations
    (float32 layers, int4 layers of other groups (int4_integer), and quantized ones when
    ManasModel.integer_products is 0) the core computes x · Wᵀ over W's dequantized values (exact in float32) to

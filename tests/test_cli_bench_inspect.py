@@ -100,9 +100,15 @@ def test_bench_depth_fills_the_cache_first_and_names_its_tests_as_llama_bench_do
     report = bench(rope, "--depth", "12", "--prompt-tokens", "8", "--tokens", "6", "--repeat", "1", "--json").json()
     assert [test["name"] for test in report["tests"]] == ["pp8 @ d12", "tg6 @ d12"]  # no baseline by default
     assert report["depth"] == 12 and report["re_prefills"] == 0
-    assert report["cache_bytes"] >= cache_bytes("rope-gqa", 12 + 8 + 5)  # the depth, the prompt, the decoded
+    # The decode test is a run of its own, as llama-bench's: the depth, the prompt's first token, the decoded
+    assert report["cache_bytes"] >= cache_bytes("rope-gqa", 12 + 1 + 5)
     with_baseline = bench(rope, "-d", "12", "--prompt-tokens", "8", "-n", "6", "-r", "1", "--baseline", "--json")
     assert [test["name"] for test in with_baseline.json()["tests"]][-1] == "tg6 @ d12 no-cache"
+    # llama-bench's tg after -d decodes after the depth, not after the prefill test's prompt too: here the depth,
+    # the prompt and the tokens overflow the window, the depth and the tokens do not
+    fits = bench(rope, "-d", "12", "--prompt-tokens", "16", "-n", str(BLOCK_SIZE - 13), "-r", "1", "--json").json()
+    assert [test["name"] for test in fits["tests"]] == ["pp16 @ d12", f"tg{BLOCK_SIZE - 13} @ d12"]
+    assert fits["re_prefills"] == 0
     full = manas("bench", "-c", rope.path, *RUN_OPTIONS, "--depth", str(BLOCK_SIZE))
     assert full.returncode == 2 and f"--depth {BLOCK_SIZE} leaves no room" in full.err
 

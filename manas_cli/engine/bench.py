@@ -79,36 +79,44 @@ def run_bench(
     called after every generated token with what is running (a progress bar).
 
     depth=D (llama-bench's -d): before each run, D tokens are put in the cache, untimed; the prefill test then
-    times the prompt's P tokens after them (each attending over the D before it), and the decode test decodes after
-    D + P. The uncached baseline recomputes all D + P + the tokens so far at each step."""
+    times the prompt's P tokens after them (each attending over the D before it), and the decode test, a run of its
+    own as llama-bench's, decodes after the D and the prompt's first token. The uncached baseline recomputes the
+    decode test's tokens so far at each step."""
     block_size = engine.config.block_size
     prompt_tokens = min(prompt_tokens, block_size - depth)  # the prefill crops a longer prompt to the window
     history = bench_prompt(engine, depth, batch, seed=1)
     prompt = [row + ids for row, ids in zip(history, bench_prompt(engine, prompt_tokens, batch))]
+    decode_prompt = [row[: depth + 1] for row in prompt] if depth else prompt
     greedy = Sampler(temperature=0.0)
     session = engine.new_session(allocation, capacity=min(block_size, depth + prompt_tokens + new_tokens))
 
-    def cached() -> Iterator[Step]:
-        if depth:
-            session.prefill(history)  # the depth, untimed: generate extends the cache from it
-        return generate(engine, prompt, greedy, new_tokens, overflow=overflow, session=session, reuse=depth)
+    def cached(rows: list[list[int]], tokens: int) -> Callable[[], Iterator[Step]]:
+        def steps() -> Iterator[Step]:
+            if depth:
+                session.prefill(history)  # the depth, untimed: generate extends the cache from it
+            return generate(engine, rows, greedy, tokens, overflow=overflow, session=session, reuse=depth)
 
-    runs = {"cached": cached}
+        return steps
+
+    runs = {"cached": (cached(prompt, new_tokens), prompt_tokens)}
+    if depth:
+        runs = {"prefill": (cached(prompt, 1), prompt_tokens), "cached": (cached(decode_prompt, new_tokens), 1)}
     if baseline:
-        runs["baseline"] = lambda: generate_reference(engine, prompt, greedy, new_tokens)
+        runs["baseline"] = (lambda: generate_reference(engine, decode_prompt, greedy, new_tokens), prompt_tokens)
     results: dict[str, list[GenerationStats]] = {}
-    for name, make_steps in runs.items():
-        run_once(reporting(make_steps(), on_step, f"warming up {name}"), prompt_tokens, batch)  # first calls are slower
+    for name, (make_steps, prompt_length) in runs.items():
+        warm_up = reporting(make_steps(), on_step, f"warming up {name}")
+        run_once(warm_up, prompt_length, batch)  # first calls are slower
         results[name] = [
             run_once(
-                reporting(make_steps(), on_step, f"timing {name} (run {run + 1} of {repeat})"), prompt_tokens, batch
+                reporting(make_steps(), on_step, f"timing {name} (run {run + 1} of {repeat})"), prompt_length, batch
             )
             for run in range(repeat)
         ]
-    cached = results["cached"]
+    prefilled, cached = results.get("prefill", results["cached"]), results["cached"]
     at = f" @ d{depth}" if depth else ""  # llama-bench's names
     measurements = [
-        Measurement(f"pp{prompt_tokens}{at}", [s.prefill_tokens_per_s for s in cached]),
+        Measurement(f"pp{prompt_tokens}{at}", [s.prefill_tokens_per_s for s in prefilled]),
         Measurement(f"tg{new_tokens}{at}", [s.decode_tokens_per_s for s in cached]),
     ]
     if baseline:
@@ -117,7 +125,7 @@ def run_bench(
         )
     return BenchResult(
         measurements=measurements,
-        ttft_s=statistics.median(s.ttft_s for s in cached),
+        ttft_s=statistics.median(s.ttft_s for s in prefilled),
         re_prefills=cached[-1].re_prefills,
         cache_bytes=session.storage()["storage_bytes"],
         peak_memory_bytes=engine.peak_memory_bytes(),

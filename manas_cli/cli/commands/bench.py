@@ -92,7 +92,8 @@ def run(
         "weights_bytes": engine.weights_bytes,
         "engine": engine.name,
     }
-    steps = (repeat + 1) * tokens * (2 if baseline else 1)  # each test's warm-up run and its timed runs
+    # Each test's warm-up run and its timed runs; with --depth the prefill test is a run of one token of its own.
+    steps = (repeat + 1) * (tokens * (2 if baseline else 1) + (1 if depth else 0))
     with token_progress(console, steps, "warming up") as advance:
         result = run_bench(
             engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow, advance, depth
@@ -186,8 +187,8 @@ def command(
             "-d",
             min=0,
             help=(
-                "Tokens already in the cache before each test, as llama-bench's -d: the prefill test times the "
-                "prompt after them, the decode test decodes after both (a long chat's later turns)."
+                "Tokens already in the cache before each test, as llama-bench's -d (a long chat's later turns): "
+                "the prefill test times the prompt after them, the decode test decodes after them."
             ),
         ),
     ] = 0,

@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void four_scores(int QUERIES, int h
         Lanes four[4];
         for (int p = 0; p < 4; p++) {
             prefetch_ahead(key[p] + i, kv_width);
-            four[p] = load_lanes(key[p] + i);
+            four[p] = in_registers(load_lanes(key[p] + i));
         }
         for (int k = 0; k < QUERIES; k++) {
             Lanes x = load_lanes(q[k] + i);

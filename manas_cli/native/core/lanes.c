@@ -103,6 +103,17 @@ static inline Lanes madd(Lanes acc, Lanes x, Lanes w) {
 }
 #endif
 
+/* v, held in registers from here on: where a vector serves several madds, GCC would otherwise load it again for
+   each (madd takes its operands in registers), and the loads, not the multiply-adds, set the pace. */
+static inline Lanes in_registers(Lanes v) {
+#if defined(__AVX512F__)
+    __asm__("" : "+v"(v.part[0]));
+#elif defined(__x86_64__) || defined(__i386__)
+    for (int p = 0; p < PARTS; p++) __asm__("" : "+x"(v.part[p]));
+#endif
+    return v;
+}
+
 /* The same for one lane (a row's tail past its last whole chunk). */
 static inline float madd1(float acc, float x, float w) { return fmaf(x, w, acc); }
 

@@ -47,8 +47,8 @@ static inline float one_score(int hs, const float *q, const float *keys, int kv_
     return dot(hs, q, keys + (size_t)t * kv_width);
 }
 
-/* scores[k][t .. t + 3] = q[k] · the keys at positions t .. t + 3, for QUERIES queries: each key vector loaded
-   once for them all; each product dot's arithmetic (its lanes, its tail), the four met together (sum_lanes4). */
+/* scores[k][t .. t + 3] = q[k] · the keys at positions t .. t + 3, for QUERIES queries, hs a multiple of LANES:
+   each key vector loaded once for them all; each product dot's arithmetic, the four met together (sum_lanes4). */
 static inline __attribute__((always_inline)) void four_scores(int QUERIES, int hs, const float *const *q,
                                                               const float *keys, int kv_width, int t,
                                                               float *const *scores) {
@@ -57,8 +57,7 @@ static inline __attribute__((always_inline)) void four_scores(int QUERIES, int h
     for (int p = 0; p < 4; p++) key[p] = keys + (size_t)(t + p) * kv_width;
     for (int k = 0; k < QUERIES; k++)
         for (int p = 0; p < 4; p++) lanes[k][p] = splat(0.0f);
-    int i = 0;
-    for (; i + LANES <= hs; i += LANES) {
+    for (int i = 0; i < hs; i += LANES) {
         Lanes four[4];
         for (int p = 0; p < 4; p++) {
             prefetch_ahead(key[p] + i, kv_width);
@@ -69,24 +68,18 @@ static inline __attribute__((always_inline)) void four_scores(int QUERIES, int h
             for (int p = 0; p < 4; p++) lanes[k][p] = madd(lanes[k][p], x, four[p]);
         }
     }
-    for (int k = 0; k < QUERIES; k++) {
-        for (int p = 0; p < 4 && i < hs; p++) {  /* a head size that is not a multiple of LANES: lane by lane */
-            float tail[LANES];
-            store_lanes(tail, lanes[k][p]);
-            for (int l = 0; i + l < hs; l++) tail[l] = madd1(tail[l], q[k][i + l], key[p][i + l]);
-            lanes[k][p] = load_lanes(tail);
-        }
-        sum_lanes4(lanes[k], scores[k] + t);
-    }
+    for (int k = 0; k < QUERIES; k++) sum_lanes4(lanes[k], scores[k] + t);
 }
 
 /* scores[k][t] = q[k] · key_t for positions t0 .. t1 − 1 and QUERIES queries (unscaled), four positions at a time
-   while there are four. */
+   while there are four; one at a time where a head size's tail past its last LANES needs dot's lanes (the code
+   for four without that tail keeps its 16 sums in registers, where with it GCC kept them on the stack). */
 static inline __attribute__((always_inline)) void scores_of(int QUERIES, int hs, int t0, int t1,
                                                             const float *const *q, const float *keys, int kv_width,
                                                             float *const *scores) {
     int t = t0;
-    for (; t + 4 <= t1; t += 4) four_scores(QUERIES, hs, q, keys, kv_width, t, scores);
+    if (hs % LANES == 0)
+        for (; t + 4 <= t1; t += 4) four_scores(QUERIES, hs, q, keys, kv_width, t, scores);
     for (; t < t1; t++)
         for (int k = 0; k < QUERIES; k++) scores[k][t] = one_score(hs, q[k], keys, kv_width, t);
 }
@@ -105,7 +98,7 @@ static inline __attribute__((always_inline)) void mix_chunks(int QUERIES, int CH
         Lanes x[4];
         for (int c = 0; c < CHUNKS; c++) {
             prefetch_ahead(v + c * LANES, kv_width);
-            x[c] = load_lanes(v + c * LANES);
+            x[c] = in_registers(load_lanes(v + c * LANES));
         }
         for (int k = 0; k < QUERIES; k++) {
             Lanes weight = splat(weights[k][t]);
@@ -117,12 +110,13 @@ static inline __attribute__((always_inline)) void mix_chunks(int QUERIES, int CH
 }
 
 /* out[k] += Σ weights[k][t] · v_t over positions t0 .. t1 − 1, for QUERIES queries: four vectors of each at a
-   time (16 sums in registers), then one, then a head size's tail lane by lane. */
+   time (16 sums in registers), then two, then one, then a head size's tail lane by lane. */
 static inline __attribute__((always_inline)) void mix_of(int QUERIES, int hs, int t0, int t1,
                                                          const float *const *weights, const float *values,
                                                          int kv_width, float *const *out) {
     int i = 0;
     for (; i + 4 * LANES <= hs; i += 4 * LANES) mix_chunks(QUERIES, 4, i, t0, t1, weights, values, kv_width, out);
+    for (; i + 2 * LANES <= hs; i += 2 * LANES) mix_chunks(QUERIES, 2, i, t0, t1, weights, values, kv_width, out);
     for (; i + LANES <= hs; i += LANES) mix_chunks(QUERIES, 1, i, t0, t1, weights, values, kv_width, out);
     for (; i < hs; i++)
         for (int k = 0; k < QUERIES; k++) {

@@ -245,8 +245,17 @@ def test_a_decode_step_over_a_long_cache_is_the_windows_position_bit_for_bit(nat
     share of the heads: over several blocks and a partial one, on any number of threads, every step's logits are
     the full window's last position's."""
     n_head, n_kv_head, head_dim = heads
-    model = make_model("rope", n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim, n_embd=48, block_size=80,
-                       norm="rmsnorm", mlp="swiglu", ffn_hidden=64)
+    model = make_model(
+        "rope",
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        head_dim=head_dim,
+        n_embd=48,
+        block_size=80,
+        norm="rmsnorm",
+        mlp="swiglu",
+        ffn_hidden=64,
+    )
     native = native_model(model, native_library, threads)
     sequence = random_ids(1, 75, seed=3)
     session = NativeSession(native)

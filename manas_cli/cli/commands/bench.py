@@ -92,7 +92,7 @@ def run(
         "weights_bytes": engine.weights_bytes,
         "engine": engine.name,
     }
-    # Each test's warm-up run and its timed runs; with --depth the prefill test is a run of one token of its own.
+    # Each test's warm-up run and its timed runs; with --depth the prefill test is a run of its own, one token long.
     steps = (repeat + 1) * (tokens * (2 if baseline else 1) + (1 if depth else 0))
     with token_progress(console, steps, "warming up") as advance:
         result = run_bench(

@@ -256,8 +256,8 @@ static inline __attribute__((always_inline)) void zero_terms(int RT, int OT, int
 }
 
 /* Group g of a tile's integer products added to its lanes: whole (count 0), or an int8 row's last, partial group
-   of count < QGROUP columns (int4 takes whole groups). `prefetch`: how far ahead to ask for the rows, or 0;
-   `scales`: int4's (int4_groups). The tile's weight rows are unpacked first, then each row of x meets them all,
+   of count < QGROUP columns (int4 takes whole groups). `prefetch`, `far`: how far ahead to ask for the rows (into
+   L1, into L2), or 0; `scales`: int4's (int4_groups). The tile's weight rows are unpacked first, then each row of x meets them all,
    so one row of x is live at a time: taken the other way round, GCC held all four rows of x and spilled a 4 × 4
    tile's lanes every group (GPT-2-shape int8 pp64 on AVX-512 +8% on 1 thread, +2% on 2). Every loop over the
    tile is unrolled by force: where GCC left one a loop, the tile's lanes lived in memory, each multiply-add
@@ -265,7 +265,7 @@ static inline __attribute__((always_inline)) void zero_terms(int RT, int OT, int
    +21%). */
 static inline __attribute__((always_inline)) void group_dots(int kind, int RT, int OT, const Row *rows,
                                                              const float *const *x, size_t g, int count,
-                                                             size_t prefetch, const uint16_t *scales,
+                                                             size_t prefetch, size_t far, const uint16_t *scales,
                                                              Lanes lane[MAX_ROW_TILE][TILE]) {
     int int4 = kind == INT4_INTEGER;
     const int8_t *w[TILE];
@@ -275,6 +275,7 @@ static inline __attribute__((always_inline)) void group_dots(int kind, int RT, i
     for (int o = 0; o < OT; o++) {
         w[o] = (const int8_t *)row_byte(rows[o], int4 ? g * QGROUP / 2 : g * QGROUP);
         if (prefetch) __builtin_prefetch(w[o] + prefetch);  /* that row, as far along */
+        if (far) __builtin_prefetch((const void *)((uintptr_t)w[o] + far), 0, 2);  /* a number: maybe past the layer */
         if (int4) scale[o] = group_scales(scales + (g * TILE + o) * GROUP_SCALES);
         if (!count) u[o] = int4 ? int4_bytes((const uint8_t *)w[o]) : int8_bytes(w[o]);
     }
@@ -314,16 +315,22 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
     }
     /* Fetching the rows of the tile after next while these are read keeps the loads from waiting: a decode step,
        one row of x, is otherwise latency-bound on them (int8 at GPT-2 size here: 136 against 105 tok/s for the
-       next tile, 10% more again for the one after; int4's shorter rows need the distance). A hint, not a read. */
+       next tile, 10% more again for the one after; int4's shorter rows need the distance). A hint, not a read.
+       An int8 decode step over panels, one stream, asks for it as float32's does instead, a little ahead into L1
+       and further into L2: two tiles ahead was 8–32 KiB into L1 at GPT-2-medium's widths (its int8 products
+       alone, 1 thread, medians of 8 on the AVX-512 host: 4096 → 1024 33 → 49 GFLOP/s, 1024 → 4096 level; the
+       SmolLM2 shape's decode +7% on 1 thread, +10% on 2). int4's, whose unpacking bounds it more than memory
+       does, lost 5% so and keeps the tiles. */
     int ahead = o0 + (1 + PREFETCH_TILES) * OT <= linear->n_out;
     size_t stride = linear->panels ? panel_row_bytes(linear) : row_bytes(linear);  /* from a row to the next's */
-    size_t prefetch = ahead ? PREFETCH_TILES * OT * stride : 0;
+    size_t prefetch = ahead ? PREFETCH_TILES * OT * stride : 0, far = 0;
+    if (ahead && RT == 1 && kind == INT8_INTEGER && linear->panels) prefetch = DECODE_NEAR_BYTES, far = DECODE_FAR_BYTES;
     Row rows[TILE];
 #pragma GCC unroll 8
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));
-    for (size_t g = 0; g < whole; g++) group_dots(kind, RT, OT, rows, x, g, 0, prefetch, scales, lane);
+    for (size_t g = 0; g < whole; g++) group_dots(kind, RT, OT, rows, x, g, 0, prefetch, far, scales, lane);
     if (whole * QGROUP < n)  /* int8 only: int4 takes whole groups */
-        group_dots(kind, RT, OT, rows, x, whole, (int)(n - whole * QGROUP), 0, scales, lane);
+        group_dots(kind, RT, OT, rows, x, whole, (int)(n - whole * QGROUP), 0, 0, scales, lane);
 #pragma GCC unroll 8
     for (int r = 0; r < RT; r++) {
         if (OT == 4) {

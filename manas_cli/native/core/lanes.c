@@ -239,6 +239,9 @@ static inline int whole_chunks(int kind, int n) { return kind == WEIGHTS_INT4 ? 
    14-15 (stand-alone; a read of memory that asks ahead gets 15.5): GPT-2-shape decode +2-6%. */
 #define F32_NEAR_CHUNKS 2
 #define F32_FAR_CHUNKS 12
+/* The same distances in bytes of a panel's stream (a float32 chunk of a tile is TILE units): the integer kinds'. */
+#define DECODE_NEAR_BYTES (F32_NEAR_CHUNKS * TILE * PANEL_UNIT)
+#define DECODE_FAR_BYTES (F32_FAR_CHUNKS * TILE * PANEL_UNIT)
 
 /* The bytes of one weight row as stored: n_in float32 values, int8 codes, or int4 nibble pairs. */
 static inline size_t row_bytes(const ManasLinear *linear) {

@@ -257,12 +257,12 @@ static inline __attribute__((always_inline)) void zero_terms(int RT, int OT, int
 
 /* Group g of a tile's integer products added to its lanes: whole (count 0), or an int8 row's last, partial group
    of count < QGROUP columns (int4 takes whole groups). `prefetch`, `far`: how far ahead to ask for the rows (into
-   L1, into L2), or 0; `scales`: int4's (int4_groups). The tile's weight rows are unpacked first, then each row of x meets them all,
-   so one row of x is live at a time: taken the other way round, GCC held all four rows of x and spilled a 4 × 4
-   tile's lanes every group (GPT-2-shape int8 pp64 on AVX-512 +8% on 1 thread, +2% on 2). Every loop over the
-   tile is unrolled by force: where GCC left one a loop, the tile's lanes lived in memory, each multiply-add
-   between a load and a store (GPT-2-shape pp64 on an AVX-512 host, with int4's zeros apart: int4 +32%, int8
-   +21%). */
+   L1, into L2), or 0; `scales`: int4's (int4_groups). The tile's weight rows are unpacked first, then each row of
+   x meets them all, so one row of x is live at a time: taken the other way round, GCC held all four rows of x and
+   spilled a 4 × 4 tile's lanes every group (GPT-2-shape int8 pp64 on AVX-512 +8% on 1 thread, +2% on 2). Every
+   loop over the tile is unrolled by force: where GCC left one a loop, the tile's lanes lived in memory, each
+   multiply-add between a load and a store (GPT-2-shape pp64 on an AVX-512 host, with int4's zeros apart: int4
+   +32%, int8 +21%). */
 static inline __attribute__((always_inline)) void group_dots(int kind, int RT, int OT, const Row *rows,
                                                              const float *const *x, size_t g, int count,
                                                              size_t prefetch, size_t far, const uint16_t *scales,
@@ -324,7 +324,8 @@ static inline __attribute__((always_inline)) void integer_dots(int kind, int RT,
     int ahead = o0 + (1 + PREFETCH_TILES) * OT <= linear->n_out;
     size_t stride = linear->panels ? panel_row_bytes(linear) : row_bytes(linear);  /* from a row to the next's */
     size_t prefetch = ahead ? PREFETCH_TILES * OT * stride : 0, far = 0;
-    if (ahead && RT == 1 && kind == INT8_INTEGER && linear->panels) prefetch = DECODE_NEAR_BYTES, far = DECODE_FAR_BYTES;
+    if (ahead && RT == 1 && kind == INT8_INTEGER && linear->panels)
+        prefetch = DECODE_NEAR_BYTES, far = DECODE_FAR_BYTES;
     Row rows[TILE];
 #pragma GCC unroll 8
     for (int o = 0; o < OT; o++) rows[o] = weight_row(linear, (size_t)(o0 + o));

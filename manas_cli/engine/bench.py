@@ -98,11 +98,12 @@ def run_bench(
 
         return steps
 
-    runs = {"cached": (cached(prompt, new_tokens), prompt_tokens)}
+    decode_length = 1 if depth else prompt_tokens  # the decode run's prompt past the depth
+    runs = {"cached": (cached(decode_prompt, new_tokens), decode_length)}
     if depth:
-        runs = {"prefill": (cached(prompt, 1), prompt_tokens), "cached": (cached(decode_prompt, new_tokens), 1)}
+        runs = {"prefill": (cached(prompt, 1), prompt_tokens), **runs}
     if baseline:
-        runs["baseline"] = (lambda: generate_reference(engine, decode_prompt, greedy, new_tokens), prompt_tokens)
+        runs["baseline"] = (lambda: generate_reference(engine, decode_prompt, greedy, new_tokens), decode_length)
     results: dict[str, list[GenerationStats]] = {}
     for name, (make_steps, prompt_length) in runs.items():
         warm_up = reporting(make_steps(), on_step, f"warming up {name}")

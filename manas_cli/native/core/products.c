@@ -135,10 +135,9 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
         const float *x[MAX_ROW_TILE];
         for (int r = 0; r < RT; r++) x[r] = m->x + (size_t)(r0 + (r < rows ? r : rows - 1)) * m->stride;
         float out[MAX_ROW_TILE][TILE];
-        if (rows > 1 && count == TILE && RT > TILE && rows <= TILE) {
-            tile_dots(kind, TILE, weights, x, w0, grouped, rows, out);  /* float32's last tile of 16 rows: 4 */
-        } else if (rows > 1 && count == TILE) {
-            tile_dots(kind, RT, weights, x, w0, grouped, rows, out);
+        if (rows > 1 && count == TILE) {
+            if (RT > TILE && rows <= TILE) tile_dots(kind, TILE, weights, x, w0, grouped, rows, out);  /* 16's last 4 */
+            else tile_dots(kind, RT, weights, x, w0, grouped, rows, out);
         } else if (rows == 1 && count == TILE) {
             dots(kind, 1, TILE, weights, x, w0, grouped, out);
         } else {

@@ -43,23 +43,29 @@ class Requests:
         self.eot, self.allowed = end_of_text_id(encoding), decodable(encoding)
         self._vocabulary = None  # structured.Vocabulary, built at the first constrained request
         self._grammars: dict = {}  # (Format, field) -> structured.Grammar, the last COMPILED_KEPT compiled
-        self._compiling = threading.Lock()
+        self._lock = threading.Lock()  # held for the vocabulary's build and the dictionary, never across a compile
 
     def grammar(self, format, field: str = ""):
         """A structured output's Format compiled for this model (structured.Grammar), or None for none; InputError
-        (naming `field` where given) when it cannot be compiled, MissingDependencyError without llguidance."""
+        (naming `field` where given) when it cannot be compiled, MissingDependencyError without llguidance.
+        Compiles run in worker processes under a budget (constraint_worker.py), several at once: a long one delays
+        no other request."""
         if format is None:
             return None
         from .structured import Vocabulary, compile_format
 
-        with self._compiling:  # the server's request threads take turns (compiling is bounded: structured.py)
+        with self._lock:
             if self._vocabulary is None:
                 self._vocabulary = Vocabulary(self.encoding, self.eot)
-            if (format, field) not in self._grammars:  # --jsonl's lines often share one schema
-                if len(self._grammars) >= COMPILED_KEPT:
-                    self._grammars.pop(next(iter(self._grammars)))
-                self._grammars[format, field] = compile_format(format, self._vocabulary, field)
-            return self._grammars[format, field]
+            vocabulary, compiled = self._vocabulary, self._grammars.get((format, field))
+        if compiled is not None:  # --jsonl's lines often share one schema
+            return compiled
+        compiled = compile_format(format, vocabulary, field)
+        with self._lock:
+            if len(self._grammars) >= COMPILED_KEPT:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[format, field] = compiled
+        return compiled
 
     def prepare(self, settings: GenerationSettings, rows: int = 1, record: bool = True, grammar=None) -> Prepared:
         """A request of `rows` rows sampled alike (generate's --num-samples); record: keep each row's text and tokens

@@ -119,31 +119,41 @@ class Vocabulary:
     Ordinary tokens are their bytes. Special tokens (<|im_start|>) are marked as llguidance's special ones (a 0xFF
     byte first): no text in a grammar or schema can produce them, only a grammar's <name> or <[id]>. Ids with no
     token (holes in a tiktoken vocabulary) are special too, under a name no grammar writes, so they are never
-    allowed. End-of-text is the token a constrained text ends with once its grammar accepts."""
+    allowed. End-of-text is the token a constrained text ends with once its grammar accepts. Its constraints are
+    compiled by its Compilers, in worker processes (constraint_worker.py)."""
 
     def __init__(self, encoding, eot: int | None) -> None:
-        llguidance = require_llguidance()
+        from .constraint_worker import Compilers
+
         if eot is None:
             raise InputError(
                 "a constrained text ends with end-of-text, and this model's vocabulary has none: structured "
                 "outputs need a model with an end-of-text token"
             )
+        require_llguidance()
         self.encoding, self.eot, self.size = encoding, eot, vocabulary_size(encoding)
         special = {encoding.encode_single_token(token) for token in encoding.special_tokens_set}
         known = decodable(encoding)
         holes = [i for i, has_token in enumerate(known) if not has_token]
         tokens = [_token_bytes(encoding, i, has_token, i in special) for i, has_token in enumerate(known)]
-        self.tokenizer = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(_Wrapped(encoding, tokens, eot, sorted(special) + holes)),
-            n_vocab=self.size,
-            # no slices (llguidance's precomputed vocabulary splits): measured on SmolLM2's 49,152 tokens, a JSON
-            # mask takes 19 µs (median) without them, 18 with, and they double this set-up (0.07 s → 0.15 s)
-            slices=[],
-        )
+        marked = sorted(special) + holes
+        self.tokenizer = llg_tokenizer(_Wrapped(tokens, eot, marked, encoding), self.size)
+        self.compilers = Compilers({"tokens": [token.hex() for token in tokens], "eot": eot, "special": marked})
 
-    def limits(self):
-        """llguidance's bounds on compiling and on each step: its defaults, with errors that name the fault."""
-        return require_llguidance().LLParserLimits(verbose_errors=True)
+
+def llg_tokenizer(wrapped: _Wrapped, size: int):
+    return require_llguidance().LLTokenizer(
+        require_llguidance().TokenizerWrapper(wrapped),
+        n_vocab=size,
+        # no slices (llguidance's precomputed vocabulary splits): measured on SmolLM2's 49,152 tokens, a JSON mask
+        # takes 19 µs (median) without them, 18 with, and they double this set-up (0.07 s → 0.15 s)
+        slices=[],
+    )
+
+
+def limits():
+    """llguidance's bounds on compiling and on each step: its defaults, with errors that name the fault."""
+    return require_llguidance().LLParserLimits(verbose_errors=True)
 
 
 def _token_bytes(encoding, token: int, has_token: bool, special: bool) -> bytes:
@@ -155,16 +165,21 @@ def _token_bytes(encoding, token: int, has_token: bool, special: bool) -> bytes:
 
 
 class _Wrapped:
-    """What llguidance's TokenizerWrapper reads: the tokens' bytes, end-of-text, the special ids, and encoding
-    (used where llguidance needs a text's tokens; never for sampling)."""
+    """What llguidance's TokenizerWrapper reads: the tokens' bytes, end-of-text, the special ids, and a text's
+    tokens where llguidance needs them (never for sampling): the encoding's, or, without one (in a compile worker),
+    llguidance's greedy tokenization of the same vocabulary."""
 
     bos_token_id = None
 
-    def __init__(self, encoding, tokens: list[bytes], eot: int, special: list[int]) -> None:
-        self.encoding, self.tokens, self.eos_token_id, self.special_token_ids = encoding, tokens, eot, special
+    def __init__(self, tokens: list[bytes], eot: int, special: list[int], encoding=None) -> None:
+        self.tokens, self.eos_token_id, self.special_token_ids, self.encoding = tokens, eot, special, encoding
+        self.greedy = None  # the LLTokenizer, where there is no encoding
 
     def __call__(self, text: str | bytes) -> list[int]:
-        return encode_text(self.encoding, text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        if self.encoding is not None:
+            return encode_text(self.encoding, text)
+        return self.greedy.greedy_tokenize(text) if self.greedy is not None else []
 
 
 @dataclass(frozen=True)
@@ -177,34 +192,33 @@ class Grammar:
 
     def matcher(self):
         llguidance, vocabulary = require_llguidance(), self.vocabulary
-        return llguidance.LLMatcher(vocabulary.tokenizer, self.grammar, log_level=0, limits=vocabulary.limits())
+        return llguidance.LLMatcher(vocabulary.tokenizer, self.grammar, log_level=0, limits=limits())
 
 
 def compile_format(format: Format, vocabulary: Vocabulary, field: str = "") -> Grammar:
     """format compiled for the vocabulary; InputError saying why (named after `field` where given) when llguidance
     cannot compile it: a schema keyword it does not implement, a grammar that does not parse, a regular expression
-    out of its syntax, a grammar over its size limits."""
+    out of its syntax, a grammar over its size limits, one no text can match, or one whose compile runs past the
+    worker's time or memory (constraint_worker.py)."""
     name = field or f"the {format.describe()}"
     if len(format.text.encode("utf-8")) > MAX_FORMAT_BYTES:
         raise InputError(f"{name} has {len(format.text.encode('utf-8')):,} bytes: at most {MAX_FORMAT_BYTES:,}")
-    llguidance = require_llguidance()
     try:
-        if format.kind == "json_schema":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(format.text, defaults=JSON_LAYOUT)
-        else:
-            grammar = llguidance.grammar_from(format.kind, format.text)
-    except Exception as exc:  # llguidance raises ValueError, or what its GBNF converter meets
-        raise InputError(f"{name} cannot be compiled: {_reason(str(exc))}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar, vocabulary.tokenizer, limits=vocabulary.limits())
-    if error and not error.startswith("WARNING"):
-        raise InputError(f"{name} cannot be compiled: {_reason(error)}")
-    compiled = Grammar(vocabulary, grammar, format)
-    matcher = compiled.matcher()
-    if matcher.is_error():
-        raise InputError(f"{name} cannot be compiled: {_reason(matcher.get_error())}")
-    return compiled
+        grammar = vocabulary.compilers.compile(format)
+    except InputError as exc:
+        raise InputError(f"{name} cannot be compiled: {exc}") from None
+    return Grammar(vocabulary, grammar, format)
 
 
-def _reason(message: str) -> str:
-    """llguidance's message (several lines for a regular expression's fault) as one line of at most 300 chars."""
-    return first_line(Exception(" ".join(message.split())), 300)
+def llg_grammar(format: Format) -> str:
+    """llguidance's grammar for a format (ValueError, or what its GBNF converter raises, where it has none)."""
+    llguidance = require_llguidance()
+    if format.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(format.text, defaults=JSON_LAYOUT)
+    return llguidance.grammar_from(format.kind, format.text)
+
+
+def reason(message: str) -> str:
+    """llguidance's message (several lines for a regular expression's fault, a parser's state after a step's
+    error) as one line of at most 300 chars."""
+    return first_line(Exception(message.split("\n<state>")[0].replace("\n", " ")), 300)

@@ -19,8 +19,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .errors import InputError
-from .structured import JSON_LAYOUT, Format
+from .errors import InputError, MissingDependencyError
+from .structured import INSTALL, JSON_LAYOUT, Format
 
 MAX_TOOLS = 128
 SYNTAXES = ("hermes", "llama3")
@@ -120,6 +120,7 @@ def call_format(tools: Tools, syntax: str, special_tokens: set[str]) -> Format |
     JSON a %json schema. special_tokens: the vocabulary's; a tag that is one is written as that token."""
     if tools.choice == "none":
         return None
+    require_jsonschema()
     names = [tools.named] if tools.named else list(tools.functions)
     arguments = "parameters" if syntax == "llama3" else "arguments"
     schemas = [_call_schema(name, tools.functions[name]["parameters"], arguments) for name in names]
@@ -127,18 +128,28 @@ def call_format(tools: Tools, syntax: str, special_tokens: set[str]) -> Format |
     body = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
     free = tools.choice == "auto"
     if syntax == "llama3":
-        lines = ["start: TEXT | call" if free else "start: call", f"call: {body}", r"TEXT: /([^{](?s:.*))?/"]
+        # free text never opens with "{", even after whitespace: only a call does
+        lines = ["start: TEXT | call" if free else "start: call", f"call: {body}", r"TEXT: /\s*([^{\s](?s:.*))?/"]
     else:
         opening, closing = (_tag(tag, special_tokens) for tag in ("<tool_call>", "</tool_call>"))
-        calls = 'call ("\\n" call)*' if tools.parallel else "call"
+        # after any whole call the answer may end, or end after a newline (where a template's turn ends), so the
+        # grammar never makes a call that the model ends with "\n" into two
+        calls = 'call ("\\n" call)* "\\n"?' if tools.parallel else 'call "\\n"?'
         lines = [
             f"start: TEXT | {calls}" if free else f"start: {calls}",
             f'call: {opening} "\\n" body "\\n" {closing}',
             f"body: {body}",
-            # free text that does not open a call (a special-token tag is never text anyway)
-            "TEXT: /(?s:.*)/" if opening.startswith("<") else r"TEXT: /(?s:.*)/ & ~/<tool_call>(?s:.*)/",
+            # free text never holds the opening tag, spelled in ordinary tokens or as its special one
+            r"TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/",
         ]
     return Format("lark", "\n".join(lines) + "\n")
+
+
+def require_jsonschema() -> None:
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(f"tool calls need jsonschema: {INSTALL}") from None
 
 
 def _call_schema(name: str, parameters: dict, arguments: str) -> dict:
@@ -165,31 +176,104 @@ class Answer:
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def read_calls(text: str, syntax: str) -> Answer:
-    """The calls an answer makes, as OpenAI's tool_calls (each with a fresh id and its arguments as a JSON string);
-    an answer without a whole call is its text."""
+def read_calls(text: str, syntax: str, tools: Tools) -> Answer:
+    """The calls an answer makes, as OpenAI's tool_calls (each with a fresh id and its arguments as a JSON string):
+    an answer that is nothing but calls, each naming a declared function with arguments valid under its
+    `parameters` (checked here again, not only trusted to the grammar), is its calls, a call repeated at once
+    counted once (a model that wrote a call and then wrote it again is not asking for two); any other answer is
+    its text."""
     if syntax == "llama3":
         found = [text.strip()] if text.lstrip().startswith("{") else []
         arguments = "parameters"
     else:
-        found = HERMES_CALL.findall(text)
+        found = _hermes_calls(text)
         arguments = "arguments"
-    calls = []
+    calls: list[tuple[str, object]] = []
     for raw in found:
-        try:
-            call = json.loads(raw)
-        except ValueError:
+        call = _declared_call(raw, arguments, tools)
+        if call is None:
             return Answer(text, [])
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or arguments not in call:
-            return Answer(text, [])
-        calls.append(
+        if not calls or calls[-1] != call:
+            calls.append(call)
+    if not calls:
+        return Answer(text, [])
+    return Answer(
+        None,
+        [
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
                 "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(call[arguments], ensure_ascii=False)},
+                "function": {"name": name, "arguments": json.dumps(values, ensure_ascii=False)},
             }
-        )
-    if not calls:
-        return Answer(text, [])
-    before = text[: text.find("<tool_call>")].strip() if syntax == "hermes" else ""
-    return Answer(before or None, calls)
+            for name, values in calls
+        ],
+    )
+
+
+def _hermes_calls(text: str) -> list[str]:
+    """The JSON of each tagged call, where the text is nothing but calls and whitespace; else none."""
+    found, end = [], 0
+    for match in HERMES_CALL.finditer(text):
+        if text[end : match.start()].strip():
+            return []
+        found.append(match.group(1))
+        end = match.end()
+    return found if not text[end:].strip() else []
+
+
+def _declared_call(raw: str, arguments: str, tools: Tools) -> tuple[str, object] | None:
+    """(name, arguments) of one call's JSON, or None unless it names a function the request may call (the named
+    one, under a named tool_choice) and its arguments are valid under that function's schema."""
+    try:
+        call = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(call, dict) or set(call) != {"name", arguments} or not isinstance(call["name"], str):
+        return None
+    name = call["name"]
+    if name not in tools.functions or (tools.named is not None and name != tools.named):
+        return None
+    if not valid(call[arguments], tools.functions[name]["parameters"]):
+        return None
+    return name, call[arguments]
+
+
+PATTERN_TIMEOUT_S = 0.1  # a pattern that backtracks for longer over a model's short string is not trusted to pass
+
+
+def valid(instance: object, schema: dict) -> bool:
+    """Whether `instance` is valid under the JSON Schema, by jsonschema (a validator independent of the grammar
+    that made it), its patterns matched by `regex` under a timeout: Python's `re`, which jsonschema uses, can
+    backtrack for hours on a hostile pattern."""
+    import jsonschema
+
+    checker = jsonschema.validators.validator_for(schema)
+    bounded = jsonschema.validators.extend(checker, {"pattern": _pattern, "patternProperties": _pattern_properties})
+    try:
+        return bounded(schema).is_valid(instance)
+    except (Exception, RecursionError):  # a schema jsonschema refuses, an unresolvable $ref, a pattern `regex`
+        return False  # cannot compile: not shown valid
+
+
+def _search(pattern: str, text: str) -> bool:
+    import regex
+
+    try:
+        return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+    except TimeoutError:
+        return False
+
+
+def _pattern(validator, pattern, instance, schema):
+    from jsonschema.exceptions import ValidationError
+
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator, patterns, instance, schema):
+    if validator.is_type(instance, "object"):
+        for pattern, subschema in patterns.items():
+            for key, value in instance.items():
+                if _search(pattern, key):
+                    yield from validator.descend(value, subschema, path=key, schema_path=pattern)

@@ -5,6 +5,7 @@ sampling states; free of torch, and of llguidance but through the grammar it is 
 from __future__ import annotations
 
 from ..errors import ConstraintError
+from ..structured import reason
 
 
 class Constraints:
@@ -19,11 +20,11 @@ class Constraints:
         matcher = self.matchers[row]
         allowed = matcher.compute_logit_bias()
         if matcher.is_error():
-            raise ConstraintError(f"the structured output cannot go on: {matcher.get_error()}")
+            raise ConstraintError(f"the structured output cannot go on: {reason(matcher.get_error())}")
         return allowed[:size].ljust(size, b"\0")
 
     def accept(self, row: int, token: int) -> None:
         """The row drew `token` (always one allowed() gave)."""
         matcher = self.matchers[row]
         if not matcher.consume_token(token):
-            raise ConstraintError(f"the structured output cannot go on: {matcher.get_error()}")
+            raise ConstraintError(f"the structured output cannot go on: {reason(matcher.get_error())}")

@@ -219,16 +219,25 @@ def _format(value: dict):
 
 def _response_format(asked: object):
     """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} (any JSON object), or {"type":
-    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}; and llama-server's own form
+    {"type": "json_object", "schema": {...}} (instructor's JSON_SCHEMA mode sends it), a schema. Any other key is
+    refused by name: a field ignored would be a constraint silently not applied."""
     from ...errors import InputError
     from ...structured import json_schema_format
 
     kind = asked.get("type") if isinstance(asked, dict) else None
     if kind not in RESPONSE_FORMATS:
         raise InputError(f"response_format must be an object whose type is {', '.join(RESPONSE_FORMATS)}")
+    takes = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}[kind]
+    if unknown := sorted(set(asked) - takes):
+        raise InputError(
+            f"response_format has {unknown[0]!r}: a {kind!r} response_format takes {', '.join(sorted(takes))}"
+        )
     if kind == "text":
         return None
     if kind == "json_object":
+        if asked.get("schema") is not None:
+            return json_schema_format(asked["schema"], "response_format.schema")
         return json_schema_format({"type": "object"})
     spec = asked.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):

@@ -587,7 +587,7 @@ class ToolReply(ChatReply):
 
     def read(self, choice: Choice):
         if choice.index not in self._read:
-            self._read[choice.index] = read_calls(choice.stream.text, self.syntax)
+            self._read[choice.index] = read_calls(choice.stream.text, self.syntax, self.request.tools)
         return self._read[choice.index]
 
     def finish_reason(self, choice: Choice) -> str:

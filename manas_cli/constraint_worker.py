@@ -1,0 +1,127 @@
+"""A structured output's constraint compiled in a worker process (worker.py) under a budget of time and memory.
+
+A schema or grammar of a few kilobytes can make llguidance work for minutes and build gigabytes before it says
+anything: an `allOf` of 60 string patterns (the intersection of their automata), 10,000 chained GBNF rules (deep
+enough to overflow its stack), `^((a{100}){100}){100}$`. Its own limits (LLParserLimits) bound each step, but not
+every part of compiling. So a worker compiles the constraint and takes a few steps of a trial walk through it
+(where a lexer's blow-up shows), under RLIMIT_CPU and RLIMIT_AS and the caller's wall-clock deadline, and returns
+llguidance's grammar, which the caller's matchers then read in milliseconds. A compile past the budget, or one that
+kills its worker, is one error naming why; the caller, a server with other requests in flight, goes on.
+
+Compiles run in a pool of up to WORKERS processes, so that one long compile holds one worker, not every request's
+turn. A worker is started with the vocabulary (every token's bytes, end-of-text, the special ids) and keeps it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from .errors import InputError
+from .worker import Bounds, Worker, serve
+
+BOUNDS = Bounds(
+    what="compiling it",
+    cpu_s=4,  # a JSON Schema compiles in milliseconds; ^((a{100}){100}){100}$ took 0.9 s to its first mask here
+    wall_s=8.0,
+    memory_bytes=1024 * 2**20,  # beyond the worker's start: an allOf of 60 patterns asked for 6.9 GB
+    reply_bytes=64 * 2**20,  # llguidance's grammar of a 1 MiB schema
+)
+WORKERS = 4  # compiles at once, each a process of about 100 MB
+TRIAL_TOKENS = 8  # steps of the trial walk: the lexer's states for what follows the first token are built lazily
+
+
+class CompileRefused(InputError):
+    """A constraint that cannot be compiled within the budget, or at all: the message says why."""
+
+
+class Compilers:
+    """The pool of compile workers of one vocabulary (`greeting`: its description, sent to each new worker)."""
+
+    def __init__(self, greeting: dict) -> None:
+        self.greeting = {"vocabulary": greeting}
+        self._idle: queue.LifoQueue[Worker] = queue.LifoQueue()
+        self._started = 0
+        self._lock = threading.Lock()
+
+    def compile(self, format) -> str:
+        """llguidance's grammar for `format` (structured.Format), or CompileRefused saying why."""
+        worker = self._take()
+        try:
+            return worker.ask({"kind": format.kind, "text": format.text})["grammar"]
+        finally:
+            self._idle.put(worker)
+
+    def _take(self) -> Worker:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self._started < WORKERS:
+                self._started += 1
+                return Worker(__name__, BOUNDS, CompileRefused, self.greeting)
+        return self._idle.get()  # every worker is compiling: the first to finish (within BOUNDS.wall_s) is ours
+
+
+# ---- the worker's side ----
+
+
+def main() -> None:
+    serve(BOUNDS, _Compiler().handle, CompileRefused)
+
+
+class _Compiler:
+    def __init__(self) -> None:
+        self.tokenizer = None
+        self.eot = -1
+
+    def handle(self, request: dict) -> dict:
+        from .structured import _Wrapped, llg_tokenizer
+
+        if "vocabulary" in request:
+            vocabulary = request["vocabulary"]
+            tokens = [bytes.fromhex(token) for token in vocabulary["tokens"]]
+            wrapped = _Wrapped(tokens, vocabulary["eot"], vocabulary["special"])
+            self.tokenizer, self.eot = llg_tokenizer(wrapped, len(tokens)), vocabulary["eot"]
+            wrapped.greedy = self.tokenizer
+            return {}
+        return {"grammar": self.compile(request["kind"], request["text"])}
+
+    def compile(self, kind: str, text: str) -> str:
+        """The grammar, checked as the caller's matchers will use it: llguidance's own validation, a matcher, and a
+        trial walk of TRIAL_TOKENS steps (each taking the smallest allowed id, end-of-text last)."""
+        import llguidance
+
+        from .structured import Format, limits, llg_grammar, reason
+
+        try:
+            grammar = llg_grammar(Format(kind, text))
+        except RecursionError:
+            raise CompileRefused("it nests too deeply") from None
+        except Exception as exc:  # llguidance raises ValueError, or what its GBNF converter meets
+            raise CompileRefused(reason(str(exc))) from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=limits())
+        if error and not error.startswith("WARNING"):
+            raise CompileRefused(reason(error))
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits())
+        for step in range(TRIAL_TOKENS):
+            allowed = matcher.compute_logit_bias()
+            if matcher.is_error():
+                raise CompileRefused(_step_error(matcher, step))
+            token = next((i for i, flag in enumerate(allowed) if flag and i != self.eot), None)
+            if token is None and not allowed[self.eot]:
+                raise CompileRefused("no text can match it")
+            if token is None:
+                break  # only end-of-text may follow: the text is complete
+            if not matcher.consume_token(token):
+                raise CompileRefused(_step_error(matcher, step))
+        return grammar
+
+
+def _step_error(matcher, step: int) -> str:
+    from .structured import reason
+
+    message = reason(matcher.get_error())
+    if step == 0 and message.startswith("NoExtensionBias"):
+        return "no text can match it (a $ref that only refers to itself, or a grammar with no way to end)"
+    return f"over llguidance's limits: {message}"

@@ -123,7 +123,7 @@ def test_read_calls_checks_names_and_arguments_again():
     bad_unit = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}}'
     for text in (
         f"<tool_call>\n{bad_unit}\n</tool_call>",
-        f'<tool_call>{{"name": "rm_rf", "arguments": {{}}}}</tool_call>',
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
         f"so: <tool_call>\n{good}\n</tool_call>",
         f"<tool_call>\n{good}\n</tool_call> and text",
         f'<tool_call>\n{good[:-1]}, "extra": 1}}\n</tool_call>',
@@ -132,7 +132,8 @@ def test_read_calls_checks_names_and_arguments_again():
     assert len(read_calls(f"<tool_call>\n{good}\n</tool_call>\n", "hermes", tools).calls) == 1
     named = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     assert read_calls(f"<tool_call>\n{good}\n</tool_call>", "hermes", named).calls == []
-    pattern = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"pattern": "^(a+)+$"}}}}}]
+    backtracking = {"properties": {"a": {"pattern": "^(a+)+$"}}}
+    pattern = [{"type": "function", "function": {"name": "f", "parameters": backtracking}}]
     evil = '{"name": "f", "parameters": {"a": "' + "a" * 40 + 'b"}}'
     assert read_calls(evil, "llama3", parse_tools({"tools": pattern})).calls == []  # bounded, not backtracking
 

@@ -62,6 +62,12 @@ def resolve_checkpoint(option: Path | None) -> Path:
     )
 
 
+def model_name(option: Path | None) -> str:
+    """The model as the user named it (a store name, or the stem of the file given: a GGUF's own, not its
+    conversion's in the cache), which the server's /v1/models lists."""
+    return resolve_checkpoint(option).stem
+
+
 def by_name(option: Path) -> Path:
     """A path as given, or the stored model its text names when no file of that name is here (a folder of that
     name does not hide the model)."""

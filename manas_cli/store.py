@@ -5,7 +5,6 @@ only (no torch)."""
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 import re
@@ -202,26 +201,19 @@ GGUF_PREFERENCE = ("Q4_K_M", "Q8_0")
 
 
 def gguf_file(repository: Repository, progress: bool) -> tuple[Path, str]:
-    """The repository's GGUF file that the tag names (or the preferred one), downloaded alone, and its tag."""
+    """The repository's GGUF file that the tag names (or the preferred one), found in the Hub's listing first and
+    downloaded alone, and its tag; several files for one tag are refused by name before anything is fetched."""
+    names = sorted(name for name in listed(repository) if name.lower().endswith(".gguf"))
     for tag in (repository.tag,) if repository.tag else (*GGUF_PREFERENCE, None):
-        patterns = [f"*{tag}.gguf", f"*{tag.lower()}.gguf"] if tag else _first_gguf(repository)
-        if not patterns:
-            continue
-        folder = download(repository.name, repository.revision, progress, patterns)
-        # the snapshot folder also holds what earlier pulls of this revision fetched
-        matched = sorted(path for path in folder.glob("*.gguf") if any(fnmatch.fnmatch(path.name, p) for p in patterns))
+        matched = [name for name in names if name.lower().endswith(f"{tag.lower()}.gguf")] if tag else names[:1]
         if len(matched) > 1:
-            shown = ", ".join(path.name for path in matched)
+            shown = ", ".join(matched)
             raise InputError(f"{repository.name} has several GGUF files for {tag}: {shown} (split files are not read)")
         if matched:
-            return matched[0], tag or matched[0].stem.rsplit("-", 1)[-1]
+            folder = download(repository.name, repository.revision, progress, matched)
+            return folder / matched[0], tag or Path(matched[0]).stem.rsplit("-", 1)[-1]
     wanted = f" tagged {repository.tag}" if repository.tag else ""
     raise InputError(f"{repository.name} holds no GGUF file{wanted}: `manas pull {repository.name}:TAG` names one")
-
-
-def _first_gguf(repository: Repository) -> list[str]:
-    """The repository's first GGUF file by name, as a pattern, or none."""
-    return sorted(name for name in listed(repository) if name.endswith(".gguf"))[:1]
 
 
 def listed(repository: Repository) -> list[str]:

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from .errors import InputError, MissingDependencyError, first_line
+from .constraint_worker import Compilers, Tokens, limits, llg_tokenizer
+from .errors import InputError, MissingDependencyError
 from .formats.tokenizer import decodable, encode_text, vocabulary_size
 
 KINDS = ("json_schema", "gbnf", "lark", "grammar", "regex")  # "grammar": GBNF or Lark, told apart by its text
 GRAMMAR_SYNTAXES = ("auto", "gbnf", "lark")
 MAX_FORMAT_BYTES = 1 << 20  # a schema or grammar larger than 1 MiB is refused before it is parsed
-# JSON as json.dumps writes it, the layout models have read most: with whitespace free, a small model fills it with
-# newlines until its budget is spent (a schema's "x-guidance" object can set llguidance's other options).
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 INSTALL = 'pip install "manas-cli[structured]" (from a clone: pip install -e ".[structured]")'
 
 
@@ -123,8 +122,6 @@ class Vocabulary:
     compiled by its Compilers, in worker processes (constraint_worker.py)."""
 
     def __init__(self, encoding, eot: int | None) -> None:
-        from .constraint_worker import Compilers
-
         if eot is None:
             raise InputError(
                 "a constrained text ends with end-of-text, and this model's vocabulary has none: structured "
@@ -137,23 +134,8 @@ class Vocabulary:
         holes = [i for i, has_token in enumerate(known) if not has_token]
         tokens = [_token_bytes(encoding, i, has_token, i in special) for i, has_token in enumerate(known)]
         marked = sorted(special) + holes
-        self.tokenizer = llg_tokenizer(_Wrapped(tokens, eot, marked, encoding), self.size)
-        self.compilers = Compilers({"tokens": [token.hex() for token in tokens], "eot": eot, "special": marked})
-
-
-def llg_tokenizer(wrapped: _Wrapped, size: int):
-    return require_llguidance().LLTokenizer(
-        require_llguidance().TokenizerWrapper(wrapped),
-        n_vocab=size,
-        # no slices (llguidance's precomputed vocabulary splits): measured on SmolLM2's 49,152 tokens, a JSON mask
-        # takes 19 µs (median) without them, 18 with, and they double this set-up (0.07 s → 0.15 s)
-        slices=[],
-    )
-
-
-def limits():
-    """llguidance's bounds on compiling and on each step: its defaults, with errors that name the fault."""
-    return require_llguidance().LLParserLimits(verbose_errors=True)
+        self.tokenizer = llg_tokenizer(Tokens(tokens, eot, marked, partial(encode_text, encoding)), self.size)
+        self.compilers = Compilers({"tokens": [token.hex() for token in tokens], "ends": [eot, marked]})
 
 
 def _token_bytes(encoding, token: int, has_token: bool, special: bool) -> bytes:
@@ -162,24 +144,6 @@ def _token_bytes(encoding, token: int, has_token: bool, special: bool) -> bytes:
     if not has_token:
         return b"\xff<|manas no token %d|>" % token
     return (b"\xff" if special else b"") + encoding.decode_single_token_bytes(token)
-
-
-class _Wrapped:
-    """What llguidance's TokenizerWrapper reads: the tokens' bytes, end-of-text, the special ids, and a text's
-    tokens where llguidance needs them (never for sampling): the encoding's, or, without one (in a compile worker),
-    llguidance's greedy tokenization of the same vocabulary."""
-
-    bos_token_id = None
-
-    def __init__(self, tokens: list[bytes], eot: int, special: list[int], encoding=None) -> None:
-        self.tokens, self.eos_token_id, self.special_token_ids, self.encoding = tokens, eot, special, encoding
-        self.greedy = None  # the LLTokenizer, where there is no encoding
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
-        if self.encoding is not None:
-            return encode_text(self.encoding, text)
-        return self.greedy.greedy_tokenize(text) if self.greedy is not None else []
 
 
 @dataclass(frozen=True)
@@ -204,21 +168,7 @@ def compile_format(format: Format, vocabulary: Vocabulary, field: str = "") -> G
     if len(format.text.encode("utf-8")) > MAX_FORMAT_BYTES:
         raise InputError(f"{name} has {len(format.text.encode('utf-8')):,} bytes: at most {MAX_FORMAT_BYTES:,}")
     try:
-        grammar = vocabulary.compilers.compile(format)
+        grammar = vocabulary.compilers.compile(format.kind, format.text)
     except InputError as exc:
         raise InputError(f"{name} cannot be compiled: {exc}") from None
     return Grammar(vocabulary, grammar, format)
-
-
-def llg_grammar(format: Format) -> str:
-    """llguidance's grammar for a format (ValueError, or what its GBNF converter raises, where it has none)."""
-    llguidance = require_llguidance()
-    if format.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(format.text, defaults=JSON_LAYOUT)
-    return llguidance.grammar_from(format.kind, format.text)
-
-
-def reason(message: str) -> str:
-    """llguidance's message (several lines for a regular expression's fault, a parser's state after a step's
-    error) as one line of at most 300 chars."""
-    return first_line(Exception(message.split("\n<state>")[0].replace("\n", " ")), 300)

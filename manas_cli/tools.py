@@ -19,8 +19,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from .constraint_worker import JSON_LAYOUT
 from .errors import InputError, MissingDependencyError
-from .structured import INSTALL, JSON_LAYOUT, Format
+from .structured import INSTALL, Format
 
 MAX_TOOLS = 128
 SYNTAXES = ("hermes", "llama3")

@@ -47,7 +47,7 @@ class HubHandler(BaseHTTPRequestHandler):
         if self.path.startswith(f"{api}/tree/"):
             files = sorted(self.server.folder.iterdir())
             self._json([{"type": "file", "path": p.name, "size": p.stat().st_size, "oid": _sha(p)[:40]} for p in files])
-        elif self.path.startswith(f"{api}/revision/"):
+        elif self.path.startswith(f"{api}/revision/") or self.path.split("?")[0] == api:
             siblings = [{"rfilename": p.name} for p in sorted(self.server.folder.iterdir())]
             self._json({"id": self.server.repo, "sha": COMMIT, "siblings": siblings})
         elif self.path.startswith("/api/models/"):  # another repository: the Hub's answer for one that is absent

@@ -204,3 +204,23 @@ def test_a_tag_no_file_has_is_one_error_line(tmp_path, gguf_repository):
         run = manas("pull", "TinyOrg/Tiny-Chat-GGUF:IQ2_XS", **environment(tmp_path, hub))
     assert run.returncode == 1 and "holds no GGUF file tagged IQ2_XS" in run.err
     assert len(run.err.strip().splitlines()) == 1
+
+
+def test_several_files_for_a_tag_are_refused_by_name_before_any_download(tmp_path, gguf_repository):
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    for name in ("Tiny-Chat-Q8_0.gguf", "Tiny-Chat-v2-Q8_0.gguf", "Tiny-Chat-Q4_K_M.gguf"):
+        (crowded / name).symlink_to(gguf_repository / name.replace("-v2", ""))
+    with local_hub("TinyOrg/Tiny-Chat-GGUF", crowded) as hub:
+        run = manas("pull", "TinyOrg/Tiny-Chat-GGUF:Q8_0", **environment(tmp_path, hub))
+        fetched = [path for path, _ in hub.requests if "/resolve/" in path]
+    assert run.returncode == 1 and fetched == [], (run.err, fetched)
+    assert "several GGUF files for Q8_0: Tiny-Chat-Q8_0.gguf, Tiny-Chat-v2-Q8_0.gguf" in run.err
+
+
+def test_the_server_names_a_gguf_model_as_the_user_did(tmp_path, gguf_repository):
+    from test_serve import running_server
+
+    with running_server(gguf_repository / "Tiny-Chat-Q8_0.gguf") as live:
+        listed = [model.id for model in live.client().models.list()]
+    assert listed == ["Tiny-Chat-Q8_0"] and live.model == "Tiny-Chat-Q8_0"

@@ -4,8 +4,8 @@ sampling states; free of torch, and of llguidance but through the grammar it is 
 
 from __future__ import annotations
 
+from ..constraint_worker import reason
 from ..errors import ConstraintError
-from ..structured import reason
 
 
 class Constraints:

@@ -47,6 +47,7 @@ def run(
     prefix_cache_mb: float = 0,
 ) -> None:
     from ...engine.memory import fitting_window
+    from ...models import model_name
     from ...requests import encode_prompt
     from ..render import say, stderr_console
     from ..server.http import Server, serve
@@ -72,7 +73,7 @@ def run(
     template = template or model_chat_template(checkpoint)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
     scheduler = Scheduler(engine, checkpoint, batch_size, max_queued, prefix_cache_bytes=int(prefix_cache_mb * 2**20))
-    model_id = checkpoint.path.stem
+    model_id = model_name(model_options.checkpoint)
     try:
         server = Server(
             (host, port),

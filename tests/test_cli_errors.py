@@ -189,3 +189,22 @@ def test_no_escape_codes_reach_a_pipe(rope, bad_files, what):
     assert (bool(run.stdout), bool(run.stderr)) == (writes_stdout, writes_stderr)
     assert b"\x1b" not in run.stdout
     assert b"\x1b" not in run.stderr
+
+
+def test_llama_cpps_flags_mean_what_they_mean_there_or_point_to_manas_own(checkpoints):
+    path = str(checkpoints["learned-mha"].path)
+    plain = manas("generate", "-c", path, "-p", "ROMEO:", "-n", "6", "-t", "0").ok()
+    offload = manas("generate", "-c", path, "-p", "ROMEO:", "-n", "6", "-t", "0", "-ngl", "99").ok()
+    assert offload.out == plain.out and "-ngl" in offload.err and "--device" in offload.err
+    assert manas("-c", path, "-p", "ROMEO:", "-n", "6", "-t", "0").ok().out == plain.out  # llama-cli's way
+    hot = manas("generate", "-c", path, "-p", "ROMEO:", "-n", "2", "-t", "4").ok()
+    assert "--threads 4" in hot.err and "--threads" not in plain.err
+    for flag, manas_way in (
+        ("-cnv", "manas chat"),
+        ("-i", "manas chat"),
+        ("--n-predict", "--max-tokens"),
+        ("-r", "--stop"),
+    ):
+        run = manas("generate", "-c", path, "-p", "-i", flag, "x")
+        assert run.returncode == 2 and manas_way in run.err and len(run.err.splitlines()) == 1, (flag, run.err)
+    assert manas("generate", "-c", path, "-p", "-i", "-n", "2").returncode == 0  # a prompt "-i" is a prompt

@@ -224,3 +224,18 @@ def test_the_server_names_a_gguf_model_as_the_user_did(tmp_path, gguf_repository
     with running_server(gguf_repository / "Tiny-Chat-Q8_0.gguf") as live:
         listed = [model.id for model in live.client().models.list()]
     assert listed == ["Tiny-Chat-Q8_0"] and live.model == "Tiny-Chat-Q8_0"
+
+
+def test_run_of_a_hub_repository_pulls_it_once_then_runs_it(tmp_path, gguf_repository):
+    repo = "TinyOrg/Tiny-Chat-GGUF:Q8_0"
+    with local_hub("TinyOrg/Tiny-Chat-GGUF", gguf_repository) as hub:
+        env = environment(tmp_path, hub)
+        first = manas("run", repo, "hello", "-n", "4", "-t", "0", **env).ok()
+        fetched = [path for path, _ in hub.requests if "/resolve/" in path]
+        hub.requests.clear()
+        second = manas("run", repo, "hello", "-n", "4", "-t", "0", fresh=True, **env).ok()
+        again = [path for path, _ in hub.requests if "/resolve/" in path]
+    assert len(fetched) == 1 and again == [] and first.out == second.out and first.out.strip()
+    assert f"pulling {repo}" in first.err and "stored as tiny-chat-q8_0" in first.err and "pulling" not in second.err
+    unknown = manas("run", "no-such-model", "hello", **env)
+    assert unknown.returncode == 1 and "manas pull" in unknown.err

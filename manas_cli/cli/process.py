@@ -15,7 +15,7 @@ import typer
 
 from ..errors import ManasError, Terminated, interrupt_exit_code
 from ..files import remove_unfinished
-from . import interrupts
+from . import habits, interrupts
 from .app import app
 
 
@@ -24,8 +24,14 @@ def main() -> None:
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
     from typer.exceptions import Abort, Exit
 
-    args, debug = without_debug(sys.argv[1:])
     _keep_stderr_descriptor()
+    try:
+        args, notices = habits.translate(sys.argv[1:])
+    except habits.HabitError as exc:
+        _fail(str(exc), 2, False)
+    for notice in notices:
+        print(notice, file=sys.stderr)
+    args, debug = without_debug(args)
     # torch's CPU wheel runs without NumPy (manas needs none) but warns about it at every start: noise on stderr
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     interrupts.install()

@@ -8,9 +8,10 @@ from ...errors import InputError
 from ..flags import Quantization
 
 
-def run(*, repo: str, name: str | None, quantize: str | None, force: bool) -> None:
+def run(*, repo: str, name: str | None, quantize: str | None, force: bool, reuse: bool = False) -> str:
     """Download REPO[@REVISION]'s files that convert reads, convert them into the store under a name, and with
-    --quantize store a quantized copy too (`NAME-int8`)."""
+    --quantize store a quantized copy too (`NAME-int8`); the name. reuse: a model stored under that name already
+    is the one wanted (`manas run OWNER/NAME` a second time), not refused."""
     from ... import store
     from ...formats.convert import convert_checkpoint
     from ..render import stderr_console
@@ -19,12 +20,19 @@ def run(*, repo: str, name: str | None, quantize: str | None, force: bool) -> No
     console = stderr_console()
     repository = store.parse_repo(repo)
     if name is not None or not repository.is_gguf or repository.tag:  # the name is known: checked before downloading
-        claim(name or store.default_name(repository.name, repository.tag), quantize, force)
+        name = name or store.default_name(repository.name, repository.tag)
+        if reuse and store.find(name) is not None:
+            return name
+        claim(name, quantize, force)
+    if reuse:  # run's pull, on the way to the answer: say why it waits
+        console.print(f"pulling {repo} from the Hugging Face Hub")
     if repository.is_gguf:
         source, tag = store.gguf_file(repository, progress=console.is_terminal)
     else:
         source, tag = store.download(repository.name, repository.revision, progress=console.is_terminal), None
     name = name or store.default_name(repository.name, tag)
+    if reuse and store.find(name) is not None:
+        return name
     out, copy = claim(name, quantize, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = convert_checkpoint(source, out, force=force)
@@ -32,10 +40,13 @@ def run(*, repo: str, name: str | None, quantize: str | None, force: bool) -> No
     console.print(f"pulled {pulled}: {result.source_kind}, {result.parameters:,} parameters, stored as {name} ({out})")
     if copy is not None:
         quantize_command.run(checkpoint=out, out=copy, kind=quantize, force=force)
+    if reuse:
+        return name
     if store.describe(name, out, is_shipped=False).chat_template:
         console.print(f"chat with it: manas chat -m {name}")
     else:
         console.print(f"run it: manas generate -m {name} -p 'Hello'")
+    return name
 
 
 def claim(name: str, quantize: str | None, force: bool):

@@ -1,6 +1,7 @@
 """`manas run NAME [PROMPT]`, as ollama's: a chat model is chatted with (at the terminal, or one answer to PROMPT),
 a base model continues PROMPT."""
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 def run(*, model: Path | None, prompt: str | None, settings: GenerationSettings, model_options: "ModelOptions") -> None:
     from .common import checkpoint_given
 
-    path = checkpoint_given(model, model_options.checkpoint)
+    path = checkpoint_given(pulled(model), model_options.checkpoint)
     options = replace(model_options, checkpoint=path)
     if has_chat_template(path):
         chat.run(
@@ -51,6 +52,19 @@ def run(*, model: Path | None, prompt: str | None, settings: GenerationSettings,
         )
 
 
+REPOSITORY = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?(@[\w.-]+)?")  # OWNER/NAME[:TAG][@REVISION], as pull takes
+
+
+def pulled(model: Path | None) -> Path | None:
+    """A repository on the Hub (OWNER/NAME[-GGUF][:TAG]) as the store name it is pulled under, first pulling it
+    where the store lacks it (as `ollama run` does); any other model as given."""
+    from . import pull
+
+    if model is None or model.exists() or not REPOSITORY.fullmatch(str(model)):
+        return model
+    return Path(pull.run(repo=str(model), name=None, quantize=None, force=False, reuse=True))
+
+
 def has_chat_template(path: Path) -> bool:
     """Whether the checkpoint stores a chat template, from its header alone."""
     from ...formats.header import read_header
@@ -67,7 +81,11 @@ def has_chat_template(path: Path) -> bool:
 def command(
     model: Annotated[
         Optional[Path],
-        typer.Argument(help="A store name (manas list) or a checkpoint file.", show_default=False),
+        typer.Argument(
+            help="A store name (manas list), a checkpoint file, or a Hub repository (OWNER/NAME[-GGUF][:TAG]), "
+            "pulled first where the store lacks it.",
+            show_default=False,
+        ),
     ] = None,
     prompt: Annotated[
         Optional[str], typer.Argument(help="One message (a chat model) or a text to continue.", show_default=False)
@@ -86,6 +104,8 @@ def command(
       manas run smollm2-135m-instruct
 
       manas run smollm2-135m-instruct "Why is the sky blue?"
+
+      manas run bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M "Hello"
 
       manas run shakespeare "ROMEO:" -n 60
     """

@@ -125,9 +125,80 @@ def test_at_a_terminal_ctrl_c_stops_the_answer_and_ctrl_d_ends_the_chat(checkpoi
         seen = b""
         os.write(controller, b"/reset\r")
         read_until(b"forgotten")
+        read_until(b">>> ")  # typed at the prompt, as a person does (readline sets the terminal up as it shows)
         os.write(controller, b"\x04")  # Ctrl-D at the prompt
         assert process.wait(timeout=30) == 0
     finally:
         if process.poll() is None:
             process.kill()
         os.close(controller)
+
+
+class Terminal:
+    """manas chat in a pseudo-terminal of its own, typed at as a person types (escape sequences for the arrows)."""
+
+    def __init__(self, args: list[str], **env: str) -> None:
+        self.controller, terminal = pty.openpty()
+        self.process = subprocess.Popen(
+            [*MANAS, "chat", *args], stdin=terminal, stdout=terminal, stderr=terminal,
+            env=cli_env(COLUMNS="100", **env), preexec_fn=own_terminal,
+        )  # fmt: skip
+        os.close(terminal)
+        self.seen = b""
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.controller, keys)
+
+    def read_until(self, marker: bytes, timeout: float = 60.0) -> bytes:
+        """What the terminal showed up to and including `marker`, which is then consumed."""
+        deadline = time.monotonic() + timeout
+        while marker not in self.seen and time.monotonic() < deadline:
+            if select.select([self.controller], [], [], 0.2)[0]:
+                try:
+                    self.seen += os.read(self.controller, 4096)
+                except OSError:
+                    break
+        assert marker in self.seen, self.seen[-500:]
+        shown, _, self.seen = self.seen.partition(marker)
+        return shown + marker
+
+    def close(self) -> int:
+        try:
+            return self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+            os.close(self.controller)
+
+
+UP, LEFT = b"\x1b[A", b"\x1b[D"
+
+
+def test_the_prompt_edits_lines_recalls_them_across_chats_and_takes_ollamas_commands(
+    checkpoints, template_file, tmp_path
+):
+    args = ["-c", str(checkpoints["rope-gqa"].path), "--chat-template", str(template_file), "-n", "4"]
+    first = Terminal(args, MANAS_HOME=str(tmp_path))
+    first.read_until(b">>> ")
+    first.type(b"/elp" + LEFT * 3 + b"h\r")  # the cursor moved back, an h put in: /help
+    assert b"/set temperature 0.2" in first.read_until(b">>> ")
+    first.type(b"/set temperature 0\r")
+    assert b"temperature is 0" in first.read_until(b">>> ")
+    first.type(b"/set top_k many\r")
+    assert b"top_k not set" in first.read_until(b">>> ")
+    first.type(LINES[0].encode() + b"\r")
+    first.read_until(b"prompt tokens")  # the answer's stats line
+    first.read_until(b">>> ")
+    first.type(b"/clear\r")
+    assert b"forgotten" in first.read_until(b">>> ")
+    first.type(b"/exit\r")
+    assert first.close() == 0
+    kept = tmp_path / "history" / "rope-gqa"
+    assert kept.stat().st_mode & 0o777 == 0o600 and LINES[0] in kept.read_text()
+
+    second = Terminal(args, MANAS_HOME=str(tmp_path))
+    second.read_until(b">>> ")
+    second.type(UP * 5 + b"\r")  # /exit, /clear, the message, /set top_k, /set temperature 0: the first chat's
+    assert b"temperature is 0" in second.read_until(b">>> ")
+    second.type(b"\x04")
+    assert second.close() == 0

@@ -1,9 +1,13 @@
 """`manas chat`: a conversation in the terminal, or one message per line from a pipe (conversation.py keeps the
 cache between turns; this module reads, prints and handles the keys)."""
 
+import json
+import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -17,9 +21,25 @@ if TYPE_CHECKING:
     from ...models import ModelOptions
 
 
-HELP = "/reset forgets the conversation · /system TEXT sets the system prompt · Ctrl-C stops an answer · Ctrl-D ends"
+HELP = "/help lists the commands · Up recalls a message · Ctrl-C stops an answer · Ctrl-D or /bye ends"
+COMMANDS = """/help                    this list
+/set temperature 0.2     a setting for the answers to come: temperature, top_p, top_k, min_p, seed, max_tokens,
+                         repetition_penalty, presence_penalty, frequency_penalty (ollama's num_predict and
+                         repeat_penalty too; /set parameter NAME VALUE as in ollama); /set NAME none unsets one
+/set system TEXT         the system prompt (the conversation starts again); /system TEXT as well
+/clear, /reset           forget the conversation
+/bye, /exit              end the chat (Ctrl-D too)
+Up and Down recall earlier messages (kept per model); a line ending in \\ continues on the next; a line of three
+quotes opens and closes a block; Ctrl-C stops an answer, and at the prompt clears it."""
+# ollama's /set parameter names, as manas names those settings
+SETTING_ALIASES = {"num_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}
+SETTABLE = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty", "repeat_last_n",
+    "presence_penalty", "frequency_penalty",
+)  # fmt: skip
 CONTINUE = "\\"  # a line ending so continues on the next
 BLOCK = '"""'  # a line of three quotes opens and closes a multi-line message, as in ollama
+HISTORY_LINES = 1000
 
 
 def run(
@@ -35,6 +55,7 @@ def run(
     """The conversation at the terminal, or one message a line from a pipe; `given`: these messages alone (manas
     run NAME PROMPT)."""
     from ...conversation import Conversation
+    from ...models import model_name
     from ...records import json_line
     from ..render import say, stderr_console
     from .common import chat_template_text, load_model, model_chat_template, require_stdout
@@ -54,24 +75,59 @@ def run(
     conversation = Conversation(engine, checkpoint.encoding, template, system)
     if interactive:
         say(console, f"chatting with {checkpoint.path.stem} · {HELP}")
-    for message in given if given is not None else messages(interactive):
-        if message == "/reset":
-            conversation.reset()
-            say(console, "the conversation is forgotten")
-        elif message.startswith("/system"):
-            conversation.system = message.removeprefix("/system").strip() or None
-            conversation.reset()
-            say(console, "system prompt set; the conversation starts again")
-        elif message.startswith("/"):
-            say(console, f"unknown command {message.split()[0]}: {HELP}")
-        elif json_output:
-            answer = conversation.reply(message, settings, lambda text: None, lambda: False)
-            print(json_line(answer_record(answer, engine)))
-            sys.stdout.flush()
-        else:
-            answer = answer_one(conversation, message, settings)
-            if show_stats:
-                say(console, stats_line(answer))
+    with history(model_name(model_options.checkpoint) if interactive else None):
+        for message in given if given is not None else messages(interactive):
+            if message.startswith("/"):
+                settings = chat_command(message, conversation, settings, lambda text: say(console, text))
+            elif json_output:
+                answer = conversation.reply(message, settings, lambda text: None, lambda: False)
+                print(json_line(answer_record(answer, engine)))
+                sys.stdout.flush()
+            else:
+                answer = answer_one(conversation, message, settings)
+                if show_stats:
+                    say(console, stats_line(answer))
+
+
+def chat_command(message: str, conversation, settings: GenerationSettings, tell) -> GenerationSettings:
+    """A /command typed in the chat (COMMANDS): done, told to `tell`; the settings for the answers to come."""
+    name, _, rest = message.partition(" ")
+    rest = rest.strip()
+    if name in ("/reset", "/clear"):
+        conversation.reset()
+        tell("the conversation is forgotten")
+    elif name == "/system" or (name == "/set" and rest.split(" ", 1)[0] == "system"):
+        conversation.system = (rest.removeprefix("system").strip() if name == "/set" else rest) or None
+        conversation.reset()
+        tell("system prompt set; the conversation starts again")
+    elif name == "/set":
+        return _set(rest.removeprefix("parameter ").strip(), settings, tell)
+    elif name == "/help":
+        tell(COMMANDS)
+    else:
+        tell(f"unknown command {name}: {HELP}")
+    return settings
+
+
+def _set(assignment: str, settings: GenerationSettings, tell) -> GenerationSettings:
+    """`/set NAME VALUE`: settings with that one changed, under the rule generate's flag obeys (settings.RULES)."""
+    from dataclasses import replace
+
+    from ...settings import check
+
+    given, _, text = assignment.partition(" ")
+    name = SETTING_ALIASES.get(given, given)
+    if name not in SETTABLE or not text.strip():
+        tell(f"/set takes a setting and its value (/set temperature 0.2): one of {', '.join(SETTABLE)}")
+        return settings
+    try:
+        value = None if text.strip() == "none" else json.loads(text)
+        settings = replace(settings, **{name: check(name, value)})
+    except ValueError as exc:
+        tell(f"{name} not set: {exc}" if "must be" in str(exc) else f"{name} not set: {text.strip()!r} is not a number")
+        return settings
+    tell(f"{name} is {getattr(settings, name)}")
+    return settings
 
 
 def answer_one(conversation, message: str, settings: GenerationSettings):
@@ -125,7 +181,7 @@ def answer_record(answer, engine) -> dict:
 
 def messages(interactive: bool) -> Iterator[str]:
     """The user's messages: from a pipe one a line; at a terminal a line, a line continued by a final backslash,
-    or a block between two lines of three quotes. Ctrl-C at the prompt clears it; Ctrl-D (or /bye) ends."""
+    or a block between two lines of three quotes. Ctrl-C at the prompt clears it; Ctrl-D (or /bye, /exit) ends."""
     if not interactive:
         for line in sys.stdin if sys.stdin is not None else ():
             if line.strip():
@@ -140,10 +196,44 @@ def messages(interactive: bool) -> Iterator[str]:
         except EOFError:
             sys.stderr.write("\n")
             return
-        if message.strip() == "/bye":
+        if message.strip() in ("/bye", "/exit"):
             return
         if message.strip():
             yield message.strip()
+
+
+@contextmanager
+def history(name: str | None) -> Iterator[None]:
+    """Line editing (readline's: arrows, Ctrl-A/E, Ctrl-R) and the model's earlier messages, read from
+    $MANAS_HOME/history/NAME and written back there at the end, the file the user's alone (0600); None: none kept
+    (a pipe, one message)."""
+    if name is None:
+        yield
+        return
+    try:
+        import readline
+    except ImportError:  # a Python built without it: input() still reads a line, without editing
+        yield
+        return
+    from ... import store
+
+    path = store.home() / "history" / re.sub(r"[^\w.-]", "-", name)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    readline.clear_history()
+    readline.set_history_length(HISTORY_LINES)
+    try:
+        readline.read_history_file(path)
+    except OSError:  # none yet, or unreadable: this chat starts one
+        pass
+    try:
+        yield
+    finally:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+            os.chmod(path, 0o600)
+            readline.write_history_file(path)
+        except OSError:  # a read-only home: the chat happened, its history is not kept
+            pass
 
 
 def _read_message() -> str:
@@ -205,7 +295,9 @@ def command(
     The messages go through the model's chat template (or --chat-template FILE); the conversation's KV cache is
     kept between turns, so each turn prefills only what it adds (the native engine), and every answer is what
     manas generate gives the whole rendered prompt. At the prompt: a line ending in a backslash continues, three
-    quotes open and close a block; /reset, /system TEXT; Ctrl-C stops an answer, Ctrl-D (or /bye) ends.
+    quotes open and close a block; Up and Down recall earlier messages (kept per model); /help lists the commands:
+    /set temperature 0.2 (and the other settings), /system TEXT, /clear; Ctrl-C stops an answer, Ctrl-D (or /bye,
+    /exit) ends.
 
     Examples:
 

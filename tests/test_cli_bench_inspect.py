@@ -216,3 +216,46 @@ def test_inspect_cache_view_of_a_multi_head_model_claims_no_saving(learned):
     assert "(1, 4, " in text
     assert "multi-head cache would hold" not in text
     assert "re-prefills" not in text
+
+
+def test_bench_prints_each_row_as_it_finishes_and_ctrl_c_keeps_them():
+    """On a pipe: the model's lines and each test's row come as they are measured; a Ctrl-C in the (long) uncached
+    baseline keeps the rows printed and exits 130."""
+    import signal
+    import subprocess
+
+    from cli_fixtures import MANAS, cli_env
+    from test_serve import SHIPPED
+
+    process = subprocess.Popen(
+        [*MANAS, "bench", "-c", str(SHIPPED), *RUN_OPTIONS, "--baseline", "-n", "200", "--prompt-tokens", "56"]
+        + ["--repeat", "50"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+    )  # fmt: skip
+    lines = []
+    while (line := process.stdout.readline()) and not line.startswith("tg200 "):
+        lines.append(line)
+    process.send_signal(signal.SIGINT)  # the baseline's 51 runs have just begun
+    rest, err = process.communicate(timeout=60)
+    printed = "".join(lines) + line + rest
+    assert process.returncode == 130 and err.strip().endswith("error: interrupted"), err
+    assert str(SHIPPED) in lines[0] and "pp56 " in printed and "tg200 " in printed and "no-cache" not in printed
+
+
+def test_an_uncached_baseline_over_its_budget_is_left_out_unless_asked_for(monkeypatch, rope):
+    from manas_cli.engine import bench as engine_bench
+    from manas_cli.models import ModelOptions, open_model
+
+    engine = open_model(ModelOptions(checkpoint=rope.path, threads=1)).engine
+    shown = []
+    options = dict(repeat=1, batch=1, on_measurement=lambda m: shown.append(m.name))
+    kept = engine_bench.run_bench(engine, 8, 6, baseline=None, **options)
+    assert [m.name for m in kept.measurements] == shown == ["pp8", "tg6", "tg6 no-cache"]
+    assert kept.baseline_estimate_s is None
+    monkeypatch.setattr(engine_bench, "BASELINE_BUDGET_S", 0.0)  # every baseline over budget
+    left_out = engine_bench.run_bench(engine, 8, 6, baseline=None, repeat=1)
+    assert [m.name for m in left_out.measurements] == ["pp8", "tg6"] and left_out.baseline_estimate_s > 0
+    # (1 + 1) runs of 6 steps, each prefilling 8, 9, ... 13 positions, at the measured prefill speed
+    assert left_out.baseline_estimate_s == pytest.approx(2 * sum(range(8, 14)) / left_out.measurements[0].mean)
+    asked = engine_bench.run_bench(engine, 8, 6, baseline=True, repeat=1)
+    assert [m.name for m in asked.measurements][-1] == "tg6 no-cache"

@@ -224,39 +224,46 @@ def plural(count: int, noun: str) -> str:
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
 
 
-def bench_table(report: dict):
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
+class BenchRows:
+    """bench's report on stdout as it is measured, each line flushed whole (a pipe gets each row as it finishes,
+    and a Ctrl-C keeps those printed): the model above, a row per test, the totals below."""
 
-    model = report["model"]
-    header = Text(
-        f"{model['path']}\n{model['parameters']:,} parameters · {model['weights']} weights "
-        f"{format_bytes(model['weights_bytes'])} · "
-        f"block_size {model['block_size']} · {model['engine']} engine · {model['device']} · {model['dtype']} · "
-        f"{plural(model['threads'], 'thread')} ({model['threads_rule']}) · "
-        f"batch {report['batch']} · {plural(report['repeat'], 'run')} · overflow {report['overflow']}"
-    )
-    table = Table(box=None, pad_edge=False)
-    table.add_column("test")
-    table.add_column("tokens/s", justify="right")
-    noisy = [is_noisy(test) for test in report["tests"]]
-    if any(noisy):
-        table.add_column("")
-    for test, marked in zip(report["tests"], noisy):
+    def __init__(self, report: dict, prompt_tokens: int, tokens: int) -> None:
+        model = report["model"]
+        self.width = len(f"tg{tokens} no-cache @ d{report['depth']}" if report["depth"] else f"tg{tokens} no-cache")
+        self.repeat = report["repeat"]
+        self._line(model["path"])
+        self._line(
+            f"{model['parameters']:,} parameters · {model['weights']} weights {format_bytes(model['weights_bytes'])} · "
+            f"block_size {model['block_size']} · {model['engine']} engine · {model['device']} · {model['dtype']} · "
+            f"{plural(model['threads'], 'thread')} ({model['threads_rule']}) · "
+            f"batch {report['batch']} · {plural(report['repeat'], 'run')} · overflow {report['overflow']}"
+        )
+        self._line("")
+        self._line(f"{'test':<{self.width}}  {'tokens/s':>20}")
+
+    def row(self, test: dict) -> None:
         figure = f"{test['tokens_per_s_mean']:,.1f}"
-        if report["repeat"] > 1:  # one run has no spread to show
+        if self.repeat > 1:  # one run has no spread to show
             figure += f" ± {test['tokens_per_s_std']:,.1f}"
-        table.add_row(test["name"], figure, *(["noisy" if marked else ""] if any(noisy) else []))
-    speedup = f"{report['speedup']:.1f}×" if report["speedup"] is not None else "-"
-    if report["speedup"] is not None and any(is_noisy(test) for test in report["tests"][1:]):
-        speedup += " (noisy)"
-    footer = Text(
-        f"time to first token {report['ttft_s'] * 1000:.1f} ms · cache speed-up {speedup} · "
-        f"re-prefills {report['re_prefills']} · peak memory {format_bytes(report['peak_memory_bytes'])} · "
-        f"cache {format_bytes(report['cache_bytes'])}"
-    )
-    return Group(header, Text(""), table, Text(""), footer)
+        self._line(f"{test['name']:<{self.width}}  {figure:>20}" + ("  noisy" if test["noisy"] else ""))
+
+    def footer(self, report: dict) -> None:
+        speedup = f"{report['speedup']:.1f}×" if report["speedup"] is not None else "-"
+        if report["speedup"] is not None and any(test["noisy"] for test in report["tests"][1:]):
+            speedup += " (noisy)"
+        self._line("")
+        self._line(
+            f"time to first token {report['ttft_s'] * 1000:.1f} ms · cache speed-up {speedup} · "
+            f"re-prefills {report['re_prefills']} · peak memory {format_bytes(report['peak_memory_bytes'])} · "
+            f"cache {format_bytes(report['cache_bytes'])}"
+        )
+
+    @staticmethod
+    def _line(text: str) -> None:
+        with held():
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
 
 
 def bar(fraction: float, width: int = 30) -> str:

@@ -33,6 +33,7 @@ class BenchResult:
     re_prefills: int
     cache_bytes: int
     peak_memory_bytes: int
+    baseline_estimate_s: float | None = None  # the uncached baseline's estimated time, where it was left out for it
 
     @property
     def speedup(self) -> float | None:
@@ -63,20 +64,27 @@ def run_once(steps: Iterator[Step], prompt_tokens: int, batch: int) -> Generatio
     return stats
 
 
+BASELINE_BUDGET_S = 60.0  # an uncached baseline estimated to take longer runs only when asked for
+
+
 def run_bench(
     engine: Engine,
     prompt_tokens: int,
     new_tokens: int,
     repeat: int,
     batch: int = 1,
-    baseline: bool = True,
+    baseline: bool | None = True,
     allocation: str = "dynamic",
     overflow: str = "recompute",
     on_step: Callable[[str], None] = lambda label: None,
     depth: int = 0,
+    on_measurement: Callable[[Measurement], None] = lambda measurement: None,
 ) -> BenchResult:
     """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each. on_step is
-    called after every generated token with what is running (a progress bar).
+    called after every generated token with what is running (a progress bar), on_measurement with each test's
+    figures as soon as they are known. baseline None: the uncached baseline runs where baseline_seconds estimates
+    at most BASELINE_BUDGET_S for it (on a large model it can take half an hour), and the result says the estimate
+    where it did not.
 
     depth=D (llama-bench's -d): before each run, D tokens are put in the cache, untimed; the prefill test then
     times the prompt's P tokens after them (each attending over the D before it), and the decode test, a run of its
@@ -98,39 +106,52 @@ def run_bench(
 
         return steps
 
-    decode_length = 1 if depth else prompt_tokens  # the decode run's prompt past the depth
-    runs = {"cached": (cached(decode_prompt, new_tokens), decode_length)}
-    if depth:
-        runs = {"prefill": (cached(prompt, 1), prompt_tokens), **runs}
-    if baseline:
-        runs["baseline"] = (lambda: generate_reference(engine, decode_prompt, greedy, new_tokens), decode_length)
-    results: dict[str, list[GenerationStats]] = {}
-    for name, (make_steps, prompt_length) in runs.items():
-        warm_up = reporting(make_steps(), on_step, f"warming up {name}")
-        run_once(warm_up, prompt_length, batch)  # first calls are slower
-        results[name] = [
+    def timed(name: str, make_steps: Callable[[], Iterator[Step]], prompt_length: int) -> list[GenerationStats]:
+        run_once(reporting(make_steps(), on_step, f"warming up {name}"), prompt_length, batch)  # first calls are slower
+        return [
             run_once(
                 reporting(make_steps(), on_step, f"timing {name} (run {run + 1} of {repeat})"), prompt_length, batch
             )
             for run in range(repeat)
         ]
-    prefilled, cached = results.get("prefill", results["cached"]), results["cached"]
+
+    decode_length = 1 if depth else prompt_tokens  # the decode run's prompt past the depth
     at = f" @ d{depth}" if depth else ""  # llama-bench's names
-    measurements = [
-        Measurement(f"pp{prompt_tokens}{at}", [s.prefill_tokens_per_s for s in prefilled]),
-        Measurement(f"tg{new_tokens}{at}", [s.decode_tokens_per_s for s in cached]),
-    ]
-    if baseline:
-        measurements.append(
-            Measurement(f"tg{new_tokens}{at} no-cache", [s.decode_tokens_per_s for s in results["baseline"]])
+    measurements = []
+
+    def measured(name: str, figures: list[float]) -> None:
+        measurements.append(Measurement(name, figures))
+        on_measurement(measurements[-1])
+
+    prefilled = timed("prefill", cached(prompt, 1), prompt_tokens) if depth else None
+    decoded = timed("cached", cached(decode_prompt, new_tokens), decode_length)
+    prefilled = prefilled or decoded
+    measured(f"pp{prompt_tokens}{at}", [s.prefill_tokens_per_s for s in prefilled])
+    measured(f"tg{new_tokens}{at}", [s.decode_tokens_per_s for s in decoded])
+    estimate = baseline_seconds(decode_length + depth, new_tokens, repeat, batch, block_size, measurements[0].mean)
+    skipped = baseline is None and estimate > BASELINE_BUDGET_S
+    if baseline or (baseline is None and not skipped):
+        uncached = timed(
+            "baseline", lambda: generate_reference(engine, decode_prompt, greedy, new_tokens), decode_length
         )
+        measured(f"tg{new_tokens}{at} no-cache", [s.decode_tokens_per_s for s in uncached])
     return BenchResult(
         measurements=measurements,
         ttft_s=statistics.median(s.ttft_s for s in prefilled),
-        re_prefills=cached[-1].re_prefills,
+        re_prefills=decoded[-1].re_prefills,
         cache_bytes=session.storage()["storage_bytes"],
         peak_memory_bytes=engine.peak_memory_bytes(),
+        baseline_estimate_s=estimate if skipped else None,
     )
+
+
+def baseline_seconds(
+    prompt_tokens: int, new_tokens: int, repeat: int, batch: int, block_size: int, prefill_tokens_per_s: float
+) -> float:
+    """About how long the uncached baseline takes, warm-up included: each of its steps prefills the whole text so
+    far (at most the window), at the measured prefill speed (of every row together, as the batch's are)."""
+    positions = sum(min(prompt_tokens + i, block_size) for i in range(new_tokens))
+    return (repeat + 1) * positions * batch / max(prefill_tokens_per_s, 1e-9)
 
 
 def sweep(

@@ -66,8 +66,9 @@ def run(
 ) -> None:
     from ...engine.bench import run_bench
     from ...engine.bench import sweep as sweep_positions
+    from ...models import resolve_checkpoint
     from ...records import json_line
-    from ..render import bench_table, is_noisy, noise_warning, stderr_console, sweep_chart, token_progress
+    from ..render import BenchRows, is_noisy, noise_warning, say, stderr_console, sweep_chart, token_progress
     from .common import check_memory, load_model, require_stdout
 
     require_stdout()
@@ -76,11 +77,11 @@ def run(
     model = checkpoint.model
     block_size = model.config.block_size
     prompt_tokens, tokens = bench_lengths(block_size, prompt_tokens, tokens, console, depth)
-    baseline = depth == 0 if baseline is None else baseline
+    baseline = False if baseline is None and depth else baseline
     positions = min(block_size, depth + prompt_tokens + tokens)
     check_memory(engine, batch, positions, "--batch (or --depth, --prompt-tokens, --tokens)")
     info = {
-        "path": str(checkpoint.path),
+        "path": str(resolve_checkpoint(model_options.checkpoint)),  # the file the user gave, not a GGUF's conversion
         "parameters": model.num_parameters(),
         "size_bytes": engine.weights_bytes,
         "block_size": block_size,
@@ -92,11 +93,32 @@ def run(
         "weights_bytes": engine.weights_bytes,
         "engine": engine.name,
     }
+    report = {"model": info, "tests": [], "batch": batch, "depth": depth, "repeat": repeat, "overflow": overflow}
+    rows = None if json_output else BenchRows(report, prompt_tokens, tokens)
+
+    def measured(measurement) -> None:
+        test = {"name": measurement.name, "tokens_per_s_mean": measurement.mean, "tokens_per_s_std": measurement.std}
+        report["tests"].append({**test, "runs": measurement.tokens_per_s, "noisy": is_noisy(test)})
+        if rows is not None:
+            rows.row(report["tests"][-1])
+
     # Each test's warm-up run and its timed runs; with --depth the prefill test is a run of its own, one token long.
-    steps = (repeat + 1) * (tokens * (2 if baseline else 1) + (1 if depth else 0))
-    with token_progress(console, steps, "warming up") as advance:
-        result = run_bench(
-            engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow, advance, depth
+    steps = (repeat + 1) * (tokens * (1 if baseline is False else 2) + (1 if depth else 0))
+    try:
+        with token_progress(console, steps, "warming up") as advance:
+            result = run_bench(
+                engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow, advance, depth,
+                on_measurement=measured,
+            )  # fmt: skip
+    except KeyboardInterrupt:  # the rows measured stay printed (a JSON report holds them, marked interrupted)
+        if json_output and report["tests"]:
+            print(json_line({**report, "interrupted": True}))
+        raise
+    if result.baseline_estimate_s is not None:
+        say(
+            console,
+            f"notice: no uncached baseline: it would take about {result.baseline_estimate_s / 60:.0f} min on this "
+            "model; --baseline runs it",
         )
     sweep_rows = None
     if sweep:
@@ -105,37 +127,25 @@ def run(
             sweep_rows = sweep_positions(
                 engine, min(prompt_tokens, block_size // 8), sweep_tokens, 12, on_token=advance
             )
-    report = {
-        "model": info,
-        "tests": [
-            {"name": m.name, "tokens_per_s_mean": m.mean, "tokens_per_s_std": m.std, "runs": m.tokens_per_s}
-            for m in result.measurements
-        ],
+    report |= {
         "ttft_s": result.ttft_s,
         "speedup": result.speedup,
         "re_prefills": result.re_prefills,
         "peak_memory_bytes": result.peak_memory_bytes,
         "cache_bytes": result.cache_bytes,
-        "batch": batch,
-        "depth": depth,
-        "repeat": repeat,
-        "overflow": overflow,
     }
     if sweep_rows is not None:
         report["sweep"] = sweep_rows
-    for test in report["tests"]:
-        test["noisy"] = is_noisy(test)
     if warning := noise_warning(report):
         console.print(warning)
     if json_output:
         print(json_line(report))
         return
-    from rich.console import Console
-
-    stdout = Console(highlight=False, no_color=console.no_color, soft_wrap=True)  # a pipe gets whole lines
-    stdout.print(bench_table(report))
+    rows.footer(report)
     if sweep_rows is not None:
-        stdout.print(sweep_chart(sweep_rows))
+        from rich.console import Console
+
+        Console(highlight=False, no_color=console.no_color, soft_wrap=True).print(sweep_chart(sweep_rows))
 
 
 # ---- the command: its flags and help, and the call ------------------------------------------------------------
@@ -176,7 +186,10 @@ def command(
         Optional[bool],
         typer.Option(
             "--baseline/--no-baseline",
-            help="Also time uncached crop-and-recompute decoding. Default: without --depth.",
+            help=(
+                "Also time uncached crop-and-recompute decoding. Default: without --depth, and where it is estimated "
+                "at a minute at most (on a large model it takes half an hour; --baseline runs it anyway)."
+            ),
             show_default=False,
         ),
     ] = None,

@@ -199,3 +199,25 @@ def test_response_format_takes_llama_servers_schema_and_refuses_unknown_keys(ser
         status, answer = post(server, {"messages": ASK, "response_format": body, "max_tokens": 4})
         assert status == 400 and answer["error"]["param"] == "response_format", (body, answer)
         assert repr(sorted(set(body) - {"type", "json_schema"})[0]) in answer["error"]["message"]
+
+
+def test_jsonl_sizes_its_rows_from_free_memory_on_a_long_window_model(tmp_path, tiny_bpe_spec):
+    """An 8k-window model: 16 rows of its window need about 17 GiB; under a 4 GiB address space the default batch
+    takes the rows that fit, says so, and gives batch size 1's records."""
+    from cli_fixtures import RUN_OPTIONS, cli
+    from manas_cli.engine.config import GPTConfig
+    from manas_cli.formats.checkpoint import save_checkpoint
+    from manas_cli.torch_engine.model import GPT
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=320, block_size=8192, n_layer=1, n_head=4, n_embd=32, position_encoding="rope")
+    path = tmp_path / "long.safetensors"
+    save_checkpoint(path, GPT(config), tiny_bpe_spec)
+    lines = "".join(json.dumps({"prompt": f"the {word}", "seed": 1, "max_tokens": 8}) + "\n" for word in "abcdefgh")
+    fitted = cli("generate", "-c", path, *RUN_OPTIONS, "--jsonl", stdin=lines, address_space=4 << 30, text=True)
+    alone = cli("generate", "-c", path, *RUN_OPTIONS, "--jsonl", "--batch-size", "1", stdin=lines, text=True)
+    assert fitted.returncode == 0 and alone.returncode == 0, fitted.stderr
+    assert "notice: batch size" in fitted.stderr and "8,192-token window" in fitted.stderr, fitted.stderr
+    assert [json.loads(line)["text"] for line in fitted.stdout.splitlines()] == [
+        json.loads(line)["text"] for line in alone.stdout.splitlines()
+    ]

@@ -53,6 +53,15 @@ def check_fits(engine, rows: int, positions: int, lower: str) -> None:
         )
 
 
+def fitting_rows(engine, rows: int, positions: int) -> int:
+    """The most rows, up to `rows`, of `positions` each that the engine's device has free memory for; at least 1
+    (check_fits then says why one does not fit)."""
+    available = engine.free_memory_bytes()
+    if available is None:
+        return rows
+    return max(1, min(rows, available // run_bytes(engine.config, 1, positions, engine.activation_bytes)))
+
+
 def fitting_window(engine, rows: int, smallest: int = 512) -> int | None:
     """The model's window, or where `rows` of it need more memory than the engine's device has free, the largest
     halving of it (down to `smallest`) that fits; None when the window fits, or nothing does."""

@@ -17,7 +17,15 @@ import typer
 
 from ...errors import InputError, ManasError, first_line, interrupt_exit_code
 from ...settings import GenerationSettings, as_overrides
-from ..flags import BatchSizeOption, Overflow, OverflowOption, takes_flags, takes_model_flags, takes_setting_flags
+from ..flags import (
+    DEFAULT_BATCH_SIZE,
+    BatchSizeOption,
+    Overflow,
+    OverflowOption,
+    takes_flags,
+    takes_model_flags,
+    takes_setting_flags,
+)
 
 if TYPE_CHECKING:
     from ...batch import RawLine
@@ -423,7 +431,7 @@ def task_lines_option(default: int) -> type:
 @takes_flags(BATCH_FLAGS, batch_files_of, "files")
 def generate_command(
     task_lines: task_lines_option(256) = 256,
-    batch_size: BatchSizeOption = 16,
+    batch_size: BatchSizeOption = None,
     overflow: OverflowOption = Overflow.recompute,
     *,
     files: dict,
@@ -446,7 +454,7 @@ def generate_command(
       manas batch generate prompts.jsonl -o records.jsonl --resume
     """
 
-    options = {"batch_size": batch_size, "overflow": overflow.value, **as_overrides(settings)}
+    options = {"batch_size": batch_size or DEFAULT_BATCH_SIZE, "overflow": overflow.value, **as_overrides(settings)}
     run(job=Job("generate", options, task_lines), **files, model_options=model_options)
 
 

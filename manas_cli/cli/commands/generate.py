@@ -166,7 +166,7 @@ def command(
             ),
         ),
     ] = False,
-    batch_size: BatchSizeOption = 16,
+    batch_size: BatchSizeOption = None,
     num_samples: Annotated[
         int, typer.Option(min=1, help="Samples of the same prompt, decoded together as one batch.")
     ] = 1,

@@ -15,6 +15,7 @@ from ...batch import RawLine, read_raw_lines
 from ...errors import InputError, interrupt_exit_code
 from ...models import ModelOptions
 from ...settings import GenerationSettings
+from ..flags import DEFAULT_BATCH_SIZE
 from .common import check_memory, load_model, require_stdout
 
 
@@ -69,11 +70,27 @@ def write_record(record: dict) -> None:
     sys.stdout.flush()
 
 
+def rows_that_fit(engine, console) -> int:
+    """The default batch's rows, DEFAULT_BATCH_SIZE or as many as the free memory holds at the model's window (a
+    batched row equals the row alone, so this changes no record), said where fewer."""
+    from ...engine.memory import fitting_rows
+    from ..render import say
+
+    rows = fitting_rows(engine, DEFAULT_BATCH_SIZE, engine.config.block_size)
+    if rows < DEFAULT_BATCH_SIZE:
+        say(
+            console,
+            f"notice: batch size {rows}: the free memory holds {rows} of the {engine.config.block_size:,}-token "
+            f"window's rows (--batch-size sets it, --ctx keeps a shorter window)",
+        )
+    return rows
+
+
 def run(
     *,
     prompt_file: Path | None,
     defaults: GenerationSettings,
-    batch_size: int,
+    batch_size: int | None,
     overflow: str,
     stats: bool | None,
     quiet: bool,
@@ -89,6 +106,7 @@ def run(
     show_stats = not quiet and (stats if stats is not None else sys.stderr.isatty())
     source = open_input(prompt_file)
     checkpoint, _, engine = load_model(model_options, console)
+    batch_size = batch_size or rows_that_fit(engine, console)
     check_memory(engine, batch_size, engine.config.block_size, "--batch-size")
     notify = partial(say, console)  # a crop notice, written whole (a Ctrl-C then keeps the stats line)
     batch = RecordBatch(LineReader(source).next, defaults, checkpoint, engine, write_record, notify)

@@ -89,7 +89,7 @@ def by_name(option: Path) -> Path:
     return found
 
 
-def checkpoint_file(path: Path) -> Path:
+def checkpoint_file(path: Path, on_step: Callable[[str], None] = lambda step: None) -> Path:
     """path, unless it is a folder or a pipe: say so (opening a FIFO would block, and a checkpoint is read by
     seeking)."""
     if path.is_dir() and (path / "config.json").is_file():
@@ -103,10 +103,10 @@ def checkpoint_file(path: Path) -> Path:
         raise InputError(
             f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that"
         )
-    return converted_gguf(path) if path.suffix == ".gguf" and path.is_file() else path
+    return converted_gguf(path, on_step) if path.suffix == ".gguf" and path.is_file() else path
 
 
-def converted_gguf(path: Path) -> Path:
+def converted_gguf(path: Path, on_step: Callable[[str], None] = lambda step: None) -> Path:
     """A GGUF model as the manas checkpoint converted from it (formats/gguf_model.py): once per file (its path, size
     and modification time), into the user's cache ($XDG_CACHE_HOME/manas/gguf, the user's alone), read from there
     by every later run."""
@@ -121,14 +121,19 @@ def converted_gguf(path: Path) -> Path:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     out = folder / f"{path.stem}-{key}.safetensors"
     if not out.is_file():
+        on_step(f"converting {path.name} (once per file; cached in {folder})")
         convert_checkpoint(path, out, force=True)  # written whole, then renamed: a run racing this one reads either
     return out
 
 
-def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = None) -> LoadedModel:
+COMPILING = "compiling the native core (once per version of manas, compiler and CPU)"
+
+
+def open_model(options: ModelOptions, on_step: Callable[[str], None] = lambda step: None) -> LoadedModel:
     """The checkpoint on the chosen device, dtype and thread count (and how that count was chosen), quantized if
     asked, and the engine that runs it: the native core, or torch with its float weights laid out for decoding.
-    on_compile() is called when the native core is about to be compiled (once per source, compiler and CPU).
+    on_step(what) is called as each step that can take long begins (converting a GGUF file, loading, compiling the
+    native core), for a display to show.
 
     On the CPU in float32 the core runs the mapped file itself and torch is never imported; torch loads only
     where it is needed: asked for, a GPU, a half-precision dtype, --quantize, or a core that does not build."""
@@ -136,7 +141,9 @@ def open_model(options: ModelOptions, on_compile: Callable[[], None] | None = No
     from .native.build import NativeUnavailable
 
     threads = choose_threads(options.threads)
-    path = _naming_the_environment(options, lambda: checkpoint_file(resolve_checkpoint(options.checkpoint)))
+    path = _naming_the_environment(options, lambda: checkpoint_file(resolve_checkpoint(options.checkpoint), on_step))
+    on_step(f"loading {resolve_checkpoint(options.checkpoint).name}")
+    on_compile = partial(on_step, COMPILING)
     unavailable = None
     if not torch_needed(options):
         from .formats.header import Checkpoint, open_checkpoint

@@ -830,3 +830,18 @@ def test_prompts_run_in_the_decode_rows_call_as_they_run_alone(native_library, w
         assert together[row].positions == alone[row].positions
         pairs = zip(cache_layers(together[row]), cache_layers(alone[row]))
         assert all(torch.equal(a, b) for pair in pairs for a, b in zip(*pair))
+
+
+def test_a_step_over_a_second_is_told_on_a_pipe_and_a_quick_one_is_not(tmp_path):
+    """A first run's compile (here a compiler that takes 2 s) is a line on stderr before it ends; a run that loads
+    the built core says nothing of loading."""
+    copying = copying_compiler(tmp_path)
+    slow = fake_compiler(tmp_path, f'[ "$1" = --version ] && exec {copying} "$@"\nsleep 2\nexec {copying} "$@"', "slow")
+    env = fresh_cache_env(tmp_path, CC=str(slow))
+    first = run_generate(env=env)
+    assert first.returncode == 0, first.stderr
+    lines = first.stderr.splitlines()
+    assert lines[0] == "compiling the native core (once per version of manas, compiler and CPU)..." and lines[
+        1
+    ].startswith("compiled the native core in"), lines
+    assert run_generate(env=env).stderr == ""

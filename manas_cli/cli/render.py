@@ -192,6 +192,55 @@ def token_progress(console: Console, total: int, description: str, unit: str = "
         yield advance
 
 
+STEP_SILENT_S = 1.0  # a step over this long is told on a pipe (a terminal shows every step as it runs)
+
+
+@contextmanager
+def activity(console: Console | None) -> Iterator:
+    """Yields show(what), to call as each step that can take long begins (loading, converting, compiling). A step
+    still running after STEP_SILENT_S is shown: on a terminal as a transient spinner with the step and its elapsed
+    time (later steps then replace its text at once), on a pipe as a line on stderr. A quick step says nothing."""
+    import threading
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    if console is None:
+        yield lambda what: None
+        return
+    progress = Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+    )
+    shown: list = []  # the spinner's task, once it is on the screen
+    timer = None
+
+    def appear(what: str) -> None:
+        if not console.is_terminal:
+            say(console, f"{what}...")
+        elif not shown:
+            progress.start()
+            shown.append(progress.add_task(what))
+
+    def show(what: str) -> None:
+        nonlocal timer
+        if timer is not None:
+            timer.cancel()
+        if shown:
+            progress.reset(shown[0], description=what)
+            return
+        timer = threading.Timer(STEP_SILENT_S, appear, (what,))
+        timer.daemon = True
+        timer.start()
+
+    try:
+        yield show
+    finally:
+        if timer is not None:
+            timer.cancel()
+            timer.join()
+        if shown:
+            progress.stop()
+
+
 # A figure whose runs spread more than this (standard deviation over mean) is marked: it measures the machine's
 # load more than manas.
 NOISY_SPREAD = 0.10

@@ -73,7 +73,10 @@ def checkpoint_given(argument: Path | None, option: Path | None) -> Path:
         import typer
 
         raise typer.BadParameter("give the checkpoint once: as the argument or as -m, not both", param_hint="'-m'")
-    path = checkpoint_file(resolve_checkpoint(argument if argument is not None else option))
+    from ..render import activity, stderr_console
+
+    with activity(stderr_console()) as show:
+        path = checkpoint_file(resolve_checkpoint(argument if argument is not None else option), show)
     if not path.is_file():
         raise InputError(f"no checkpoint {path}: no such file (`manas list` shows the models in the store)")
     return path
@@ -82,7 +85,10 @@ def checkpoint_given(argument: Path | None, option: Path | None) -> Path:
 def load_model(options: ModelOptions, console=None):
     """models.open_model, saying on `console` (if given) what there is to say about the engine: (checkpoint, threads,
     engine)."""
-    loaded = open_model(options, compiling(console))
+    from ..render import activity
+
+    with activity(console) as show:
+        loaded = open_model(options, show)
     if console is not None:
         report_engine(console, loaded.opened, options.debug)
         if loaded.window_notice:
@@ -90,15 +96,6 @@ def load_model(options: ModelOptions, console=None):
 
             say(console, loaded.window_notice)
     return loaded.checkpoint, loaded.threads, loaded.engine
-
-
-def compiling(console):
-    """What to call as a compile of the core starts: a line on a terminal, so a first run's pause is explained."""
-    from ..render import say
-
-    if console is None or not console.is_terminal:
-        return None
-    return lambda: say(console, "compiling the native core (once per version of manas, compiler and CPU)...")
 
 
 def report_engine(console, opened, debug: bool) -> None:

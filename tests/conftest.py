@@ -18,10 +18,34 @@ from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.torch_engine.model import GPT, GPTConfig
 
 
+# The test extra's packages by the module each is imported as (pyproject.toml's [test]): a missing one is named
+# at the start, not found as a worker's crash (the CLI zygote preloads tokenizers: without it, a ConnectionResetError)
+TEST_EXTRA = {
+    "xdist": "pytest-xdist", "transformers": "transformers", "tokenizers": "transformers", "pyte": "pyte",
+    "gguf": "gguf", "openai": "openai", "jinja2": "jinja2", "huggingface_hub": "huggingface_hub",
+    "langchain_openai": "langchain-openai", "llm": "llm", "ray": "ray[data]", "sentencepiece": "sentencepiece",
+    "google.protobuf": "protobuf", "llguidance": "llguidance", "jsonschema": "jsonschema",
+}  # fmt: skip
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    missing = sorted({package for module, package in TEST_EXTRA.items() if not _importable(module)})
+    if missing:
+        raise pytest.UsageError(
+            f"the tests need the test extra: pip install -e \".[test]\" ({', '.join(missing)} not installed)"
+        )
     config.addinivalue_line(
         "markers", "slow: runs for tens of seconds; scheduled first (pytest_collection_modifyitems)"
     )
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent is missing
+        return False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -239,3 +239,16 @@ def test_run_of_a_hub_repository_pulls_it_once_then_runs_it(tmp_path, gguf_repos
     assert f"pulling {repo}" in first.err and "stored as tiny-chat-q8_0" in first.err and "pulling" not in second.err
     unknown = manas("run", "no-such-model", "hello", **env)
     assert unknown.returncode == 1 and "manas pull" in unknown.err
+
+
+def test_quantize_of_a_store_name_stores_its_copy_and_a_file_needs_out(tmp_path, repository):
+    with local_hub(REPO, repository) as hub:
+        env = environment(tmp_path, hub)
+        manas("pull", REPO, **env).ok()
+    quantized = manas("quantize", "tiny-chat-135m", "--bits", "4", **env).ok()
+    listed = {entry["name"]: entry for entry in json.loads(manas("list", "--json", **env).ok().out)}
+    assert listed["tiny-chat-135m-int4"]["weights"] == "int4" and listed["tiny-chat-135m-int4"]["path"] in quantized.err
+    again = manas("quantize", "-m", "tiny-chat-135m", "--bits", "4", **env)
+    assert again.returncode == 1 and "--force" in again.err  # never replaced without asking
+    a_file = manas("quantize", listed["tiny-chat-135m"]["path"], **env)
+    assert a_file.returncode == 2 and "--out" in a_file.err

@@ -36,7 +36,16 @@ def bits_in_range(value: int) -> int:
 
 
 def command(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Quantized checkpoint to write (.safetensors).")],
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--out",
+            "-o",
+            help="Quantized checkpoint to write (.safetensors). Default, for a store name: the store, as NAME-int8 "
+            "(or NAME-int4).",
+            show_default=False,
+        ),
+    ] = None,
     checkpoint: Annotated[
         Optional[Path],
         typer.Argument(
@@ -66,8 +75,24 @@ def command(
 
       manas quantize gpt2.safetensors --bits 4 --out gpt2-int4.safetensors
 
+      manas quantize smollm2-135m-instruct --bits 4      # stored as smollm2-135m-instruct-int4
+
       manas generate -c gpt2-int4.safetensors -p 'Hello'
     """
     from .common import checkpoint_given
 
-    run(checkpoint=checkpoint_given(checkpoint, model), out=out, kind=f"int{bits}", force=force)
+    path, kind = checkpoint_given(checkpoint, model), f"int{bits}"
+    run(checkpoint=path, out=out or stored_copy(checkpoint or model, path, kind), kind=kind, force=force)
+
+
+def stored_copy(given: Path | None, path: Path, kind: str) -> Path:
+    """Where a quantized copy goes without --out: into the store as NAME-int8 where a store name was given (as pull
+    --quantize stores it); a file needs --out."""
+    from ... import store
+
+    if given is not None and store.find(str(given)) == path and not store.reserved(str(given)):
+        return store.stored_path(f"{given}-{kind}")
+    raise typer.BadParameter(
+        "give the quantized file's path: --out FILE (a store name's copy goes into the store by itself)",
+        param_hint="'--out'",
+    )

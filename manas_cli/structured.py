@@ -21,6 +21,7 @@ from pathlib import Path
 from .constraint_worker import Compilers, Tokens, limits, llg_tokenizer
 from .errors import InputError, MissingDependencyError
 from .formats.tokenizer import decodable, encode_text, vocabulary_size
+from .schema_normal import normalized
 
 KINDS = ("json_schema", "gbnf", "lark", "grammar", "regex")  # "grammar": GBNF or Lark, told apart by its text
 GRAMMAR_SYNTAXES = ("auto", "gbnf", "lark")
@@ -59,7 +60,7 @@ def json_schema_format(schema: object, source: str = "the JSON Schema") -> Forma
     if schema is False:
         raise InputError(f"{source} is false: no text can match it")
     try:
-        return Format("json_schema", json.dumps({} if schema is True else schema))
+        return Format("json_schema", json.dumps({} if schema is True else normalized(schema)[0]))
     except RecursionError:
         raise InputError(f"{source} nests too deeply") from None
 
@@ -170,5 +171,17 @@ def compile_format(format: Format, vocabulary: Vocabulary, field: str = "") -> G
     try:
         grammar = vocabulary.compilers.compile(format.kind, format.text)
     except InputError as exc:
-        raise InputError(f"{name} cannot be compiled: {exc}") from None
+        raise InputError(f"{name} cannot be compiled: {_explained(format, str(exc))}") from None
     return Grammar(vocabulary, grammar, format)
+
+
+def _explained(format: Format, reason: str) -> str:
+    """llguidance's reason, or, for a oneOf it cannot take, which one and what manas takes."""
+    if format.kind != "json_schema" or "oneOf constraints are not supported" not in reason:
+        return reason
+    where = normalized(json.loads(format.text))[1]
+    return (
+        f"{where or 'a oneOf'} may both match one value: manas takes a oneOf whose branches exclude each other "
+        "(different types, const or enum values, a property one requires and another forbids, or a required "
+        "property whose values differ); anyOf takes any of its branches"
+    )

@@ -17,7 +17,6 @@ from manas_cli.native.session import NativeSession
 from manas_cli.torch_engine.engine import TorchEngine
 from manas_cli.torch_engine.model import GPT, GPTConfig
 
-
 # The test extra's packages by the module each is imported as (pyproject.toml's [test]): a missing one is named
 # at the start, not found as a worker's crash (the CLI zygote preloads tokenizers: without it, a ConnectionResetError)
 TEST_EXTRA = {
@@ -32,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     missing = sorted({package for module, package in TEST_EXTRA.items() if not _importable(module)})
     if missing:
         raise pytest.UsageError(
-            f"the tests need the test extra: pip install -e \".[test]\" ({', '.join(missing)} not installed)"
+            f'the tests need the test extra: pip install -e ".[test]" ({", ".join(missing)} not installed)'
         )
     config.addinivalue_line(
         "markers", "slow: runs for tens of seconds; scheduled first (pytest_collection_modifyitems)"

@@ -224,3 +224,68 @@ def test_batchs_settings_reach_its_ray_actors_as_a_records_fields(given):
     settings = GenerationSettings(max_tokens=5, format=format_from_record(dict([given])))
     keys = json.loads(json.dumps(as_overrides(settings)))  # as the job's options travel
     assert with_overrides(GenerationSettings(), keys) == settings
+
+
+TAGGED = {
+    "oneOf": [
+        {
+            "type": "object",
+            "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["kind", "lives"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {"kind": {"const": "dog"}, "name": {"type": "string", "maxLength": 6}},
+            "required": ["kind", "name"],
+            "additionalProperties": False,
+        },
+    ]
+}
+EXCLUSIVE = {
+    "tagged union": TAGGED,
+    "types": {"oneOf": [{"type": "integer"}, {"type": "array", "maxItems": 2.0, "items": {"type": "boolean"}}]},
+    "enums": {"oneOf": [{"enum": [1, 2]}, {"enum": ["one", "two"]}]},
+    "forbidden": {
+        "type": "object",
+        "properties": {"p": {"type": "integer"}, "q": {"type": "integer"}},
+        "additionalProperties": False,
+        "oneOf": [
+            {"type": "object", "required": ["p"], "properties": {"q": False}},
+            {"type": "object", "required": ["q"], "properties": {"p": False}},
+        ],
+    },
+    "counts as floats": {"type": "string", "minLength": 2.0, "maxLength": 3.0},
+}
+
+
+@pytest.mark.parametrize("name", EXCLUSIVE)
+def test_a_oneof_of_exclusive_branches_and_integer_valued_counts_are_taken(checkpoints, name):
+    schema = EXCLUSIVE[name]
+    ended = []
+    for seed in (1, 2, 3):
+        answer = run_generate(checkpoints["rope-gqa"], "--json-schema", json.dumps(schema), "-n", "60", "--seed",
+                              str(seed), "--json").ok().json()  # fmt: skip
+        if answer["finish_reason"] == "end_of_text":
+            ended.append(json.loads(answer["text"]))
+    assert ended, "no answer ended: nothing was validated"
+    for value in ended:
+        jsonschema.validate(value, schema)  # exactly one branch, as oneOf asks
+
+
+def test_a_oneof_whose_branches_may_overlap_is_refused_naming_them(checkpoints):
+    schema = {"properties": {"n": {"oneOf": [{"type": "integer"}, {"minimum": 2}]}}}
+    done = run_generate(checkpoints["rope-gqa"], "--json-schema", json.dumps(schema))
+    assert done.returncode == 1 and len(done.err.strip().splitlines()) == 1
+    assert "#/properties/n/oneOf's branches 0 and 1 may both match one value" in done.err
+
+
+def test_normalizing_never_rewrites_data_and_proves_only_what_holds():
+    from manas_cli.schema_normal import excluded, normalized
+
+    data = {"const": {"maxItems": 2.0}, "enum": [{"oneOf": []}], "maxItems": 2.0}
+    assert normalized(data) == ({"const": {"maxItems": 2.0}, "enum": [{"oneOf": []}], "maxItems": 2}, None)
+    assert not excluded({"type": "integer"}, {"type": "number"})  # integers are numbers
+    assert not excluded({"const": 1}, {"enum": [1.0]}) and excluded({"const": True}, {"const": 1})
+    assert not excluded({"required": ["a"]}, {"properties": {"a": False}})  # a non-object matches both
+    assert excluded({"type": "object", "required": ["a"]}, {"type": "object", "properties": {"a": False}})

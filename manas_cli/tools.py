@@ -7,9 +7,11 @@ explains why forcing another one fails):
 - "hermes" (Qwen2.5, Hermes 2 Pro, SmolLM3): each call `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
   several in a row where parallel calls are allowed;
 - "llama3" (Llama 3.1, 3.2): one call, the JSON object `{"name": ..., "parameters": {...}}`.
-With tool_choice "required" or a named function the answer is a call from its first token; with "auto" it is free
-text, or, once it opens a call (the tag, or "{" for llama3), a call: the model chooses, the grammar keeps the call
-valid. Every call's arguments are valid under its function's `parameters` schema.
+With tool_choice "required" or a named function the answer is a call from its first token, and may end after any
+whole call; with "auto" it is free text that never holds the tag (nor opens with "{" for llama3), or, once it opens
+a call, a call: the model chooses, the grammar keeps the call valid. Parsed back, an answer is calls only where it
+is nothing but calls to declared functions whose arguments jsonschema finds valid (the grammar is not trusted
+alone); any other answer is text.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from .constraint_worker import JSON_LAYOUT
 from .errors import InputError, MissingDependencyError
+from .schema_normal import normalized
 from .structured import INSTALL, Format
 
 MAX_TOOLS = 128
@@ -124,9 +127,12 @@ def call_format(tools: Tools, syntax: str, special_tokens: set[str]) -> Format |
     require_jsonschema()
     names = [tools.named] if tools.named else list(tools.functions)
     arguments = "parameters" if syntax == "llama3" else "arguments"
-    schemas = [_call_schema(name, tools.functions[name]["parameters"], arguments) for name in names]
-    schema = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
-    body = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
+    try:
+        schemas = [_call_schema(name, tools.functions[name]["parameters"], arguments) for name in names]
+        schema = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+        body = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
+    except RecursionError:
+        raise ToolError("a function's parameters nest too deeply", "tools") from None
     free = tools.choice == "auto"
     if syntax == "llama3":
         # free text never opens with "{", even after whitespace: only a call does
@@ -156,7 +162,7 @@ def require_jsonschema() -> None:
 def _call_schema(name: str, parameters: dict, arguments: str) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, arguments: parameters},
+        "properties": {"name": {"const": name}, arguments: normalized(parameters)[0]},
         "required": ["name", arguments],
         "additionalProperties": False,
     }
@@ -252,8 +258,8 @@ def valid(instance: object, schema: dict) -> bool:
     bounded = jsonschema.validators.extend(checker, {"pattern": _pattern, "patternProperties": _pattern_properties})
     try:
         return bounded(schema).is_valid(instance)
-    except (Exception, RecursionError):  # a schema jsonschema refuses, an unresolvable $ref, a pattern `regex`
-        return False  # cannot compile: not shown valid
+    except Exception:  # a schema jsonschema refuses, an unresolvable $ref, a pattern `regex` cannot compile, a
+        return False  # recursion too deep: not shown valid
 
 
 def _search(pattern: str, text: str) -> bool:

@@ -125,6 +125,7 @@ def test_at_a_terminal_ctrl_c_stops_the_answer_and_ctrl_d_ends_the_chat(checkpoi
         seen = b""
         os.write(controller, b"/reset\r")
         read_until(b"forgotten")
+        seen = seen.partition(b"forgotten")[2]
         read_until(b">>> ")  # typed at the prompt, as a person does (readline sets the terminal up as it shows)
         os.write(controller, b"\x04")  # Ctrl-D at the prompt
         assert process.wait(timeout=30) == 0

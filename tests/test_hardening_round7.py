@@ -221,3 +221,12 @@ def test_jsonl_sizes_its_rows_from_free_memory_on_a_long_window_model(tmp_path, 
     assert [json.loads(line)["text"] for line in fitted.stdout.splitlines()] == [
         json.loads(line)["text"] for line in alone.stdout.splitlines()
     ]
+
+
+def test_a_model_that_stops_calling_ends_its_answer_rather_than_being_pushed_into_another_call(scripted):
+    answer = f"<tool_call>\n{UTC}\n</tool_call>\nI hope this helps."
+    with scripted(QWEN, answer) as live:
+        for choice in ("required", "auto"):
+            done = ask(live, tool_choice=choice).choices[0]
+            calls = [(call.function.name, json.loads(call.function.arguments)) for call in done.message.tool_calls]
+            assert calls == [("get_time", {"zone": "UTC"})] and done.finish_reason == "tool_calls", choice

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from ctypes import c_int32, c_uint8
+from functools import partial
 
 from ..engine.constraints import Constraints
 from ..engine.sampling import Sampler, logits_error
@@ -12,6 +13,7 @@ from .binding import ManasDraw, ManasRow, ManasSampler
 from .model import Logits, NativeGPT, int32s
 
 INT32_MAX = 2**31 - 1
+GREEDY = ManasSampler(0.0, 0, 1.0, 0.0, 1.0, 0, 0.0, 0.0, 0, 0)  # temperature 0, no filter, no penalty
 
 
 class NativeSampling:
@@ -49,12 +51,23 @@ class NativeSampling:
         self.draw = ManasDraw()
         self.constraints = Constraints(sampler.grammar, rows) if sampler.grammar is not None else None
 
-    def _mask(self, row: int):
+    def _mask(self, row: ManasRow):
         """The ids row may draw: the decodable ones, or those its structured output allows next (never an id
         without a token: structured.Vocabulary marks them special)."""
         if self.constraints is None:
             return self.mask
-        return (c_uint8 * self.drawable).from_buffer_copy(self.constraints.allowed(row, self.drawable))
+        allowed = self.constraints.allowed(row.row, self.drawable, partial(self._most_likely, row))
+        return (c_uint8 * self.drawable).from_buffer_copy(allowed)
+
+    def _most_likely(self, row: ManasRow) -> int:
+        """The decodable id of the row's highest logit, before any setting (the core's greedy draw)."""
+        plain = ManasRow(row.logits, None, 0, None, row.row, row.position)
+        draw = ManasDraw()
+        self.library.manas_sample(
+            ctypes.byref(GREEDY), ctypes.byref(plain), self.vocab, self.drawable, self.mask, self.scratch,
+            ctypes.byref(draw),
+        )  # fmt: skip
+        return draw.token
 
     def sample(self, logits: Logits, windows: list[list[int]], position: int) -> tuple[list[int], list | None]:
         """Each row's next token from its logits, and with logprobs (its log-probability, the most likely ids,
@@ -71,7 +84,7 @@ class NativeSampling:
                 ctypes.byref(row),
                 self.vocab,
                 self.drawable,
-                self._mask(b),
+                self._mask(row),
                 self.scratch,
                 ctypes.byref(draw),
             ):

@@ -113,11 +113,15 @@ class TorchSampling:
         self.counts = torch.zeros(rows, model.config.vocab_size, device=self.device) if needed else None
         self.constraints = Constraints(sampler.grammar, rows) if sampler.grammar is not None else None
 
-    def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
-        """Adjusted logits (B, V) with the ids each row's structured output does not allow next at -inf."""
+    def _constrained(self, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """Adjusted logits (B, V) with the ids each row's structured output does not allow next at -inf (raw: the
+        logits before any setting, whose argmax is the model's most likely id)."""
         if self.constraints is None:
             return logits
-        rows = [bytearray(self.constraints.allowed(b, logits.size(-1))) for b in range(len(logits))]
+        size = logits.size(-1)
+        rows = [
+            bytearray(self.constraints.allowed(b, size, lambda b=b: int(raw[b].argmax()))) for b in range(len(logits))
+        ]
         allowed = torch.stack([torch.frombuffer(row, dtype=torch.uint8) for row in rows]).to(logits.device)
         return logits.masked_fill(allowed == 0, float("-inf"))
 
@@ -125,8 +129,8 @@ class TorchSampling:
         """The next id of each row, and the log-probabilities if asked. position: the text's position the logits
         (B, 1, vocab) follow (0 is the first token), for the error when they are not finite."""
         context = torch.tensor(windows, device=self.device) if self.sampler.penalties.context_needed else None
-        adjusted = adjust(self.sampler, check_logits(logits[:, -1:], position)[:, -1], context, self.counts)
-        adjusted = self._constrained(adjusted)
+        raw = check_logits(logits[:, -1:], position)[:, -1]
+        adjusted = self._constrained(adjust(self.sampler, raw, context, self.counts), raw)
         next_ids = draw(self.sampler, adjusted)
         if self.constraints is not None:
             for b, token in enumerate(next_ids[:, 0].tolist()):

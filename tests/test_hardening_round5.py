@@ -431,7 +431,9 @@ def test_a_positional_prompt_is_dash_p_and_dash_m_is_dash_c(rope):
 def test_a_core_built_with_fast_math_fails_its_self_test_and_torch_runs_with_a_notice(rope, tmp_path):
     run = generate_with_compiler(rope, tmp_path, before="-ffast-math")
     assert run.ok().json()["engine"] == "torch"
-    assert "failed its self-test (a NaN went unseen" in run.err and run.err.count("\n") == 1, run.err
+    # past the compile's line (a step over a second, told on a pipe as it runs): one notice
+    (notice,) = [line for line in run.err.splitlines() if not line.startswith("compiling the native core")]
+    assert "failed its self-test (a NaN went unseen" in notice, run.err
     assert not list((tmp_path / "cache" / "manas").glob("*.so"))
 
 

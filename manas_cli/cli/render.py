@@ -196,10 +196,12 @@ STEP_SILENT_S = 1.0  # a step over this long is told on a pipe (a terminal shows
 
 
 @contextmanager
-def activity(console: Console | None) -> Iterator:
+def activity(console: Console | None, pipe: bool = True) -> Iterator:
     """Yields show(what), to call as each step that can take long begins (loading, converting, compiling). A step
     still running after STEP_SILENT_S is shown: on a terminal as a transient spinner with the step and its elapsed
-    time (later steps then replace its text at once), on a pipe as a line on stderr. A quick step says nothing."""
+    time (later steps then replace its text at once), on a pipe as a line on stderr (unless not `pipe`: a command
+    whose whole work is that step, as convert's, says what it did when it is done, or one error line). A quick step
+    says nothing."""
     import threading
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -215,7 +217,8 @@ def activity(console: Console | None) -> Iterator:
 
     def appear(what: str) -> None:
         if not console.is_terminal:
-            say(console, f"{what}...")
+            if pipe:
+                say(console, f"{what}...")
         elif not shown:
             progress.start()
             shown.append(progress.add_task(what))

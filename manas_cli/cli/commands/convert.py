@@ -20,18 +20,20 @@ def run(
     quantize: str | None,
 ) -> None:
     from ...formats.convert import convert_checkpoint
-    from ..render import stderr_console
+    from ..render import activity, stderr_console
 
-    result = convert_checkpoint(
-        src,
-        out,
-        config_path=config,
-        tokenizer=tokenizer,
-        tokenizer_file=tokenizer_file,
-        tokenizer_meta=tokenizer_meta,
-        force=force,
-        quantize=quantize,
-    )
+    with activity(stderr_console(), pipe=False) as show:
+        show(f"converting {src}")
+        result = convert_checkpoint(
+            src,
+            out,
+            config_path=config,
+            tokenizer=tokenizer,
+            tokenizer_file=tokenizer_file,
+            tokenizer_meta=tokenizer_meta,
+            force=force,
+            quantize=quantize,
+        )
     shape = result.config
     stderr_console().print(
         f"converted the {result.source_kind} {src}: {result.parameters:,} parameters "

@@ -14,7 +14,7 @@ def run(*, repo: str, name: str | None, quantize: str | None, force: bool, reuse
     is the one wanted (`manas run OWNER/NAME` a second time), not refused."""
     from ... import store
     from ...formats.convert import convert_checkpoint
-    from ..render import stderr_console
+    from ..render import activity, stderr_console
     from . import quantize as quantize_command
 
     console = stderr_console()
@@ -35,7 +35,9 @@ def run(*, repo: str, name: str | None, quantize: str | None, force: bool, reuse
         return name
     out, copy = claim(name, quantize, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = convert_checkpoint(source, out, force=force)
+    with activity(console, pipe=False) as show:
+        show(f"converting {source.name}")
+        result = convert_checkpoint(source, out, force=force)
     pulled = f"{repo} ({source.name})" if repository.is_gguf else repo
     console.print(f"pulled {pulled}: {result.source_kind}, {result.parameters:,} parameters, stored as {name} ({out})")
     if copy is not None:

@@ -14,13 +14,15 @@ def run(*, checkpoint: Path, out: Path, kind: str, force: bool) -> None:
     from ...files import check_output_file
     from ...formats.checkpoint import load_checkpoint, save_checkpoint
     from ...models import quantize_checkpoint
-    from ..render import stderr_console
+    from ..render import activity, stderr_console
 
     check_output_file(out, force, inputs=(checkpoint,))
-    loaded = load_checkpoint(checkpoint)
-    quantize_checkpoint(loaded, kind, "there is nothing to quantize")
-    kept = {key: value for key, value in (loaded.metadata or {}).items() if key in KEPT_METADATA}
-    save_checkpoint(out, loaded.model, loaded.tokenizer_spec, kept, overwrite=force)
+    with activity(stderr_console(), pipe=False) as show:
+        show(f"quantizing {checkpoint.name} to {kind}")
+        loaded = load_checkpoint(checkpoint)
+        quantize_checkpoint(loaded, kind, "there is nothing to quantize")
+        kept = {key: value for key, value in (loaded.metadata or {}).items() if key in KEPT_METADATA}
+        save_checkpoint(out, loaded.model, loaded.tokenizer_spec, kept, overwrite=force)
     stderr_console().print(
         f"quantized {checkpoint} to {kind}: {checkpoint.stat().st_size:,} → {out.stat().st_size:,} bytes\nwrote {out}"
     )

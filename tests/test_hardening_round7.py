@@ -188,7 +188,8 @@ def test_an_unsatisfiable_or_over_limit_schema_is_a_400_at_compile_time(server, 
 
 
 def test_response_format_takes_llama_servers_schema_and_refuses_unknown_keys(server):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    schema["additionalProperties"] = False
     body = {"messages": ASK, "response_format": {"type": "json_object", "schema": schema}, "temperature": 0}
     status, answer = post(server, body)
     assert status == 200 and json.loads(answer["choices"][0]["message"]["content"]).keys() == {"ok"}, answer

@@ -107,23 +107,47 @@ def checkpoint_file(path: Path, on_step: Callable[[str], None] = lambda step: No
 
 
 def converted_gguf(path: Path, on_step: Callable[[str], None] = lambda step: None) -> Path:
-    """A GGUF model as the manas checkpoint converted from it (formats/gguf_model.py): once per file (its path, size
-    and modification time), into the user's cache ($XDG_CACHE_HOME/manas/gguf, the user's alone), read from there
-    by every later run."""
+    """A GGUF model as the manas checkpoint converted from it (formats/gguf_model.py): once per file, into the
+    user's cache ($XDG_CACHE_HOME/manas/gguf, a folder the user alone can write, checked as the native core's is),
+    read from there by every later run. One conversion per path, under a name short enough for any file name; it
+    records the size and modification time of the file it was made from, and a file changed since (or a cached one
+    that is not the user's own regular file) is converted again over it."""
     import hashlib
 
     from .formats.convert import convert_checkpoint
-    from .native.build import cache_folder
+    from .native.build import cache_folder, folder_problem
 
     info = path.stat()
-    key = hashlib.sha256(f"{path.resolve()} {info.st_size} {info.st_mtime_ns}".encode()).hexdigest()[:24]
+    source = f"{info.st_size} {info.st_mtime_ns}"
     folder = cache_folder() / "gguf"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    out = folder / f"{path.stem}-{key}.safetensors"
-    if not out.is_file():
+    if (problem := folder_problem(folder)) is not None:
+        raise InputError(f"the GGUF cache {folder} {problem}: remove it, or set $XDG_CACHE_HOME to another folder")
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
+    out = folder / f"{path.stem[:64]}-{key}.safetensors"
+    if _converted_from(out) != source:
         on_step(f"converting {path.name} (once per file; cached in {folder})")
-        convert_checkpoint(path, out, force=True)  # written whole, then renamed: a run racing this one reads either
+        # written whole, then renamed over any earlier one: a run racing this one reads either
+        convert_checkpoint(path, out, force=True, extra_metadata={GGUF_SOURCE: source})
     return out
+
+
+GGUF_SOURCE = "gguf_source"  # a cached conversion's metadata: "SIZE MTIME_NS" of the GGUF file it was made from
+
+
+def _converted_from(out: Path) -> str | None:
+    """What a cached conversion says it was made from, where it is a regular file the user owns and alone can
+    write; else None."""
+    from .formats.header import read_header
+    from .native.build import open_trusted
+
+    fd = open_trusted(out)
+    if fd is None:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return read_header(f, out).metadata.get(GGUF_SOURCE)
+    except ManasError:  # a damaged one is converted again
+        return None
 
 
 COMPILING = "compiling the native core (once per version of manas, compiler and CPU)"

@@ -168,10 +168,12 @@ def convert_checkpoint(
     tokenizer_meta: Path | None = None,
     force: bool = False,
     quantize: str | None = None,
+    extra_metadata: dict[str, str] | None = None,
 ) -> Converted:
     """Read src (nanoGPT, a Hugging Face folder or weights, or a GGUF file), write the equivalent manas checkpoint to
-    dst atomically, its matrices as int8 or int4 with `quantize`. What needs no weights is checked first, before
-    torch is imported: a refusal of the source, its config or its tokenizer comes in a fraction of a second."""
+    dst atomically, its matrices as int8 or int4 with `quantize`, with `extra_metadata` among its metadata. What
+    needs no weights is checked first, before torch is imported: a refusal of the source, its config or its
+    tokenizer comes in a fraction of a second."""
     check_output_file(dst, force, inputs=(*source_files(src), config_path, tokenizer_file, tokenizer_meta))
     check_source(src)
     if src.suffix == ".gguf" and src.is_file():
@@ -189,6 +191,6 @@ def convert_checkpoint(
         from ..torch_engine.quantize import quantize_checked
 
         quantize_checked(model, quantize, src)
-    metadata = {"converted_from": kind, **({"chat_template": template} if template else {})}
+    metadata = {**(extra_metadata or {}), "converted_from": kind, **({"chat_template": template} if template else {})}
     save_checkpoint(dst, model, spec, extra_metadata=metadata, overwrite=force)
     return Converted(kind, model.config, parameters, description)

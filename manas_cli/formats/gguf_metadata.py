@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TokenizerError
@@ -28,6 +29,9 @@ SCALARS = {  # GGUF value type → struct format
     12: "<d",
 }
 STRING, ARRAY = 8, 9
+DEFAULT_ALIGNMENT = 32
+MAX_DIMENSIONS = 4
+MIN_ENTRY_BYTES = 8 + 4 + 4 + 8  # a tensor entry's name length, dimension count, type and offset, at the least
 
 
 class _Reader:
@@ -47,9 +51,9 @@ class _Reader:
         return struct.unpack(form, self.take(struct.calcsize(form)))[0]
 
     def string(self) -> str:
-        raw = self.take(self.unpack("<Q"))
+        raw = bytes(self.take(self.unpack("<Q")))  # a copy: an error's reference to a view would keep the map open
         try:
-            return str(raw, "utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise TokenizerError(f"{self.path}: a string of its GGUF metadata is not UTF-8") from None
 
@@ -69,23 +73,51 @@ class _Reader:
         raise TokenizerError(f"{self.path} is not a GGUF file manas can read: a value of unknown type {kind}")
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's entry in the file: its name, dimensions (innermost first, as GGUF lists them), ggml type, and
+    offset from the start of the data section."""
+
+    name: str
+    dims: tuple[int, ...]
+    kind: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    fields: dict[str, object]
+    tensors: list[TensorInfo]
+    data_start: int  # the data section's offset in the file: past the entries, aligned
+    alignment: int  # of the data section and of every tensor's offset in it
+    size: int  # the file's bytes
+
+
 def read_metadata(path: Path) -> dict[str, object]:
     """The file's metadata keys and values; one TokenizerError naming the file where it is not a GGUF."""
+    return read_layout(path).fields
+
+
+def read_layout(path: Path) -> Layout:
+    """The file's metadata and its tensors' entries, every length checked against the file; one TokenizerError
+    naming the file where it is not a GGUF."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _metadata(_Reader(data, path))
+            return _layout(_Reader(data, path))
     except FileNotFoundError:
         raise TokenizerError(f"no GGUF file {path}: no such file") from None
+    except TokenizerError:  # a ValueError too: said once, as it is
+        raise
     except (OSError, ValueError) as exc:  # an empty file cannot be mapped
         raise TokenizerError(f"{path} is not a GGUF file manas can read: {exc}") from None
 
 
-def _metadata(reader: _Reader) -> dict[str, object]:
+def _layout(reader: _Reader) -> Layout:
     if bytes(reader.take(4)) != MAGIC:
         raise TokenizerError(f"{reader.path} is not a GGUF file manas can read: it does not begin with GGUF")
     if (version := reader.unpack("<I")) not in VERSIONS:
         raise TokenizerError(f"{reader.path}: GGUF version {version} is not one manas reads (2, 3)")
-    reader.unpack("<Q")  # the tensors' count: their entries follow the metadata
+    count = reader.unpack("<Q")  # the tensors' count: their entries follow the metadata
     keys = reader.unpack("<Q")
     if keys > MAX_KEYS:
         raise TokenizerError(f"{reader.path}: its GGUF metadata claims {keys:,} keys")
@@ -93,4 +125,20 @@ def _metadata(reader: _Reader) -> dict[str, object]:
     for _ in range(keys):
         key = reader.string()
         values[key] = reader.value(reader.unpack("<I"))
-    return values
+    if count > (len(reader.data) - reader.offset) // MIN_ENTRY_BYTES:
+        raise TokenizerError(f"{reader.path} is not a GGUF file manas can read: {count:,} tensors in a smaller file")
+    tensors = [_entry(reader) for _ in range(count)]
+    alignment = values.get("general.alignment", DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise TokenizerError(f"{reader.path}: its general.alignment {alignment!r} is not a power of two")
+    start = -(-reader.offset // alignment) * alignment
+    return Layout(values, tensors, start, alignment, len(reader.data))
+
+
+def _entry(reader: _Reader) -> TensorInfo:
+    name = reader.string()
+    dimensions = reader.unpack("<I")
+    if dimensions > MAX_DIMENSIONS:
+        raise TokenizerError(f"{reader.path}: tensor {name} has {dimensions} dimensions (GGUF allows 4)")
+    dims = tuple(reader.unpack("<Q") for _ in range(dimensions))
+    return TensorInfo(name, dims, reader.unpack("<I"), reader.unpack("<Q"))

@@ -9,6 +9,9 @@ pairs, so its queries and keys are permuted back to Hugging Face's rotate-half l
 
 from __future__ import annotations
 
+import math
+import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,8 +21,9 @@ from ..engine.config import GPTConfig
 from ..errors import CheckpointError, first_line
 from ..torch_engine.model import GPT
 from . import gpt2, huggingface, llama, rotary_layout, starcoder2
-from .gguf_metadata import read_metadata
+from .gguf_metadata import Layout, read_layout
 from .gguf_vocab import read_gguf, spec_from_fields, string_field
+from .huggingface import checked_template
 from .importing import TIED_HEAD, build_model, make_config
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder2")  # llama.cpp's names of the models manas runs
@@ -63,13 +67,16 @@ class GGUFModel:
 def load_gguf(path: Path) -> GGUFModel:
     """The model, tokenizer and chat template of a GGUF file; one CheckpointError (or TokenizerError) naming what
     it cannot read."""
-    fields = read_metadata(path)
+    layout = read_layout(path)
+    fields = layout.fields
     architecture = string_field(fields, "general.architecture", path, CheckpointError)
     if architecture not in ARCHITECTURES:
         raise CheckpointError(
             f"{path}: llama.cpp architecture {architecture!r} is not one manas imports from GGUF "
             f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3, Qwen2 and 2.5, GPT-2, StarCoder2)"
         )
+    check_layout(layout, path)
+    check_block_count(layout, architecture, path)
     names = {tensor.name: tensor for tensor in read_gguf(path).tensors}  # the package reads the tensors
     config = huggingface.config_from_hf(_hf_config(fields, architecture, names, path), path)
     if architecture in ("gpt2", "starcoder2"):  # Hugging Face's GPT-2 has no grouped-query attention; llama.cpp's has
@@ -78,9 +85,49 @@ def load_gguf(path: Path) -> GGUFModel:
     state = _hf_state(names, architecture, config, path)
     model = build_model(*_manas_state(state, architecture, config, path), path)
     template = fields.get("tokenizer.chat_template")
-    return GGUFModel(
-        architecture, model, spec_from_fields(fields, path), template if isinstance(template, str) else None
-    )
+    template = checked_template(template, path) if isinstance(template, str) and template.strip() else None
+    return GGUFModel(architecture, model, spec_from_fields(fields, path), template)
+
+
+def check_layout(layout: Layout, path: Path) -> None:
+    """Every tensor's extent inside the file's data section, aligned and apart from the others, its block count
+    whole for its shape, before anything reads it (the gguf package would add a wrapping offset, and read the
+    header as weights)."""
+    import gguf
+
+    extents = []
+    for tensor in layout.tensors:
+        if tensor.kind not in gguf.GGML_QUANT_SIZES:
+            raise CheckpointError(f"{path}: tensor {tensor.name} has an unknown ggml type {tensor.kind}")
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.kind)]
+        if not tensor.dims or any(n <= 0 for n in tensor.dims) or tensor.dims[0] % block:
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name}'s shape {list(tensor.dims)} is not whole blocks of {block} values"
+            )
+        size = math.prod(tensor.dims) // block * block_bytes
+        start = layout.data_start + tensor.offset
+        if tensor.offset % layout.alignment or start + size > layout.size:
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name}'s data (offset {tensor.offset:,}, {size:,} bytes) is "
+                + ("not aligned" if tensor.offset % layout.alignment else "past the end of the file")
+            )
+        extents.append((start, start + size, tensor.name))
+    extents.sort()
+    for (_, end, name), (start, _, other) in zip(extents, extents[1:]):
+        if start < end:
+            raise CheckpointError(f"{path}: tensors {name} and {other} overlap in the file")
+
+
+def check_block_count(layout: Layout, architecture: str, path: Path) -> None:
+    """The block_count the metadata claims is the number of layers its tensors hold (blk.0. to blk.N−1.): a claim
+    of 2^31 layers in a small file is refused before anything is sized by it."""
+    layers = {int(match[1]) for tensor in layout.tensors if (match := re.match(r"blk\.(\d+)\.", tensor.name))}
+    claimed = _field(layout.fields, architecture, "block_count")
+    if type(claimed) is not int or claimed != len(layers) or max(layers, default=-1) != claimed - 1:
+        raise CheckpointError(
+            f"{path}: its {architecture}.block_count {claimed!r} does not match its tensors' layers "
+            f"({len(layers):,} numbered blk.N)"
+        )
 
 
 def _field(fields: dict, architecture: str, key: str, default: object = None) -> object:
@@ -187,13 +234,25 @@ def _manas_state(
 
 
 def _dequantized(gguf, tensor, path: Path):
-    """A tensor's values as float32, as the gguf package dequantizes them, in the shape the file gives it."""
+    """A tensor's values as float32, as the gguf package dequantizes them, in the shape the file gives it; each one
+    finite (a scale of NaN or infinity is refused here, naming the file and the tensor). The package's numpy
+    warnings about such values stay off the user's terminal: the error says it."""
+    import numpy as np
+
+    kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
     try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        return values.astype("float32").reshape(tuple(int(n) for n in reversed(tensor.shape))).copy()
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            values = values.astype("float32").reshape(tuple(int(n) for n in reversed(tensor.shape))).copy()
     except Exception as exc:  # a type the package cannot dequantize, a size that does not match its shape
-        kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
         raise CheckpointError(f"{path}: tensor {tensor.name} ({kind}) cannot be read: {first_line(exc)}") from None
+    if not np.isfinite(values).all():
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name} ({kind}) holds a value that is not finite (NaN or infinity): the file is "
+            "damaged"
+        )
+    return values
 
 
 def _shape(tensor) -> tuple[int, ...]:

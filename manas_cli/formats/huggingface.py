@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import tiktoken
 
 from ..engine.config import GPTConfig
-from ..errors import CheckpointError, InputError, TokenizerError, first_line
+from ..errors import CheckpointError, InputError, ManasError, TokenizerError, first_line
 from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
 from . import gpt2, llama, starcoder2
 from .importing import TIED_HEAD, build_model, check_tied_head, load_pickled_weights, load_safetensors
@@ -240,8 +240,6 @@ def with_bos(spec: dict, tokenizer_json: Path, src: Path) -> dict:
 def folder_chat_template(src: Path) -> str | None:
     """The chat template a folder declares: chat_template.jinja (transformers 5), else tokenizer_config.json's
     chat_template (a string, or a list of named ones: "default"); None for a base model without one."""
-    from ..chat_template import MAX_TEMPLATE_CHARS
-
     path = src / "chat_template.jinja"
     if path.is_file():
         template = read_tokenizer_text(path, src)
@@ -252,8 +250,25 @@ def folder_chat_template(src: Path) -> str | None:
             template = named.get("default")
     if not isinstance(template, str) or not template.strip():
         return None
+    return checked_template(template, src)
+
+
+def checked_template(template: str, source: Path) -> str:
+    """A model's chat template, refused (naming `source`) where it is over the size any template needs or, with
+    jinja2 installed, does not parse: a template stored would fail every chat later."""
+    from ..chat_template import MAX_TEMPLATE_CHARS
+    from ..errors import MissingDependencyError
+
     if len(template) > MAX_TEMPLATE_CHARS:
-        raise TokenizerError(f"{src}: its chat template is over {MAX_TEMPLATE_CHARS:,} characters")
+        raise TokenizerError(f"{source}: its chat template is over {MAX_TEMPLATE_CHARS:,} characters")
+    from ..chat import check_template
+
+    try:
+        check_template(template)
+    except MissingDependencyError:  # no jinja2: the template is stored, and checked where it is first used
+        pass
+    except ManasError as exc:
+        raise TokenizerError(f"{source}: its chat template cannot be used: {exc}") from None
     return template
 
 

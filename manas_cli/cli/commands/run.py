@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 def run(*, model: Path | None, prompt: str | None, settings: GenerationSettings, model_options: "ModelOptions") -> None:
     from .common import checkpoint_given
 
-    path = checkpoint_given(pulled(model), model_options.checkpoint)
-    options = replace(model_options, checkpoint=path)
+    given = pulled(model)
+    path = checkpoint_given(given, model_options.checkpoint)  # a GGUF's conversion, whose header says what it is
+    # the model as the user named it: what chat's history, the stats and the steps shown call it
+    options = replace(model_options, checkpoint=given or model_options.checkpoint or path)
     if has_chat_template(path):
         chat.run(
             system=None,

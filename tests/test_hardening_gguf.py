@@ -153,3 +153,8 @@ def test_a_chat_template_a_folder_would_refuse_is_refused_from_a_gguf_too(checkp
     run = manas("convert", gguf_file, "--out", tmp_path / "out.safetensors")
     one_error(run, "templated.gguf", "chat template", why)
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_truncated_file_says_what_it_is_once(exports, tmp_path):
+    line = one_error(generate(written(tmp_path, exports["f32"][:200]), tmp_path), "crafted.gguf")
+    assert line.count("is not a GGUF file manas can read") == 1 and "ends inside its metadata" in line

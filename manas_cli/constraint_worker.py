@@ -162,7 +162,8 @@ class _Compiler:
             allowed = matcher.compute_logit_bias()
             if matcher.is_error():
                 raise CompileRefused(_step_error(matcher, step))
-            token = next((i for i, flag in enumerate(allowed) if flag and i != self.eot), None)
+            token = _first_allowed(allowed, 0)
+            token = _first_allowed(allowed, self.eot + 1) if token == self.eot else token
             if token is None and not allowed[self.eot]:
                 raise CompileRefused("no text can match it")
             if token is None:
@@ -170,6 +171,13 @@ class _Compiler:
             if not matcher.consume_token(token):
                 raise CompileRefused(_step_error(matcher, step))
         return grammar
+
+
+def _first_allowed(allowed: bytes, start: int) -> int | None:
+    """The smallest id from `start` on that the mask allows (one byte per id), found at C's speed."""
+    rest = allowed[start:]
+    kept = rest.lstrip(b"\0")
+    return start + len(rest) - len(kept) if kept else None
 
 
 def _step_error(matcher, step: int) -> str:

@@ -7,8 +7,9 @@ own vocabulary (every token's bytes, the special tokens, end-of-text) and return
 follow the text so far. The sampler draws among those only (engine/constraints.py): the mask depends on the request's
 own tokens alone, so a constrained text is as exact as any other (cached == crop-and-recompute, batched == alone).
 
-Everything here is untrusted input: a schema or grammar is bounded in size before it is compiled, and compiling and
-each step are bounded by llguidance's own limits (LLParserLimits); what it cannot compile is one error naming why.
+Everything here is untrusted input: a schema or grammar is bounded in size before it is compiled, compiled in a
+worker process under a budget of time and memory (constraint_worker.py), and each step is bounded by llguidance's
+own limits (LLParserLimits); what it cannot compile is one error naming why.
 """
 
 from __future__ import annotations

@@ -145,16 +145,13 @@ OS_ERRORS = {
     ),
 }
 
+
 # Options whose next argument is a value that may itself read "--debug" (a prompt, a stop text).
-TEXT_OPTIONS = ("-p", "--prompt", "--stop")
-
-
 def without_debug(args: list[str]) -> tuple[list[str], bool]:
     """The arguments without --debug, wherever it stands (before or after the command's name), and whether it was
     there. The root option is given back in front, where click expects it."""
-    kept = [
-        arg for index, arg in enumerate(args) if arg != "--debug" or (index > 0 and args[index - 1] in TEXT_OPTIONS)
-    ]
+    text = habits.TEXT_OPTIONS  # options whose next argument is text, which may well be "--debug"
+    kept = [arg for index, arg in enumerate(args) if arg != "--debug" or (index > 0 and args[index - 1] in text)]
     debug = len(kept) < len(args)
     return (["--debug", *kept] if debug else kept), debug
 

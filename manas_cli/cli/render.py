@@ -192,7 +192,7 @@ def token_progress(console: Console, total: int, description: str, unit: str = "
         yield advance
 
 
-STEP_SILENT_S = 1.0  # a step over this long is told on a pipe (a terminal shows every step as it runs)
+STEP_SILENT_S = 1.0  # a step over this long is shown (a quick one never flashes a spinner, nor adds a line)
 
 
 @contextmanager

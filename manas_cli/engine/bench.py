@@ -130,7 +130,7 @@ def run_bench(
     measured(f"tg{new_tokens}{at}", [s.decode_tokens_per_s for s in decoded])
     estimate = baseline_seconds(decode_length + depth, new_tokens, repeat, batch, block_size, measurements[0].mean)
     skipped = baseline is None and estimate > BASELINE_BUDGET_S
-    if baseline or (baseline is None and not skipped):
+    if baseline is not False and not skipped:
         uncached = timed(
             "baseline", lambda: generate_reference(engine, decode_prompt, greedy, new_tokens), decode_length
         )

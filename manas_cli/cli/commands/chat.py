@@ -122,9 +122,13 @@ def _set(assignment: str, settings: GenerationSettings, tell) -> GenerationSetti
         return settings
     try:
         value = None if text.strip() == "none" else json.loads(text)
+    except ValueError:
+        tell(f"{name} not set: {text.strip()!r} is not a number")
+        return settings
+    try:
         settings = replace(settings, **{name: check(name, value)})
-    except ValueError as exc:
-        tell(f"{name} not set: {exc}" if "must be" in str(exc) else f"{name} not set: {text.strip()!r} is not a number")
+    except ValueError as exc:  # out of the setting's range: the rule, as generate's flag states it
+        tell(f"{name} not set: {exc}")
         return settings
     tell(f"{name} is {getattr(settings, name)}")
     return settings

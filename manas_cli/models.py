@@ -103,51 +103,7 @@ def checkpoint_file(path: Path, on_step: Callable[[str], None] = lambda step: No
         raise InputError(
             f"checkpoint {path} is not a regular file (a pipe or a device?): save it to a file and pass that"
         )
-    return converted_gguf(path, on_step) if path.suffix == ".gguf" and path.is_file() else path
-
-
-def converted_gguf(path: Path, on_step: Callable[[str], None] = lambda step: None) -> Path:
-    """A GGUF model as the manas checkpoint converted from it (formats/gguf_model.py): once per file, into the
-    user's cache ($XDG_CACHE_HOME/manas/gguf, a folder the user alone can write, checked as the native core's is),
-    read from there by every later run. One conversion per path, under a name short enough for any file name; it
-    records the size and modification time of the file it was made from, and a file changed since (or a cached one
-    that is not the user's own regular file) is converted again over it."""
-    import hashlib
-
-    from .formats.convert import convert_checkpoint
-    from .native.build import cache_folder, folder_problem
-
-    info = path.stat()
-    source = f"{info.st_size} {info.st_mtime_ns}"
-    folder = cache_folder() / "gguf"
-    if (problem := folder_problem(folder)) is not None:
-        raise InputError(f"the GGUF cache {folder} {problem}: remove it, or set $XDG_CACHE_HOME to another folder")
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]
-    out = folder / f"{path.stem[:64]}-{key}.safetensors"
-    if _converted_from(out) != source:
-        on_step(f"converting {path.name} (once per file; cached in {folder})")
-        # written whole, then renamed over any earlier one: a run racing this one reads either
-        convert_checkpoint(path, out, force=True, extra_metadata={GGUF_SOURCE: source})
-    return out
-
-
-GGUF_SOURCE = "gguf_source"  # a cached conversion's metadata: "SIZE MTIME_NS" of the GGUF file it was made from
-
-
-def _converted_from(out: Path) -> str | None:
-    """What a cached conversion says it was made from, where it is a regular file the user owns and alone can
-    write; else None."""
-    from .formats.header import read_header
-    from .native.build import open_trusted
-
-    fd = open_trusted(out)
-    if fd is None:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return read_header(f, out).metadata.get(GGUF_SOURCE)
-    except ManasError:  # a damaged one is converted again
-        return None
+    return path
 
 
 COMPILING = "compiling the native core (once per version of manas, compiler and CPU)"
@@ -169,26 +125,51 @@ def open_model(options: ModelOptions, on_step: Callable[[str], None] = lambda st
     on_step(f"loading {resolve_checkpoint(options.checkpoint).name}")
     on_compile = partial(on_step, COMPILING)
     unavailable = None
+    if is_gguf(path) and options.quantize is not None:
+        raise InputError(
+            f"{path.name} is a GGUF file: its quantized blocks already run as they are, so --quantize does not apply "
+            "(run it without --quantize, or pick another quantization of the model)"
+        )
     if not torch_needed(options):
-        from .formats.header import Checkpoint, open_checkpoint
-        from .formats.mapped_weights import MappedWeights
+        from .formats.gguf_weights import NotInPlace
 
-        mapped = _naming_the_environment(options, lambda: open_checkpoint(path))
-        window = keep_window(mapped.header.config, options.ctx)
-        weights = partial(MappedWeights, mapped)
         try:
-            opened = _naming_the_environment(
-                options, lambda: open_native(weights, threads.threads, on_compile, options.float_activations)
-            )
+            return _naming_the_environment(options, lambda: _load_native(options, path, threads, on_compile))
+        except NotInPlace:
+            pass  # torch reads it, and the core runs its float32 tensors
         except NativeUnavailable as exc:
             if options.engine == "native":  # asked for by name: never a silent change of engine
                 raise EngineUnavailable(exc.reason, exc.detail) from None
             unavailable = exc  # torch runs it, without trying to build the core again
-        else:
-            header = mapped.header
-            checkpoint = Checkpoint(opened.engine.model, header.encoding, header.tokenizer_spec, path, header.metadata)
-            return LoadedModel(checkpoint, threads, opened, window)
     return _load_with_torch(options, path, threads, unavailable, on_compile)
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" and path.is_file()
+
+
+def _load_native(options: ModelOptions, path: Path, threads, on_compile) -> LoadedModel:
+    """The mapped file run by the core: a manas checkpoint, or a GGUF file's blocks in place (formats/gguf_weights.py);
+    raises native.build.NativeUnavailable where the core cannot build here."""
+    from .formats.header import Checkpoint, open_checkpoint
+
+    if is_gguf(path):
+        from .formats.gguf_weights import GGUFWeights, open_gguf
+        from .formats.tokenizer import build_encoding
+
+        gguf = open_gguf(path)
+        config, weights = gguf.config, partial(GGUFWeights, gguf)
+        encoding, spec, metadata = build_encoding(gguf.tokenizer_spec), gguf.tokenizer_spec, gguf.metadata
+    else:
+        from .formats.mapped_weights import MappedWeights
+
+        mapped = open_checkpoint(path)
+        config, weights = mapped.header.config, partial(MappedWeights, mapped)
+        encoding, spec, metadata = mapped.header.encoding, mapped.header.tokenizer_spec, mapped.header.metadata
+    window = keep_window(config, options.ctx)
+    opened = open_native(weights, threads.threads, on_compile, options.float_activations)
+    checkpoint = Checkpoint(opened.engine.model, encoding, spec, path, metadata)
+    return LoadedModel(checkpoint, threads, opened, window)
 
 
 def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on_compile) -> LoadedModel:

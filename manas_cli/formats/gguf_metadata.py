@@ -103,13 +103,18 @@ def read_layout(path: Path) -> Layout:
     naming the file where it is not a GGUF."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _layout(_Reader(data, path))
+            return layout_of(data, path)
     except FileNotFoundError:
         raise TokenizerError(f"no GGUF file {path}: no such file") from None
     except TokenizerError:  # a ValueError too: said once, as it is
         raise
     except (OSError, ValueError) as exc:  # an empty file cannot be mapped
         raise TokenizerError(f"{path} is not a GGUF file manas can read: {exc}") from None
+
+
+def layout_of(data, path: Path) -> Layout:
+    """The layout of a GGUF file's bytes (a mapping, or the file read whole), every length checked against them."""
+    return _layout(_Reader(data, path))
 
 
 def _layout(reader: _Reader) -> Layout:

@@ -362,16 +362,20 @@ def open_checkpoint(path: str | Path) -> MappedCheckpoint:
     path = _existing_file(path)
     with _open(path) as f:
         header = read_header(f, path)
-        size = os.fstat(f.fileno()).st_size
-        try:
-            mapping = (
-                _read_whole(f, size, path)
-                if size <= READ_WHOLE_BYTES
-                else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            )
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: cannot map it into memory ({first_line(exc)})") from None
+        mapping = map_whole(f, os.fstat(f.fileno()).st_size, path)
     return MappedCheckpoint(path, header, mapping)
+
+
+def map_whole(f: BinaryIO, size: int, path: Path) -> mmap.mmap | bytearray:
+    """An open file's bytes, mapped copy-on-write, or read into memory up to READ_WHOLE_BYTES (see there)."""
+    try:
+        return (
+            _read_whole(f, size, path)
+            if size <= READ_WHOLE_BYTES
+            else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        )
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot map it into memory ({first_line(exc)})") from None
 
 
 # A file up to this size is read into memory rather than mapped: a mapped file that another program truncates or

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, c_double, c_float, c_int, c_int32, c_int64, c_size_t, c_uint16, c_uint32, c_uint64, c_void_p
 
-WEIGHTS_F32, WEIGHTS_INT8, WEIGHTS_INT4 = 0, 1, 2
+WEIGHTS_F32, WEIGHTS_INT8, WEIGHTS_INT4, WEIGHTS_GGML = 0, 1, 2, 5
 
 
 class ManasLinear(ctypes.Structure):
@@ -36,6 +36,8 @@ class ManasLayer(ctypes.Structure):
         ("gate", ManasLinear),
         ("up", ManasLinear),
         ("down", ManasLinear),
+        ("key", ManasLinear),
+        ("value", ManasLinear),
     ]
 
 
@@ -61,6 +63,8 @@ class ManasModel(ctypes.Structure):
         ("final_norm", ManasNorm),
         ("lm_head", ManasLinear),
         ("integer_products", c_int32),
+        ("rope_halves", c_int32),
+        ("token_table", ManasLinear),
     ]
 
 
@@ -131,6 +135,7 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.manas_panel_bytes.argtypes, library.manas_panel_bytes.restype = [POINTER(ManasLinear)], c_size_t
     library.manas_pack.argtypes, library.manas_pack.restype = [POINTER(ManasLinear), c_void_p], None
     library.manas_dequantized_finite.argtypes = [POINTER(ManasLinear), c_void_p]
+    library.manas_ggml_row.argtypes, library.manas_ggml_row.restype = [POINTER(ManasLinear), c_int, c_void_p], None
     library.manas_philox.argtypes, library.manas_philox.restype = (
         [POINTER(c_uint32), POINTER(c_uint32), POINTER(c_uint32)],
         None,
@@ -158,7 +163,7 @@ WEIGHTS_KINDS = {"float32": WEIGHTS_F32, "int8": WEIGHTS_INT8, "int4": WEIGHTS_I
 
 def stored_bytes(linear: ManasLinear) -> int:
     """The bytes of a layer's weight rows as stored (core.c's row_bytes times n_out): float32 values, int8 codes,
-    int4 nibble pairs."""
+    int4 nibble pairs. (A GGUF's ggml layers are never released: read in place.)"""
     per_value = {WEIGHTS_F32: 4.0, WEIGHTS_INT8: 1.0, WEIGHTS_INT4: 0.5}[linear.kind]
     return int(linear.n_out * linear.n_in * per_value)
 
@@ -173,21 +178,30 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
         return ManasNorm(weights.vector(f"{name}.weight"), weights.vector(f"{name}.bias"))
 
     swiglu = config.mlp == "swiglu"
-    layers = (ManasLayer * config.n_layer)(
-        *(
-            ManasLayer(
-                norm(f"blocks.{i}.ln_attention"),
-                weights.linear(f"blocks.{i}.attention.qkv"),
-                weights.linear(f"blocks.{i}.attention.output"),
-                norm(f"blocks.{i}.ln_ffn"),
-                weights.linear(f"blocks.{i}.ffn.gate") if swiglu else ManasLinear(),
-                weights.linear(f"blocks.{i}.ffn.up"),
-                weights.linear(f"blocks.{i}.ffn.down"),
-            )
-            for i in range(config.n_layer)
+    separate = getattr(weights, "separate_qkv", False)  # a GGUF's: queries, keys and values apart
+
+    def attention(i: int) -> tuple[ManasLinear, ManasLinear, ManasLinear]:
+        if not separate:
+            return weights.linear(f"blocks.{i}.attention.qkv"), ManasLinear(), ManasLinear()
+        return tuple(weights.linear(f"blocks.{i}.attention.{part}") for part in ("qkv", "key", "value"))
+
+    layers = (ManasLayer * config.n_layer)()
+    for i in range(config.n_layer):
+        qkv, key, value = attention(i)
+        layers[i] = ManasLayer(
+            norm(f"blocks.{i}.ln_attention"),
+            qkv,
+            weights.linear(f"blocks.{i}.attention.output"),
+            norm(f"blocks.{i}.ln_ffn"),
+            weights.linear(f"blocks.{i}.ffn.gate") if swiglu else ManasLinear(),
+            weights.linear(f"blocks.{i}.ffn.up"),
+            weights.linear(f"blocks.{i}.ffn.down"),
+            key,
+            value,
         )
-    )
     learned = config.position_encoding == "learned"
+    embedding = weights.vector("token_embedding.weight")
+    table = weights.token_table() if embedding is None and hasattr(weights, "token_table") else ManasLinear()
     return ManasModel(
         config.vocab_size,
         config.block_size,
@@ -203,10 +217,12 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
         swiglu,
         config.norm_eps,
         config.rope_base,
-        weights.vector("token_embedding.weight"),
+        embedding,
         weights.vector("position_embedding.weight") if learned else None,
         layers,
         norm("final_norm"),
         weights.linear("lm_head"),
         integer_products,
+        getattr(weights, "rope_halves", False),
+        table,
     )

@@ -37,13 +37,13 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 7
+#define MANAS_ABI_VERSION 8
 #define MANAS_ARITHMETIC_VERSION 2 /* manas_arithmetic_version */
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
 /* ---- the model, as Python lays it out (native/binding.py mirrors these structs) ---- */
 
-enum { WEIGHTS_F32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2 };
+enum { WEIGHTS_F32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2, WEIGHTS_GGML = 5 };
 /* The products' own kinds for quantized weights times activations quantized per block, in integers
    (ManasModel.integer_products). */
 enum { INT8_INTEGER = 3, INT4_INTEGER = 4 };
@@ -53,8 +53,10 @@ enum { INT8_INTEGER = 3, INT4_INTEGER = 4 };
 
 typedef struct {
     int32_t kind, n_in, n_out;
-    int32_t group;           /* int4: values per scale/zero group along a row, even, dividing n_in (else unused) */
-    const void *weight;      /* float32 (out, in); int8 (out, in); int4: uint8 (out, in/2), column 2i low nibble */
+    int32_t group;           /* int4: values per scale/zero group along a row, even, dividing n_in; ggml: the
+                                block type (core/blocks.c) */
+    const void *weight;      /* float32 (out, in); int8 (out, in); int4: uint8 (out, in/2), column 2i low nibble;
+                                ggml: (out, in / block values) blocks as a GGUF file stores them */
     const uint16_t *scales;  /* bfloat16: one per row (int8); int4 (out, in/group) */
     const uint16_t *zeros;   /* bfloat16, int4 (out, in/group): the value of code 8 */
     const float *bias;       /* (out,) or NULL */
@@ -68,6 +70,7 @@ typedef struct {
     ManasLinear qkv, output;
     ManasNorm ln_ffn;
     ManasLinear gate, up, down;  /* gate: SwiGLU's (n_out 0 in a GELU MLP) */
+    ManasLinear key, value;      /* a GGUF file's own keys and values (qkv then holds the queries), else n_out 0 */
 } ManasLayer;
 
 typedef struct {
@@ -85,6 +88,8 @@ typedef struct {
     ManasNorm final_norm;
     ManasLinear lm_head;
     int32_t integer_products;  /* 1: int8 and int4 weights multiply activations quantized per QBLOCK, in integers */
+    int32_t rope_halves;       /* 1: rope pairs x[i] with x[i + hs/2] (a GGUF qwen2's layout); 0: x[2i], x[2i+1] */
+    ManasLinear token_table;   /* a GGUF file's token embedding as stored (ggml), when token_embedding is NULL */
 } ManasModel;
 
 /* One row's KV cache: k and v each [layer][capacity][kv head][head size], float32. */
@@ -94,6 +99,7 @@ typedef struct { float *k, *v; int32_t capacity; } ManasCache;
 #include "core/lanes.c"
 #include "core/integer.c"
 #include "core/products.c"
+#include "core/blocks.c"
 #include "core/functions.c"
 #include "core/attention.c"
 
@@ -113,6 +119,8 @@ static void dequantize_row(const ManasLinear *linear, int o, float *out) {
 static void embed(const ManasModel *m, int token, float *x) {
     if (m->token_embedding)
         memcpy(x, m->token_embedding + (size_t)token * m->n_embd, m->n_embd * sizeof *x);
+    else if (m->token_table.weight)
+        ggml_dequantize_row(&m->token_table, token, x);
     else
         dequantize_row(&m->lm_head, token, x);
 }
@@ -194,7 +202,14 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
     for (int layer = 0; layer < m->n_layer; layer++) {
         const ManasLayer *block = &m->layers[layer];
         normalize(m, &block->ln_attention, rows, s.x, s.h);
-        matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, rows);
+        if (block->key.n_out) {  /* a GGUF file's queries, keys and values, each its own type, side by side */
+            int A = m->n_head * hs, kv = m->n_kv_head * hs;
+            matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, qkv_width, rows);
+            matmul(pool, &s, &block->key, m->integer_products, s.h, s.qkv + A, qkv_width, rows);
+            matmul(pool, &s, &block->value, m->integer_products, s.h, s.qkv + A + kv, qkv_width, rows);
+        } else {
+            matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, qkv_width, rows);
+        }
         for (int r = 0; r < rows; r++)
             cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width);
         /* Past its keys and values (every row's, cached), the last layer feeds only the logits: it runs on the
@@ -204,18 +219,18 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
         Attend attend = {m, caches, positions, last ? logit_rows : NULL, s.qkv, s.attention, s.scores, layer, kept, 0};
         attend.alone = rows_alone(&attend);
         parallel_for(pool, attend_heads, &attend, kept * m->n_head);
-        matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, kept);
+        matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, C, kept);
         for (size_t i = 0; i < (size_t)kept * C; i++) s.x[i] += s.h[i];
         normalize(m, &block->ln_ffn, kept, s.x, s.h);
-        matmul(pool, &s, &block->up, m->integer_products, s.h, s.hidden, kept);
-        if (m->swiglu) matmul(pool, &s, &block->gate, m->integer_products, s.h, s.gated, kept);
+        matmul(pool, &s, &block->up, m->integer_products, s.h, s.hidden, m->ffn_width, kept);
+        if (m->swiglu) matmul(pool, &s, &block->gate, m->integer_products, s.h, s.gated, m->ffn_width, kept);
         Activate activate = {s.hidden, m->swiglu ? s.gated : NULL, m->ffn_width, m->gelu_tanh};
         parallel_for(pool, activate_rows, &activate, kept);
-        matmul(pool, &s, &block->down, m->integer_products, s.hidden, s.h, kept);
+        matmul(pool, &s, &block->down, m->integer_products, s.hidden, s.h, C, kept);
         for (size_t i = 0; i < (size_t)kept * C; i++) s.x[i] += s.h[i];
     }
     normalize(m, &m->final_norm, n_logits, s.x, s.h);
-    matmul(pool, &s, &m->lm_head, m->integer_products, s.h, logits, n_logits);
+    matmul(pool, &s, &m->lm_head, m->integer_products, s.h, logits, m->vocab_size, n_logits);
 }
 
 #include "core/weights.c"

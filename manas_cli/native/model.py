@@ -108,7 +108,7 @@ class NativeGPT:
 
 def linears(model: ManasModel) -> list[ManasLinear]:
     """The model's linear layers, as views into its structs (setting a field sets the core's)."""
-    names = ("qkv", "output", "gate", "up", "down")
+    names = ("qkv", "output", "gate", "up", "down", "key", "value")
     return [*(getattr(model.layers[i], name) for i in range(model.n_layer) for name in names), model.lm_head]
 
 

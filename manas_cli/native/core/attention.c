@@ -325,7 +325,7 @@ static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, i
                       float *qkv) {
     int hs = m->head_size, kv_width = m->n_kv_head * hs, width = m->n_head * hs;
     if (m->rope)
-        for (int head = 0; head < m->n_head + m->n_kv_head; head++) rotate(hs, angles, qkv + head * hs);
+        for (int head = 0; head < m->n_head + m->n_kv_head; head++) rotate(hs, m->rope_halves, angles, qkv + head * hs);
     size_t offset = ((size_t)layer * cache->capacity + position) * kv_width;
     memcpy(cache->k + offset, qkv + width, kv_width * sizeof(float));
     memcpy(cache->v + offset, qkv + width + kv_width, kv_width * sizeof(float));

@@ -177,12 +177,15 @@ static void rope_angles(const ManasModel *m, int position, float *angles) {
     }
 }
 
-/* Rotate each pair (a, b) = (x[2i], x[2i+1]) of one head: (a cos − b sin, b cos + a sin). */
-static void rotate(int head_size, const float *angles, float *x) {
+/* Rotate each pair (a, b) of one head: (a cos − b sin, b cos + a sin). Pair i is (x[2i], x[2i+1]), manas' layout
+   (and llama.cpp's `llama`), or with `halves` (x[i], x[i + hs/2]), Hugging Face's rotate-half (llama.cpp's qwen2,
+   whose GGUF files keep it). */
+static void rotate(int head_size, int halves, const float *angles, float *x) {
     int half = head_size / 2;
     for (int i = 0; i < half; i++) {
-        float a = x[2 * i], b = x[2 * i + 1], c = angles[i], s = angles[half + i];
-        x[2 * i] = a * c + b * -s;
-        x[2 * i + 1] = b * c + a * s;
+        int first = halves ? i : 2 * i, second = halves ? i + half : 2 * i + 1;
+        float a = x[first], b = x[second], c = angles[i], s = angles[half + i];
+        x[first] = a * c + b * -s;
+        x[second] = b * c + a * s;
     }
 }

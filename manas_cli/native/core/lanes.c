@@ -165,6 +165,29 @@ static float sum(int n, const float *x) {
     return sum_lanes(load_lanes(tail));
 }
 
+/* IEEE half precision to float32, exactly (every half is a float32). */
+static inline float f16_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);  /* the CPU's own conversion: the same exact value (a GGUF's scales are read per block) */
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7F800000 | mantissa << 13;  /* infinity, or NaN */
+    } else if (exponent) {
+        bits = sign | (exponent + 112) << 23 | mantissa << 13;
+    } else if (mantissa) {  /* subnormal: shift the mantissa up until it is normal */
+        int shift = 0;
+        while (!(mantissa & 1024)) mantissa <<= 1, shift++;
+        bits = sign | (uint32_t)(113 - shift) << 23 | (mantissa & 1023) << 13;
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;

@@ -72,10 +72,12 @@ typedef struct {
     const float *x;  /* (rows, stride): n_in floats, for int4 each block reordered (int4_input); for the integer
                         kinds, a quantize_row row (of the reordered values, for int4) */
     size_t stride;
-    float *y;        /* (rows, n_out) */
+    float *y;        /* (rows, y_stride): outputs 0 .. n_out − 1 of each row */
+    size_t y_stride;
     int rows;
     float *tiles;    /* per thread, TILE rows of n_in floats: a tile of int4 weights dequantized (a float prefill),
                         or its rows' scales and zeros (int4_groups) where the layer has no panels */
+    int quantized_x; /* ggml: x is quantize_blocks rows (else float rows) */
 } Matmul;
 
 /* A float32 prefill asks for the next block's panels (into L2), a share before each row tile of this block: its
@@ -128,7 +130,7 @@ static inline __attribute__((always_inline)) void tile_dots(int kind, int RT, co
 static inline __attribute__((always_inline)) void matmul_tile(int kind, const Matmul *m, const ManasLinear *weights,
                                                               int w0, int o0, int count, const uint16_t *grouped,
                                                               int r_begin, int r_end, Ahead *ahead) {
-    int n_out = m->linear->n_out, RT = row_tile(kind);
+    int RT = row_tile(kind);
     for (int r0 = r_begin; r0 < r_end; r0 += RT) {
         if (ahead) ask_ahead(ahead);  /* tested here: tested inside, GCC spilled int8 float products' lanes */
         int rows = r_end - r0 < RT ? r_end - r0 : RT;
@@ -150,7 +152,7 @@ static inline __attribute__((always_inline)) void matmul_tile(int kind, const Ma
         }
         for (int r = 0; r < rows; r++)
             for (int o = 0; o < count; o++)
-                m->y[(size_t)(r0 + r) * n_out + o0 + o] = finish(m->linear, o0 + o, out[r][o]);
+                m->y[(size_t)(r0 + r) * m->y_stride + o0 + o] = finish(m->linear, o0 + o, out[r][o]);
     }
 }
 
@@ -268,8 +270,14 @@ static __attribute__((noinline)) void float32_decode(const Matmul *m, int begin,
     }
 }
 
+static void ggml_tiles(const Matmul *m, int begin, int end, float *row);  /* core/blocks.c */
+
 static void matmul_tiles(void *context, int begin, int end, int thread) {
     const Matmul *m = context;
+    if (m->kind == WEIGHTS_GGML) {
+        ggml_tiles(m, begin, end, m->tiles + (size_t)thread * TILE * m->linear->n_in);
+        return;
+    }
     if (m->kind == WEIGHTS_F32 && m->rows == 1 && m->linear->panels) {
         float32_decode(m, begin, end);
         return;
@@ -330,12 +338,19 @@ typedef struct {
     float *quantized;     /* (rows, quantized_floats(n_in)), or NULL: float products */
 } Prepare;
 
+static int ggml_quantized(const ManasLinear *linear, int integer);            /* core/blocks.c */
+static void quantize_blocks(int n, const float *x, void *out);
+
 static void prepare_rows(void *context, int begin, int end, int thread) {
     (void)thread;
     const Prepare *p = context;
     int n = p->linear->n_in, int4 = p->linear->kind == WEIGHTS_INT4;
     for (size_t r = (size_t)begin; r < (size_t)end; r++) {
         const float *x = p->x + r * n;
+        if (p->linear->kind == WEIGHTS_GGML) {  /* per block of 32, as core/blocks.c reads them */
+            quantize_blocks(n, x, p->quantized + r * quantized_floats(n));
+            continue;
+        }
         if (int4) {
             int4_input(n, x, p->reordered + r * n);
             x = p->reordered + r * n;
@@ -345,17 +360,19 @@ static void prepare_rows(void *context, int begin, int end, int thread) {
     }
 }
 
+/* y = x · Wᵀ + b for `rows` rows of x (n_in each), y's rows y_stride apart. */
 static void matmul(ManasPool *pool, const Scratch *s, const ManasLinear *linear, int integer, const float *x,
-                   float *y, int rows) {
+                   float *y, size_t y_stride, int rows) {
     int n = linear->n_in, kind = linear->kind;
     int in_integers = integer && (kind == WEIGHTS_INT8 || (kind == WEIGHTS_INT4 && int4_integer(linear)));
+    in_integers = kind == WEIGHTS_GGML ? ggml_quantized(linear, integer) : in_integers;
     if (kind == WEIGHTS_INT4 || in_integers) {
         Prepare prepare = {linear, x, s->reordered, in_integers ? s->quantized : NULL};
         parallel_for(pool, prepare_rows, &prepare, rows);
     }
     size_t stride = in_integers ? quantized_floats(n) : (size_t)n;
-    if (in_integers) kind = kind == WEIGHTS_INT8 ? INT8_INTEGER : INT4_INTEGER;
+    if (in_integers && kind != WEIGHTS_GGML) kind = kind == WEIGHTS_INT8 ? INT8_INTEGER : INT4_INTEGER;
     x = in_integers ? s->quantized : linear->kind == WEIGHTS_INT4 ? s->reordered : x;
-    Matmul m = {linear, kind, x, stride, y, rows, s->tiles};
+    Matmul m = {linear, kind, x, stride, y, y_stride, rows, s->tiles, in_integers};
     parallel_for(pool, matmul_tiles, &m, (linear->n_out + TILE - 1) / TILE);
 }

@@ -6,24 +6,6 @@
 
 enum { STORED_F32 = 0, STORED_F16 = 1, STORED_BF16 = 2, STORED_F64 = 3 };
 
-static float f16_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
-    if (exponent == 31) {
-        bits = sign | 0x7F800000 | mantissa << 13;  /* infinity, or NaN */
-    } else if (exponent) {
-        bits = sign | (exponent + 112) << 23 | mantissa << 13;
-    } else if (mantissa) {  /* subnormal: shift the mantissa up until it is normal */
-        int shift = 0;
-        while (!(mantissa & 1024)) mantissa <<= 1, shift++;
-        bits = sign | (uint32_t)(113 - shift) << 23 | (mantissa & 1023) << 13;
-    } else {
-        bits = sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* Element i of a stored float tensor (little-endian, maybe unaligned: memcpy) as float32, rounded to nearest. */
 static float stored_float(const unsigned char *src, int dtype, int64_t i) {
     if (dtype == STORED_F64) {
@@ -117,6 +99,7 @@ EXPORT int manas_dequantized_finite(const ManasLinear *linear, float *row) {
    units (a row's last unit would mix it with the next) but int4 rows of whole groups (their last unit padded, see
    panel_row_bytes), or no layer. */
 EXPORT size_t manas_panel_bytes(const ManasLinear *linear) {
+    if (linear->kind == WEIGHTS_GGML) return 0;  /* read in place, from the file's mapping */
     size_t bytes = row_bytes(linear);
     int padded = linear->kind == WEIGHTS_INT4 && int4_integer(linear);
     if (!linear->weight || bytes == 0 || (bytes % PANEL_UNIT && !padded)) return 0;
@@ -146,3 +129,7 @@ EXPORT void manas_pack(const ManasLinear *linear, void *out) {
         int4_groups(linear, o0, count, scales + t * tile_group_scale_count(linear));
     }
 }
+
+/* Row o of a GGUF file's layer as float32, the values its products multiply (core/blocks.c): for the tests'
+   reference and for a token embedding's rows. */
+EXPORT void manas_ggml_row(const ManasLinear *linear, int o, float *out) { ggml_dequantize_row(linear, o, out); }

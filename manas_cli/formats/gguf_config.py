@@ -1,0 +1,86 @@
+"""A GGUF file's hyperparameters as the Hugging Face config of its architecture (as llama.cpp's converter wrote
+them from one), and the check of its layer count: what both readers of a GGUF take, the conversion (gguf_model.py)
+and the core's in-place run (gguf_weights.py). No torch."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .gguf_metadata import Layout
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder2")  # llama.cpp's names of the models manas runs
+
+
+def check_block_count(layout: Layout, architecture: str, path: Path) -> None:
+    """The block_count the metadata claims is the number of layers its tensors hold (blk.0. to blk.N−1.): a claim
+    of 2^31 layers in a small file is refused before anything is sized by it."""
+    layers = {int(match[1]) for tensor in layout.tensors if (match := re.match(r"blk\.(\d+)\.", tensor.name))}
+    claimed = _field(layout.fields, architecture, "block_count")
+    if type(claimed) is not int or claimed != len(layers) or max(layers, default=-1) != claimed - 1:
+        raise CheckpointError(
+            f"{path}: its {architecture}.block_count {claimed!r} does not match its tensors' layers "
+            f"({len(layers):,} numbered blk.N)"
+        )
+
+
+def _field(fields: dict, architecture: str, key: str, default: object = None) -> object:
+    return fields.get(f"{architecture}.{key}", default)
+
+
+def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]], path: Path) -> dict:
+    """The Hugging Face config.json of the file's hyperparameters (as llama.cpp's converter wrote them from one);
+    `shapes`: its tensors' shapes by name, PyTorch's order."""
+
+    def value(key: str, default: object = None) -> object:
+        return _field(fields, architecture, key, default)
+
+    if len(shapes.get("token_embd.weight", ())) != 2:
+        raise CheckpointError(f"{path}: the file has no token_embd.weight matrix")
+    vocab_size, _ = shapes["token_embd.weight"]
+    if architecture == "gpt2":
+        values = {
+            "n_embd": value("embedding_length"),
+            "n_inner": value("feed_forward_length"),
+            "n_layer": value("block_count"),
+            "n_head": value("attention.head_count"),
+            "n_positions": value("context_length", 1024),
+            "layer_norm_epsilon": _decimal(value("attention.layer_norm_epsilon", 1e-5)),
+            "activation_function": "gelu_new",  # llama.cpp's gpt2 computes GELU's tanh approximation
+        }
+    else:
+        values = {
+            "hidden_size": value("embedding_length"),
+            "intermediate_size": value("feed_forward_length"),
+            "num_hidden_layers": value("block_count"),
+            "num_attention_heads": value("attention.head_count"),
+            "num_key_value_heads": value("attention.head_count_kv"),
+            "max_position_embeddings": value("context_length", 2048),
+            "rope_theta": _decimal(value("rope.freq_base", 10000.0)),
+        }
+    if architecture == "starcoder2":
+        values |= {
+            "norm_epsilon": _decimal(value("attention.layer_norm_epsilon", 1e-5)),
+            "hidden_act": "gelu_pytorch_tanh",
+        }
+    if architecture in ("llama", "qwen2"):
+        values |= {
+            "rms_norm_eps": _decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
+            "head_dim": value("attention.key_length"),
+            "tie_word_embeddings": "output.weight" not in shapes,
+        }
+    if (scaling := value("rope.scaling.type")) not in (None, "none"):
+        values["rope_scaling"] = {"type": scaling}  # refused by name, as a folder's is
+    if architecture == "llama" and "blk.0.attn_q.bias" in shapes:
+        values["attention_bias"] = values["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
+    values |= {"model_type": architecture, "vocab_size": vocab_size}
+    return {key: item for key, item in values.items() if item is not None}
+
+
+def _decimal(value: object) -> object:
+    """A float GGUF stores as float32, as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07):
+    the config.json's value it was written from."""
+    import numpy as np
+
+    return float(str(np.float32(value))) if isinstance(value, float) else value

@@ -1,0 +1,227 @@
+"""A GGUF file run as it is published: mapped, its tensors' blocks multiplied in place by the native core
+(core/blocks.c), never converted. This module reads the file's layout, checks every tensor's extent against the
+mapping before the core may read it, and gives the core's loader (native/model.py's NativeGPT) what
+binding.bind asks for: `vector(name)` and `linear(name)` under manas' names. No torch, no gguf package.
+
+llama.cpp's `llama` files keep queries and keys in interleaved rope pairs, manas' own layout; its `qwen2` files
+keep Hugging Face's rotate-half pairs, which the core rotates as they are (ManasModel.rope_halves)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+from ctypes import POINTER, c_float
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engine.config import GPTConfig
+from ..errors import CheckpointError, TokenizerError, first_line
+from ..native.binding import WEIGHTS_F32, WEIGHTS_GGML, ManasLinear
+from .gguf_metadata import Layout, TensorInfo, layout_of
+from .gguf_vocab import spec_from_fields, string_field
+
+IN_PLACE = ("llama", "qwen2")  # llama.cpp's architectures whose files the core runs in place
+
+# ggml's types: (name, values per block, bytes per block) for those the core multiplies; the others by name only
+BLOCK_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+    20: ("IQ4_NL", 32, 18), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 23: ("IQ4_XS", 256, 136),
+}  # fmt: skip
+OTHER_TYPES = {
+    9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S",
+    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}  # fmt: skip
+
+# llama.cpp's tensor names in a llama or qwen2 file → manas' module names (formats/llama.py's, for the same model)
+TOP = {"token_embd": "token_embedding", "output_norm": "final_norm", "output": "lm_head"}
+LAYER = {
+    "attn_norm": "ln_attention", "attn_q": "attention.qkv", "attn_k": "attention.key", "attn_v": "attention.value",
+    "attn_output": "attention.output", "ffn_norm": "ln_ffn", "ffn_gate": "ffn.gate", "ffn_up": "ffn.up",
+    "ffn_down": "ffn.down",
+}  # fmt: skip
+
+
+def type_name(kind: int) -> str:
+    return BLOCK_TYPES[kind][0] if kind in BLOCK_TYPES else OTHER_TYPES.get(kind, f"ggml type {kind}")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor in the mapping: its ggml type, its shape (rows, columns: PyTorch's order), where its bytes start."""
+
+    kind: int
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+class NotInPlace(CheckpointError):
+    """A GGUF file of an architecture manas runs, but not in place (gpt2, starcoder2): torch converts it in memory."""
+
+
+class GGUFFile:
+    """A GGUF file mapped (copy-on-write; a file of up to header.READ_WHOLE_BYTES read into memory instead), its
+    metadata read from those same bytes, every tensor checked: a type the core multiplies, whole blocks, its bytes
+    inside the file, aligned, apart from the others."""
+
+    def __init__(self, path: Path) -> None:
+        from .gguf_config import ARCHITECTURES, check_block_count, hf_config
+        from .header import map_whole
+        from .huggingface import checked_template, config_from_hf
+
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                self.mapping = map_whole(f, os.fstat(f.fileno()).st_size, path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read it ({first_line(exc)})") from None
+        layout = layout_of(self.mapping, path)
+        self.fields = layout.fields
+        self.architecture = string_field(self.fields, "general.architecture", path, CheckpointError)
+        if self.architecture in ARCHITECTURES and self.architecture not in IN_PLACE:
+            raise NotInPlace(f"{path}: llama.cpp's {self.architecture} runs converted to float32, not in place")
+        if self.architecture not in IN_PLACE:
+            raise CheckpointError(
+                f"{path}: llama.cpp architecture {self.architecture!r} is not one manas runs from GGUF "
+                f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3, Qwen2 and 2.5, GPT-2, StarCoder2)"
+            )
+        check_block_count(layout, self.architecture, path)
+        self.tensors = {tensor.name: checked_tensor(tensor, layout, path) for tensor in layout.tensors}
+        check_apart(self.tensors, path)
+        shapes = {name: tensor.shape for name, tensor in self.tensors.items()}
+        self.config: GPTConfig = config_from_hf(hf_config(self.fields, self.architecture, shapes, path), path)
+        self.tokenizer_spec = spec_from_fields(self.fields, path)
+        template = self.fields.get("tokenizer.chat_template")
+        template = checked_template(template, path) if isinstance(template, str) and template.strip() else None
+        self.metadata = {"converted_from": f"GGUF {self.architecture}"} | (
+            {"chat_template": template} if template else {}
+        )
+
+    @property
+    def types(self) -> str:
+        """The file's weight types, most bytes first: "Q4_K, Q6_K, F32"."""
+        totals: dict[str, int] = {}
+        for tensor in self.tensors.values():
+            totals[type_name(tensor.kind)] = totals.get(type_name(tensor.kind), 0) + tensor.nbytes
+        return ", ".join(sorted(totals, key=totals.get, reverse=True))
+
+
+def checked_tensor(tensor: TensorInfo, layout: Layout, path: Path) -> Tensor:
+    """A tensor's entry as the core may read it: a type it multiplies, whole blocks along each row, every byte its
+    shape implies inside the file (offsets that wrap, or point past the end, refused) and aligned."""
+    if tensor.kind not in BLOCK_TYPES:
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name} is {type_name(tensor.kind)}, a type manas does not multiply "
+            f"(it runs {', '.join(name for name, _, _ in BLOCK_TYPES.values())}); pick another quantization of the model"
+        )
+    _, values, block_bytes = BLOCK_TYPES[tensor.kind]
+    if not tensor.dims or any(n <= 0 for n in tensor.dims) or tensor.dims[0] % values:
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name}'s shape {list(tensor.dims)} is not whole blocks of {values} values"
+        )
+    nbytes = math.prod(tensor.dims) // values * block_bytes
+    start = layout.data_start + tensor.offset
+    if tensor.offset % layout.alignment or start + nbytes > layout.size:
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name}'s data (offset {tensor.offset:,}, {nbytes:,} bytes) is "
+            + ("not aligned" if tensor.offset % layout.alignment else "past the end of the file")
+        )
+    return Tensor(tensor.kind, tuple(reversed(tensor.dims)), start, nbytes)
+
+
+def check_apart(tensors: dict[str, Tensor], path: Path) -> None:
+    """No two tensors share a byte."""
+    extents = sorted((tensor.start, tensor.start + tensor.nbytes, name) for name, tensor in tensors.items())
+    for (_, end, name), (start, _, other) in zip(extents, extents[1:]):
+        if start < end:
+            raise CheckpointError(f"{path}: tensors {name} and {other} overlap in the file")
+
+
+class GGUFWeights:
+    """A mapped GGUF file's tensors as the core reads them (binding.bind): vectors (norms, biases) as float32,
+    matrices as ggml layers over their blocks in place. Queries, keys and values stay three layers
+    (separate_qkv), each of its own type; the token embedding is a ggml table (token_table) unless float32."""
+
+    separate_qkv = True
+
+    def __init__(self, gguf: GGUFFile, library: ctypes.CDLL) -> None:
+        self.gguf, self.library, self.config = gguf, library, gguf.config
+        self.name = f"GGUF {gguf.types}"
+        self.rope_halves = gguf.architecture == "qwen2"
+        self.nbytes = sum(tensor.nbytes for tensor in gguf.tensors.values())
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(gguf.mapping))
+        self.kept: list[object] = []  # float32 copies of vectors stored as F16 (small), alive with the pointers
+
+    def vector(self, name: str):
+        """A 1-D tensor (a norm's weight, a bias) as float32: in place where the file stores it so, else a copy;
+        None where the file has none. The token embedding is a vector only when stored as float32."""
+        tensor = self._tensor(name)
+        if tensor is None or (name == "token_embedding.weight" and tensor.kind != 0):
+            return None
+        count = math.prod(tensor.shape)
+        if tensor.kind == 0:
+            address = self._base + tensor.start
+            if self.library.manas_first_not_finite(address, count) >= 0:
+                raise self._not_finite(name)
+            return ctypes.cast(address, POINTER(c_float))
+        stored = {1: 1, 30: 2}.get(tensor.kind)  # core.c's STORED_F16, STORED_BF16
+        if stored is None:
+            raise CheckpointError(f"{self.gguf.path}: tensor {self._gguf_name(name)} is {type_name(tensor.kind)}, "
+                                  "where a float vector belongs")  # fmt: skip
+        converted = (c_float * count)()
+        if self.library.manas_convert(self._base + tensor.start, stored, count, 0, converted) >= 0:
+            raise self._not_finite(name)
+        self.kept.append(converted)
+        return ctypes.cast(converted, POINTER(c_float))
+
+    def linear(self, name: str) -> ManasLinear:
+        if name == "lm_head" and self._tensor("lm_head.weight") is None:
+            name = "token_embedding"  # tied: the output layer is the embedding's rows
+        tensor = self._tensor(f"{name}.weight")
+        if tensor is None:
+            raise CheckpointError(f"{self.gguf.path}: the file has no {self._gguf_name(name + '.weight')}")
+        rows, columns = tensor.shape if len(tensor.shape) == 2 else (0, 0)
+        if rows == 0:
+            raise CheckpointError(f"{self.gguf.path}: tensor {self._gguf_name(name + '.weight')} is not a matrix")
+        bias = self.vector(f"{name}.bias") if name != "token_embedding" else None
+        kind = WEIGHTS_F32 if tensor.kind == 0 else WEIGHTS_GGML
+        return ManasLinear(kind, columns, rows, tensor.kind, self._base + tensor.start, None, None, bias)
+
+    def token_table(self) -> ManasLinear:
+        """The token embedding as a ggml layer, its rows dequantized one by one as tokens are embedded."""
+        return self.linear("token_embedding")
+
+    def release(self, linear: ManasLinear) -> None:
+        """The layers are read in place: nothing to drop (float32 layers are regrouped into panels, then their
+        mapped pages are read no more; the kernel drops them under pressure, as any clean page)."""
+
+    def _tensor(self, name: str) -> Tensor | None:
+        return self.gguf.tensors.get(self._gguf_name(name))
+
+    @staticmethod
+    def _gguf_name(name: str) -> str:
+        """manas' tensor name → llama.cpp's: blocks.3.attention.key.weight → blk.3.attn_k.weight."""
+        module, _, kind = name.rpartition(".")
+        if module.startswith("blocks."):
+            _, layer, inner = module.split(".", 2)
+            by_manas = {manas: gguf for gguf, manas in LAYER.items()}
+            return f"blk.{layer}.{by_manas.get(inner, inner)}.{kind}"
+        return f"{ {manas: gguf for gguf, manas in TOP.items()}.get(module, module) }.{kind}"
+
+    def _not_finite(self, name: str) -> CheckpointError:
+        return CheckpointError(
+            f"{self.gguf.path}: tensor {self._gguf_name(name)} holds a value that is not finite (NaN or infinity): "
+            "the file is damaged"
+        )
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """A GGUF file to run in place, or one CheckpointError / TokenizerError naming what it cannot read."""
+    try:
+        return GGUFFile(path)
+    except TokenizerError as exc:  # the layout reader's, for a file that is not a GGUF
+        raise CheckpointError(str(exc)) from None

@@ -10,7 +10,6 @@ pairs, so its queries and keys are permuted back to Hugging Face's rotate-half l
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path

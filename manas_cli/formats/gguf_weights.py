@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import mmap
 import os
 from ctypes import POINTER, c_float
 from dataclasses import dataclass
@@ -116,7 +115,8 @@ def checked_tensor(tensor: TensorInfo, layout: Layout, path: Path) -> Tensor:
     if tensor.kind not in BLOCK_TYPES:
         raise CheckpointError(
             f"{path}: tensor {tensor.name} is {type_name(tensor.kind)}, a type manas does not multiply "
-            f"(it runs {', '.join(name for name, _, _ in BLOCK_TYPES.values())}); pick another quantization of the model"
+            f"(it runs {', '.join(name for name, _, _ in BLOCK_TYPES.values())}); pick another quantization of "
+            "the model"
         )
     _, values, block_bytes = BLOCK_TYPES[tensor.kind]
     if not tensor.dims or any(n <= 0 for n in tensor.dims) or tensor.dims[0] % values:

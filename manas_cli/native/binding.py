@@ -136,6 +136,9 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.manas_pack.argtypes, library.manas_pack.restype = [POINTER(ManasLinear), c_void_p], None
     library.manas_dequantized_finite.argtypes = [POINTER(ManasLinear), c_void_p]
     library.manas_ggml_row.argtypes, library.manas_ggml_row.restype = [POINTER(ManasLinear), c_int, c_void_p], None
+    library.manas_ggml_products.argtypes = [POINTER(ManasLinear), c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p]
+    library.manas_ggml_products.restype = None
+    library.manas_quantized_row_floats.argtypes, library.manas_quantized_row_floats.restype = [c_int], c_size_t
     library.manas_philox.argtypes, library.manas_philox.restype = (
         [POINTER(c_uint32), POINTER(c_uint32), POINTER(c_uint32)],
         None,

@@ -1,20 +1,25 @@
 /* GGUF's block types multiplied as the file stores them (llama.cpp's ggml types), read from the file's own mapping.
 
-   Every type is read as sub-blocks of 32 values. Sub-block s of a weight row is, whatever its type, 32 small
-   integers w (int8), two integer multipliers sc for its halves of 16, a float scale A, and for types with a
-   minimum a float B and two integer multipliers mn: value i = A·sc[i/16]·w[i] + B·mn[i/16]. The activations are
-   quantized per block of 32 as the int8 and int4 products' are (quantize_block: d = max|x| / 127, codes q), with
-   each half's code sum S[h]. So a sub-block's product is, exactly,
+   A weight row is read in units: a block of 32 values for the types of blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+   IQ4_NL), a superblock of 256 for the K-quants and IQ4_XS. A unit is, whatever its type, small integers w (int8),
+   an integer multiplier sc per 16 values, a float scale A, and for types with a minimum a float B and an integer
+   multiplier mn per 16 values: value i = A·sc[i/16]·w[i] + B·mn[i/16]. The activations are quantized per unit as
+   llama.cpp's q8_0 and q8_K are (d = max|x| / 127, codes q = round(x / d), quantize_block's rounding), with the
+   code sum S of every 16 values. A row's product is then, unit after unit in order:
 
-       d · (A · D + B · M),   D = Σ_h sc[h] Σ_{i in half h} w[i] q[i],   M = Σ_h mn[h] S[h]
+       f = d·A,   P_j = Σ_{k: sub-blocks of 32} sc[2k + j/4] · Σ_{i=4j}^{4j+3} w[32k + i]·q[32k + i]   (j < 8)
+       acc_j = fma(f, float(P_j), acc_j)
+       with a minimum:  g = d·B,  M = Σ_h mn[h]·S[h],  acc_min = fma(g, float(M), acc_min)
 
-   with D and M integers summed in int32 (exact, in any order: any CPU's vector unit may compute them), then
-   float32: t = fma(A, float(D), B·float(M)), and lane s mod 8 += d·t, fused; the 8 lanes meet in a fixed tree
-   ((0+1)+(2+3))+((4+5)+(6+7)). Each operation is written, so the bits are the same on every CPU (docs/native.md).
+   and the result ((acc_0 + acc_1) + (acc_2 + acc_3)) + ((acc_4 + acc_5) + (acc_6 + acc_7)) + acc_min. P_j and M are
+   integers, exact in int32 in any order of summation (|P_j| < 2^24, so float(P_j) is exact too): AVX2's byte
+   products or C compute the same ones. Every float operation is written, so the bits are the same on every CPU
+   (docs/native.md). This is llama.cpp's scheme: one float multiply-add per unit and lane, integers within it.
 
-   F16 and BF16 rows multiply the activations unquantized: lane i mod 8 += w[i]·x[i], fused, the same tree.
+   F16 and BF16 rows multiply the activations unquantized: acc_(i mod 8) = fma(w[i], x[i], acc_(i mod 8)), the
+   same tree. So do block rows with float activations (--float-activations), over their dequantized values.
 
-   Part of the core's one translation unit (core.c includes it after integer.c, before products.c). */
+   Part of the core's one translation unit (core.c includes it after products.c, whose Matmul it runs). */
 
 enum {
     GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
@@ -22,6 +27,7 @@ enum {
     GGML_IQ4_XS = 23, GGML_BF16 = 30
 };
 #define BLOCK_LANES 8  /* a row's sub-block products add into 8 lanes */
+#define PREFETCH_BYTES 1024  /* how far ahead of its reads a decode step asks for a row's bytes (a hint) */
 
 /* A sub-block of a weight row as the products read it (see above). */
 typedef struct {
@@ -30,12 +36,26 @@ typedef struct {
     float a, b;
 } SubBlock;
 
-/* An activation block: d·q ≈ x over 32 values, S the halves' code sums. 40 bytes. */
+/* A weight row's unit unpacked (sub-blocks: 1 or 8). */
+typedef struct {
+    int8_t w[256];
+    int16_t sc[16], mn[16];
+    float a, b;
+} Unit;
+
+/* Activations quantized per unit: d·q ≈ x, S the code sums of each 16 values. A block of 32 (40 bytes) for the
+   types of blocks of 32, a superblock of 256 (292 bytes) for the K-quants. */
 typedef struct {
     float d;
     int16_t sum[2];
     int8_t q[32];
 } QuantizedBlock;
+
+typedef struct {
+    float d;
+    int16_t sum[16];
+    int8_t q[256];
+} QuantizedSuper;
 
 /* The values a ggml type holds per block, and its bytes; 0 for a type the core cannot multiply. */
 static int ggml_block_values(int type) {
@@ -110,13 +130,15 @@ static inline U8x32 nibble_pairs(const uint8_t *qs) {
 
 /* Bit j of a 32-bit mask (little-endian bytes) as byte j: `value` where set, else 0. */
 static inline U8x32 bits_as_bytes(const uint8_t *mask, uint8_t value) {
-    U8x32 spread = {mask[0], mask[0], mask[0], mask[0], mask[0], mask[0], mask[0], mask[0],
-                    mask[1], mask[1], mask[1], mask[1], mask[1], mask[1], mask[1], mask[1],
-                    mask[2], mask[2], mask[2], mask[2], mask[2], mask[2], mask[2], mask[2],
-                    mask[3], mask[3], mask[3], mask[3], mask[3], mask[3], mask[3], mask[3]};
+    typedef uint32_t U32x8 __attribute__((vector_size(32)));
+    uint32_t bits;
+    memcpy(&bits, mask, sizeof bits);
+    U8x32 four = (U8x32)((U32x8){0} + bits);  /* the 4 bytes in every 4 (a broadcast) */
+    U8x32 spread = __builtin_shufflevector(four, four, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18, 18, 18, 18,
+                                           18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19);  /* byte j: byte j / 8 */
     const U8x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
                        1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-    return (U8x32)((spread & bit) != 0) & value;
+    return (U8x32)((spread & bit) == bit) & value;
 }
 
 /* 32 IQ4 levels of a 16-byte run of nibbles (nibble_pairs' order). */
@@ -243,60 +265,97 @@ static inline __attribute__((always_inline)) void sub_block(int type, const uint
     }
 }
 
-/* D for one sub-block against one activation block: Σ_h sc[h] Σ_{i in h} w[i]·q[i], exact in int32 (|w| ≤ 128,
-   |q| ≤ 127, |sc| ≤ 128: at most 2^26). AVX2 multiplies |w| (unsigned) by q given w's sign into int16 pairs (at
-   most 2 × 128 × 127, no saturation), then the pairs by each half's multiplier into int32: the same integers. */
-#if defined(__AVX2__)
-static inline __m256i sub_block_sums(const SubBlock *w, const int8_t *q) {
-    __m256i weights = _mm256_loadu_si256((const __m256i *)w->w), codes = _mm256_loadu_si256((const __m256i *)q);
+/* A unit of a row of type `type`: its sub-blocks (sub_block) side by side, A and B the same for all. */
+static inline __attribute__((always_inline)) int unit_blocks(int type) { return ggml_block_values(type) == 256 ? 8 : 1; }
+
+static inline __attribute__((always_inline)) void unpack_unit(int type, const uint8_t *row, int u, Unit *out) {
+    for (int k = 0; k < unit_blocks(type); k++) {
+        SubBlock part;
+        sub_block(type, row, u * unit_blocks(type) + k, &part);
+        memcpy(out->w + 32 * k, part.w, 32);
+        out->sc[2 * k] = part.sc[0], out->sc[2 * k + 1] = part.sc[1];
+        out->mn[2 * k] = part.mn[0], out->mn[2 * k + 1] = part.mn[1];
+        out->a = part.a, out->b = part.b;
+    }
+}
+
+/* P_j, the integer lanes of a unit against its activation codes (see the top), summed a sub-block at a time, then
+   acc_j += f·P_j. AVX2 multiplies |w| (unsigned) by q given w's sign into int16 pairs (at most 2 × 128 × 127: no
+   saturation), the pairs by each half's multiplier into int32 lanes of 4 values, and adds the sub-blocks' lanes:
+   the integers C sums. */
+#if defined(__AVX2__) && defined(__FMA__)
+typedef __m256 BlockLanes;
+typedef __m256i UnitSums;
+static inline BlockLanes block_lanes_zero(void) { return _mm256_setzero_ps(); }
+static inline UnitSums unit_sums_zero(void) { return _mm256_setzero_si256(); }
+static inline UnitSums sums_add(UnitSums sums, const int8_t *w, const int16_t *sc, const int8_t *q) {
+    __m256i weights = _mm256_loadu_si256((const __m256i *)w), codes = _mm256_loadu_si256((const __m256i *)q);
     __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(codes, weights));
-    __m256i multipliers = _mm256_setr_m128i(_mm_set1_epi16(w->sc[0]), _mm_set1_epi16(w->sc[1]));
-    return _mm256_madd_epi16(pairs, multipliers);  /* 8 int32 partial sums whose total is D */
+    __m256i multipliers = _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
+    return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, multipliers));
 }
-
-/* The totals of eight vectors of partial sums, as floats, in one vector. */
-static inline __m256 eight_totals(__m256i v[BLOCK_LANES]) {
-    __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
-    __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
-    a = _mm256_hadd_epi32(a, b), c = _mm256_hadd_epi32(c, d);
-    __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
-    return _mm256_cvtepi32_ps(sums);
+static inline BlockLanes lanes_fma(float f, UnitSums sums, BlockLanes acc) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(sums), acc);
 }
-#endif
-
-static inline int32_t sub_block_dot(const SubBlock *w, const int8_t *q) {
-    int32_t total = 0;
-    for (int h = 0; h < 2; h++) {
-        int32_t sum = 0;
-        for (int i = 16 * h; i < 16 * h + 16; i++) sum += (int32_t)w->w[i] * q[i];
-        total += w->sc[h] * sum;
-    }
-    return total;
-}
-
-/* The float D's of `count` ≤ 8 sub-blocks against their activation blocks (zeros past count). */
-static inline void block_dots(const SubBlock *w, const QuantizedBlock *x, int count, float *out) {
-#if defined(__AVX2__)
-    __m256i partial[BLOCK_LANES];
-    for (int k = 0; k < BLOCK_LANES; k++) partial[k] = k < count ? sub_block_sums(&w[k], x[k].q) : _mm256_setzero_si256();
-    _mm256_storeu_ps(out, eight_totals(partial));
+static inline void store_block_lanes(float *out, BlockLanes acc) { _mm256_storeu_ps(out, acc); }
 #else
-    for (int k = 0; k < BLOCK_LANES; k++) out[k] = k < count ? (float)sub_block_dot(&w[k], x[k].q) : 0.0f;
+typedef struct { float lane[BLOCK_LANES]; } BlockLanes;
+typedef struct { int32_t lane[BLOCK_LANES]; } UnitSums;
+static inline BlockLanes block_lanes_zero(void) { return (BlockLanes){{0}}; }
+static inline UnitSums unit_sums_zero(void) { return (UnitSums){{0}}; }
+static inline UnitSums sums_add(UnitSums sums, const int8_t *w, const int16_t *sc, const int8_t *q) {
+    for (int j = 0; j < BLOCK_LANES; j++) {
+        int32_t sum = 0;
+        for (int i = 4 * j; i < 4 * j + 4; i++) sum += (int32_t)w[i] * q[i];
+        sums.lane[j] += sc[j / 4] * sum;
+    }
+    return sums;
+}
+static inline BlockLanes lanes_fma(float f, UnitSums sums, BlockLanes acc) {
+    for (int j = 0; j < BLOCK_LANES; j++) acc.lane[j] = fmaf(f, (float)sums.lane[j], acc.lane[j]);
+    return acc;
+}
+static inline void store_block_lanes(float *out, BlockLanes acc) { memcpy(out, acc.lane, sizeof acc.lane); }
 #endif
+
+/* A unit's P_j (its `blocks` sub-blocks) against codes q. */
+static inline __attribute__((always_inline)) UnitSums unit_sums(int blocks, const Unit *w, const int8_t *q) {
+    UnitSums sums = unit_sums_zero();
+    for (int k = 0; k < blocks; k++) sums = sums_add(sums, w->w + 32 * k, w->sc + 2 * k, q + 32 * k);
+    return sums;
 }
 
-/* A row's n activations quantized per block of 32 (quantize_block's codes and scale), each half's code sum, into
-   the scratch's quantized rows (QuantizedBlock is 10 floats; quantized_floats(n) holds n / 32 of them). */
-static void quantize_blocks(int n, const float *x, void *quantized) {
-    QuantizedBlock *out = quantized;
-    for (int b = 0; b < n / 32; b++) {
-        out[b].d = quantize_block(x + 32 * b, 32, out[b].q);
-        for (int h = 0; h < 2; h++) {
-            int32_t sum = 0;
-            for (int i = 16 * h; i < 16 * h + 16; i++) sum += out[b].q[i];
-            out[b].sum[h] = (int16_t)sum;
+/* A row's n activations quantized per unit of `values` (32 or 256) into the scratch's quantized rows (`quantized`:
+   QuantizedBlock or QuantizedSuper records). */
+static void quantize_units(int n, int values, const float *x, void *quantized) {
+    for (int u = 0; u < n / values; u++) {
+        QuantizedBlock *block = (QuantizedBlock *)quantized + u;
+        QuantizedSuper *super = (QuantizedSuper *)quantized + u;
+        int8_t *q = values == 32 ? block->q : super->q;
+        int16_t *sums = values == 32 ? block->sum : super->sum;
+        float largest = 0.0f;
+        int not_a_number = 0;
+        for (int i = 0; i < values; i++) {
+            float a = fabsf(x[u * values + i]);
+            largest = a > largest ? a : largest;
+            not_a_number |= a != a;
         }
+        largest = not_a_number ? NAN : largest;  /* as quantize_block: the product is then not finite */
+        float inverse = largest > 0.0f && largest <= FLT_MAX ? 127.0f / largest : 0.0f;
+        for (int i = 0; i < values; i++) q[i] = (int8_t)nearbyintf(inverse > 0.0f ? x[u * values + i] * inverse : 0.0f);
+        for (int h = 0; h < values / 16; h++) {
+            int32_t sum = 0;
+            for (int i = 16 * h; i < 16 * h + 16; i++) sum += q[i];
+            sums[h] = (int16_t)sum;
+        }
+        if (values == 32) block->d = largest / 127.0f;
+        else super->d = largest / 127.0f;
     }
+}
+
+/* The activation rows a ggml layer reads (a K-quant's superblocks, or blocks of 32). */
+static void quantize_blocks(const ManasLinear *linear, const float *x, void *quantized) {
+    quantize_units(linear->n_in, ggml_block_values(linear->group) == 256 ? 256 : 32, x, quantized);
 }
 
 /* The lanes' fixed tree. */
@@ -304,40 +363,96 @@ static inline float block_lanes_total(const float *lane) {
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
-/* Rows r_begin .. r_end − 1 (at most BLOCK_ROWS) of quantized x against weight row o: out[r − r_begin]. Each of
-   the row's chunks of 8 sub-blocks is unpacked once for all the rows. */
-#define BLOCK_ROWS 64
-static inline __attribute__((always_inline)) void typed_row_products(int type, const ManasLinear *linear, int o,
-                                                                     const float *x, size_t stride, int r_begin,
-                                                                     int r_end, float *out) {
-    int blocks = linear->n_in / 32;
-    const uint8_t *row = (const uint8_t *)linear->weight + (size_t)o * ggml_row_bytes(type, linear->n_in);
-    float lane[BLOCK_ROWS][BLOCK_LANES];
-    memset(lane, 0, (size_t)(r_end - r_begin) * sizeof lane[0]);  /* the rows used: a decode step's one */
-    for (int s0 = 0; s0 < blocks; s0 += BLOCK_LANES) {
-        int count = blocks - s0 < BLOCK_LANES ? blocks - s0 : BLOCK_LANES;
-        SubBlock w[BLOCK_LANES];
-        float a[BLOCK_LANES] = {0}, b[BLOCK_LANES] = {0};
-        for (int k = 0; k < count; k++) sub_block(type, row, s0 + k, &w[k]), a[k] = w[k].a, b[k] = w[k].b;
-        for (int r = r_begin; r < r_end; r++) {
-            const QuantizedBlock *xs = (const QuantizedBlock *)(x + (size_t)r * stride) + s0;  /* row r: stride floats on */
-            float dots[BLOCK_LANES], mins[BLOCK_LANES] = {0}, d[BLOCK_LANES] = {0};
-            block_dots(w, xs, count, dots);
-            for (int k = 0; k < count; k++) {
-                d[k] = xs[k].d;
-                mins[k] = (float)(w[k].mn[0] * xs[k].sum[0] + w[k].mn[1] * xs[k].sum[1]);
-            }
-            float *acc = lane[r - r_begin];
-            for (int k = 0; k < BLOCK_LANES; k++) acc[k] = fmaf(d[k], fmaf(a[k], dots[k], b[k] * mins[k]), acc[k]);
-        }
-    }
-    for (int r = r_begin; r < r_end; r++) out[r - r_begin] = block_lanes_total(lane[r - r_begin]);
+/* Whether a type's values carry a minimum (B, mn). */
+static inline int has_minimum(int type) {
+    return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K || type == GGML_Q5_K;
 }
 
-/* typed_row_products compiled once per type. */
-#define TYPED(T) case T: typed_row_products(T, linear, o, x, stride, r_begin, r_end, out); return
-static void block_row_products(const ManasLinear *linear, int o, const float *x, size_t stride, int r_begin,
-                               int r_end, float *out) {
+/* Weight rows o0 .. o0 + OT − 1 (OT ≤ TILE) against rows r_begin .. r_end − 1 (at most BLOCK_ROWS) of quantized x,
+   `stride` floats apart: out[o][r − r_begin]. Each unit of the OT rows is unpacked once for all the rows of x, and
+   the OT rows' lanes are independent chains the CPU overlaps (one row's lanes alone wait on each multiply-add in
+   turn); each output's arithmetic is its own whatever shares the call. */
+#define BLOCK_ROWS 16
+static inline __attribute__((always_inline)) void typed_products(int type, int OT, const ManasLinear *linear, int o0, const float *x,
+                                                                 size_t stride, int r_begin, int r_end,
+                                                                 float out[TILE][BLOCK_ROWS]) {
+    int units = linear->n_in / ggml_block_values(type), rows = r_end - r_begin;
+    int blocks = unit_blocks(type);
+    size_t row_bytes = ggml_row_bytes(type, linear->n_in);
+    BlockLanes lanes[TILE][BLOCK_ROWS];
+    float minimum[TILE][BLOCK_ROWS];
+    for (int o = 0; o < OT; o++)
+        for (int r = 0; r < rows; r++) lanes[o][r] = block_lanes_zero(), minimum[o][r] = 0.0f;
+    for (int u = 0; u < units; u++) {
+        Unit w[TILE];
+        for (int o = 0; o < OT; o++) unpack_unit(type, (const uint8_t *)linear->weight + (size_t)(o0 + o) * row_bytes, u, &w[o]);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + (size_t)(r_begin + r) * stride;
+            float d = blocks == 1 ? ((const QuantizedBlock *)xr)[u].d : ((const QuantizedSuper *)xr)[u].d;
+            const int8_t *q = blocks == 1 ? ((const QuantizedBlock *)xr)[u].q : ((const QuantizedSuper *)xr)[u].q;
+            const int16_t *sums = blocks == 1 ? ((const QuantizedBlock *)xr)[u].sum : ((const QuantizedSuper *)xr)[u].sum;
+            for (int o = 0; o < OT; o++) {
+                lanes[o][r] = lanes_fma(d * w[o].a, unit_sums(blocks, &w[o], q), lanes[o][r]);
+                if (!has_minimum(type)) continue;
+                int32_t m = 0;
+                for (int h = 0; h < 2 * blocks; h++) m += w[o].mn[h] * sums[h];
+                minimum[o][r] = fmaf(d * w[o].b, (float)m, minimum[o][r]);
+            }
+        }
+    }
+    for (int o = 0; o < OT; o++)
+        for (int r = 0; r < rows; r++) {
+            float lane[BLOCK_LANES];
+            store_block_lanes(lane, lanes[o][r]);
+            out[o][r] = block_lanes_total(lane) + minimum[o][r];
+        }
+}
+
+/* Weight row o against one row of quantized x (a decode step): typed_products' arithmetic, each sub-block
+   multiplied as it is unpacked, in registers. */
+static inline __attribute__((always_inline)) float typed_product(int type, const ManasLinear *linear, int o,
+                                                                 const float *x) {
+    int units = linear->n_in / ggml_block_values(type), blocks = unit_blocks(type);
+    const uint8_t *row = (const uint8_t *)linear->weight + (size_t)o * ggml_row_bytes(type, linear->n_in);
+    BlockLanes lanes = block_lanes_zero();
+    float minimum = 0.0f;
+    for (int u = 0; u < units; u++) {
+        __builtin_prefetch(row + (size_t)u * ggml_block_bytes(type) + PREFETCH_BYTES);
+        float d = blocks == 1 ? ((const QuantizedBlock *)x)[u].d : ((const QuantizedSuper *)x)[u].d;
+        const int8_t *q = blocks == 1 ? ((const QuantizedBlock *)x)[u].q : ((const QuantizedSuper *)x)[u].q;
+        const int16_t *sums = blocks == 1 ? ((const QuantizedBlock *)x)[u].sum : ((const QuantizedSuper *)x)[u].sum;
+        UnitSums p = unit_sums_zero();
+        SubBlock part;
+        int32_t m = 0;
+        for (int k = 0; k < blocks; k++) {
+            sub_block(type, row, u * blocks + k, &part);
+            p = sums_add(p, part.w, part.sc, q + 32 * k);
+            m += part.mn[0] * sums[2 * k] + part.mn[1] * sums[2 * k + 1];
+        }
+        lanes = lanes_fma(d * part.a, p, lanes);
+        if (has_minimum(type)) minimum = fmaf(d * part.b, (float)m, minimum);
+    }
+    float lane[BLOCK_LANES];
+    store_block_lanes(lane, lanes);
+    return block_lanes_total(lane) + minimum;
+}
+
+/* typed_products compiled once per type: a whole tile of rows, one row (a tile's last, short), and each for one row
+   of x or several. */
+static inline __attribute__((always_inline)) void typed_tile(int type, const ManasLinear *linear, int o0, int count,
+                                                             const float *x, size_t stride, int r_begin, int r_end,
+                                                             float out[TILE][BLOCK_ROWS]) {
+    int one = r_end - r_begin == 1;
+    if (one)
+        for (int o = 0; o < count; o++) out[o][0] = typed_product(type, linear, o0 + o, x + (size_t)r_begin * stride);
+    else if (count == TILE) typed_products(type, TILE, linear, o0, x, stride, r_begin, r_end, out);
+    else
+        for (int o = 0; o < count; o++) typed_products(type, 1, linear, o0 + o, x, stride, r_begin, r_end, out + o);
+}
+
+#define TYPED(T) case T: typed_tile(T, linear, o0, count, x, stride, r_begin, r_end, out); return
+static void block_products(const ManasLinear *linear, int o0, int count, const float *x, size_t stride, int r_begin,
+                           int r_end, float out[TILE][BLOCK_ROWS]) {
     switch (linear->group) {
     TYPED(GGML_Q8_0); TYPED(GGML_Q4_0); TYPED(GGML_Q4_1); TYPED(GGML_Q5_0); TYPED(GGML_Q5_1); TYPED(GGML_IQ4_NL);
     TYPED(GGML_Q2_K); TYPED(GGML_Q3_K); TYPED(GGML_Q4_K); TYPED(GGML_Q5_K); TYPED(GGML_Q6_K); TYPED(GGML_IQ4_XS);
@@ -345,18 +460,6 @@ static void block_row_products(const ManasLinear *linear, int o, const float *x,
     }
 }
 #undef TYPED
-
-/* A float row's value i (F16, BF16 or F32 as stored). */
-static inline float stored_value(int type, const uint8_t *row, int i) {
-    uint16_t h;
-    if (type == GGML_F32) {
-        float f;
-        memcpy(&f, row + 4 * (size_t)i, sizeof f);
-        return f;
-    }
-    memcpy(&h, row + 2 * (size_t)i, sizeof h);
-    return type == GGML_F16 ? f16_to_float(h) : bf16_to_float(h);
-}
 
 /* Rows r_begin .. r_end − 1 of float x against a weight row as float32 values (lane i mod 8, fused, then the
    tree): F16, BF16 and F32 rows, and with float activations a block row's dequantized values. */
@@ -376,6 +479,18 @@ static inline int ggml_float_type(int type) { return type == GGML_F32 || type ==
 /* Whether a ggml layer multiplies quantized activations (its blocks, unless `integer` is 0: float activations) or
    float ones (F16, BF16, F32 rows). */
 static int ggml_quantized(const ManasLinear *linear, int integer) { return integer && !ggml_float_type(linear->group); }
+
+/* A float row's value i (F16, BF16 or F32 as stored). */
+static inline float stored_value(int type, const uint8_t *row, int i) {
+    uint16_t h;
+    if (type == GGML_F32) {
+        float f;
+        memcpy(&f, row + 4 * (size_t)i, sizeof f);
+        return f;
+    }
+    memcpy(&h, row + 2 * (size_t)i, sizeof h);
+    return type == GGML_F16 ? f16_to_float(h) : bf16_to_float(h);
+}
 
 /* Weight row o of a ggml layer as float32: A·(sc·w) + B·mn, or the stored float. */
 static void ggml_dequantize_row(const ManasLinear *linear, int o, float *out) {
@@ -397,16 +512,21 @@ static void ggml_dequantize_row(const ManasLinear *linear, int o, float *out) {
    thread's n_in floats for a row dequantized (float activations, float types). */
 static void ggml_tiles(const Matmul *m, int begin, int end, float *row) {
     const ManasLinear *linear = m->linear;
-    for (int o = begin * TILE; o < end * TILE && o < linear->n_out; o++) {
-        if (!m->quantized_x) ggml_dequantize_row(linear, o, row);
+    for (int tile = begin; tile < end; tile++) {
+        int o0 = tile * TILE, count = linear->n_out - o0 < TILE ? linear->n_out - o0 : TILE;
         for (int r0 = 0; r0 < m->rows; r0 += BLOCK_ROWS) {
             int r1 = r0 + BLOCK_ROWS < m->rows ? r0 + BLOCK_ROWS : m->rows;
-            float out[BLOCK_ROWS];
-            if (m->quantized_x)
-                block_row_products(linear, o, m->x, m->stride, r0, r1, out);
-            else
-                float_row_products(linear->n_in, row, m->x, m->stride, r0, r1, out);
-            for (int r = r0; r < r1; r++) m->y[(size_t)r * m->y_stride + o] = finish(linear, o, out[r - r0]);
+            float out[TILE][BLOCK_ROWS];
+            if (m->quantized_x) {
+                block_products(linear, o0, count, m->x, m->stride, r0, r1, out);
+            } else {
+                for (int o = 0; o < count; o++) {
+                    ggml_dequantize_row(linear, o0 + o, row);
+                    float_row_products(linear->n_in, row, m->x, m->stride, r0, r1, out[o]);
+                }
+            }
+            for (int o = 0; o < count; o++)
+                for (int r = r0; r < r1; r++) m->y[(size_t)r * m->y_stride + o0 + o] = finish(linear, o0 + o, out[o][r - r0]);
         }
     }
 }

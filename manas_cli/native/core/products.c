@@ -339,7 +339,7 @@ typedef struct {
 } Prepare;
 
 static int ggml_quantized(const ManasLinear *linear, int integer);            /* core/blocks.c */
-static void quantize_blocks(int n, const float *x, void *out);
+static void quantize_blocks(const ManasLinear *linear, const float *x, void *quantized);
 
 static void prepare_rows(void *context, int begin, int end, int thread) {
     (void)thread;
@@ -348,7 +348,7 @@ static void prepare_rows(void *context, int begin, int end, int thread) {
     for (size_t r = (size_t)begin; r < (size_t)end; r++) {
         const float *x = p->x + r * n;
         if (p->linear->kind == WEIGHTS_GGML) {  /* per block of 32, as core/blocks.c reads them */
-            quantize_blocks(n, x, p->quantized + r * quantized_floats(n));
+            quantize_blocks(p->linear, x, p->quantized + r * quantized_floats(n));
             continue;
         }
         if (int4) {

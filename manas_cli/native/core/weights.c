@@ -133,3 +133,20 @@ EXPORT void manas_pack(const ManasLinear *linear, void *out) {
 /* Row o of a GGUF file's layer as float32, the values its products multiply (core/blocks.c): for the tests'
    reference and for a token embedding's rows. */
 EXPORT void manas_ggml_row(const ManasLinear *linear, int o, float *out) { ggml_dequantize_row(linear, o, out); }
+
+/* The products of a GGUF file's layer with `rows` rows of x (rows, n_in) into y (rows, n_out), one thread, as the
+   forward pass computes them: x quantized per unit (integer 1) into `quantized` (rows, quantized_floats(n_in)), or
+   multiplied as float32 over each weight row dequantized into `row` (n_in floats). For the tests' reference. */
+EXPORT void manas_ggml_products(const ManasLinear *linear, int rows, const float *x, int integer, float *quantized,
+                                float *row, float *y) {
+    int n = linear->n_in, in_integers = ggml_quantized(linear, integer);
+    for (int r = 0; in_integers && r < rows; r++)
+        quantize_blocks(linear, x + (size_t)r * n, quantized + (size_t)r * quantized_floats(n));
+    size_t stride = in_integers ? quantized_floats(n) : (size_t)n;
+    Matmul m = {linear, WEIGHTS_GGML, in_integers ? quantized : x, stride, y, (size_t)linear->n_out, rows, NULL,
+                in_integers};
+    ggml_tiles(&m, 0, (linear->n_out + TILE - 1) / TILE, row);
+}
+
+/* The floats an activation row of n values takes quantized (manas_ggml_products' `quantized`, per row). */
+EXPORT size_t manas_quantized_row_floats(int n) { return quantized_floats(n); }

@@ -1,0 +1,252 @@
+"""A GGUF file run in place (issue 70): the native core multiplies each ggml type's blocks as the file stores them.
+Each type's products are checked against a reference that takes the gguf package's dequantized blocks and the
+activations quantized as docs/native.md defines; whole models of mixed types (a Q4_K_M-like mix, and every type
+in turn) run from the file, cached generation equal to crop-and-recompute and a batched row equal to the row
+alone; and transformers, loading the same Q8_0 file, writes the same greedy text as --float-activations."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cli_fixtures import RUN_OPTIONS, manas
+from conftest import needs_compiler, step_logits
+
+gguf = pytest.importorskip("gguf")
+
+# Every type the core multiplies, by the gguf package's name; the block types among them by unit size.
+LEGACY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+SUPER = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+FLOATS = ("F16", "BF16")
+# Where a random block keeps its float16 scales (byte offsets): set to a small finite value, the rest random.
+SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+          "IQ4_XS": (0,)}  # fmt: skip
+QUANTIZED_BY_THE_PACKAGE = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+Q4_K_M_LIKE = ("Q4_K", "Q6_K", "Q5_0", "Q8_0")  # llama-quantize's Q4_K_M mixes these
+
+
+def stored_blocks(values: np.ndarray, name: str, rng: np.random.Generator, scale: float) -> np.ndarray:
+    """values (rows, columns) as blocks of type `name`: quantized by the gguf package where it can, else random
+    blocks whose float16 scales are `scale` (every bit of the codes exercised)."""
+    kind = gguf.GGMLQuantizationType[name]
+    if name in QUANTIZED_BY_THE_PACKAGE:
+        return gguf.quants.quantize(values, kind)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
+    for offset in SCALES[name]:
+        data[:, :, offset : offset + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    return data.reshape(values.shape[0], -1)
+
+
+def quantized_activations(x: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
+    """x (rows, n) quantized per unit of 32 or 256 values as the core does: d = max|x| / 127, q = round(x · 127 /
+    max|x|) (to nearest, ties to even), in float32. (scales (rows, n / unit), codes (rows, n))."""
+    blocks = x.reshape(x.shape[0], -1, unit).astype(np.float32)
+    largest = np.abs(blocks).max(axis=2, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(127) / np.where(largest > 0, largest, 1), 0).astype(np.float32)
+    codes = np.rint(blocks * inverse)
+    return (largest / np.float32(127))[..., 0], codes.reshape(x.shape)
+
+
+def core_linear(data: np.ndarray, name: str, rows: int, columns: int):
+    from manas_cli.native.binding import WEIGHTS_GGML, ManasLinear
+
+    kind = int(gguf.GGMLQuantizationType[name])
+    return ManasLinear(WEIGHTS_GGML, columns, rows, kind, data.ctypes.data, None, None, None)
+
+
+def core_products(library, linear, x: np.ndarray, integer: bool) -> np.ndarray:
+    rows, n = x.shape
+    x = np.ascontiguousarray(x, np.float32)
+    quantized = np.zeros(rows * library.manas_quantized_row_floats(n), np.float32)
+    row, y = np.zeros(n, np.float32), np.zeros((rows, linear.n_out), np.float32)
+    library.manas_ggml_products(ctypes.byref(linear), rows, x.ctypes.data, int(integer), quantized.ctypes.data,
+                                row.ctypes.data, y.ctypes.data)  # fmt: skip
+    return y
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", [*LEGACY, *SUPER, *FLOATS])
+def test_each_type_multiplies_its_dequantized_blocks_by_activations_quantized_per_unit(native_library, name):
+    """The core's dequantized rows are the gguf package's, bit for bit; its integer products are Σ_units d ·
+    Σ w·q over those values and the activations quantized per unit (32 values, 256 for the K-quants), to float
+    rounding; with float activations, the float32 product of those values."""
+    rng = np.random.default_rng(3)
+    rows, columns = 12, 1024
+    data = np.ascontiguousarray(stored_blocks(rng.standard_normal((rows, columns), np.float32), name, rng, 0.002))
+    weights = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[name]).reshape(rows, columns)
+    linear = core_linear(data, name, rows, columns)
+    row = np.zeros(columns, np.float32)
+    for o in (0, 5, rows - 1):
+        native_library.manas_ggml_row(ctypes.byref(linear), o, row.ctypes.data)
+        assert np.array_equal(row, weights[o]), (name, o)
+    x = rng.standard_normal((3, columns), np.float32) * np.float32(4)
+    floats = core_products(native_library, linear, x, integer=False)
+    exact = x.astype(np.float64) @ weights.T.astype(np.float64)
+    assert np.abs(floats - exact).max() <= 1e-5 * (np.abs(x) @ np.abs(weights.T)).max(), name
+    if name in FLOATS:
+        return
+    unit = 256 if name in SUPER else 32
+    scales, codes = quantized_activations(x, unit)
+    terms = (codes[:, None, :] * weights[None, :, :].astype(np.float64)).reshape(3, rows, -1, unit).sum(axis=3)
+    reference = (terms * scales[:, None, :]).sum(axis=2)
+    bound = (np.abs(terms) * scales[:, None, :]).sum(axis=2).max()
+    got = core_products(native_library, linear, x, integer=True)
+    assert np.abs(got - reference).max() <= 2e-6 * bound, name
+    assert not np.array_equal(got, floats)  # the integer path is its own
+
+
+def retyped(source, out, kinds, scale: float = 0.002) -> None:
+    """The GGUF at source written again with its matrices stored in `kinds`, in turn (stored_blocks)."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for field_name, field in reader.fields.items():
+        if not field_name.startswith("GGUF.") and field_name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(field_name, field.contents(), field.types[0],
+                                 sub_type=field.types[-1] if array else None)  # fmt: skip
+    rng = np.random.default_rng(0)
+    for index, tensor in enumerate(reader.tensors):
+        values = np.array(tensor.data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if values.ndim == 1:
+            writer.add_tensor(tensor.name, values)
+            continue
+        name = kinds[index % len(kinds)]
+        writer.add_tensor(tensor.name, stored_blocks(values, name, rng, scale),
+                          raw_dtype=gguf.GGMLQuantizationType[name])  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def typed_files(tmp_path_factory, tiny_bpe_spec) -> dict[str, object]:
+    """SmolLM2- and Qwen2-shaped models 256 wide (a K-quant's superblock), exported as f32 GGUFs, then stored as a
+    Q4_K_M-like mix and as every type in turn; with the f32 file and the HF folder of the SmolLM2 one."""
+    from test_llama_family import converted, hf_folder
+
+    folder = tmp_path_factory.mktemp("gguf-blocks")
+    files = {}
+    for family in ("smollm2", "qwen2"):
+        hf_folder(folder / family, tiny_bpe_spec, family, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+        (folder / family / "manas").mkdir()
+        checkpoint = converted(folder / family / "manas", folder / family)
+        f32 = folder / f"{family}-f32.gguf"
+        manas("export", checkpoint, "--format", "gguf", "--outtype", "f32", "--out", f32).ok()
+        files[f"{family}-f32"], files[f"{family}-hf"] = f32, folder / family
+        retyped(f32, folder / f"{family}-mix.gguf", Q4_K_M_LIKE)
+        retyped(f32, folder / f"{family}-all.gguf", (*SUPER, *LEGACY, *FLOATS))
+        files[f"{family}-mix"], files[f"{family}-all"] = folder / f"{family}-mix.gguf", folder / f"{family}-all.gguf"
+    return files
+
+
+@needs_compiler
+@pytest.mark.parametrize("file", ["smollm2-mix", "qwen2-mix", "smollm2-all", "qwen2-all"])
+def test_a_gguf_runs_in_place_and_its_cached_generation_equals_crop_and_recompute(typed_files, file, tmp_path):
+    from test_llama_family import CTX, PROMPT, crop_and_recompute
+
+    path = typed_files[file]
+    run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", PROMPT, "-n", "40", "--ctx", str(CTX), "-t", "0.9",
+                "--top-k", "40", "--seed", "7", "--json", XDG_CACHE_HOME=str(tmp_path / "cache")).ok()  # fmt: skip
+    record = run.json()
+    assert record["engine"] == "native" and record["re_prefills"] > 0 and record["weights"].startswith("GGUF")
+    assert record["tokens"] == crop_and_recompute(path, "native", PROMPT, 40, 7, temperature=0.9, top_k=40)
+    assert not (tmp_path / "cache" / "manas" / "gguf").exists()  # nothing converted, nothing copied
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_gguf_models_rows_decoded_together_equal_each_row_alone(typed_files, native_library, threads):
+    from manas_cli.formats.gguf_weights import GGUFWeights, open_gguf
+    from manas_cli.native.model import NativeGPT
+    from manas_cli.native.session import NativeSession, decode_rows
+
+    opened = open_gguf(typed_files["qwen2-mix"])
+    together_model = NativeGPT(GGUFWeights(opened, native_library), native_library, threads)
+    alone_model = NativeGPT(GGUFWeights(opened, native_library), native_library, 1)
+    prompts = [torch.randint(0, 260, (1, n), generator=torch.Generator().manual_seed(n)) for n in (2, 7, 12)]
+    together = [NativeSession(together_model) for _ in prompts]
+    alone = [NativeSession(alone_model) for _ in prompts]
+    for session, solo, prompt in zip(together, alone, prompts):
+        assert torch.equal(step_logits(session.prefill(prompt)), step_logits(solo.prefill(prompt)))
+    nexts = [11, 42, 250]
+    logits = step_logits(decode_rows(together_model, nexts, together))
+    for row, solo in enumerate(alone):
+        assert torch.equal(logits[row], step_logits(solo.decode(torch.tensor([[nexts[row]]])))[0])
+
+
+@needs_compiler
+def test_float_activations_write_transformers_greedy_text_from_the_same_q8_0_file(typed_files, tmp_path):
+    """transformers dequantizes the file's Q8_0 blocks and multiplies in float32; so does --float-activations."""
+    from transformers import AutoModelForCausalLM
+
+    q8 = tmp_path / "model-q8_0.gguf"
+    retyped(typed_files["smollm2-f32"], q8, ("Q8_0",))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=q8.name, dtype=torch.float32).eval()
+    run = manas("generate", "-m", q8, *RUN_OPTIONS, "-p", "the weather", "-n", "24", "-t", "0", "--float-activations",
+                "--json").ok()  # fmt: skip
+    record = run.json()
+    ids = json.loads(manas("tokenize", "-m", q8, "--json", "the weather").ok().out)["ids"]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+    assert record["tokens"] == expected[: len(record["tokens"])] and len(record["tokens"]) > 8
+
+
+def test_quantize_on_a_gguf_is_refused_its_blocks_already_run(typed_files):
+    run = manas("generate", "-m", typed_files["smollm2-mix"], *RUN_OPTIONS, "-p", "the", "--quantize", "int8")
+    lines = run.err.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and "already run as they are" in lines[0], run.err
+
+
+@needs_compiler
+def test_a_type_without_a_kernel_is_one_error_line_naming_the_type_and_the_tensor(typed_files, tmp_path):
+    """IQ2_XXS (llama.cpp's 2-bit importance quantization) is not multiplied: said, never converted instead."""
+    reader = gguf.GGUFReader(typed_files["smollm2-f32"])
+    out = tmp_path / "iq2.gguf"
+    writer = gguf.GGUFWriter(out, "llama")
+    for field_name, field in reader.fields.items():
+        if not field_name.startswith("GGUF.") and field_name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(field_name, field.contents(), field.types[0],
+                                 sub_type=field.types[-1] if array else None)  # fmt: skip
+    for tensor in reader.tensors:
+        values = np.array(tensor.data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if tensor.name == "blk.1.ffn_up.weight":
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
+            raw = np.zeros((values.shape[0], values.shape[1] // block * size), np.uint8)
+            writer.add_tensor(tensor.name, raw, raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+        else:
+            writer.add_tensor(tensor.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    run = manas("generate", "-m", out, *RUN_OPTIONS, "-p", "the", "-n", "2")
+    lines = run.err.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), run.err
+    assert "IQ2_XXS" in lines[0] and "blk.1.ffn_up.weight" in lines[0] and "Traceback" not in run.err
+
+
+@needs_compiler
+@pytest.mark.parametrize("name, offset", [("Q4_K", 0), ("Q4_K", 2), ("Q6_K", 208), ("Q8_0", 0)])
+def test_a_scale_that_is_not_finite_ends_the_run_with_one_error_line(typed_files, tmp_path, name, offset):
+    """A NaN d (or dmin) in a block the model multiplies: its products are not finite, and the run says so."""
+    path = tmp_path / "typed.gguf"
+    retyped(typed_files["smollm2-f32"], path, (name,))
+    data = bytearray(path.read_bytes())
+    from manas_cli.formats.gguf_metadata import read_layout
+
+    layout = read_layout(path)
+    tensor = next(t for t in layout.tensors if t.name == "blk.0.ffn_down.weight")
+    at = layout.data_start + tensor.offset + offset
+    data[at : at + 2] = np.float16(np.nan).tobytes()
+    path.write_bytes(bytes(data))
+    run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", "the weather", "-n", "2", "-t", "0")
+    lines = run.err.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), run.err
+    assert "NaN or infinite" in lines[0] and "Traceback" not in run.err

@@ -141,6 +141,9 @@ int main(int argc, char **argv) {
     m.layers = layers;
     m.final_norm = take_norm(&r);
     m.lm_head = take_linear(&r);
+    m.rope_halves = take_int(&r);  /* a GGUF file's: rope pairs, its own token table, keys and values apart */
+    m.token_table = take_linear(&r);
+    for (int l = 0; l < m.n_layer; l++) layers[l].key = take_linear(&r), layers[l].value = take_linear(&r);
 
     int n_prompt = take_int(&r);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
@@ -161,7 +164,7 @@ int main(int argc, char **argv) {
 
     int threads = argc > 2 ? atoi(argv[2]) : 1;
     Run run = {&m, threads > 1 ? manas_pool_new(threads, (int)sysconf(_SC_NPROCESSORS_ONLN)) : NULL, {0}, NULL};
-    size_t kv = (size_t)m.n_layer * m.block_size * m.n_kv_head * (m.n_embd / m.n_head);
+    size_t kv = (size_t)m.n_layer * m.block_size * m.n_kv_head * m.head_size;
     run.cache = (ManasCache){calloc(kv, sizeof(float)), calloc(kv, sizeof(float)), m.block_size};
     run.scratch = aligned_alloc(64, (manas_scratch_bytes(&m, m.block_size, threads) + 63) & ~(size_t)63);
     float *logits = malloc(sizeof(float) * (size_t)m.block_size * m.vocab_size);

@@ -1,6 +1,7 @@
 """One seed, one text, on every CPU (issue 35): the native core built for other instruction sets (x86-64 without
 FMA, x86-64-v3, x86-64-v4, this CPU), by gcc and clang, and for aarch64 (run under qemu-user), gives the shipped
-model's logits over its whole window and 20 seeds' sampled tokens bit for bit as the host build does. Python
+model's logits over its whole window and 20 seeds' sampled tokens bit for bit as the host build does, and so for
+GGUF files' blocks (issue 70). Python
 cannot run under emulation cheaply, so each target runs tests/native_driver.c (core.c included whole) over a plain
 binary dump of the model and the run that this module writes.
 
@@ -22,9 +23,10 @@ import torch
 
 from cli_fixtures import RUN_OPTIONS, checkpoints, cli, generate_with_compiler, manas, rope  # noqa: F401
 from conftest import all_logits, native_model, needs_compiler, shared_folder
+from manas_cli.formats.gguf_weights import BLOCK_TYPES
 from manas_cli.formats.header import open_checkpoint
 from manas_cli.native import build
-from manas_cli.native.binding import WEIGHTS_F32, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear, ManasModel
+from manas_cli.native.binding import WEIGHTS_F32, WEIGHTS_GGML, WEIGHTS_INT4, WEIGHTS_INT8, ManasLinear, ManasModel
 from manas_cli.native.model import NativeGPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +56,10 @@ def array(data: bytes) -> bytes:
 def linear_bytes(linear: ManasLinear) -> bytes:
     n_in, n_out = linear.n_in, linear.n_out
     weight_bytes = {WEIGHTS_F32: 4 * n_in * n_out, WEIGHTS_INT8: n_in * n_out, WEIGHTS_INT4: n_in * n_out // 2}
-    scales = {WEIGHTS_F32: 0, WEIGHTS_INT8: n_out, WEIGHTS_INT4: n_out * n_in // max(linear.group, 1)}[linear.kind]
+    if linear.kind == WEIGHTS_GGML:  # a GGUF file's blocks: its type's bytes per block of values
+        _, values, block_bytes = BLOCK_TYPES[linear.group]
+        weight_bytes[WEIGHTS_GGML] = n_out * n_in // values * block_bytes
+    scales = {WEIGHTS_INT8: n_out, WEIGHTS_INT4: n_out * n_in // max(linear.group, 1)}.get(linear.kind, 0)
     zeros = scales if linear.kind == WEIGHTS_INT4 else 0
     return b"".join(
         [
@@ -104,6 +109,8 @@ def write_dump(path: Path, m: ManasModel, prompt: list[int], seed_prompt: list[i
         parts += [norm_bytes(layer.ln_ffn, C), linear_bytes(layer.gate), linear_bytes(layer.up)]
         parts += [linear_bytes(layer.down)]
     parts += [norm_bytes(m.final_norm, C), linear_bytes(m.lm_head)]
+    parts += [struct.pack("<i", m.rope_halves), linear_bytes(m.token_table)]
+    parts += [linear_bytes(layer.key) + linear_bytes(layer.value) for layer in m.layers[: m.n_layer]]
     parts += [struct.pack(f"<i{len(prompt)}i", len(prompt), *prompt)]
     parts += [struct.pack(f"<i{len(seed_prompt)}i", len(seed_prompt), *seed_prompt)]
     parts += [struct.pack("<ifif", NEW_TOKENS, 0.8, 40, 0.95), struct.pack(f"<i{len(seeds)}Q", len(seeds), *seeds)]
@@ -146,31 +153,76 @@ def target(name: str) -> tuple[list[str], list[str], list[str]]:
     return [gcc], march[name], []
 
 
-KINDS = ("float32", "int8", "int4")
+KINDS = ("float32", "int8", "int4", "gguf-q4_k_m", "gguf-q8_0")
+GGUF_KINDS = {"gguf-q4_k_m": ("qwen2", ("Q4_K", "Q6_K", "Q5_0", "Q8_0")), "gguf-q8_0": ("llama", ("Q8_0",))}
 
 
 def checkpoint_of(kind: str, folder: Path) -> Path:
-    return SHIPPED if kind == "float32" else folder / f"{kind}.safetensors"
+    return SHIPPED if kind == "float32" else folder / (f"{kind}.gguf" if kind in GGUF_KINDS else f"{kind}.safetensors")
 
 
 def bound(kind: str, folder: Path, native_library) -> tuple[NativeGPT, list[int]]:
     """The kind's model as the core binds it, and the prompt its dump runs over: the whole window for float32 (the
-    held-out text), 64 positions for its int8 and int4 copies."""
+    held-out text), 64 positions for its int8 and int4 copies and the GGUF files (random ids: a byte vocabulary)."""
+    if kind in GGUF_KINDS:
+        from manas_cli.formats.gguf_weights import GGUFWeights, open_gguf
+
+        model = NativeGPT(GGUFWeights(open_gguf(checkpoint_of(kind, folder)), native_library), native_library, 1)
+        return model, torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(5)).tolist()
     header = open_checkpoint(checkpoint_of(kind, folder))
     model = native_model(header, native_library)
     positions = model.config.block_size if kind == "float32" else 64
     return model, header.header.encoding.encode(HELD_OUT.read_text(encoding="utf-8")[:4000])[:positions]
 
 
+def write_gguf(path: Path, architecture: str) -> None:
+    """A random f32 model of llama.cpp's `architecture`, 256 wide (a K-quant's superblock), with a byte vocabulary."""
+    import gguf
+    import numpy as np
+
+    from manas_cli.formats.tokenizer import bytes_to_unicode
+
+    width, hidden, layers, heads, kv_heads, vocabulary = 256, 512, 2, 4, 2, 256
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_context_length(128), writer.add_embedding_length(width), writer.add_feed_forward_length(hidden)
+    writer.add_block_count(layers), writer.add_head_count(heads), writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0), writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre("default")
+    writer.add_token_list([bytes_to_unicode()[b] for b in range(vocabulary)])
+    writer.add_token_types([1] * vocabulary)
+    rng = np.random.default_rng(11)
+    tensors = {"token_embd.weight": (vocabulary, width), "output_norm.weight": (width,)}
+    for i in range(layers):
+        tensors |= {f"blk.{i}.attn_norm.weight": (width,), f"blk.{i}.ffn_norm.weight": (width,)}
+        for part, rows in (("q", width), ("k", kv_heads * width // heads), ("v", kv_heads * width // heads)):
+            tensors[f"blk.{i}.attn_{part}.weight"] = (rows, width)
+            if architecture == "qwen2":
+                tensors[f"blk.{i}.attn_{part}.bias"] = (rows,)
+        tensors |= {f"blk.{i}.attn_output.weight": (width, width), f"blk.{i}.ffn_gate.weight": (hidden, width),
+                    f"blk.{i}.ffn_up.weight": (hidden, width), f"blk.{i}.ffn_down.weight": (width, hidden)}  # fmt: skip
+    for name, shape in tensors.items():
+        scale = 0.1 if len(shape) == 2 else 0.05
+        values = rng.standard_normal(shape).astype(np.float32) * np.float32(scale)
+        writer.add_tensor(name, values + np.float32(1) if name.endswith("norm.weight") else values)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+
+
 def write_dumps(folder: Path, native_library) -> None:
-    """The shipped model as float32, int8 and int4 (`manas quantize`), each bound by the core as the engine binds
-    it, dumped with its prompt and a short prompt for the seeds (all 20 for float32, 5 for the others); then the
-    driver built as the engine builds the core (-march=native, gcc), and each dump's output."""
+    """The shipped model as float32, int8 and int4 (`manas quantize`), and two GGUF files (a Q4_K_M-like mix of a
+    qwen2 model, a Q8_0 llama), each bound by the core as the engine binds it, dumped with its prompt and a short
+    prompt for the seeds (all 20 for float32, 5 for the others); then the driver built as the engine builds the
+    core (-march=native, gcc), and each dump's output."""
+    from test_gguf_blocks import retyped
+
     for bits in (8, 4):
         assert cli("quantize", SHIPPED, "--bits", bits, "--out", checkpoint_of(f"int{bits}", folder)).returncode == 0
-    seed_prompt = open_checkpoint(SHIPPED).header.encoding.encode("ROMEO:")
+    for kind, (architecture, types) in GGUF_KINDS.items():
+        write_gguf(folder / f"{kind}-f32.gguf", architecture)
+        retyped(folder / f"{kind}-f32.gguf", checkpoint_of(kind, folder), types, scale=0.0005)
+    shipped_prompt = open_checkpoint(SHIPPED).header.encoding.encode("ROMEO:")
     for kind in KINDS:
         model, window = bound(kind, folder, native_library)
+        seed_prompt = [10, 20, 30] if kind in GGUF_KINDS else shipped_prompt
         write_dump(folder / f"{kind}.dump", model.bound, window, seed_prompt, SEEDS if kind == "float32" else SEEDS[:5])
     driver = compile_driver([build.compiler()], ["-march=native"], folder / "driver")
     for kind in KINDS:
@@ -224,10 +276,10 @@ def test_the_driver_prints_the_engines_own_logits_bit_for_bit(dumps, host_output
 )
 def test_every_target_gives_the_hosts_bits(name, dumps, host_outputs, tmp_path):
     """The shipped model's logits over its whole window and 20 seeds' tokens (and a hash of every decode step's
-    logits), and its int8 and int4 copies' (integer products), on 1 and 2 threads: byte for byte the host build's
-    output."""
+    logits), its int8 and int4 copies' (integer products), and two GGUF files' blocks multiplied in place (a
+    Q4_K_M-like mix, Q8_0), on 1 and 2 threads: byte for byte the host build's output."""
     compiler, flags, runner = target(name)
-    runs = [("float32", 1), ("int8", 1), ("int4", 2)]
+    runs = [("float32", 1), ("int8", 1), ("int4", 2), ("gguf-q4_k_m", 1), ("gguf-q8_0", 2)]
     if name not in ("x86-64", "aarch64"):  # the slow ones (fmaf calls; emulation) leave 2 threads to the others
         runs.append(("float32", 2))
     if name == "native":  # the host build itself (gcc, -march=native), whose 1-thread outputs these are

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 from ctypes import POINTER, c_float
 from dataclasses import dataclass
@@ -153,6 +154,10 @@ class GGUFWeights:
         self.name = f"GGUF {gguf.types}"
         self.rope_halves = gguf.architecture == "qwen2"
         self.nbytes = sum(tensor.nbytes for tensor in gguf.tensors.values())
+        # the bytes the core reads from the file's pages: free memory as the kernel counts it (MemAvailable) takes
+        # them for reclaimable cache, but a run keeps them resident (native/engine.py's free_memory_bytes)
+        in_place = (tensor.nbytes for tensor in gguf.tensors.values() if tensor.kind != 0 and len(tensor.shape) == 2)
+        self.mapped_bytes = sum(in_place) if isinstance(gguf.mapping, mmap.mmap) else 0
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(gguf.mapping))
         self.kept: list[object] = []  # float32 copies of vectors stored as F16 (small), alive with the pointers
 

@@ -78,7 +78,10 @@ class NativeEngine:
         return -sum(logprobs)
 
     def free_memory_bytes(self) -> int | None:
-        return cpu_available_bytes()
+        """Free memory less the weights read from a file's pages (a GGUF's blocks in place): the kernel counts
+        those as reclaimable cache, but every step reads them."""
+        available = cpu_available_bytes()
+        return None if available is None else max(0, available - self.model.mapped_bytes)
 
     def peak_memory_bytes(self) -> int:
         """The whole process's peak resident memory."""

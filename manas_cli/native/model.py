@@ -47,6 +47,7 @@ class NativeGPT:
         self._pool = None  # first: __del__ closes it
         self.config: GPTConfig = weights.config
         self.weights, self.weights_bytes = weights.name, weights.nbytes
+        self.mapped_bytes: int = getattr(weights, "mapped_bytes", 0)  # read from a file's pages (a GGUF's blocks)
         self.library = library
         self.bound = bind(self.config, weights, integer_products=not float_activations)
         self._alive = weights  # the tensors and converted copies the bound pointers point into

@@ -81,9 +81,15 @@ def command(
 
       manas generate -c gpt2-int4.safetensors -p 'Hello'
     """
+    from ...errors import InputError
     from .common import checkpoint_given
 
     path, kind = checkpoint_given(checkpoint, model), f"int{bits}"
+    if path.suffix == ".gguf":
+        raise InputError(
+            f"{path.name} is a GGUF file: its quantized blocks already run as they are (manas generate -m {path}); "
+            "for manas' own int8 or int4, convert it first (manas convert FILE.gguf --out FILE.safetensors)"
+        )
     run(checkpoint=path, out=out or stored_copy(checkpoint or model, path, kind), kind=kind, force=force)
 
 

@@ -21,7 +21,7 @@ def run(*, model: Path | None, prompt: str | None, settings: GenerationSettings,
     from .common import checkpoint_given
 
     given = pulled(model)
-    path = checkpoint_given(given, model_options.checkpoint)  # a GGUF's conversion, whose header says what it is
+    path = checkpoint_given(given, model_options.checkpoint)
     # the model as the user named it: what chat's history, the stats and the steps shown call it
     options = replace(model_options, checkpoint=given or model_options.checkpoint or path)
     if has_chat_template(path):
@@ -68,9 +68,14 @@ def pulled(model: Path | None) -> Path | None:
 
 
 def has_chat_template(path: Path) -> bool:
-    """Whether the checkpoint stores a chat template, from its header alone."""
+    """Whether the checkpoint stores a chat template, from its header (a GGUF file's metadata) alone."""
     from ...formats.header import read_header
 
+    if path.suffix == ".gguf":
+        from ...formats.gguf_metadata import read_metadata
+
+        template = read_metadata(path).get("tokenizer.chat_template")
+        return isinstance(template, str) and bool(template.strip())
     with path.open("rb") as f:
         return bool(read_header(f, path).metadata.get("chat_template"))
 

@@ -29,9 +29,13 @@ enum {
 #define BLOCK_LANES 8  /* a row's sub-block products add into 8 lanes */
 #define PREFETCH_BYTES 1024  /* how far ahead of its reads a decode step asks for a row's bytes (a hint) */
 
-/* A sub-block of a weight row as the products read it (see above). */
+#pragma GCC diagnostic ignored "-Wpsabi" /* static functions only: no ABI crosses a call the compiler cannot see */
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+typedef uint8_t U8x32 __attribute__((vector_size(32)));
+
+/* A sub-block of a weight row as the products read it (see above): its values a vector, kept in a register. */
 typedef struct {
-    int8_t w[32];
+    U8x32 w;  /* int8 values, as bytes */
     int16_t sc[2], mn[2];
     float a, b;
 } SubBlock;
@@ -101,10 +105,6 @@ static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 
 /* Byte vectors (GCC's and Clang's vector extensions): the unpacking below is lane-wise, so it compiles to the
    vector unit's byte operations on any target (AVX2, SSE, NEON) where a loop of bytes stayed scalar. */
-#pragma GCC diagnostic ignored "-Wpsabi" /* static functions only: no ABI crosses a call the compiler cannot see */
-typedef uint8_t U8x16 __attribute__((vector_size(16)));
-typedef uint8_t U8x32 __attribute__((vector_size(32)));
-typedef int8_t I8x32 __attribute__((vector_size(32)));
 
 static inline U8x16 load16(const uint8_t *p) {
     U8x16 v;
@@ -117,8 +117,6 @@ static inline U8x32 load32(const uint8_t *p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
-
-static inline void store_w(int8_t *w, U8x32 v) { memcpy(w, &v, sizeof v); }
 
 /* A 16-byte run of nibbles as 32 values: byte j's low nibble is value j, its high one value j + 16 (ggml's
    layout of Q4_0, Q4_1, Q5_x and IQ4's blocks). */
@@ -141,22 +139,20 @@ static inline U8x32 bits_as_bytes(const uint8_t *mask, uint8_t value) {
     return (U8x32)((spread & bit) == bit) & value;
 }
 
-/* 32 IQ4 levels of a 16-byte run of nibbles (nibble_pairs' order). */
-static inline void iq4_levels(const uint8_t *qs, int8_t *w) {
-    U8x32 codes = nibble_pairs(qs);
+/* 32 IQ4 levels of a 16-byte run of nibbles (nibble_pairs' order): a table lookup (pshufb, tbl). */
+static inline U8x32 iq4_levels(const uint8_t *qs) {
+    U8x32 codes = nibble_pairs(qs), levels;
 #if defined(__GNUC__) && !defined(__clang__)
-    typedef int8_t I8x16 __attribute__((vector_size(16)));
-    I8x16 table;
+    U8x16 table, halves[2];
     memcpy(&table, IQ4_LEVELS, sizeof table);
-    U8x16 halves[2];
     memcpy(halves, &codes, sizeof halves);
-    for (int h = 0; h < 2; h++) {
-        I8x16 levels = __builtin_shuffle(table, (I8x16)halves[h]);  /* a table lookup (pshufb, tbl) */
-        memcpy(w + 16 * h, &levels, sizeof levels);
-    }
+    U8x16 low = __builtin_shuffle(table, halves[0]), high = __builtin_shuffle(table, halves[1]);
+    levels = __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                                     20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
 #else
-    for (int j = 0; j < 32; j++) w[j] = IQ4_LEVELS[codes[j]];
+    for (int j = 0; j < 32; j++) levels[j] = (uint8_t)IQ4_LEVELS[codes[j]];
 #endif
+    return levels;
 }
 
 /* Q4_K's and Q5_K's 6-bit scale and minimum of sub-block j from their 12 packed bytes (ggml's get_scale_min_k4). */
@@ -184,32 +180,32 @@ static inline __attribute__((always_inline)) void sub_block(int type, const uint
     case GGML_Q8_0:
         block = row + (size_t)s * 34;
         out->a = half_at(block);
-        memcpy(out->w, block + 2, 32);
+        out->w = load32(block + 2);
         return;
     case GGML_Q4_0:
         block = row + (size_t)s * 18;
         out->a = half_at(block);
-        store_w(out->w, nibble_pairs(block + 2) - 8);
+        out->w = nibble_pairs(block + 2) - 8;
         return;
     case GGML_Q4_1:
         block = row + (size_t)s * 20;
         out->a = half_at(block), out->b = half_at(block + 2), out->mn[0] = out->mn[1] = 1;
-        store_w(out->w, nibble_pairs(block + 4));
+        out->w = nibble_pairs(block + 4);
         return;
     case GGML_Q5_0:  /* d, qh (bit j: value j's fifth bit), qs: values 0–31 less 16 */
         block = row + (size_t)s * 22;
         out->a = half_at(block);
-        store_w(out->w, (nibble_pairs(block + 6) | bits_as_bytes(block + 2, 16)) - 16);
+        out->w = (nibble_pairs(block + 6) | bits_as_bytes(block + 2, 16)) - 16;
         return;
     case GGML_Q5_1:
         block = row + (size_t)s * 24;
         out->a = half_at(block), out->b = half_at(block + 2), out->mn[0] = out->mn[1] = 1;
-        store_w(out->w, nibble_pairs(block + 8) | bits_as_bytes(block + 4, 16));
+        out->w = nibble_pairs(block + 8) | bits_as_bytes(block + 4, 16);
         return;
     case GGML_IQ4_NL:
         block = row + (size_t)s * 18;
         out->a = half_at(block);
-        iq4_levels(block + 2, out->w);
+        out->w = iq4_levels(block + 2);
         return;
     default: break;
     }
@@ -221,7 +217,7 @@ static inline __attribute__((always_inline)) void sub_block(int type, const uint
         const uint8_t *scales = block;
         out->a = half_at(block + 80), out->b = -half_at(block + 82);
         for (int h = 0; h < 2; h++) out->sc[h] = scales[2 * t + h] & 15, out->mn[h] = scales[2 * t + h] >> 4;
-        store_w(out->w, (load32(block + 16 + 32 * (t / 4)) >> (2 * (t % 4))) & 3);
+        out->w = (load32(block + 16 + 32 * (t / 4)) >> (2 * (t % 4))) & 3;
         return;
     }
     case GGML_Q3_K: {  /* hmask[32], qs[64], scales[12], d: 2 bits as Q2_K's, less 4 where hmask's bit t is clear */
@@ -229,7 +225,7 @@ static inline __attribute__((always_inline)) void sub_block(int type, const uint
         for (int h = 0; h < 2; h++) out->sc[h] = (int16_t)q3k_scale(block + 96, 2 * t + h);
         U8x32 low = (load32(block + 32 + 32 * (t / 4)) >> (2 * (t % 4))) & 3;
         U8x32 clear = ((load32(block) >> t) & 1) ^ 1;
-        store_w(out->w, low - (clear << 2));
+        out->w = low - (clear << 2);
         return;
     }
     case GGML_Q4_K: case GGML_Q5_K: {  /* d, dmin, scales[12], (Q5_K: qh[32]), qs[128] */
@@ -240,7 +236,7 @@ static inline __attribute__((always_inline)) void sub_block(int type, const uint
         out->sc[0] = out->sc[1] = (int16_t)scale, out->mn[0] = out->mn[1] = (int16_t)min;
         q = t % 2 ? q >> 4 : q & 15;
         if (five) q |= ((load32(block + 16) >> t) & 1) << 4;
-        store_w(out->w, q);
+        out->w = q;
         return;
     }
     case GGML_Q6_K: {  /* ql[128], qh[64], scales[16] (int8), d: 4 low bits from ql, 2 high from qh, less 32 */
@@ -249,7 +245,7 @@ static inline __attribute__((always_inline)) void sub_block(int type, const uint
         out->a = half_at(block + 208);
         for (int h = 0; h < 2; h++) out->sc[h] = (int8_t)block[192 + 8 * half + 2 * k + h];
         low = k < 2 ? low & 15 : low >> 4;
-        store_w(out->w, (low | ((high >> (2 * k)) & 3) << 4) - 32);
+        out->w = (low | ((high >> (2 * k)) & 3) << 4) - 32;
         return;
     }
     case GGML_IQ4_XS: {  /* d, scales_h (16 bits), scales_l[4], qs[128]: a 6-bit scale less 32 per sub-block */
@@ -258,7 +254,7 @@ static inline __attribute__((always_inline)) void sub_block(int type, const uint
         int scale = ((block[4 + t / 2] >> (4 * (t % 2))) & 15) | (((high >> (2 * t)) & 3) << 4);
         out->a = half_at(block);
         out->sc[0] = out->sc[1] = (int16_t)(scale - 32);
-        iq4_levels(block + 8 + 16 * t, out->w);
+        out->w = iq4_levels(block + 8 + 16 * t);
         return;
     }
     default: return;
@@ -272,7 +268,7 @@ static inline __attribute__((always_inline)) void unpack_unit(int type, const ui
     for (int k = 0; k < unit_blocks(type); k++) {
         SubBlock part;
         sub_block(type, row, u * unit_blocks(type) + k, &part);
-        memcpy(out->w + 32 * k, part.w, 32);
+        memcpy(out->w + 32 * k, &part.w, 32);
         out->sc[2 * k] = part.sc[0], out->sc[2 * k + 1] = part.sc[1];
         out->mn[2 * k] = part.mn[0], out->mn[2 * k + 1] = part.mn[1];
         out->a = part.a, out->b = part.b;
@@ -288,8 +284,8 @@ typedef __m256 BlockLanes;
 typedef __m256i UnitSums;
 static inline BlockLanes block_lanes_zero(void) { return _mm256_setzero_ps(); }
 static inline UnitSums unit_sums_zero(void) { return _mm256_setzero_si256(); }
-static inline UnitSums sums_add(UnitSums sums, const int8_t *w, const int16_t *sc, const int8_t *q) {
-    __m256i weights = _mm256_loadu_si256((const __m256i *)w), codes = _mm256_loadu_si256((const __m256i *)q);
+static inline UnitSums sums_add(UnitSums sums, U8x32 w, const int16_t *sc, const int8_t *q) {
+    __m256i weights = (__m256i)w, codes = _mm256_loadu_si256((const __m256i *)q);
     __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(codes, weights));
     __m256i multipliers = _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
     return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, multipliers));
@@ -303,10 +299,10 @@ typedef struct { float lane[BLOCK_LANES]; } BlockLanes;
 typedef struct { int32_t lane[BLOCK_LANES]; } UnitSums;
 static inline BlockLanes block_lanes_zero(void) { return (BlockLanes){{0}}; }
 static inline UnitSums unit_sums_zero(void) { return (UnitSums){{0}}; }
-static inline UnitSums sums_add(UnitSums sums, const int8_t *w, const int16_t *sc, const int8_t *q) {
+static inline UnitSums sums_add(UnitSums sums, U8x32 w, const int16_t *sc, const int8_t *q) {
     for (int j = 0; j < BLOCK_LANES; j++) {
         int32_t sum = 0;
-        for (int i = 4 * j; i < 4 * j + 4; i++) sum += (int32_t)w[i] * q[i];
+        for (int i = 4 * j; i < 4 * j + 4; i++) sum += (int32_t)(int8_t)w[i] * q[i];
         sums.lane[j] += sc[j / 4] * sum;
     }
     return sums;
@@ -321,7 +317,7 @@ static inline void store_block_lanes(float *out, BlockLanes acc) { memcpy(out, a
 /* A unit's P_j (its `blocks` sub-blocks) against codes q. */
 static inline __attribute__((always_inline)) UnitSums unit_sums(int blocks, const Unit *w, const int8_t *q) {
     UnitSums sums = unit_sums_zero();
-    for (int k = 0; k < blocks; k++) sums = sums_add(sums, w->w + 32 * k, w->sc + 2 * k, q + 32 * k);
+    for (int k = 0; k < blocks; k++) sums = sums_add(sums, load32((const uint8_t *)w->w + 32 * k), w->sc + 2 * k, q + 32 * k);
     return sums;
 }
 
@@ -504,7 +500,7 @@ static void ggml_dequantize_row(const ManasLinear *linear, int o, float *out) {
         SubBlock w;
         sub_block(type, row, s, &w);
         for (int i = 0; i < 32; i++)
-            out[32 * s + i] = fmaf(w.a, (float)(w.sc[i / 16] * w.w[i]), w.b * (float)w.mn[i / 16]);
+            out[32 * s + i] = fmaf(w.a, (float)(w.sc[i / 16] * (int8_t)w.w[i]), w.b * (float)w.mn[i / 16]);
     }
 }
 

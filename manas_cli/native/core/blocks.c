@@ -40,6 +40,13 @@ typedef struct {
     float a, b;
 } SubBlock;
 
+/* A weight row's unit unpacked (sub-blocks: 1 or 8). */
+typedef struct {
+    int8_t w[256];
+    int16_t sc[16], mn[16];
+    float a, b;
+} Unit;
+
 /* Activations quantized per unit: d·q ≈ x, S the code sums of each 16 values. A block of 32 (40 bytes) for the
    types of blocks of 32, a superblock of 256 (292 bytes) for the K-quants. */
 typedef struct {
@@ -254,8 +261,19 @@ static inline __attribute__((always_inline)) void sub_block(int type, const uint
     }
 }
 
-/* A unit's sub-blocks of 32 values. */
+/* A unit of a row of type `type`: its sub-blocks (sub_block) side by side, A and B the same for all. */
 static inline __attribute__((always_inline)) int unit_blocks(int type) { return ggml_block_values(type) == 256 ? 8 : 1; }
+
+static inline __attribute__((always_inline)) void unpack_unit(int type, const uint8_t *row, int u, Unit *out) {
+    for (int k = 0; k < unit_blocks(type); k++) {
+        SubBlock part;
+        sub_block(type, row, u * unit_blocks(type) + k, &part);
+        memcpy(out->w + 32 * k, &part.w, 32);
+        out->sc[2 * k] = part.sc[0], out->sc[2 * k + 1] = part.sc[1];
+        out->mn[2 * k] = part.mn[0], out->mn[2 * k + 1] = part.mn[1];
+        out->a = part.a, out->b = part.b;
+    }
+}
 
 /* P_j, the integer lanes of a unit against its activation codes (see the top), summed a sub-block at a time, then
    acc_j += f·P_j. AVX2 multiplies |w| (unsigned) by q given w's sign into int16 pairs (at most 2 × 128 × 127: no
@@ -297,6 +315,20 @@ static inline BlockLanes lanes_fma(float f, UnitSums sums, BlockLanes acc) {
 static inline void store_block_lanes(float *out, BlockLanes acc) { memcpy(out, acc.lane, sizeof acc.lane); }
 #endif
 
+/* Whether a type's values w are signed (else 0 to 31: AVX2's byte products take them as they are). */
+static inline int signed_values(int type) {
+    return !(type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K || type == GGML_Q5_K);
+}
+
+/* A unit's P_j (its sub-blocks) against codes q. */
+static inline __attribute__((always_inline)) UnitSums unit_sums(int type, const Unit *w, const int8_t *q) {
+    int blocks = unit_blocks(type);
+    UnitSums sums = unit_sums_zero();
+    for (int k = 0; k < blocks; k++)
+        sums = sums_add(sums, load32((const uint8_t *)w->w + 32 * k), w->sc + 2 * k, q + 32 * k, signed_values(type));
+    return sums;
+}
+
 /* A row's n activations quantized per unit of `values` (32 or 256) into the scratch's quantized rows (`quantized`:
    QuantizedBlock or QuantizedSuper records). */
 static void quantize_units(int n, int values, const float *x, void *quantized) {
@@ -335,101 +367,42 @@ static inline float block_lanes_total(const float *lane) {
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
-/* Whether a type's values w are signed (else 0 to 31: AVX2's byte products take them as they are). */
-static inline int signed_values(int type) {
-    return !(type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K || type == GGML_Q5_K);
-}
-
 /* Whether a type's values carry a minimum (B, mn). */
 static inline int has_minimum(int type) {
     return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K || type == GGML_Q5_K;
 }
 
-/* A chunk of a tile's weight rows unpacked for typed_products: CHUNK_VALUES values of each of TILE rows, their
-   sub-blocks' multipliers and their units' A and B. */
-#define CHUNK_VALUES 2048
-#define BLOCK_ROWS 16  /* rows of x a product takes at a time */
-typedef struct {
-    uint8_t w[TILE][CHUNK_VALUES];
-    int16_t sc[TILE][CHUNK_VALUES / 16], mn[TILE][CHUNK_VALUES / 16];
-    float a[TILE][CHUNK_VALUES / 32], b[TILE][CHUNK_VALUES / 32];
-} Chunk;
-
-/* Rows r .. r + RT − 1 of x (RT ≤ 2) against the chunk's OT weight rows, units u0 .. u0 + count − 1: each pair's
-   lanes held in registers over the chunk (lanes and minimum: their running values, read and written back). */
-static inline __attribute__((always_inline)) void chunk_products(int type, int OT, int RT, const Chunk *c, int u0,
-                                                                 int count, const float *x, size_t stride, int r,
-                                                                 BlockLanes lanes[TILE][BLOCK_ROWS],
-                                                                 float minimum[TILE][BLOCK_ROWS], int r_begin) {
-    int blocks = unit_blocks(type);
-    BlockLanes acc[TILE][2];
-    float least[TILE][2];
-    for (int o = 0; o < OT; o++)
-        for (int rr = 0; rr < RT; rr++) {
-            acc[o][rr] = lanes[o][r + rr];
-            least[o][rr] = minimum[o][r + rr];
-        }
-    for (int u = 0; u < count; u++) {
-        float d[2];
-        const int8_t *q[2];
-        const int16_t *sums[2];
-        for (int rr = 0; rr < RT; rr++) {
-            const float *xr = x + (size_t)(r_begin + r + rr) * stride;
-            d[rr] = blocks == 1 ? ((const QuantizedBlock *)xr)[u0 + u].d : ((const QuantizedSuper *)xr)[u0 + u].d;
-            q[rr] = blocks == 1 ? ((const QuantizedBlock *)xr)[u0 + u].q : ((const QuantizedSuper *)xr)[u0 + u].q;
-            sums[rr] = blocks == 1 ? ((const QuantizedBlock *)xr)[u0 + u].sum : ((const QuantizedSuper *)xr)[u0 + u].sum;
-        }
-        for (int o = 0; o < OT; o++)
-            for (int rr = 0; rr < RT; rr++) {
-                UnitSums p = unit_sums_zero();
-                for (int k = 0; k < blocks; k++) {
-                    int s = u * blocks + k;
-                    p = sums_add(p, load32(c->w[o] + 32 * s), c->sc[o] + 2 * s, q[rr] + 32 * k, signed_values(type));
-                }
-                acc[o][rr] = lanes_fma(d[rr] * c->a[o][u], p, acc[o][rr]);
-                if (!has_minimum(type)) continue;
-                int32_t m = 0;
-                for (int h = 0; h < 2 * blocks; h++) m += c->mn[o][2 * u * blocks + h] * sums[rr][h];
-                least[o][rr] = fmaf(d[rr] * c->b[o][u], (float)m, least[o][rr]);
-            }
-    }
-    for (int o = 0; o < OT; o++)
-        for (int rr = 0; rr < RT; rr++) {
-            lanes[o][r + rr] = acc[o][rr];
-            minimum[o][r + rr] = least[o][rr];
-        }
-}
-
 /* Weight rows o0 .. o0 + OT − 1 (OT ≤ TILE) against rows r_begin .. r_end − 1 (at most BLOCK_ROWS) of quantized x,
-   `stride` floats apart: out[o][r − r_begin]. The OT rows are unpacked a chunk at a time (into `c`, the thread's),
-   once for all the rows of x, which then meet the chunk two at a time, their lanes in registers; each output's
-   arithmetic is typed_product's, whatever shares the call. */
-static inline __attribute__((always_inline)) void typed_products(int type, int OT, const ManasLinear *linear, int o0,
-                                                                 const float *x, size_t stride, int r_begin,
-                                                                 int r_end, float out[TILE][BLOCK_ROWS], Chunk *c) {
+   `stride` floats apart: out[o][r − r_begin]. Each unit of the OT rows is unpacked once for all the rows of x, and
+   the OT rows' lanes are independent chains the CPU overlaps (one row's lanes alone wait on each multiply-add in
+   turn); each output's arithmetic is its own whatever shares the call. */
+#define BLOCK_ROWS 16
+static inline __attribute__((always_inline)) void typed_products(int type, int OT, const ManasLinear *linear, int o0, const float *x,
+                                                                 size_t stride, int r_begin, int r_end,
+                                                                 float out[TILE][BLOCK_ROWS]) {
     int units = linear->n_in / ggml_block_values(type), rows = r_end - r_begin;
-    int blocks = unit_blocks(type), chunk = CHUNK_VALUES / ggml_block_values(type);
+    int blocks = unit_blocks(type);
     size_t row_bytes = ggml_row_bytes(type, linear->n_in);
     BlockLanes lanes[TILE][BLOCK_ROWS];
     float minimum[TILE][BLOCK_ROWS];
     for (int o = 0; o < OT; o++)
         for (int r = 0; r < rows; r++) lanes[o][r] = block_lanes_zero(), minimum[o][r] = 0.0f;
-    for (int u0 = 0; u0 < units; u0 += chunk) {
-        int count = units - u0 < chunk ? units - u0 : chunk;
-        for (int o = 0; o < OT; o++) {
-            const uint8_t *row = (const uint8_t *)linear->weight + (size_t)(o0 + o) * row_bytes;
-            for (int s = 0; s < count * blocks; s++) {
-                SubBlock part;
-                sub_block(type, row, u0 * blocks + s, &part);
-                memcpy(c->w[o] + 32 * s, &part.w, 32);
-                c->sc[o][2 * s] = part.sc[0], c->sc[o][2 * s + 1] = part.sc[1];
-                c->mn[o][2 * s] = part.mn[0], c->mn[o][2 * s + 1] = part.mn[1];
-                c->a[o][s / blocks] = part.a, c->b[o][s / blocks] = part.b;
+    for (int u = 0; u < units; u++) {
+        Unit w[TILE];
+        for (int o = 0; o < OT; o++) unpack_unit(type, (const uint8_t *)linear->weight + (size_t)(o0 + o) * row_bytes, u, &w[o]);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + (size_t)(r_begin + r) * stride;
+            float d = blocks == 1 ? ((const QuantizedBlock *)xr)[u].d : ((const QuantizedSuper *)xr)[u].d;
+            const int8_t *q = blocks == 1 ? ((const QuantizedBlock *)xr)[u].q : ((const QuantizedSuper *)xr)[u].q;
+            const int16_t *sums = blocks == 1 ? ((const QuantizedBlock *)xr)[u].sum : ((const QuantizedSuper *)xr)[u].sum;
+            for (int o = 0; o < OT; o++) {
+                lanes[o][r] = lanes_fma(d * w[o].a, unit_sums(type, &w[o], q), lanes[o][r]);
+                if (!has_minimum(type)) continue;
+                int32_t m = 0;
+                for (int h = 0; h < 2 * blocks; h++) m += w[o].mn[h] * sums[h];
+                minimum[o][r] = fmaf(d * w[o].b, (float)m, minimum[o][r]);
             }
         }
-        int r = 0;
-        for (; r + 2 <= rows; r += 2) chunk_products(type, OT, 2, c, u0, count, x, stride, r, lanes, minimum, r_begin);
-        if (r < rows) chunk_products(type, OT, 1, c, u0, count, x, stride, r, lanes, minimum, r_begin);
     }
     for (int o = 0; o < OT; o++)
         for (int r = 0; r < rows; r++) {
@@ -472,18 +445,18 @@ static inline __attribute__((always_inline)) float typed_product(int type, const
    of x or several. */
 static inline __attribute__((always_inline)) void typed_tile(int type, const ManasLinear *linear, int o0, int count,
                                                              const float *x, size_t stride, int r_begin, int r_end,
-                                                             float out[TILE][BLOCK_ROWS], Chunk *c) {
+                                                             float out[TILE][BLOCK_ROWS]) {
     int one = r_end - r_begin == 1;
     if (one)
         for (int o = 0; o < count; o++) out[o][0] = typed_product(type, linear, o0 + o, x + (size_t)r_begin * stride);
-    else if (count == TILE) typed_products(type, TILE, linear, o0, x, stride, r_begin, r_end, out, c);
+    else if (count == TILE) typed_products(type, TILE, linear, o0, x, stride, r_begin, r_end, out);
     else
-        for (int o = 0; o < count; o++) typed_products(type, 1, linear, o0 + o, x, stride, r_begin, r_end, out + o, c);
+        for (int o = 0; o < count; o++) typed_products(type, 1, linear, o0 + o, x, stride, r_begin, r_end, out + o);
 }
 
-#define TYPED(T) case T: typed_tile(T, linear, o0, count, x, stride, r_begin, r_end, out, c); return
+#define TYPED(T) case T: typed_tile(T, linear, o0, count, x, stride, r_begin, r_end, out); return
 static void block_products(const ManasLinear *linear, int o0, int count, const float *x, size_t stride, int r_begin,
-                           int r_end, float out[TILE][BLOCK_ROWS], Chunk *c) {
+                           int r_end, float out[TILE][BLOCK_ROWS]) {
     switch (linear->group) {
     TYPED(GGML_Q8_0); TYPED(GGML_Q4_0); TYPED(GGML_Q4_1); TYPED(GGML_Q5_0); TYPED(GGML_Q5_1); TYPED(GGML_IQ4_NL);
     TYPED(GGML_Q2_K); TYPED(GGML_Q3_K); TYPED(GGML_Q4_K); TYPED(GGML_Q5_K); TYPED(GGML_Q6_K); TYPED(GGML_IQ4_XS);
@@ -543,14 +516,13 @@ static void ggml_dequantize_row(const ManasLinear *linear, int o, float *out) {
    thread's n_in floats for a row dequantized (float activations, float types). */
 static void ggml_tiles(const Matmul *m, int begin, int end, float *row) {
     const ManasLinear *linear = m->linear;
-    Chunk chunk;  /* 12 KiB: a prefill's weight rows unpacked (typed_products) */
     for (int tile = begin; tile < end; tile++) {
         int o0 = tile * TILE, count = linear->n_out - o0 < TILE ? linear->n_out - o0 : TILE;
         for (int r0 = 0; r0 < m->rows; r0 += BLOCK_ROWS) {
             int r1 = r0 + BLOCK_ROWS < m->rows ? r0 + BLOCK_ROWS : m->rows;
             float out[TILE][BLOCK_ROWS];
             if (m->quantized_x) {
-                block_products(linear, o0, count, m->x, m->stride, r0, r1, out, &chunk);
+                block_products(linear, o0, count, m->x, m->stride, r0, r1, out);
             } else {
                 for (int o = 0; o < count; o++) {
                     ggml_dequantize_row(linear, o0 + o, row);

@@ -33,19 +33,7 @@ enum {
 typedef uint8_t U8x16 __attribute__((vector_size(16)));
 typedef uint8_t U8x32 __attribute__((vector_size(32)));
 
-/* A sub-block of a weight row as the products read it (see above): its values a vector, kept in a register. */
-typedef struct {
-    U8x32 w;  /* int8 values, as bytes */
-    int16_t sc[2], mn[2];
-    float a, b;
-} SubBlock;
 
-/* A weight row's unit unpacked (sub-blocks: 1 or 8). */
-typedef struct {
-    int8_t w[256];
-    int16_t sc[16], mn[16];
-    float a, b;
-} Unit;
 
 /* Activations quantized per unit: d·q ≈ x, S the code sums of each 16 values. A block of 32 (40 bytes) for the
    types of blocks of 32, a superblock of 256 (292 bytes) for the K-quants. */
@@ -171,107 +159,103 @@ static inline int q3k_scale(const uint8_t *packed, int k) {
     return (low | high << 4) - 32;
 }
 
-/* Sub-block s (values 32s .. 32s + 31) of a row of type `type` starting at `row`. Inlined with a constant type
-   (block_row_products), each case is that type's own code. */
-static inline __attribute__((always_inline)) void sub_block(int type, const uint8_t *row, int s, SubBlock *out) {
-    out->sc[0] = out->sc[1] = 1, out->mn[0] = out->mn[1] = 0, out->a = out->b = 0.0f;
-    const uint8_t *block;
+/* A unit's scales, read once per unit (a K-quant's 16 are packed in a dozen bytes): A, B, and the multipliers
+   of each 16 values (2 for a block of 32, 16 for a superblock). Inlined with a constant type, each case is that
+   type's own code. */
+typedef struct {
+    int16_t sc[16], mn[16];
+    float a, b;
+} UnitScales;
+
+static inline __attribute__((always_inline)) void unit_scales(int type, const uint8_t *block, UnitScales *out) {
+    for (int h = 0; h < 16; h++) out->sc[h] = 1, out->mn[h] = 0;
+    out->a = out->b = 0.0f;
     switch (type) {
-    case GGML_Q8_0:
-        block = row + (size_t)s * 34;
-        out->a = half_at(block);
-        out->w = load32(block + 2);
-        return;
-    case GGML_Q4_0:
-        block = row + (size_t)s * 18;
-        out->a = half_at(block);
-        out->w = nibble_pairs(block + 2) - 8;
-        return;
-    case GGML_Q4_1:
-        block = row + (size_t)s * 20;
+    case GGML_Q8_0: case GGML_Q4_0: case GGML_Q5_0: case GGML_IQ4_NL: out->a = half_at(block); return;
+    case GGML_Q4_1: case GGML_Q5_1:
         out->a = half_at(block), out->b = half_at(block + 2), out->mn[0] = out->mn[1] = 1;
-        out->w = nibble_pairs(block + 4);
         return;
-    case GGML_Q5_0:  /* d, qh (bit j: value j's fifth bit), qs: values 0–31 less 16 */
-        block = row + (size_t)s * 22;
-        out->a = half_at(block);
-        out->w = (nibble_pairs(block + 6) | bits_as_bytes(block + 2, 16)) - 16;
-        return;
-    case GGML_Q5_1:
-        block = row + (size_t)s * 24;
-        out->a = half_at(block), out->b = half_at(block + 2), out->mn[0] = out->mn[1] = 1;
-        out->w = nibble_pairs(block + 8) | bits_as_bytes(block + 4, 16);
-        return;
-    case GGML_IQ4_NL:
-        block = row + (size_t)s * 18;
-        out->a = half_at(block);
-        out->w = iq4_levels(block + 2);
-        return;
-    default: break;
-    }
-    /* the K-quants: superblocks of 256, sub-block t of 8 in superblock s / 8 */
-    int t = s % 8;
-    block = row + (size_t)(s / 8) * ggml_block_bytes(type);
-    switch (type) {
-    case GGML_Q2_K: {  /* scales[16], qs[64], d, dmin: value 32t + l is qs[32 (t / 4) + l] >> 2 (t mod 4), 2 bits */
-        const uint8_t *scales = block;
+    case GGML_Q2_K:  /* scales[16]: each 16 values' scale (low 4 bits) and minimum (high 4); then d, dmin */
         out->a = half_at(block + 80), out->b = -half_at(block + 82);
-        for (int h = 0; h < 2; h++) out->sc[h] = scales[2 * t + h] & 15, out->mn[h] = scales[2 * t + h] >> 4;
-        out->w = (load32(block + 16 + 32 * (t / 4)) >> (2 * (t % 4))) & 3;
+        for (int h = 0; h < 16; h++) out->sc[h] = block[h] & 15, out->mn[h] = block[h] >> 4;
         return;
-    }
-    case GGML_Q3_K: {  /* hmask[32], qs[64], scales[12], d: 2 bits as Q2_K's, less 4 where hmask's bit t is clear */
+    case GGML_Q3_K:
         out->a = half_at(block + 108);
-        for (int h = 0; h < 2; h++) out->sc[h] = (int16_t)q3k_scale(block + 96, 2 * t + h);
-        U8x32 low = (load32(block + 32 + 32 * (t / 4)) >> (2 * (t % 4))) & 3;
-        U8x32 clear = ((load32(block) >> t) & 1) ^ 1;
-        out->w = low - (clear << 2);
+        for (int h = 0; h < 16; h++) out->sc[h] = (int16_t)q3k_scale(block + 96, h);
         return;
-    }
-    case GGML_Q4_K: case GGML_Q5_K: {  /* d, dmin, scales[12], (Q5_K: qh[32]), qs[128] */
-        int five = type == GGML_Q5_K, scale, min;
-        U8x32 q = load32(block + 16 + 32 * five + 32 * (t / 2));
-        scale_min_k4(t, block + 4, &scale, &min);
+    case GGML_Q4_K: case GGML_Q5_K:
         out->a = half_at(block), out->b = -half_at(block + 2);
-        out->sc[0] = out->sc[1] = (int16_t)scale, out->mn[0] = out->mn[1] = (int16_t)min;
-        q = t % 2 ? q >> 4 : q & 15;
-        if (five) q |= ((load32(block + 16) >> t) & 1) << 4;
-        out->w = q;
+        for (int t = 0; t < 8; t++) {
+            int scale, min;
+            scale_min_k4(t, block + 4, &scale, &min);
+            out->sc[2 * t] = out->sc[2 * t + 1] = (int16_t)scale, out->mn[2 * t] = out->mn[2 * t + 1] = (int16_t)min;
+        }
         return;
-    }
-    case GGML_Q6_K: {  /* ql[128], qh[64], scales[16] (int8), d: 4 low bits from ql, 2 high from qh, less 32 */
-        int half = t / 4, k = t % 4;
-        U8x32 low = load32(block + 64 * half + 32 * (k % 2)), high = load32(block + 128 + 32 * half);
+    case GGML_Q6_K:
         out->a = half_at(block + 208);
-        for (int h = 0; h < 2; h++) out->sc[h] = (int8_t)block[192 + 8 * half + 2 * k + h];
-        low = k < 2 ? low & 15 : low >> 4;
-        out->w = (low | ((high >> (2 * k)) & 3) << 4) - 32;
+        for (int h = 0; h < 16; h++) out->sc[h] = (int8_t)block[192 + h];
         return;
-    }
-    case GGML_IQ4_XS: {  /* d, scales_h (16 bits), scales_l[4], qs[128]: a 6-bit scale less 32 per sub-block */
+    case GGML_IQ4_XS: {
         uint16_t high;
         memcpy(&high, block + 2, sizeof high);
-        int scale = ((block[4 + t / 2] >> (4 * (t % 2))) & 15) | (((high >> (2 * t)) & 3) << 4);
         out->a = half_at(block);
-        out->sc[0] = out->sc[1] = (int16_t)(scale - 32);
-        out->w = iq4_levels(block + 8 + 16 * t);
+        for (int t = 0; t < 8; t++) {
+            int scale = ((block[4 + t / 2] >> (4 * (t % 2))) & 15) | (((high >> (2 * t)) & 3) << 4);
+            out->sc[2 * t] = out->sc[2 * t + 1] = (int16_t)(scale - 32);
+        }
         return;
     }
     default: return;
     }
 }
 
-/* A unit of a row of type `type`: its sub-blocks (sub_block) side by side, A and B the same for all. */
+/* The 32 values w of sub-block t of a unit (t 0 for the types of blocks of 32), as int8 bytes. */
+static inline __attribute__((always_inline)) U8x32 sub_values(int type, const uint8_t *block, int t) {
+    switch (type) {
+    case GGML_Q8_0: return load32(block + 2);
+    case GGML_Q4_0: return nibble_pairs(block + 2) - 8;
+    case GGML_Q4_1: return nibble_pairs(block + 4);
+    case GGML_Q5_0: return (nibble_pairs(block + 6) | bits_as_bytes(block + 2, 16)) - 16;  /* qh bit j: value j's 5th */
+    case GGML_Q5_1: return nibble_pairs(block + 8) | bits_as_bytes(block + 4, 16);
+    case GGML_IQ4_NL: return iq4_levels(block + 2);
+    case GGML_Q2_K:  /* qs[64] from byte 16: value 32t + l is qs[32 (t / 4) + l] >> 2 (t mod 4), 2 bits */
+        return (load32(block + 16 + 32 * (t / 4)) >> (2 * (t % 4))) & 3;
+    case GGML_Q3_K: {  /* hmask[32], qs[64]: 2 bits as Q2_K's, less 4 where hmask's bit t is clear */
+        U8x32 low = (load32(block + 32 + 32 * (t / 4)) >> (2 * (t % 4))) & 3;
+        return low - ((((load32(block) >> t) & 1) ^ 1) << 2);
+    }
+    case GGML_Q4_K: case GGML_Q5_K: {  /* d, dmin, scales[12], (Q5_K: qh[32]), qs[128]: nibbles, Q5_K's 5th bits */
+        int five = type == GGML_Q5_K;
+        U8x32 q = load32(block + 16 + 32 * five + 32 * (t / 2));
+        q = t % 2 ? q >> 4 : q & 15;
+        return five ? q | ((load32(block + 16) >> t) & 1) << 4 : q;
+    }
+    case GGML_Q6_K: {  /* ql[128], qh[64]: 4 low bits from ql, 2 high from qh, less 32 */
+        int half = t / 4, k = t % 4;
+        U8x32 low = load32(block + 64 * half + 32 * (k % 2)), high = load32(block + 128 + 32 * half);
+        low = k < 2 ? low & 15 : low >> 4;
+        return (low | ((high >> (2 * k)) & 3) << 4) - 32;
+    }
+    case GGML_IQ4_XS: return iq4_levels(block + 8 + 16 * t);
+    default: return (U8x32){0};
+    }
+}
+
+/* A unit's sub-blocks of 32 values. */
 static inline __attribute__((always_inline)) int unit_blocks(int type) { return ggml_block_values(type) == 256 ? 8 : 1; }
 
+/* A weight row's unit unpacked, for a prefill's rows to share (sub-blocks: 1 or 8). */
+typedef struct {
+    uint8_t w[256];
+    UnitScales scales;
+} Unit;
+
 static inline __attribute__((always_inline)) void unpack_unit(int type, const uint8_t *row, int u, Unit *out) {
+    const uint8_t *block = row + (size_t)u * ggml_block_bytes(type);
+    unit_scales(type, block, &out->scales);
     for (int k = 0; k < unit_blocks(type); k++) {
-        SubBlock part;
-        sub_block(type, row, u * unit_blocks(type) + k, &part);
-        memcpy(out->w + 32 * k, &part.w, 32);
-        out->sc[2 * k] = part.sc[0], out->sc[2 * k + 1] = part.sc[1];
-        out->mn[2 * k] = part.mn[0], out->mn[2 * k + 1] = part.mn[1];
-        out->a = part.a, out->b = part.b;
+        U8x32 w = sub_values(type, block, k);
+        memcpy(out->w + 32 * k, &w, sizeof w);
     }
 }
 
@@ -325,7 +309,7 @@ static inline __attribute__((always_inline)) UnitSums unit_sums(int type, const 
     int blocks = unit_blocks(type);
     UnitSums sums = unit_sums_zero();
     for (int k = 0; k < blocks; k++)
-        sums = sums_add(sums, load32((const uint8_t *)w->w + 32 * k), w->sc + 2 * k, q + 32 * k, signed_values(type));
+        sums = sums_add(sums, load32(w->w + 32 * k), w->scales.sc + 2 * k, q + 32 * k, signed_values(type));
     return sums;
 }
 
@@ -367,6 +351,14 @@ static inline float block_lanes_total(const float *lane) {
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
+/* M = Σ_h mn[h]·S[h] over a unit's halves of 16 (an integer: |M| < 2^21). */
+static inline __attribute__((always_inline)) int32_t unit_minimum(int blocks, const UnitScales *scales,
+                                                                  const int16_t *sums) {
+    int32_t m = 0;
+    for (int h = 0; h < 2 * blocks; h++) m += scales->mn[h] * sums[h];
+    return m;
+}
+
 /* Whether a type's values carry a minimum (B, mn). */
 static inline int has_minimum(int type) {
     return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K || type == GGML_Q5_K;
@@ -396,11 +388,9 @@ static inline __attribute__((always_inline)) void typed_products(int type, int O
             const int8_t *q = blocks == 1 ? ((const QuantizedBlock *)xr)[u].q : ((const QuantizedSuper *)xr)[u].q;
             const int16_t *sums = blocks == 1 ? ((const QuantizedBlock *)xr)[u].sum : ((const QuantizedSuper *)xr)[u].sum;
             for (int o = 0; o < OT; o++) {
-                lanes[o][r] = lanes_fma(d * w[o].a, unit_sums(type, &w[o], q), lanes[o][r]);
-                if (!has_minimum(type)) continue;
-                int32_t m = 0;
-                for (int h = 0; h < 2 * blocks; h++) m += w[o].mn[h] * sums[h];
-                minimum[o][r] = fmaf(d * w[o].b, (float)m, minimum[o][r]);
+                lanes[o][r] = lanes_fma(d * w[o].scales.a, unit_sums(type, &w[o], q), lanes[o][r]);
+                if (has_minimum(type))
+                    minimum[o][r] = fmaf(d * w[o].scales.b, (float)unit_minimum(blocks, &w[o].scales, sums), minimum[o][r]);
             }
         }
     }
@@ -425,16 +415,14 @@ static inline __attribute__((always_inline)) float typed_product(int type, const
         float d = blocks == 1 ? ((const QuantizedBlock *)x)[u].d : ((const QuantizedSuper *)x)[u].d;
         const int8_t *q = blocks == 1 ? ((const QuantizedBlock *)x)[u].q : ((const QuantizedSuper *)x)[u].q;
         const int16_t *sums = blocks == 1 ? ((const QuantizedBlock *)x)[u].sum : ((const QuantizedSuper *)x)[u].sum;
+        const uint8_t *block = row + (size_t)u * ggml_block_bytes(type);
+        UnitScales scales;
+        unit_scales(type, block, &scales);
         UnitSums p = unit_sums_zero();
-        SubBlock part;
-        int32_t m = 0;
-        for (int k = 0; k < blocks; k++) {
-            sub_block(type, row, u * blocks + k, &part);
-            p = sums_add(p, part.w, part.sc, q + 32 * k, signed_values(type));
-            m += part.mn[0] * sums[2 * k] + part.mn[1] * sums[2 * k + 1];
-        }
-        lanes = lanes_fma(d * part.a, p, lanes);
-        if (has_minimum(type)) minimum = fmaf(d * part.b, (float)m, minimum);
+        for (int k = 0; k < blocks; k++)
+            p = sums_add(p, sub_values(type, block, k), scales.sc + 2 * k, q + 32 * k, signed_values(type));
+        lanes = lanes_fma(d * scales.a, p, lanes);
+        if (has_minimum(type)) minimum = fmaf(d * scales.b, (float)unit_minimum(blocks, &scales, sums), minimum);
     }
     float lane[BLOCK_LANES];
     store_block_lanes(lane, lanes);
@@ -504,11 +492,13 @@ static void ggml_dequantize_row(const ManasLinear *linear, int o, float *out) {
         for (int i = 0; i < n; i++) out[i] = stored_value(type, row, i);
         return;
     }
-    for (int s = 0; s < n / 32; s++) {
-        SubBlock w;
-        sub_block(type, row, s, &w);
-        for (int i = 0; i < 32; i++)
-            out[32 * s + i] = fmaf(w.a, (float)(w.sc[i / 16] * (int8_t)w.w[i]), w.b * (float)w.mn[i / 16]);
+    for (int u = 0; u < n / ggml_block_values(type); u++) {
+        Unit w;
+        unpack_unit(type, row, u, &w);
+        for (int i = 0; i < ggml_block_values(type); i++) {
+            int h = i / 16, value = w.scales.sc[h] * (int8_t)w.w[i];
+            out[u * ggml_block_values(type) + i] = fmaf(w.scales.a, (float)value, w.scales.b * (float)w.scales.mn[h]);
+        }
     }
 }
 

@@ -143,13 +143,16 @@ static inline U8x32 iq4_levels(const uint8_t *qs) {
     return levels;
 }
 
-/* Q4_K's and Q5_K's 6-bit scale and minimum of sub-block j from their 12 packed bytes (ggml's get_scale_min_k4). */
-static inline void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
-    if (j < 4) {
-        *scale = q[j] & 63, *min = q[j + 4] & 63;
-    } else {
-        *scale = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+/* Q4_K's and Q5_K's eight 6-bit scales and minimums from their 12 packed bytes (ggml's get_scale_min_k4 for all
+   eight, as 32-bit masks): sub-blocks 0–3 keep both in bytes 0–7's low 6 bits; 4–7 take their low 4 bits from
+   bytes 8–11's nibbles and their high 2 from bytes 0–7's top bits. */
+static inline void six_bit_pairs(const uint8_t *packed, uint8_t scales[8], uint8_t mins[8]) {
+    uint32_t word[3], low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    memcpy(word, packed, sizeof word);
+    uint32_t s[2] = {word[0] & low6, (word[2] & low4) | (((word[0] >> 6) & low2) << 4)};
+    uint32_t m[2] = {word[1] & low6, ((word[2] >> 4) & low4) | (((word[1] >> 6) & low2) << 4)};
+    memcpy(scales, s, sizeof s);
+    memcpy(mins, m, sizeof m);
 }
 
 /* Q3_K's sixteen 6-bit scales, each less 32, from their 12 packed bytes: scale k's low 4 bits are byte k mod 8's
@@ -183,14 +186,14 @@ static inline __attribute__((always_inline)) void unit_scales(int type, const ui
         out->a = half_at(block + 108);
         for (int h = 0; h < 16; h++) out->sc[h] = (int16_t)q3k_scale(block + 96, h);
         return;
-    case GGML_Q4_K: case GGML_Q5_K:
+    case GGML_Q4_K: case GGML_Q5_K: {
+        uint8_t scales[8], mins[8];
+        six_bit_pairs(block + 4, scales, mins);
         out->a = half_at(block), out->b = -half_at(block + 2);
-        for (int t = 0; t < 8; t++) {
-            int scale, min;
-            scale_min_k4(t, block + 4, &scale, &min);
-            out->sc[2 * t] = out->sc[2 * t + 1] = (int16_t)scale, out->mn[2 * t] = out->mn[2 * t + 1] = (int16_t)min;
-        }
+        for (int t = 0; t < 8; t++)
+            out->sc[2 * t] = out->sc[2 * t + 1] = scales[t], out->mn[2 * t] = out->mn[2 * t + 1] = mins[t];
         return;
+    }
     case GGML_Q6_K:
         out->a = half_at(block + 208);
         for (int h = 0; h < 16; h++) out->sc[h] = (int8_t)block[192 + h];
@@ -268,11 +271,13 @@ typedef __m256 BlockLanes;
 typedef __m256i UnitSums;
 static inline BlockLanes block_lanes_zero(void) { return _mm256_setzero_ps(); }
 static inline UnitSums unit_sums_zero(void) { return _mm256_setzero_si256(); }
-static inline UnitSums sums_add(UnitSums sums, U8x32 w, const int16_t *sc, const int8_t *q, int is_signed) {
+static inline UnitSums sums_add(UnitSums sums, U8x32 w, const int16_t *sc, const int8_t *q, int is_signed,
+                                int one_scale) {
     __m256i weights = (__m256i)w, codes = _mm256_loadu_si256((const __m256i *)q);
     __m256i pairs = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(codes, weights))
                               : _mm256_maddubs_epi16(weights, codes);  /* unsigned w ≤ 31: 2 × 31 × 127, exact */
-    __m256i multipliers = _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
+    __m256i multipliers = one_scale ? _mm256_set1_epi16(sc[0])  /* both halves' (the types of scales per 32) */
+                                    : _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
     return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, multipliers));
 }
 static inline BlockLanes lanes_fma(float f, UnitSums sums, BlockLanes acc) {
@@ -284,7 +289,9 @@ typedef struct { float lane[BLOCK_LANES]; } BlockLanes;
 typedef struct { int32_t lane[BLOCK_LANES]; } UnitSums;
 static inline BlockLanes block_lanes_zero(void) { return (BlockLanes){{0}}; }
 static inline UnitSums unit_sums_zero(void) { return (UnitSums){{0}}; }
-static inline UnitSums sums_add(UnitSums sums, U8x32 w, const int16_t *sc, const int8_t *q, int is_signed) {
+static inline UnitSums sums_add(UnitSums sums, U8x32 w, const int16_t *sc, const int8_t *q, int is_signed,
+                                int one_scale) {
+    (void)one_scale;  /* sc[1] is sc[0] then: the same sums */
     for (int j = 0; j < BLOCK_LANES; j++) {
         int32_t sum = 0;
         for (int i = 4 * j; i < 4 * j + 4; i++) sum += (is_signed ? (int32_t)(int8_t)w[i] : (int32_t)w[i]) * q[i];
@@ -304,12 +311,16 @@ static inline int signed_values(int type) {
     return !(type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K || type == GGML_Q5_K);
 }
 
+/* Whether a type's multipliers are one per 32 values (its halves' the same): all but Q2_K, Q3_K and Q6_K. */
+static inline int one_scale(int type) { return !(type == GGML_Q2_K || type == GGML_Q3_K || type == GGML_Q6_K); }
+
 /* A unit's P_j (its sub-blocks) against codes q. */
 static inline __attribute__((always_inline)) UnitSums unit_sums(int type, const Unit *w, const int8_t *q) {
     int blocks = unit_blocks(type);
     UnitSums sums = unit_sums_zero();
     for (int k = 0; k < blocks; k++)
-        sums = sums_add(sums, load32(w->w + 32 * k), w->scales.sc + 2 * k, q + 32 * k, signed_values(type));
+        sums = sums_add(sums, load32(w->w + 32 * k), w->scales.sc + 2 * k, q + 32 * k, signed_values(type),
+                        one_scale(type));
     return sums;
 }
 
@@ -354,6 +365,15 @@ static inline float block_lanes_total(const float *lane) {
 /* M = Σ_h mn[h]·S[h] over a unit's halves of 16 (an integer: |M| < 2^21). */
 static inline __attribute__((always_inline)) int32_t unit_minimum(int blocks, const UnitScales *scales,
                                                                   const int16_t *sums) {
+#if defined(__AVX2__)
+    if (blocks == 8) {  /* 16 products in pairs, then the 8 pairs' total */
+        __m256i pairs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)scales->mn),
+                                          _mm256_loadu_si256((const __m256i *)sums));
+        __m128i four = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+        four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4e));
+        return _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xb1)));
+    }
+#endif
     int32_t m = 0;
     for (int h = 0; h < 2 * blocks; h++) m += scales->mn[h] * sums[h];
     return m;
@@ -420,7 +440,8 @@ static inline __attribute__((always_inline)) float typed_product(int type, const
         unit_scales(type, block, &scales);
         UnitSums p = unit_sums_zero();
         for (int k = 0; k < blocks; k++)
-            p = sums_add(p, sub_values(type, block, k), scales.sc + 2 * k, q + 32 * k, signed_values(type));
+            p = sums_add(p, sub_values(type, block, k), scales.sc + 2 * k, q + 32 * k, signed_values(type),
+                         one_scale(type));
         lanes = lanes_fma(d * scales.a, p, lanes);
         if (has_minimum(type)) minimum = fmaf(d * scales.b, (float)unit_minimum(blocks, &scales, sums), minimum);
     }

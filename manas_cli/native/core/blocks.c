@@ -27,7 +27,7 @@ enum {
     GGML_IQ4_XS = 23, GGML_BF16 = 30
 };
 #define BLOCK_LANES 8  /* a row's sub-block products add into 8 lanes */
-#define PREFETCH_BYTES 1024  /* how far ahead of its reads a decode step asks for a row's bytes (a hint) */
+#define PREFETCH_BYTES 4096  /* how far ahead of its reads a decode step asks for a row's bytes (a hint) */
 
 #pragma GCC diagnostic ignored "-Wpsabi" /* static functions only: no ABI crosses a call the compiler cannot see */
 typedef uint8_t U8x16 __attribute__((vector_size(16)));
@@ -431,7 +431,8 @@ static inline __attribute__((always_inline)) float typed_product(int type, const
     BlockLanes lanes = block_lanes_zero();
     float minimum = 0.0f;
     for (int u = 0; u < units; u++) {
-        __builtin_prefetch(row + (size_t)u * ggml_block_bytes(type) + PREFETCH_BYTES);
+        for (size_t line = 0; line < ggml_block_bytes(type); line += 64)  /* a superblock spans up to 4 lines */
+            __builtin_prefetch(row + (size_t)u * ggml_block_bytes(type) + PREFETCH_BYTES + line);
         float d = blocks == 1 ? ((const QuantizedBlock *)x)[u].d : ((const QuantizedSuper *)x)[u].d;
         const int8_t *q = blocks == 1 ? ((const QuantizedBlock *)x)[u].q : ((const QuantizedSuper *)x)[u].q;
         const int16_t *sums = blocks == 1 ? ((const QuantizedBlock *)x)[u].sum : ((const QuantizedSuper *)x)[u].sum;

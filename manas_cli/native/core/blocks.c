@@ -32,6 +32,7 @@ enum {
 #pragma GCC diagnostic ignored "-Wpsabi" /* static functions only: no ABI crosses a call the compiler cannot see */
 typedef uint8_t U8x16 __attribute__((vector_size(16)));
 typedef uint8_t U8x32 __attribute__((vector_size(32)));
+typedef int16_t I16x16 __attribute__((vector_size(32)));
 
 
 
@@ -143,16 +144,17 @@ static inline U8x32 iq4_levels(const uint8_t *qs) {
     return levels;
 }
 
-/* Q4_K's and Q5_K's eight 6-bit scales and minimums from their 12 packed bytes (ggml's get_scale_min_k4 for all
-   eight, as 32-bit masks): sub-blocks 0–3 keep both in bytes 0–7's low 6 bits; 4–7 take their low 4 bits from
-   bytes 8–11's nibbles and their high 2 from bytes 0–7's top bits. */
-static inline void six_bit_pairs(const uint8_t *packed, uint8_t scales[8], uint8_t mins[8]) {
+/* Q4_K's and Q5_K's eight 6-bit scales (bytes 0–7) and minimums (8–15) from their 12 packed bytes (ggml's
+   get_scale_min_k4 for all eight, as 32-bit masks): sub-blocks 0–3 keep both in bytes 0–7's low 6 bits; 4–7 take
+   their low 4 bits from bytes 8–11's nibbles and their high 2 from bytes 0–7's top bits. */
+static inline U8x16 six_bit_pairs(const uint8_t *packed) {
     uint32_t word[3], low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
     memcpy(word, packed, sizeof word);
-    uint32_t s[2] = {word[0] & low6, (word[2] & low4) | (((word[0] >> 6) & low2) << 4)};
-    uint32_t m[2] = {word[1] & low6, ((word[2] >> 4) & low4) | (((word[1] >> 6) & low2) << 4)};
-    memcpy(scales, s, sizeof s);
-    memcpy(mins, m, sizeof m);
+    uint32_t both[4] = {word[0] & low6, (word[2] & low4) | (((word[0] >> 6) & low2) << 4), word[1] & low6,
+                        ((word[2] >> 4) & low4) | (((word[1] >> 6) & low2) << 4)};
+    U8x16 out;
+    memcpy(&out, both, sizeof out);
+    return out;
 }
 
 /* Q3_K's sixteen 6-bit scales, each less 32, from their 12 packed bytes: scale k's low 4 bits are byte k mod 8's
@@ -186,18 +188,26 @@ static inline __attribute__((always_inline)) void unit_scales(int type, const ui
         out->a = half_at(block + 108);
         for (int h = 0; h < 16; h++) out->sc[h] = (int16_t)q3k_scale(block + 96, h);
         return;
-    case GGML_Q4_K: case GGML_Q5_K: {
-        uint8_t scales[8], mins[8];
-        six_bit_pairs(block + 4, scales, mins);
+    case GGML_Q4_K: case GGML_Q5_K: {  /* each 32 values' scale and minimum, for both its halves */
+        U8x16 both = six_bit_pairs(block + 4);
+        I16x16 scales = __builtin_convertvector(
+            __builtin_shufflevector(both, both, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), I16x16);
+        I16x16 mins = __builtin_convertvector(
+            __builtin_shufflevector(both, both, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), I16x16);
+        memcpy(out->sc, &scales, sizeof scales);
+        memcpy(out->mn, &mins, sizeof mins);
         out->a = half_at(block), out->b = -half_at(block + 2);
-        for (int t = 0; t < 8; t++)
-            out->sc[2 * t] = out->sc[2 * t + 1] = scales[t], out->mn[2 * t] = out->mn[2 * t + 1] = mins[t];
         return;
     }
-    case GGML_Q6_K:
+    case GGML_Q6_K: {  /* scales[16], int8 */
+        typedef int8_t I8x16 __attribute__((vector_size(16)));
+        I8x16 scales;
+        memcpy(&scales, block + 192, sizeof scales);
+        I16x16 wide = __builtin_convertvector(scales, I16x16);
+        memcpy(out->sc, &wide, sizeof wide);
         out->a = half_at(block + 208);
-        for (int h = 0; h < 16; h++) out->sc[h] = (int8_t)block[192 + h];
         return;
+    }
     case GGML_IQ4_XS: {
         uint16_t high;
         memcpy(&high, block + 2, sizeof high);

@@ -250,3 +250,20 @@ def test_a_scale_that_is_not_finite_ends_the_run_with_one_error_line(typed_files
     lines = run.err.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), run.err
     assert "NaN or infinite" in lines[0] and "Traceback" not in run.err
+
+
+@needs_compiler
+def test_the_tokenizer_is_kept_validated_and_nothing_else_and_a_planted_entry_is_made_again(typed_files, tmp_path):
+    """The cache keeps the validated tokenizer (under 1% of the file), never weights; an entry that is not the
+    user's own regular file, or does not parse, is made again over it, and the text never changes."""
+    path, env = typed_files["qwen2-mix"], {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    flags = ("-m", path, *RUN_OPTIONS, "-p", "the weather", "-n", "8", "-t", "0", "--json")
+    expected = manas("generate", *flags, fresh=True, **env).ok().json()["tokens"]
+    kept = list((tmp_path / "cache" / "manas").rglob("*.json"))
+    assert len(kept) == 1 and kept[0].parent.name == "tokenizers"
+    assert kept[0].stat().st_size < 0.01 * path.stat().st_size
+    for plant in (lambda: kept[0].write_text("{not json"), lambda: kept[0].symlink_to(typed_files["smollm2-f32"])):
+        kept[0].unlink()
+        plant()
+        assert manas("generate", *flags, fresh=True, **env).ok().json()["tokens"] == expected
+        assert not kept[0].is_symlink() and json.loads(kept[0].read_text())["spec"]["kind"] == "bpe"

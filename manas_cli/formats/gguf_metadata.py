@@ -91,6 +91,7 @@ class Layout:
     data_start: int  # the data section's offset in the file: past the entries, aligned
     alignment: int  # of the data section and of every tensor's offset in it
     size: int  # the file's bytes
+    metadata_end: int = 0  # where the key-value pairs end: the bytes before it are the file's whole metadata
 
 
 def read_metadata(path: Path) -> dict[str, object]:
@@ -130,6 +131,7 @@ def _layout(reader: _Reader) -> Layout:
     for _ in range(keys):
         key = reader.string()
         values[key] = reader.value(reader.unpack("<I"))
+    metadata_end = reader.offset
     if count > (len(reader.data) - reader.offset) // MIN_ENTRY_BYTES:
         raise TokenizerError(f"{reader.path} is not a GGUF file manas can read: {count:,} tensors in a smaller file")
     tensors = [_entry(reader) for _ in range(count)]
@@ -137,7 +139,7 @@ def _layout(reader: _Reader) -> Layout:
     if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
         raise TokenizerError(f"{reader.path}: its general.alignment {alignment!r} is not a power of two")
     start = -(-reader.offset // alignment) * alignment
-    return Layout(values, tensors, start, alignment, len(reader.data))
+    return Layout(values, tensors, start, alignment, len(reader.data), metadata_end)
 
 
 def _entry(reader: _Reader) -> TensorInfo:

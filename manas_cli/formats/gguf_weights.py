@@ -21,6 +21,7 @@ from ..errors import CheckpointError, TokenizerError, first_line
 from ..native.binding import WEIGHTS_F32, WEIGHTS_GGML, ManasLinear
 from .gguf_metadata import Layout, TensorInfo, layout_of
 from .gguf_vocab import spec_from_fields, string_field
+from .tokenizer_cache import cached_spec
 
 IN_PLACE = ("llama", "qwen2")  # llama.cpp's architectures whose files the core runs in place
 
@@ -94,7 +95,9 @@ class GGUFFile:
         check_apart(self.tensors, path)
         shapes = {name: tensor.shape for name, tensor in self.tensors.items()}
         self.config: GPTConfig = config_from_hf(hf_config(self.fields, self.architecture, shapes, path), path)
-        self.tokenizer_spec = spec_from_fields(self.fields, path)
+        metadata = memoryview(self.mapping)[: layout.metadata_end]
+        self.tokenizer_spec = cached_spec(metadata, lambda: spec_from_fields(self.fields, path))
+        metadata.release()
         template = self.fields.get("tokenizer.chat_template")
         template = checked_template(template, path) if isinstance(template, str) and template.strip() else None
         self.metadata = {"converted_from": f"GGUF {self.architecture}"} | (

@@ -17,6 +17,7 @@ from .errors import InputError, MissingDependencyError, first_line
 
 HOME_ENV = "MANAS_HOME"
 SUFFIX = ".safetensors"
+GGUF_SUFFIX = ".gguf"  # a pulled GGUF file is stored as it is published: its blocks run in place
 SHIPPED = "shakespeare.safetensors"  # the model that comes with manas; its name (`shakespeare`) is reserved
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # a store name: one path component, lower case
 # What convert reads from a Hub repository: nothing else is downloaded (no pickles, no other formats).
@@ -49,7 +50,7 @@ def models_folder() -> Path:
 
 
 def is_name(text: str) -> bool:
-    return bool(NAME.fullmatch(text)) and not text.endswith(SUFFIX)
+    return bool(NAME.fullmatch(text)) and not text.endswith((SUFFIX, GGUF_SUFFIX))
 
 
 def shipped_candidates() -> list[Path]:
@@ -78,17 +79,17 @@ def find(name: str) -> Path | None:
         return None
     if reserved(name):
         return shipped().get(name)
-    path = stored_path(name)
-    return path if path.is_file() else None
+    found = [path for path in (stored_path(name), stored_path(name, GGUF_SUFFIX)) if path.is_file()]
+    return found[0] if found else None
 
 
 def stored() -> dict[str, Path]:
     """The models `manas pull` stored (not the shipped ones), by name."""
     found = {}
     if models_folder().is_dir():
-        for path in sorted(models_folder().glob(f"*{SUFFIX}")):
+        for path in sorted([*models_folder().glob(f"*{SUFFIX}"), *models_folder().glob(f"*{GGUF_SUFFIX}")]):
             if is_name(path.stem) and path.is_file():
-                found[path.stem] = path
+                found.setdefault(path.stem, path)
     return found
 
 
@@ -112,6 +113,8 @@ def describe(name: str, path: Path, is_shipped: bool) -> Entry:
     from .engine.config import parameter_shapes
     from .formats.header import read_header
 
+    if path.suffix == GGUF_SUFFIX:
+        return _describe_gguf(name, path)
     with path.open("rb") as f:
         header = read_header(f, path)
     config = header.config
@@ -135,6 +138,28 @@ def describe(name: str, path: Path, is_shipped: bool) -> Entry:
     )
 
 
+def _describe_gguf(name: str, path: Path) -> Entry:
+    """A stored GGUF file's entry, from its metadata and tensor entries alone."""
+    from .formats.gguf_metadata import read_layout
+    from .formats.gguf_weights import type_name
+
+    layout = read_layout(path)
+    architecture = str(layout.fields.get("general.architecture", "?"))
+    kinds = sorted({type_name(tensor.kind) for tensor in layout.tensors if len(tensor.dims) == 2})
+    template = layout.fields.get("tokenizer.chat_template")
+    return Entry(
+        name,
+        path,
+        f"gguf {architecture}",
+        sum(math.prod(tensor.dims) for tensor in layout.tensors),
+        "GGUF " + ", ".join(kinds),
+        path.stat().st_size,
+        int(layout.fields.get(f"{architecture}.context_length", 0) or 0),
+        isinstance(template, str) and bool(template.strip()),
+        False,
+    )
+
+
 def entries() -> list[Entry]:
     """Every model in the store, the shipped ones first (known by their path, not their name); one whose file
     cannot be read is skipped (`manas rm` removes it by name)."""
@@ -152,7 +177,8 @@ def entries() -> list[Entry]:
 
 def remove(name: str) -> Path:
     """Delete a stored model by name; the shipped model and unknown names are refused."""
-    path = stored_path(name) if is_name(name) else None
+    kept = [stored_path(name, suffix) for suffix in (SUFFIX, GGUF_SUFFIX)] if is_name(name) else []
+    path = next((path for path in kept if path.is_file()), None)
     if path is None or not path.is_file():
         if name in shipped():
             raise InputError(f"{name} is the model shipped with manas: it cannot be removed")
@@ -256,9 +282,10 @@ def download(repo: str, revision: str | None, progress: bool, patterns: list[str
         raise InputError(f"cannot download {repo} ({type(exc).__name__}: {first_line(exc)}): pull again") from None
 
 
-def stored_path(name: str) -> Path:
+def stored_path(name: str, suffix: str = SUFFIX) -> Path:
+    """Where the store keeps NAME: a manas checkpoint, or (suffix .gguf) a GGUF file as published."""
     if not is_name(name):
         raise InputError(
             f"{name!r} is not a store name: lower-case letters, digits, '.', '_' and '-', up to 100 characters"
         )
-    return models_folder() / f"{name}{SUFFIX}"
+    return models_folder() / f"{name}{suffix}"

@@ -5,6 +5,7 @@ resumes; offline mode reads the cache."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -195,6 +196,9 @@ def test_pull_of_a_gguf_repository_fetches_the_tagged_file_alone_and_chats(tmp_p
         pulled = manas("pull", repo + suffix, **env).ok()
         files = [path.rsplit("/", 1)[-1] for path, _ in hub.requests if "/resolve/" in path]
     assert files == [fetched] and f"stored as {stored}" in pulled.err and f"manas chat -m {stored}" in pulled.err
+    listed = {entry["name"]: entry for entry in json.loads(manas("list", "--json", **env).ok().out)}
+    kept = Path(listed[stored]["path"])  # the file as published, not a conversion
+    assert kept.suffix == ".gguf" and kept.read_bytes() == (gguf_repository / fetched).read_bytes()
     answer = manas("chat", "-m", stored, "-n", "4", "-t", "0", "--json", stdin=b"hello\n", **env).ok().json()
     assert answer["prompt_tokens"] > 5
 

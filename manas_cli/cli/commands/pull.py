@@ -1,5 +1,6 @@
 """`manas pull`: a model from the Hugging Face Hub into the store (store.py), under a name."""
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -9,8 +10,9 @@ from ..flags import Quantization
 
 
 def run(*, repo: str, name: str | None, quantize: str | None, force: bool, reuse: bool = False) -> str:
-    """Download REPO[@REVISION]'s files that convert reads, convert them into the store under a name, and with
-    --quantize store a quantized copy too (`NAME-int8`); the name. reuse: a model stored under that name already
+    """Download REPO[@REVISION]'s files that convert reads and convert them into the store under a name (a GGUF file
+    is stored as it is published: its blocks run in place), and with --quantize store a quantized copy too
+    (`NAME-int8`); the name. reuse: a model stored under that name already
     is the one wanted (`manas run OWNER/NAME` a second time), not refused."""
     from ... import store
     from ...formats.convert import convert_checkpoint
@@ -19,6 +21,10 @@ def run(*, repo: str, name: str | None, quantize: str | None, force: bool, reuse
 
     console = stderr_console()
     repository = store.parse_repo(repo)
+    if repository.is_gguf and quantize is not None:
+        raise InputError(
+            f"{repo} is a GGUF repository: its quantized blocks already run as they are; pull it without --quantize"
+        )
     if name is not None or not repository.is_gguf or repository.tag:  # the name is known: checked before downloading
         name = name or store.default_name(repository.name, repository.tag)
         if reuse and store.find(name) is not None:
@@ -35,11 +41,23 @@ def run(*, repo: str, name: str | None, quantize: str | None, force: bool, reuse
         return name
     out, copy = claim(name, quantize, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with activity(console, pipe=False) as show:
-        show(f"converting {source.name}")
-        result = convert_checkpoint(source, out, force=force)
+    if repository.is_gguf:  # as published: its blocks run in place, nothing to convert
+        out = store.stored_path(name, store.GGUF_SUFFIX)
+        with activity(console, pipe=False) as show:
+            show(f"storing {source.name}")
+            stored_copy(source, out)
+        entry = store.describe(name, out, is_shipped=False)
+        what, parameters = f"{entry.architecture}, {entry.weights}", entry.parameters
+    else:
+        with activity(console, pipe=False) as show:
+            show(f"converting {source.name}")
+            result = convert_checkpoint(source, out, force=force)
+        what, parameters = result.source_kind, result.parameters
+    for other in (store.stored_path(name, store.SUFFIX), store.stored_path(name, store.GGUF_SUFFIX)):
+        if other != out:  # a model replaced by the other kind of file: its old copy goes
+            other.unlink(missing_ok=True)
     pulled = f"{repo} ({source.name})" if repository.is_gguf else repo
-    console.print(f"pulled {pulled}: {result.source_kind}, {result.parameters:,} parameters, stored as {name} ({out})")
+    console.print(f"pulled {pulled}: {what}, {parameters:,} parameters, stored as {name} ({out})")
     if copy is not None:
         quantize_command.run(checkpoint=out, out=copy, kind=quantize, force=force)
     if reuse:
@@ -49,6 +67,24 @@ def run(*, repo: str, name: str | None, quantize: str | None, force: bool, reuse
     else:
         console.print(f"run it: manas generate -m {name} -p 'Hello'")
     return name
+
+
+def stored_copy(source: Path, out: Path) -> None:
+    """The downloaded file into the store, whole or not at all: a hard link to the Hub cache's copy where both are on
+    one file system (no second copy on disk), else a copy; written beside, then renamed over."""
+    import os
+    import shutil
+
+    from ...files import atomic_write
+
+    def write(tmp: str) -> None:
+        os.unlink(tmp)
+        try:
+            os.link(os.path.realpath(source), tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+
+    atomic_write(out, write, overwrite=True)
 
 
 def claim(name: str, quantize: str | None, force: bool):
@@ -61,9 +97,9 @@ def claim(name: str, quantize: str | None, force: bool):
     for taken in (name, f"{name}-{quantize}" if quantize else None):
         if taken is not None and store.reserved(taken):
             raise InputError(f"{taken} is the name of the model shipped with manas: choose another with --name")
-    for path in (out, copy):
-        if path is not None and path.exists() and not force:
-            raise InputError(f"{path.stem} is in the store already: pass --force to replace it, or --name another")
+    for taken in (name, f"{name}-{quantize}" if quantize else None):
+        if taken is not None and store.find(taken) is not None and not force:
+            raise InputError(f"{taken} is in the store already: pass --force to replace it, or --name another")
     return out, copy
 
 

@@ -267,3 +267,16 @@ def test_the_tokenizer_is_kept_validated_and_nothing_else_and_a_planted_entry_is
         plant()
         assert manas("generate", *flags, fresh=True, **env).ok().json()["tokens"] == expected
         assert not kept[0].is_symlink() and json.loads(kept[0].read_text())["spec"]["kind"] == "bpe"
+
+
+@needs_compiler
+@pytest.mark.parametrize("cut", [0.5, 0.9, 0.999])
+def test_a_truncated_gguf_is_one_error_line_before_the_core_reads_a_block(typed_files, tmp_path, cut):
+    """A file cut inside its tensors' data: every extent is checked against the mapping first, so the core is never
+    given a block past the end (under the sanitizers in .ci/run too)."""
+    data = typed_files["qwen2-all"].read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(len(data) * cut)])
+    run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", "the", "-n", "2")
+    lines = run.err.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and "past the end of the file" in lines[0], run.err

@@ -88,7 +88,7 @@ static void time_shape(ManasPool *pool, int kind, int n_in, int n_out, int rows,
     for (int run = 0; run < 5; run++) {
         double start = seconds();
         for (int l = 0; l < layers; l++) {
-            Matmul m = {&linear[l], products, x, stride, y, rows, tiles};
+            Matmul m = {&linear[l], products, x, stride, y, (size_t)n_out, rows, tiles, 0};
             parallel_for(pool, matmul_tiles, &m, (n_out + TILE - 1) / TILE);
         }
         double elapsed = seconds() - start;

@@ -176,12 +176,14 @@ def _load_with_torch(options: ModelOptions, path: Path, threads, unavailable, on
     import torch
 
     from .formats.checkpoint import load_checkpoint
+    from .formats.gguf_model import load_gguf_checkpoint
     from .torch_engine.runtime import resolve_device, resolve_dtype
 
     torch.set_num_threads(threads.threads)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    checkpoint = _naming_the_environment(options, lambda: load_checkpoint(path, device=device, dtype=dtype))
+    load = load_gguf_checkpoint if is_gguf(path) else load_checkpoint
+    checkpoint = _naming_the_environment(options, lambda: load(path, device=device, dtype=dtype))
     if options.quantize is not None:
         quantize_checkpoint(checkpoint, options.quantize, "run it without --quantize")
     window = keep_window(checkpoint.model.config, options.ctx)

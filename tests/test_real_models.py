@@ -219,6 +219,8 @@ def test_a_gguf_runs_wherever_a_checkpoint_is_taken_and_nothing_is_written(tmp_p
         assert run.json()["tokens"] == expected, engine
     scored = manas("score", "-m", exported, *RUN_OPTIONS, "--json", stdin=b"the weather is fine today").ok()
     assert scored.json()["tokens"] > 1 and not (cache / "manas" / "gguf").exists()
+    manas("export", exported, "--out", tmp_path / "hf").ok()  # read into memory, written as a Hugging Face folder
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 # ---- GPT-2's and StarCoder2's GGUFs ----

@@ -86,8 +86,6 @@ def load_checkpoint(
 
     The tensors are the mapped file's bytes (header.open_checkpoint: checked before any is touched, so memory is
     bounded by the file, not by what its config claims), copied only by a cast to another dtype or device."""
-    if Path(path).suffix == ".gguf" and Path(path).is_file():
-        return _gguf_checkpoint(Path(path), device, dtype)
     mapped = open_checkpoint(path)
     path, header = mapped.path, mapped.header
     state = {name: mapped_tensor(mapped, name) for name in sorted(header.tensors)}
@@ -104,18 +102,6 @@ def load_checkpoint(
         load_quantized(model, quantized, header.quantization)
     check_finite(model, path)
     return Checkpoint(model, header.encoding, header.tokenizer_spec, path, header.metadata)
-
-
-def _gguf_checkpoint(path: Path, device, dtype) -> Checkpoint:
-    """A GGUF file as a torch model, its tensors dequantized to float32 in memory (gguf_model.py): for torch's
-    engine, a GPU and export. The native core runs the file's blocks in place instead (gguf_weights.py)."""
-    from .gguf_model import load_gguf
-
-    imported = load_gguf(path)
-    model = imported.model.to(device=device, dtype=dtype).eval()
-    template = {"chat_template": imported.chat_template} if imported.chat_template else {}
-    metadata = {"converted_from": f"GGUF {imported.architecture}"} | template
-    return Checkpoint(model, build_encoding(imported.tokenizer_spec), imported.tokenizer_spec, path, metadata)
 
 
 def _split_quantized(state: dict[str, torch.Tensor], kind: str, tied: bool) -> dict[str, torch.Tensor]:

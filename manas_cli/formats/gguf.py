@@ -195,11 +195,14 @@ def add_tokenizer(
     writer.add_add_eos_token(False)
 
 
-def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force: bool = False) -> ExportedGGUF:
-    """Write checkpoint_path as one GGUF file, atomically; refuse before writing anything it cannot export."""
+def export_gguf(
+    checkpoint_path: Path, out: Path, *, outtype: str = "f16", force: bool = False, loaded=None
+) -> ExportedGGUF:
+    """Write checkpoint_path as one GGUF file, atomically; refuse before writing anything it cannot export. loaded:
+    the checkpoint already read (a GGUF file's, by the caller)."""
     gguf = import_gguf()
     check_output_file(out, force, inputs=(checkpoint_path,))
-    checkpoint = load_checkpoint(checkpoint_path)
+    checkpoint = loaded or load_checkpoint(checkpoint_path)
     model = dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
     config = model.config
     end_of_text = checkpoint.encoding._special_tokens.get(getattr(checkpoint.encoding, "end_of_text", END_OF_TEXT))

@@ -23,8 +23,10 @@ from . import gpt2, huggingface, llama, rotary_layout, starcoder2
 from .gguf_config import ARCHITECTURES, check_block_count, hf_config
 from .gguf_metadata import Layout, read_layout
 from .gguf_vocab import read_gguf, spec_from_fields, string_field
+from .header import Checkpoint
 from .huggingface import checked_template
 from .importing import TIED_HEAD, build_model, make_config
+from .tokenizer import build_encoding
 
 LLAMA_LAYER_MODULES = (
     "input_layernorm",
@@ -87,6 +89,16 @@ def load_gguf(path: Path) -> GGUFModel:
     template = fields.get("tokenizer.chat_template")
     template = checked_template(template, path) if isinstance(template, str) and template.strip() else None
     return GGUFModel(architecture, model, spec_from_fields(fields, path), template)
+
+
+def load_gguf_checkpoint(path: Path, device="cpu", dtype=None) -> Checkpoint:
+    """A GGUF file as a torch model, its tensors dequantized to float32 in memory: for torch's engine, a GPU and
+    export. The native core runs the file's blocks in place instead (gguf_weights.py)."""
+    imported = load_gguf(path)
+    model = imported.model.to(device=device, dtype=dtype).eval()
+    template = {"chat_template": imported.chat_template} if imported.chat_template else {}
+    metadata = {"converted_from": f"GGUF {imported.architecture}"} | template
+    return Checkpoint(model, build_encoding(imported.tokenizer_spec), imported.tokenizer_spec, path, metadata)
 
 
 def check_layout(layout: Layout, path: Path) -> None:

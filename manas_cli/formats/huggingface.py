@@ -526,7 +526,7 @@ def write_folder(out: Path, writers: dict[str, Callable[[Path], None]], *, overw
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Exported:
+def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False, loaded=None) -> Exported:
     """Write checkpoint_path as a Hugging Face GPT-2 or Starcoder2 folder; refuse before writing anything it cannot
     export."""
     from safetensors.torch import save
@@ -537,7 +537,7 @@ def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Expor
     if out.is_symlink() and out.is_dir():
         out = out.resolve()  # write into the folder the link names, as the user would (a rename would hit the link)
     check_out_dir(out, force, checkpoint_path)
-    checkpoint = load_checkpoint(checkpoint_path)
+    checkpoint = loaded or load_checkpoint(checkpoint_path)  # loaded: a GGUF file's, read by the caller
     dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
     config = checkpoint.model.config
     texts = tokenizer_files(checkpoint.encoding, config.block_size, checkpoint_path)

@@ -4,11 +4,12 @@ and the core's in-place run (gguf_weights.py). No torch."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 from ..errors import CheckpointError
-from .gguf_metadata import Layout
+from .gguf_metadata import Layout, TensorInfo
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder2")  # llama.cpp's names of the models manas runs
 
@@ -84,3 +85,30 @@ def _decimal(value: object) -> object:
     import numpy as np
 
     return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
+def tensor_extent(tensor: TensorInfo, layout: Layout, block: tuple[int, int], path: Path) -> tuple[int, int]:
+    """Where a tensor of `block` (values, bytes per block) lies in the file, (start, bytes), checked: whole blocks
+    along its rows, every byte its shape implies inside the file (an offset that would wrap in 64 bits is past the
+    end) and aligned, before anything reads it."""
+    values, block_bytes = block
+    if not tensor.dims or any(n <= 0 for n in tensor.dims) or tensor.dims[0] % values:
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name}'s shape {list(tensor.dims)} is not whole blocks of {values} values"
+        )
+    size = math.prod(tensor.dims) // values * block_bytes
+    start = layout.data_start + tensor.offset
+    if tensor.offset % layout.alignment or start + size > layout.size:
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name}'s data (offset {tensor.offset:,}, {size:,} bytes) is "
+            + ("not aligned" if tensor.offset % layout.alignment else "past the end of the file")
+        )
+    return start, size
+
+
+def check_apart(extents: list[tuple[int, int, str]], path: Path) -> None:
+    """No two tensors' (start, end, name) share a byte."""
+    extents = sorted(extents)
+    for (_, end, name), (start, _, other) in zip(extents, extents[1:]):
+        if start < end:
+            raise CheckpointError(f"{path}: tensors {name} and {other} overlap in the file")

@@ -9,7 +9,6 @@ pairs, so its queries and keys are permuted back to Hugging Face's rotate-half l
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,7 +19,7 @@ from ..engine.config import GPTConfig
 from ..errors import CheckpointError, first_line
 from ..torch_engine.model import GPT
 from . import gpt2, huggingface, llama, rotary_layout, starcoder2
-from .gguf_config import ARCHITECTURES, check_block_count, hf_config
+from .gguf_config import ARCHITECTURES, check_apart, check_block_count, hf_config, tensor_extent
 from .gguf_metadata import Layout, read_layout
 from .gguf_vocab import read_gguf, spec_from_fields, string_field
 from .header import Checkpoint
@@ -111,23 +110,10 @@ def check_layout(layout: Layout, path: Path) -> None:
     for tensor in layout.tensors:
         if tensor.kind not in gguf.GGML_QUANT_SIZES:
             raise CheckpointError(f"{path}: tensor {tensor.name} has an unknown ggml type {tensor.kind}")
-        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.kind)]
-        if not tensor.dims or any(n <= 0 for n in tensor.dims) or tensor.dims[0] % block:
-            raise CheckpointError(
-                f"{path}: tensor {tensor.name}'s shape {list(tensor.dims)} is not whole blocks of {block} values"
-            )
-        size = math.prod(tensor.dims) // block * block_bytes
-        start = layout.data_start + tensor.offset
-        if tensor.offset % layout.alignment or start + size > layout.size:
-            raise CheckpointError(
-                f"{path}: tensor {tensor.name}'s data (offset {tensor.offset:,}, {size:,} bytes) is "
-                + ("not aligned" if tensor.offset % layout.alignment else "past the end of the file")
-            )
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.kind)]
+        start, size = tensor_extent(tensor, layout, block, path)
         extents.append((start, start + size, tensor.name))
-    extents.sort()
-    for (_, end, name), (start, _, other) in zip(extents, extents[1:]):
-        if start < end:
-            raise CheckpointError(f"{path}: tensors {name} and {other} overlap in the file")
+    check_apart(extents, path)
 
 
 def _hf_state(tensors: dict, architecture: str, config: GPTConfig, path: Path) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError, TokenizerError, first_line
 from ..native.binding import WEIGHTS_F32, WEIGHTS_GGML, ManasLinear
+from .gguf_config import tensor_extent
 from .gguf_metadata import Layout, TensorInfo, layout_of
 from .gguf_vocab import spec_from_fields, string_field
 from .tokenizer_cache import cached_spec
@@ -70,7 +71,7 @@ class GGUFFile:
     inside the file, aligned, apart from the others."""
 
     def __init__(self, path: Path) -> None:
-        from .gguf_config import ARCHITECTURES, check_block_count, hf_config
+        from .gguf_config import ARCHITECTURES, check_apart, check_block_count, hf_config
         from .header import map_whole
         from .huggingface import checked_template, config_from_hf
 
@@ -92,7 +93,7 @@ class GGUFFile:
             )
         check_block_count(layout, self.architecture, path)
         self.tensors = {tensor.name: checked_tensor(tensor, layout, path) for tensor in layout.tensors}
-        check_apart(self.tensors, path)
+        check_apart([(t.start, t.start + t.nbytes, name) for name, t in self.tensors.items()], path)
         shapes = {name: tensor.shape for name, tensor in self.tensors.items()}
         self.config: GPTConfig = config_from_hf(hf_config(self.fields, self.architecture, shapes, path), path)
         metadata = memoryview(self.mapping)[: layout.metadata_end]
@@ -122,27 +123,8 @@ def checked_tensor(tensor: TensorInfo, layout: Layout, path: Path) -> Tensor:
             f"(it runs {', '.join(name for name, _, _ in BLOCK_TYPES.values())}); pick another quantization of "
             "the model"
         )
-    _, values, block_bytes = BLOCK_TYPES[tensor.kind]
-    if not tensor.dims or any(n <= 0 for n in tensor.dims) or tensor.dims[0] % values:
-        raise CheckpointError(
-            f"{path}: tensor {tensor.name}'s shape {list(tensor.dims)} is not whole blocks of {values} values"
-        )
-    nbytes = math.prod(tensor.dims) // values * block_bytes
-    start = layout.data_start + tensor.offset
-    if tensor.offset % layout.alignment or start + nbytes > layout.size:
-        raise CheckpointError(
-            f"{path}: tensor {tensor.name}'s data (offset {tensor.offset:,}, {nbytes:,} bytes) is "
-            + ("not aligned" if tensor.offset % layout.alignment else "past the end of the file")
-        )
+    start, nbytes = tensor_extent(tensor, layout, BLOCK_TYPES[tensor.kind][1:], path)
     return Tensor(tensor.kind, tuple(reversed(tensor.dims)), start, nbytes)
-
-
-def check_apart(tensors: dict[str, Tensor], path: Path) -> None:
-    """No two tensors share a byte."""
-    extents = sorted((tensor.start, tensor.start + tensor.nbytes, name) for name, tensor in tensors.items())
-    for (_, end, name), (start, _, other) in zip(extents, extents[1:]):
-        if start < end:
-            raise CheckpointError(f"{path}: tensors {name} and {other} overlap in the file")
 
 
 class GGUFWeights:

@@ -29,12 +29,12 @@ enum {
 #define BLOCK_LANES 8  /* a row's sub-block products add into 8 lanes */
 #define PREFETCH_BYTES 4096  /* how far ahead of its reads a decode step asks for a row's bytes (a hint) */
 
+/* Byte vectors (GCC's and Clang's vector extensions): the unpacking below is lane-wise, so it compiles to the
+   vector unit's byte operations on any target (AVX2, SSE, NEON) where a loop of bytes stayed scalar. */
 #pragma GCC diagnostic ignored "-Wpsabi" /* static functions only: no ABI crosses a call the compiler cannot see */
 typedef uint8_t U8x16 __attribute__((vector_size(16)));
 typedef uint8_t U8x32 __attribute__((vector_size(32)));
 typedef int16_t I16x16 __attribute__((vector_size(32)));
-
-
 
 /* Activations quantized per unit: d·q ≈ x, S the code sums of each 16 values. A block of 32 (40 bytes) for the
    types of blocks of 32, a superblock of 256 (292 bytes) for the K-quants. */
@@ -81,7 +81,9 @@ static size_t ggml_block_bytes(int type) {
 }
 
 /* The bytes of one row of n values of a ggml type. */
-static inline size_t ggml_row_bytes(int type, int n) { return (size_t)n / ggml_block_values(type) * ggml_block_bytes(type); }
+static inline size_t ggml_row_bytes(int type, int n) {
+    return (size_t)n / ggml_block_values(type) * ggml_block_bytes(type);
+}
 
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
@@ -91,9 +93,6 @@ static inline float half_at(const uint8_t *p) {
 
 /* IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl). */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-/* Byte vectors (GCC's and Clang's vector extensions): the unpacking below is lane-wise, so it compiles to the
-   vector unit's byte operations on any target (AVX2, SSE, NEON) where a loop of bytes stayed scalar. */
 
 static inline U8x16 load16(const uint8_t *p) {
     U8x16 v;
@@ -255,7 +254,9 @@ static inline __attribute__((always_inline)) U8x32 sub_values(int type, const ui
 }
 
 /* A unit's sub-blocks of 32 values. */
-static inline __attribute__((always_inline)) int unit_blocks(int type) { return ggml_block_values(type) == 256 ? 8 : 1; }
+static inline __attribute__((always_inline)) int unit_blocks(int type) {
+    return ggml_block_values(type) == 256 ? 8 : 1;
+}
 
 /* A weight row's unit unpacked, for a prefill's rows to share (sub-blocks: 1 or 8). */
 typedef struct {
@@ -284,8 +285,9 @@ static inline UnitSums unit_sums_zero(void) { return _mm256_setzero_si256(); }
 static inline UnitSums sums_add(UnitSums sums, U8x32 w, const int16_t *sc, const int8_t *q, int is_signed,
                                 int one_scale) {
     __m256i weights = (__m256i)w, codes = _mm256_loadu_si256((const __m256i *)q);
-    __m256i pairs = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(codes, weights))
-                              : _mm256_maddubs_epi16(weights, codes);  /* unsigned w ≤ 31: 2 × 31 × 127, exact */
+    __m256i pairs = is_signed
+                        ? _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(codes, weights))
+                        : _mm256_maddubs_epi16(weights, codes);  /* unsigned w ≤ 31: 2 × 31 × 127, exact */
     __m256i multipliers = one_scale ? _mm256_set1_epi16(sc[0])  /* both halves' (the types of scales per 32) */
                                     : _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
     return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, multipliers));
@@ -334,6 +336,22 @@ static inline __attribute__((always_inline)) UnitSums unit_sums(int type, const 
     return sums;
 }
 
+/* Unit u of a quantized activation row (a block of 32, or a superblock): its scale, codes and code sums. */
+typedef struct {
+    float d;
+    const int8_t *q;
+    const int16_t *sums;
+} UnitInput;
+
+static inline UnitInput unit_input(int blocks, const float *x, int u) {
+    if (blocks == 1) {
+        const QuantizedBlock *block = (const QuantizedBlock *)x + u;
+        return (UnitInput){block->d, block->q, block->sum};
+    }
+    const QuantizedSuper *super = (const QuantizedSuper *)x + u;
+    return (UnitInput){super->d, super->q, super->sum};
+}
+
 /* A row's n activations quantized per unit of `values` (32 or 256) into the scratch's quantized rows (`quantized`:
    QuantizedBlock or QuantizedSuper records). */
 static void quantize_units(int n, int values, const float *x, void *quantized) {
@@ -342,23 +360,14 @@ static void quantize_units(int n, int values, const float *x, void *quantized) {
         QuantizedSuper *super = (QuantizedSuper *)quantized + u;
         int8_t *q = values == 32 ? block->q : super->q;
         int16_t *sums = values == 32 ? block->sum : super->sum;
-        float largest = 0.0f;
-        int not_a_number = 0;
-        for (int i = 0; i < values; i++) {
-            float a = fabsf(x[u * values + i]);
-            largest = a > largest ? a : largest;
-            not_a_number |= a != a;
-        }
-        largest = not_a_number ? NAN : largest;  /* as quantize_block: the product is then not finite */
-        float inverse = largest > 0.0f && largest <= FLT_MAX ? 127.0f / largest : 0.0f;
-        for (int i = 0; i < values; i++) q[i] = (int8_t)nearbyintf(inverse > 0.0f ? x[u * values + i] * inverse : 0.0f);
+        float d = values == 32 ? quantize_values(x + u * 32, 32, 32, q) : quantize_values(x + u * 256, 256, 256, q);
         for (int h = 0; h < values / 16; h++) {
             int32_t sum = 0;
             for (int i = 16 * h; i < 16 * h + 16; i++) sum += q[i];
             sums[h] = (int16_t)sum;
         }
-        if (values == 32) block->d = largest / 127.0f;
-        else super->d = largest / 127.0f;
+        if (values == 32) block->d = d;
+        else super->d = d;
     }
 }
 
@@ -394,14 +403,14 @@ static inline int has_minimum(int type) {
     return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K || type == GGML_Q5_K;
 }
 
-/* Weight rows o0 .. o0 + OT − 1 (OT ≤ TILE) against rows r_begin .. r_end − 1 (at most BLOCK_ROWS) of quantized x,
-   `stride` floats apart: out[o][r − r_begin]. Each unit of the OT rows is unpacked once for all the rows of x, and
+/* Weight rows o0 .. o0 + OT − 1 (OT ≤ TILE) against rows r_begin .. r_end − 1 (at most BLOCK_ROWS) of quantized
+   x, `stride` floats apart: out[o][r − r_begin]. Each unit of the OT rows is unpacked once for all the rows of x, and
    the OT rows' lanes are independent chains the CPU overlaps (one row's lanes alone wait on each multiply-add in
    turn); each output's arithmetic is its own whatever shares the call. */
 #define BLOCK_ROWS 16
-static inline __attribute__((always_inline)) void typed_products(int type, int OT, const ManasLinear *linear, int o0, const float *x,
-                                                                 size_t stride, int r_begin, int r_end,
-                                                                 float out[TILE][BLOCK_ROWS]) {
+static inline __attribute__((always_inline)) void typed_products(int type, int OT, const ManasLinear *linear, int o0,
+                                                                 const float *x, size_t stride, int r_begin,
+                                                                 int r_end, float out[TILE][BLOCK_ROWS]) {
     int units = linear->n_in / ggml_block_values(type), rows = r_end - r_begin;
     int blocks = unit_blocks(type);
     size_t row_bytes = ggml_row_bytes(type, linear->n_in);
@@ -411,16 +420,15 @@ static inline __attribute__((always_inline)) void typed_products(int type, int O
         for (int r = 0; r < rows; r++) lanes[o][r] = block_lanes_zero(), minimum[o][r] = 0.0f;
     for (int u = 0; u < units; u++) {
         Unit w[TILE];
-        for (int o = 0; o < OT; o++) unpack_unit(type, (const uint8_t *)linear->weight + (size_t)(o0 + o) * row_bytes, u, &w[o]);
+        for (int o = 0; o < OT; o++)
+            unpack_unit(type, (const uint8_t *)linear->weight + (size_t)(o0 + o) * row_bytes, u, &w[o]);
         for (int r = 0; r < rows; r++) {
-            const float *xr = x + (size_t)(r_begin + r) * stride;
-            float d = blocks == 1 ? ((const QuantizedBlock *)xr)[u].d : ((const QuantizedSuper *)xr)[u].d;
-            const int8_t *q = blocks == 1 ? ((const QuantizedBlock *)xr)[u].q : ((const QuantizedSuper *)xr)[u].q;
-            const int16_t *sums = blocks == 1 ? ((const QuantizedBlock *)xr)[u].sum : ((const QuantizedSuper *)xr)[u].sum;
+            UnitInput in = unit_input(blocks, x + (size_t)(r_begin + r) * stride, u);
             for (int o = 0; o < OT; o++) {
-                lanes[o][r] = lanes_fma(d * w[o].scales.a, unit_sums(type, &w[o], q), lanes[o][r]);
-                if (has_minimum(type))
-                    minimum[o][r] = fmaf(d * w[o].scales.b, (float)unit_minimum(blocks, &w[o].scales, sums), minimum[o][r]);
+                lanes[o][r] = lanes_fma(in.d * w[o].scales.a, unit_sums(type, &w[o], in.q), lanes[o][r]);
+                if (!has_minimum(type)) continue;
+                float m = (float)unit_minimum(blocks, &w[o].scales, in.sums);
+                minimum[o][r] = fmaf(in.d * w[o].scales.b, m, minimum[o][r]);
             }
         }
     }
@@ -443,18 +451,16 @@ static inline __attribute__((always_inline)) float typed_product(int type, const
     for (int u = 0; u < units; u++) {
         for (size_t line = 0; line < ggml_block_bytes(type); line += 64)  /* a superblock spans up to 4 lines */
             __builtin_prefetch(row + (size_t)u * ggml_block_bytes(type) + PREFETCH_BYTES + line);
-        float d = blocks == 1 ? ((const QuantizedBlock *)x)[u].d : ((const QuantizedSuper *)x)[u].d;
-        const int8_t *q = blocks == 1 ? ((const QuantizedBlock *)x)[u].q : ((const QuantizedSuper *)x)[u].q;
-        const int16_t *sums = blocks == 1 ? ((const QuantizedBlock *)x)[u].sum : ((const QuantizedSuper *)x)[u].sum;
+        UnitInput in = unit_input(blocks, x, u);
         const uint8_t *block = row + (size_t)u * ggml_block_bytes(type);
         UnitScales scales;
         unit_scales(type, block, &scales);
         UnitSums p = unit_sums_zero();
         for (int k = 0; k < blocks; k++)
-            p = sums_add(p, sub_values(type, block, k), scales.sc + 2 * k, q + 32 * k, signed_values(type),
+            p = sums_add(p, sub_values(type, block, k), scales.sc + 2 * k, in.q + 32 * k, signed_values(type),
                          one_scale(type));
-        lanes = lanes_fma(d * scales.a, p, lanes);
-        if (has_minimum(type)) minimum = fmaf(d * scales.b, (float)unit_minimum(blocks, &scales, sums), minimum);
+        lanes = lanes_fma(in.d * scales.a, p, lanes);
+        if (has_minimum(type)) minimum = fmaf(in.d * scales.b, (float)unit_minimum(blocks, &scales, in.sums), minimum);
     }
     float lane[BLOCK_LANES];
     store_block_lanes(lane, lanes);
@@ -552,7 +558,8 @@ static void ggml_tiles(const Matmul *m, int begin, int end, float *row) {
                 }
             }
             for (int o = 0; o < count; o++)
-                for (int r = r0; r < r1; r++) m->y[(size_t)r * m->y_stride + o0 + o] = finish(linear, o0 + o, out[o][r - r0]);
+                for (int r = r0; r < r1; r++)
+                    m->y[(size_t)r * m->y_stride + o0 + o] = finish(linear, o0 + o, out[o][r - r0]);
         }
     }
 }

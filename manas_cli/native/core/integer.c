@@ -134,23 +134,30 @@ static inline float *block_sums(const float *row, int n) {
     return (float *)row + ((size_t)n + QGROUP - 1) / QGROUP * QUANTIZED_SPAN;
 }
 
-/* A block of QBLOCK values, `count` of them x's (the rest zeros), quantized: codes q = round(x · 127 / max|x|) in
-   [−127, 127], and its scale d = max|x| / 127 returned, d·q ≈ x. Written in loops of fixed length with no early
-   exit, so they vectorize (a max and a rounding are exact in any order). A NaN or an infinity leaves the codes 0
-   and the scale NaN or infinite, so the product is not finite and the logits' check still catches it. */
-static float quantize_block(const float *x, int count, int8_t *codes) {
-    float block[QBLOCK] = {0}, largest = 0.0f;
+/* A block of `size` values (QBLOCK; a GGUF superblock's 256), `count` of them x's (the rest zeros), quantized:
+   codes q = round(x · 127 / max|x|) in [−127, 127], and its scale d = max|x| / 127 returned, d·q ≈ x. Written in
+   loops of fixed length with no early exit, so they vectorize (a max and a rounding are exact in any order). A NaN
+   or an infinity leaves the codes 0 and the scale NaN or infinite, so the product is not finite and the logits'
+   check still catches it. */
+static inline __attribute__((always_inline)) float quantize_values(const float *x, int count, int size,
+                                                                   int8_t *codes) {
+    float block[256], largest = 0.0f;  /* size ≤ 256: a GGUF superblock's (core/blocks.c) */
     memcpy(block, x, (size_t)count * sizeof *block);
+    memset(block + count, 0, (size_t)(size - count) * sizeof *block);
     int not_a_number = 0;
-    for (int j = 0; j < QBLOCK; j++) {
+    for (int j = 0; j < size; j++) {
         float a = fabsf(block[j]);
         largest = a > largest ? a : largest;
         not_a_number |= a != a;
     }
     largest = not_a_number ? NAN : largest;
     float inverse = largest > 0.0f && largest <= FLT_MAX ? 127.0f / largest : 0.0f;
-    for (int j = 0; j < QBLOCK; j++) codes[j] = (int8_t)nearbyintf(inverse > 0.0f ? block[j] * inverse : 0.0f);
+    for (int j = 0; j < size; j++) codes[j] = (int8_t)nearbyintf(inverse > 0.0f ? block[j] * inverse : 0.0f);
     return largest / 127.0f;
+}
+
+static float quantize_block(const float *x, int count, int8_t *codes) {
+    return quantize_values(x, count, QBLOCK, codes);
 }
 
 /* x (n values) quantized per block of QBLOCK (quantize_block), each lane's correction −offset·Σ q

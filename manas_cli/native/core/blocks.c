@@ -9,12 +9,14 @@
 
        f = d·A,   P_j = Σ_{k: sub-blocks of 32} sc[2k + j/4] · Σ_{i=4j}^{4j+3} w[32k + i]·q[32k + i]   (j < 8)
        acc_j = fma(f, float(P_j), acc_j)
-       with a minimum:  g = d·B,  M = Σ_h mn[h]·S[h],  acc_min = fma(g, float(M), acc_min)
+       with a minimum:  g = d·B,  M_j = mn[2j]·S[2j] + mn[2j+1]·S[2j+1]  (a block of 32: M_0 alone, 0 past it)
+                        acc_min_j = fma(g, float(M_j), acc_min_j)
 
-   and the result ((acc_0 + acc_1) + (acc_2 + acc_3)) + ((acc_4 + acc_5) + (acc_6 + acc_7)) + acc_min. P_j and M are
-   integers, exact in int32 in any order of summation (|P_j| < 2^24, so float(P_j) is exact too): AVX2's byte
-   products or C compute the same ones. Every float operation is written, so the bits are the same on every CPU
-   (docs/native.md). This is llama.cpp's scheme: one float multiply-add per unit and lane, integers within it.
+   and the result tree(acc) + tree(acc_min), tree(a) = ((a_0 + a_1) + (a_2 + a_3)) + ((a_4 + a_5) + (a_6 + a_7)).
+   P_j and M_j are integers, exact in int32 in any order of summation (|P_j| < 2^24, so float(P_j) is exact too):
+   AVX2's byte products or C compute the same ones. Every float operation is written, so the bits are the same on
+   every CPU (docs/native.md). This is llama.cpp's scheme: one float multiply-add per unit and lane, integers within
+   it, the minimum's terms in lanes as its vector unit leaves them.
 
    F16 and BF16 rows multiply the activations unquantized: acc_(i mod 8) = fma(w[i], x[i], acc_(i mod 8)), the
    same tree. So do block rows with float activations (--float-activations), over their dequantized values.
@@ -381,21 +383,29 @@ static inline float block_lanes_total(const float *lane) {
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
-/* M = Σ_h mn[h]·S[h] over a unit's halves of 16 (an integer: |M| < 2^21). */
-static inline __attribute__((always_inline)) int32_t unit_minimum(int blocks, const UnitScales *scales,
-                                                                  const int16_t *sums) {
-#if defined(__AVX2__)
-    if (blocks == 8) {  /* 16 products in pairs, then the 8 pairs' total */
-        __m256i pairs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)scales->mn),
-                                          _mm256_loadu_si256((const __m256i *)sums));
-        __m128i four = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-        four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4e));
-        return _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xb1)));
-    }
-#endif
-    int32_t m = 0;
-    for (int h = 0; h < 2 * blocks; h++) m += scales->mn[h] * sums[h];
+/* M_j = mn[2j]·S[2j] + mn[2j+1]·S[2j+1], a unit's halves of 16 in pairs (a block of 32 has one pair: lane 0, the
+   others 0), as 8 integer lanes (|M_j| < 2^14). */
+static inline __attribute__((always_inline)) UnitSums unit_minimums(int blocks, const UnitScales *scales,
+                                                                    const int16_t *sums) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (blocks == 8)
+        return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)scales->mn),
+                                 _mm256_loadu_si256((const __m256i *)sums));
+    return _mm256_setr_epi32(scales->mn[0] * sums[0] + scales->mn[1] * sums[1], 0, 0, 0, 0, 0, 0, 0);
+#else
+    UnitSums m = unit_sums_zero();
+    for (int j = 0; j < blocks; j++)
+        m.lane[j] = scales->mn[2 * j] * sums[2 * j] + scales->mn[2 * j + 1] * sums[2 * j + 1];
     return m;
+#endif
+}
+
+/* The result of a row's lanes: the tree of acc, then the tree of acc_min added. */
+static inline float row_total(BlockLanes acc, BlockLanes minimum) {
+    float lane[BLOCK_LANES], least[BLOCK_LANES];
+    store_block_lanes(lane, acc);
+    store_block_lanes(least, minimum);
+    return block_lanes_total(lane) + block_lanes_total(least);
 }
 
 /* Whether a type's values carry a minimum (B, mn). */
@@ -415,9 +425,9 @@ static inline __attribute__((always_inline)) void typed_products(int type, int O
     int blocks = unit_blocks(type);
     size_t row_bytes = ggml_row_bytes(type, linear->n_in);
     BlockLanes lanes[TILE][BLOCK_ROWS];
-    float minimum[TILE][BLOCK_ROWS];
+    BlockLanes minimum[TILE][BLOCK_ROWS];
     for (int o = 0; o < OT; o++)
-        for (int r = 0; r < rows; r++) lanes[o][r] = block_lanes_zero(), minimum[o][r] = 0.0f;
+        for (int r = 0; r < rows; r++) lanes[o][r] = minimum[o][r] = block_lanes_zero();
     for (int u = 0; u < units; u++) {
         Unit w[TILE];
         for (int o = 0; o < OT; o++)
@@ -426,18 +436,14 @@ static inline __attribute__((always_inline)) void typed_products(int type, int O
             UnitInput in = unit_input(blocks, x + (size_t)(r_begin + r) * stride, u);
             for (int o = 0; o < OT; o++) {
                 lanes[o][r] = lanes_fma(in.d * w[o].scales.a, unit_sums(type, &w[o], in.q), lanes[o][r]);
-                if (!has_minimum(type)) continue;
-                float m = (float)unit_minimum(blocks, &w[o].scales, in.sums);
-                minimum[o][r] = fmaf(in.d * w[o].scales.b, m, minimum[o][r]);
+                if (has_minimum(type))
+                    minimum[o][r] = lanes_fma(in.d * w[o].scales.b, unit_minimums(blocks, &w[o].scales, in.sums),
+                                              minimum[o][r]);
             }
         }
     }
     for (int o = 0; o < OT; o++)
-        for (int r = 0; r < rows; r++) {
-            float lane[BLOCK_LANES];
-            store_block_lanes(lane, lanes[o][r]);
-            out[o][r] = block_lanes_total(lane) + minimum[o][r];
-        }
+        for (int r = 0; r < rows; r++) out[o][r] = row_total(lanes[o][r], minimum[o][r]);
 }
 
 /* Weight row o against one row of quantized x (a decode step): typed_products' arithmetic, each sub-block
@@ -447,7 +453,7 @@ static inline __attribute__((always_inline)) float typed_product(int type, const
     int units = linear->n_in / ggml_block_values(type), blocks = unit_blocks(type);
     const uint8_t *row = (const uint8_t *)linear->weight + (size_t)o * ggml_row_bytes(type, linear->n_in);
     BlockLanes lanes = block_lanes_zero();
-    float minimum = 0.0f;
+    BlockLanes minimum = block_lanes_zero();
     for (int u = 0; u < units; u++) {
         for (size_t line = 0; line < ggml_block_bytes(type); line += 64)  /* a superblock spans up to 4 lines */
             __builtin_prefetch(row + (size_t)u * ggml_block_bytes(type) + PREFETCH_BYTES + line);
@@ -460,11 +466,9 @@ static inline __attribute__((always_inline)) float typed_product(int type, const
             p = sums_add(p, sub_values(type, block, k), scales.sc + 2 * k, in.q + 32 * k, signed_values(type),
                          one_scale(type));
         lanes = lanes_fma(in.d * scales.a, p, lanes);
-        if (has_minimum(type)) minimum = fmaf(in.d * scales.b, (float)unit_minimum(blocks, &scales, in.sums), minimum);
+        if (has_minimum(type)) minimum = lanes_fma(in.d * scales.b, unit_minimums(blocks, &scales, in.sums), minimum);
     }
-    float lane[BLOCK_LANES];
-    store_block_lanes(lane, lanes);
-    return block_lanes_total(lane) + minimum;
+    return row_total(lanes, minimum);
 }
 
 /* typed_products compiled once per type: a whole tile of rows, one row (a tile's last, short), and each for one row

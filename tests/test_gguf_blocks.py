@@ -280,3 +280,46 @@ def test_a_truncated_gguf_is_one_error_line_before_the_core_reads_a_block(typed_
     run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", "the", "-n", "2")
     lines = run.err.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and "past the end of the file" in lines[0], run.err
+
+
+def rewritten(source, out, edit) -> None:
+    """The GGUF at source written again, its tensors (name, float32 values) passed through edit(list) first."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for field_name, field in reader.fields.items():
+        if not field_name.startswith("GGUF.") and field_name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(field_name, field.contents(), field.types[0],
+                                 sub_type=field.types[-1] if array else None)  # fmt: skip
+    shaped = [(t.name, np.array(t.data, np.float32).reshape(tuple(int(n) for n in reversed(t.shape))))
+              for t in reader.tensors]  # fmt: skip
+    for name, values in edit(shaped):
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+EDITS = {
+    "a short bias": (lambda ts: [(n, v[:-1] if n == "blk.0.attn_q.bias" else v) for n, v in ts], "config needs"),
+    "a wide layer": (
+        lambda ts: [(n, np.pad(v, ((0, 4), (0, 0))) if n == "blk.1.ffn_up.weight" else v) for n, v in ts],
+        "config needs",
+    ),  # fmt: skip
+    "a missing layer": (lambda ts: [(n, v) for n, v in ts if n != "blk.1.ffn_gate.weight"], "has no"),
+    "a stray tensor": (lambda ts: [*ts, ("blk.0.attn_extra.weight", np.zeros((4, 256), np.float32))], "not part"),
+    "rope_freqs": (lambda ts: [*ts, ("rope_freqs.weight", np.ones(32, np.float32))], "scaled rope"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_a_tensor_the_config_does_not_describe_is_one_error_line_before_the_core_reads_it(typed_files, tmp_path, edit):
+    """The core sizes its buffers by the config and reads each tensor by its shape: a file whose tensors disagree
+    with its config (or hold one manas does not run, as Llama 3.1's rope_freqs) is refused first."""
+    change, why = EDITS[edit]
+    path = tmp_path / "edited.gguf"
+    rewritten(typed_files["qwen2-f32"], path, change)
+    run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", "the", "-n", "2", "--engine", "native")
+    lines = run.err.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and why in lines[0] and "Traceback" not in run.err, run.err

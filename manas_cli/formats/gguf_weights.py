@@ -45,6 +45,7 @@ LAYER = {
     "attn_output": "attention.output", "ffn_norm": "ln_ffn", "ffn_gate": "ffn.gate", "ffn_up": "ffn.up",
     "ffn_down": "ffn.down",
 }  # fmt: skip
+BY_MANAS_NAME = {manas: gguf for gguf, manas in (TOP | LAYER).items()}
 
 
 def type_name(kind: int) -> str:
@@ -96,6 +97,7 @@ class GGUFFile:
         check_apart([(t.start, t.start + t.nbytes, name) for name, t in self.tensors.items()], path)
         shapes = {name: tensor.shape for name, tensor in self.tensors.items()}
         self.config: GPTConfig = config_from_hf(hf_config(self.fields, self.architecture, shapes, path), path)
+        check_shapes(shapes, self.config, path)
         metadata = memoryview(self.mapping)[: layout.metadata_end]
         self.tokenizer_spec = cached_spec(metadata, lambda: spec_from_fields(self.fields, path))
         metadata.release()
@@ -127,6 +129,47 @@ def checked_tensor(tensor: TensorInfo, layout: Layout, path: Path) -> Tensor:
     return Tensor(tensor.kind, tuple(reversed(tensor.dims)), start, nbytes)
 
 
+def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a llama or qwen2 file of this config holds, by llama.cpp's name, in PyTorch's order: the model's
+    own (engine/config.py's parameter_shapes; the output layer where untied), queries, keys and values apart."""
+    from ..engine.config import parameter_shapes
+
+    kv_width = config.n_kv_head * config.head_size
+    expected = {}
+    for name, shape in parameter_shapes(config):
+        if ".attention.qkv." not in name:
+            expected[gguf_name(name)] = shape
+            continue
+        for part, rows in (("qkv", config.attention_width), ("key", kv_width), ("value", kv_width)):
+            expected[gguf_name(name.replace(".qkv.", f".{part}."))] = (rows, *shape[1:])
+    return expected
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], config: GPTConfig, path: Path) -> None:
+    """The file holds exactly the model's tensors, each of the shape its config implies: the core sizes every buffer
+    by the config and reads each tensor by its shape, so the two must agree before it reads anything."""
+    expected = expected_shapes(config)
+    for name, shape in shapes.items():
+        if name == "rope_freqs.weight":
+            raise CheckpointError(f"{path}: rope_freqs.weight (Llama 3.1's scaled rope) has no manas equivalent")
+        if name not in expected:
+            raise CheckpointError(f"{path}: tensor {name} is not part of a model manas runs from this file")
+        if shape != expected[name]:
+            raise CheckpointError(f"{path}: tensor {name} is {list(shape)}, where the model's config needs "
+                                  f"{list(expected[name])}")  # fmt: skip
+    if missing := [name for name in expected if name not in shapes]:
+        raise CheckpointError(f"{path}: the file has no {missing[0]}")
+
+
+def gguf_name(name: str) -> str:
+    """manas' tensor name → llama.cpp's: blocks.3.attention.key.weight → blk.3.attn_k.weight."""
+    module, _, kind = name.rpartition(".")
+    if module.startswith("blocks."):
+        _, layer, inner = module.split(".", 2)
+        return f"blk.{layer}.{BY_MANAS_NAME.get(inner, inner)}.{kind}"
+    return f"{BY_MANAS_NAME.get(module, module)}.{kind}"
+
+
 class GGUFWeights:
     """A mapped GGUF file's tensors as the core reads them (binding.bind): vectors (norms, biases) as float32,
     matrices as ggml layers over their blocks in place. Queries, keys and values stay three layers
@@ -153,14 +196,14 @@ class GGUFWeights:
         if tensor is None or (name == "token_embedding.weight" and tensor.kind != 0):
             return None
         count = math.prod(tensor.shape)
-        if tensor.kind == 0:
+        if tensor.kind == 0 and (self._base + tensor.start) % 4 == 0:  # else copied below (float loads align)
             address = self._base + tensor.start
             if self.library.manas_first_not_finite(address, count) >= 0:
                 raise self._not_finite(name)
             return ctypes.cast(address, POINTER(c_float))
-        stored = {1: 1, 30: 2}.get(tensor.kind)  # core.c's STORED_F16, STORED_BF16
+        stored = {0: 0, 1: 1, 30: 2}.get(tensor.kind)  # core.c's STORED_F32, STORED_F16, STORED_BF16
         if stored is None:
-            raise CheckpointError(f"{self.gguf.path}: tensor {self._gguf_name(name)} is {type_name(tensor.kind)}, "
+            raise CheckpointError(f"{self.gguf.path}: tensor {gguf_name(name)} is {type_name(tensor.kind)}, "
                                   "where a float vector belongs")  # fmt: skip
         converted = (c_float * count)()
         if self.library.manas_convert(self._base + tensor.start, stored, count, 0, converted) >= 0:
@@ -173,10 +216,10 @@ class GGUFWeights:
             name = "token_embedding"  # tied: the output layer is the embedding's rows
         tensor = self._tensor(f"{name}.weight")
         if tensor is None:
-            raise CheckpointError(f"{self.gguf.path}: the file has no {self._gguf_name(name + '.weight')}")
+            raise CheckpointError(f"{self.gguf.path}: the file has no {gguf_name(name + '.weight')}")
         rows, columns = tensor.shape if len(tensor.shape) == 2 else (0, 0)
         if rows == 0:
-            raise CheckpointError(f"{self.gguf.path}: tensor {self._gguf_name(name + '.weight')} is not a matrix")
+            raise CheckpointError(f"{self.gguf.path}: tensor {gguf_name(name + '.weight')} is not a matrix")
         bias = self.vector(f"{name}.bias") if name != "token_embedding" else None
         kind = WEIGHTS_F32 if tensor.kind == 0 else WEIGHTS_GGML
         return ManasLinear(kind, columns, rows, tensor.kind, self._base + tensor.start, None, None, bias)
@@ -190,21 +233,11 @@ class GGUFWeights:
         mapped pages are read no more; the kernel drops them under pressure, as any clean page)."""
 
     def _tensor(self, name: str) -> Tensor | None:
-        return self.gguf.tensors.get(self._gguf_name(name))
-
-    @staticmethod
-    def _gguf_name(name: str) -> str:
-        """manas' tensor name → llama.cpp's: blocks.3.attention.key.weight → blk.3.attn_k.weight."""
-        module, _, kind = name.rpartition(".")
-        if module.startswith("blocks."):
-            _, layer, inner = module.split(".", 2)
-            by_manas = {manas: gguf for gguf, manas in LAYER.items()}
-            return f"blk.{layer}.{by_manas.get(inner, inner)}.{kind}"
-        return f"{ {manas: gguf for gguf, manas in TOP.items()}.get(module, module) }.{kind}"
+        return self.gguf.tensors.get(gguf_name(name))
 
     def _not_finite(self, name: str) -> CheckpointError:
         return CheckpointError(
-            f"{self.gguf.path}: tensor {self._gguf_name(name)} holds a value that is not finite (NaN or infinity): "
+            f"{self.gguf.path}: tensor {gguf_name(name)} holds a value that is not finite (NaN or infinity): "
             "the file is damaged"
         )
 

@@ -15,6 +15,7 @@ import torch
 
 from cli_fixtures import RUN_OPTIONS, manas
 from conftest import needs_compiler, step_logits
+from test_real_models import copy_fields, retyped, stored_blocks
 
 gguf = pytest.importorskip("gguf")
 
@@ -22,24 +23,7 @@ gguf = pytest.importorskip("gguf")
 LEGACY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 SUPER = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 FLOATS = ("F16", "BF16")
-# Where a random block keeps its float16 scales (byte offsets): set to a small finite value, the rest random.
-SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
-          "IQ4_XS": (0,)}  # fmt: skip
-QUANTIZED_BY_THE_PACKAGE = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 Q4_K_M_LIKE = ("Q4_K", "Q6_K", "Q5_0", "Q8_0")  # llama-quantize's Q4_K_M mixes these
-
-
-def stored_blocks(values: np.ndarray, name: str, rng: np.random.Generator, scale: float) -> np.ndarray:
-    """values (rows, columns) as blocks of type `name`: quantized by the gguf package where it can, else random
-    blocks whose float16 scales are `scale` (every bit of the codes exercised)."""
-    kind = gguf.GGMLQuantizationType[name]
-    if name in QUANTIZED_BY_THE_PACKAGE:
-        return gguf.quants.quantize(values, kind)
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    data = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
-    for offset in SCALES[name]:
-        data[:, :, offset : offset + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
-    return data.reshape(values.shape[0], -1)
 
 
 def quantized_activations(x: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -100,30 +84,6 @@ def test_each_type_multiplies_its_dequantized_blocks_by_activations_quantized_pe
     assert not np.array_equal(got, floats)  # the integer path is its own
 
 
-def retyped(source, out, kinds, scale: float = 0.002) -> None:
-    """The GGUF at source written again with its matrices stored in `kinds`, in turn (stored_blocks)."""
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
-    for field_name, field in reader.fields.items():
-        if not field_name.startswith("GGUF.") and field_name != "general.architecture":
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            writer.add_key_value(field_name, field.contents(), field.types[0],
-                                 sub_type=field.types[-1] if array else None)  # fmt: skip
-    rng = np.random.default_rng(0)
-    for index, tensor in enumerate(reader.tensors):
-        values = np.array(tensor.data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
-        if values.ndim == 1:
-            writer.add_tensor(tensor.name, values)
-            continue
-        name = kinds[index % len(kinds)]
-        writer.add_tensor(tensor.name, stored_blocks(values, name, rng, scale),
-                          raw_dtype=gguf.GGMLQuantizationType[name])  # fmt: skip
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
 def typed_files(tmp_path_factory, tiny_bpe_spec) -> dict[str, object]:
     """SmolLM2- and Qwen2-shaped models 256 wide (a K-quant's superblock), exported as f32 GGUFs, then stored as a
@@ -139,8 +99,8 @@ def typed_files(tmp_path_factory, tiny_bpe_spec) -> dict[str, object]:
         f32 = folder / f"{family}-f32.gguf"
         manas("export", checkpoint, "--format", "gguf", "--outtype", "f32", "--out", f32).ok()
         files[f"{family}-f32"], files[f"{family}-hf"] = f32, folder / family
-        retyped(f32, folder / f"{family}-mix.gguf", Q4_K_M_LIKE)
-        retyped(f32, folder / f"{family}-all.gguf", (*SUPER, *LEGACY, *FLOATS))
+        retyped(f32, folder / f"{family}-mix.gguf", Q4_K_M_LIKE, scale=0.002)
+        retyped(f32, folder / f"{family}-all.gguf", (*SUPER, *LEGACY, *FLOATS), scale=0.002)
         files[f"{family}-mix"], files[f"{family}-all"] = folder / f"{family}-mix.gguf", folder / f"{family}-all.gguf"
     return files
 
@@ -186,7 +146,7 @@ def test_float_activations_write_transformers_greedy_text_from_the_same_q8_0_fil
     from transformers import AutoModelForCausalLM
 
     q8 = tmp_path / "model-q8_0.gguf"
-    retyped(typed_files["smollm2-f32"], q8, ("Q8_0",))
+    retyped(typed_files["smollm2-f32"], q8, ("Q8_0",), scale=0.002)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=q8.name, dtype=torch.float32).eval()
     run = manas("generate", "-m", q8, *RUN_OPTIONS, "-p", "the weather", "-n", "24", "-t", "0", "--float-activations",
                 "--json").ok()  # fmt: skip
@@ -209,11 +169,7 @@ def test_a_type_without_a_kernel_is_one_error_line_naming_the_type_and_the_tenso
     reader = gguf.GGUFReader(typed_files["smollm2-f32"])
     out = tmp_path / "iq2.gguf"
     writer = gguf.GGUFWriter(out, "llama")
-    for field_name, field in reader.fields.items():
-        if not field_name.startswith("GGUF.") and field_name != "general.architecture":
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            writer.add_key_value(field_name, field.contents(), field.types[0],
-                                 sub_type=field.types[-1] if array else None)  # fmt: skip
+    copy_fields(writer, reader.fields)
     for tensor in reader.tensors:
         values = np.array(tensor.data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
         if tensor.name == "blk.1.ffn_up.weight":
@@ -237,7 +193,7 @@ def test_a_type_without_a_kernel_is_one_error_line_naming_the_type_and_the_tenso
 def test_a_scale_that_is_not_finite_ends_the_run_with_one_error_line(typed_files, tmp_path, name, offset):
     """A NaN d (or dmin) in a block the model multiplies: its products are not finite, and the run says so."""
     path = tmp_path / "typed.gguf"
-    retyped(typed_files["smollm2-f32"], path, (name,))
+    retyped(typed_files["smollm2-f32"], path, (name,), scale=0.002)
     data = bytearray(path.read_bytes())
     from manas_cli.formats.gguf_metadata import read_layout
 
@@ -286,11 +242,7 @@ def rewritten(source, out, edit) -> None:
     """The GGUF at source written again, its tensors (name, float32 values) passed through edit(list) first."""
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
-    for field_name, field in reader.fields.items():
-        if not field_name.startswith("GGUF.") and field_name != "general.architecture":
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            writer.add_key_value(field_name, field.contents(), field.types[0],
-                                 sub_type=field.types[-1] if array else None)  # fmt: skip
+    copy_fields(writer, reader.fields)
     shaped = [(t.name, np.array(t.data, np.float32).reshape(tuple(int(n) for n in reversed(t.shape))))
               for t in reader.tensors]  # fmt: skip
     for name, values in edit(shaped):

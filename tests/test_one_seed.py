@@ -212,7 +212,7 @@ def write_dumps(folder: Path, native_library) -> None:
     qwen2 model, a Q8_0 llama), each bound by the core as the engine binds it, dumped with its prompt and a short
     prompt for the seeds (all 20 for float32, 5 for the others); then the driver built as the engine builds the
     core (-march=native, gcc), and each dump's output."""
-    from test_gguf_blocks import retyped
+    from test_real_models import retyped
 
     for bits in (8, 4):
         assert cli("quantize", SHIPPED, "--bits", bits, "--out", checkpoint_of(f"int{bits}", folder)).returncode == 0

@@ -126,9 +126,25 @@ def copy_fields(writer, fields: dict) -> None:
             writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
 
 
-def retyped(source, out, kinds: list[str]) -> None:
-    """The GGUF at source written again with its matrices stored in `kinds`, in turn: quantized by the gguf package
-    where it can, else as random blocks with sane scales (the K-quants and IQ4_NL, written directly)."""
+def stored_blocks(values, name: str, rng, scale: float = 0.01):
+    """values (rows, columns) as blocks of type `name`: quantized by the gguf package where it can, else random
+    blocks whose float16 scales are `scale` (every bit of the codes exercised: the K-quants and IQ4, written
+    directly)."""
+    import gguf
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType[name]
+    if name in QUANTIZED_BY_THE_PACKAGE:
+        return gguf.quants.quantize(values, kind)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[name]:
+        data[:, :, offset : offset + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    return data.reshape(values.shape[0], -1)
+
+
+def retyped(source, out, kinds, scale: float = 0.01) -> None:
+    """The GGUF at source written again with its matrices stored in `kinds`, in turn (stored_blocks)."""
     import gguf
     import numpy as np
 
@@ -144,16 +160,8 @@ def retyped(source, out, kinds: list[str]) -> None:
             continue
         name = kinds[matrices % len(kinds)]
         matrices += 1
-        kind = gguf.GGMLQuantizationType[name]
-        if name in QUANTIZED_BY_THE_PACKAGE:
-            data = gguf.quants.quantize(values, kind)
-        else:
-            block, size = gguf.GGML_QUANT_SIZES[kind]
-            data = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
-            for offset in SCALE_OFFSETS[name]:
-                data[:, :, offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-            data = data.reshape(values.shape[0], -1)
-        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+        writer.add_tensor(tensor.name, stored_blocks(values, name, rng, scale),
+                          raw_dtype=gguf.GGMLQuantizationType[name])  # fmt: skip
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

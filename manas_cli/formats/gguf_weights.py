@@ -98,9 +98,8 @@ class GGUFFile:
         shapes = {name: tensor.shape for name, tensor in self.tensors.items()}
         self.config: GPTConfig = config_from_hf(hf_config(self.fields, self.architecture, shapes, path), path)
         check_shapes(shapes, self.config, path)
-        metadata = memoryview(self.mapping)[: layout.metadata_end]
-        self.tokenizer_spec = cached_spec(metadata, lambda: spec_from_fields(self.fields, path))
-        metadata.release()
+        with memoryview(self.mapping)[: layout.metadata_end] as metadata:  # released even when the spec is refused
+            self.tokenizer_spec = cached_spec(metadata, lambda: spec_from_fields(self.fields, path))
         template = self.fields.get("tokenizer.chat_template")
         template = checked_template(template, path) if isinstance(template, str) and template.strip() else None
         self.metadata = {"converted_from": f"GGUF {self.architecture}"} | (

@@ -80,12 +80,29 @@ SHAPE = dict(
     max_position_embeddings=512,
     rms_norm_eps=1e-6,
 )
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=32.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 FAMILIES = {
     "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=100000.0), "smollm2"),
     "tinyllama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5), "gpt2"),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0), "qwen2"),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None), "gpt2"),
     "head-dim": ("LlamaConfig", dict(head_dim=32, attention_bias=True, mlp_bias=True), "gpt2"),
+    # Qwen3: each query and key head RMS-normed, heads wider than hidden_size / heads (Qwen3-0.6B: 16 of 128 in 1,024)
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32, rope_parameters=dict(rope_theta=1e6)), "qwen2"),
+    # Llama 3.2's scaled rope as published; and one whose blend reaches the positions a test runs (8,192 does not)
+    "llama3.2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE), "gpt2"),
+    "llama3-scaled": (
+        "LlamaConfig",
+        dict(rope_parameters=LLAMA3_ROPE | dict(factor=8.0, original_max_position_embeddings=64)),
+        "gpt2",
+    ),
 }
 
 

@@ -20,6 +20,8 @@ FAMILY_DEFAULTS = {
     "head_dim": None,
     "tie_embeddings": True,
     "qkv_bias": None,
+    "qk_norm": False,
+    "rope_factors": None,
 }
 # The longest context any released model uses (2^20 positions). No tensor backs block_size with rope, so a bound
 # keeps a file's claim from sizing what position-dependent state there is (the static KV cache's window).
@@ -53,6 +55,10 @@ class GPTConfig:
     head_dim: int | None = None  # None: n_embd / n_head
     tie_embeddings: bool = True  # the output layer is the token embedding (GPT-2), or a matrix of its own
     qkv_bias: bool | None = None  # biases on q, k, v; None: as `bias` (Qwen2: true with bias false)
+    qk_norm: bool = False  # RMSNorm over each query and key head before rope, one weight per head dimension (Qwen3)
+    # Each rope pair's frequency divided by its factor (head size / 2 of them): Llama 3.1's and 3.2's scaled rope,
+    # as llama.cpp's rope_freqs holds it; None: every factor 1.
+    rope_factors: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -86,6 +92,24 @@ class GPTConfig:
         for name, allowed in (("norm", NORMS), ("mlp", MLPS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ValueError("qk_norm needs norm 'rmsnorm' (the query and key norms are RMSNorms)")
+        self._check_rope_factors()
+
+    def _check_rope_factors(self) -> None:
+        """Positive and finite, one per rope pair, with rope positions."""
+        if self.rope_factors is None:
+            return
+        if self.position_encoding != "rope":
+            raise ValueError("rope_factors needs position_encoding 'rope'")
+        if len(self.rope_factors) != self.head_size // 2:
+            raise ValueError(
+                f"rope_factors must hold one factor per rope pair, {self.head_size // 2} (head size / 2), "
+                f"got {len(self.rope_factors)}"
+            )
+        for factor in self.rope_factors:
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
+                raise ValueError(f"rope_factors must be positive finite numbers, got {factor!r}")
 
     def _check_types(self) -> None:
         """Each field has its declared type exactly: a bool is not an int, a string is not a bool ("false" would be
@@ -94,6 +118,10 @@ class GPTConfig:
             value = getattr(self, field.name)
             kind = field.type.split(" | ")[0]
             if value is None and field.type.endswith("| None"):
+                continue
+            if kind.startswith("list"):  # its items are checked with the field
+                if not isinstance(value, list):
+                    raise ValueError(f"{field.name} must be a list, got {value!r}")
                 continue
             valid = {
                 "int": isinstance(value, int) and not isinstance(value, bool),
@@ -174,6 +202,9 @@ def parameter_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]
     for i in range(config.n_layer):
         yield from norm(f"blocks.{i}.ln_attention")
         yield from linear(f"blocks.{i}.attention.qkv", config.attention_width + 2 * kv_width, C, config.has_qkv_bias)
+        if config.qk_norm:
+            yield f"blocks.{i}.attention.q_norm.weight", (config.head_size,)
+            yield f"blocks.{i}.attention.k_norm.weight", (config.head_size,)
         yield from linear(f"blocks.{i}.attention.output", C, config.attention_width)
         yield from norm(f"blocks.{i}.ln_ffn")
         if config.mlp == "swiglu":

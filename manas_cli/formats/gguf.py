@@ -3,8 +3,9 @@
 GGUF names llama.cpp's own architectures. The model's Hugging Face tensors map onto them as llama.cpp's converter
 (convert_hf_to_gguf.py) maps them, with the names of the gguf package's TensorNameMap: GPT-2's are `gpt2` (Conv1D
 weights transposed back to out×in), Starcoder2's are `starcoder2` (queries and keys already in the rotate-half
-layout of llama.cpp's NEOX rope), Qwen2's `qwen2` (NEOX too) and Llama's `llama`, whose rope rotates interleaved
-pairs as manas does (the queries and keys permuted back from Hugging Face's layout, as the converter does).
+layout of llama.cpp's NEOX rope), Qwen2's `qwen2` and Qwen3's `qwen3` (NEOX too) and Llama's `llama`, whose rope
+rotates interleaved pairs as manas does (the queries and keys permuted back from Hugging Face's layout, as the
+converter does); a scaled rope's factors (Llama 3.1, 3.2) go in as `rope_freqs.weight`, as the converter writes them.
 llama.cpp's gpt2 reads head_count_kv, so learned-position models with grouped-query attention export too, though
 Hugging Face's GPT-2 has no such thing. The tokenizer goes along as GGUF's byte-level BPE.
 """
@@ -81,9 +82,11 @@ def as_float32(value: float) -> float:
 
 
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
-    """Refuse what llama.cpp's gpt2, starcoder2, llama and qwen2 would compute or stop differently."""
+    """Refuse what llama.cpp's gpt2, starcoder2, llama, qwen2 and qwen3 would compute or stop differently."""
+    if config.rope_factors is not None and llama.model_type_of(config) != "llama":
+        raise CheckpointError(f"{source}: llama.cpp reads rope_factors (rope_freqs) only in its llama architecture")
     if not config.is_gpt2_family:
-        llama.check_exportable(config, source)
+        llama.check_exportable(config, source, hf=False)
     elif config.gelu_approximate != "tanh":
         raise CheckpointError(
             f"{source}: the model uses the exact GELU (gelu_approximate={config.gelu_approximate!r}), but llama.cpp's "
@@ -127,6 +130,8 @@ def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
             tensor = rotary_layout.from_rotate_half(tensor, heads)  # llama.cpp's llama rope: interleaved pairs
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous().numpy()
+    if config.rope_factors is not None:
+        tensors["rope_freqs.weight"] = np.array(config.rope_factors, dtype=np.float32)
     return tensors
 
 

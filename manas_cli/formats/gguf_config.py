@@ -8,10 +8,14 @@ import math
 import re
 from pathlib import Path
 
+from ..engine.config import GPTConfig
 from ..errors import CheckpointError
 from .gguf_metadata import Layout, TensorInfo
+from .importing import make_config
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder2")  # llama.cpp's names of the models manas runs
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "starcoder2")  # llama.cpp's names of the models manas runs
+# What a refusal lists: the architectures, and models they hold
+RUNS = f"{', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3.x, Qwen2, 2.5 and 3, GPT-2, StarCoder2"
 
 
 def check_block_count(layout: Layout, architecture: str, path: Path) -> None:
@@ -65,7 +69,7 @@ def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]
             "norm_epsilon": _decimal(value("attention.layer_norm_epsilon", 1e-5)),
             "hidden_act": "gelu_pytorch_tanh",
         }
-    if architecture in ("llama", "qwen2"):
+    if architecture in ("llama", "qwen2", "qwen3"):
         values |= {
             "rms_norm_eps": _decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
             "head_dim": value("attention.key_length"),
@@ -77,6 +81,14 @@ def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]
         values["attention_bias"] = values["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
     values |= {"model_type": architecture, "vocab_size": vocab_size}
     return {key: item for key, item in values.items() if item is not None}
+
+
+def with_rope_factors(config: GPTConfig, factors: list[float] | None, path: Path) -> GPTConfig:
+    """The config with a llama file's rope_freqs.weight as its rope_factors (Llama 3.1's and 3.2's scaled rope),
+    each checked as the config checks them: one per rope pair, positive and finite."""
+    if factors is None:
+        return config
+    return make_config(path, **{**config.__dict__, "rope_factors": factors})
 
 
 def _decimal(value: object) -> object:

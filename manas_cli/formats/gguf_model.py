@@ -19,7 +19,15 @@ from ..engine.config import GPTConfig
 from ..errors import CheckpointError, first_line
 from ..torch_engine.model import GPT
 from . import gpt2, huggingface, llama, rotary_layout, starcoder2
-from .gguf_config import ARCHITECTURES, check_apart, check_block_count, hf_config, tensor_extent
+from .gguf_config import (
+    ARCHITECTURES,
+    RUNS,
+    check_apart,
+    check_block_count,
+    hf_config,
+    tensor_extent,
+    with_rope_factors,
+)
 from .gguf_metadata import Layout, read_layout
 from .gguf_vocab import read_gguf, spec_from_fields, string_field
 from .header import Checkpoint
@@ -54,6 +62,11 @@ HF_LAYOUTS = {
     ),
 }  # fmt: skip
 HF_LAYOUTS["qwen2"] = HF_LAYOUTS["llama"]
+HF_LAYOUTS["qwen3"] = (
+    HF_LAYOUTS["llama"][0],
+    "model.layers",
+    (*LLAMA_LAYER_MODULES, "self_attn.q_norm", "self_attn.k_norm"),
+)
 
 
 @dataclass
@@ -72,14 +85,17 @@ def load_gguf(path: Path) -> GGUFModel:
     architecture = string_field(fields, "general.architecture", path, CheckpointError)
     if architecture not in ARCHITECTURES:
         raise CheckpointError(
-            f"{path}: llama.cpp architecture {architecture!r} is not one manas imports from GGUF "
-            f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3, Qwen2 and 2.5, GPT-2, StarCoder2)"
+            f"{path}: llama.cpp architecture {architecture!r} is not one manas imports from GGUF ({RUNS})"
         )
     check_layout(layout, path)
     check_block_count(layout, architecture, path)
     names = {tensor.name: tensor for tensor in read_gguf(path).tensors}  # the package reads the tensors
     shapes = {name: _shape(tensor) for name, tensor in names.items()}
     config = huggingface.config_from_hf(hf_config(fields, architecture, shapes, path), path)
+    if "rope_freqs.weight" in names:
+        import gguf
+
+        config = with_rope_factors(config, _dequantized(gguf, names["rope_freqs.weight"], path).tolist(), path)
     if architecture in ("gpt2", "starcoder2"):  # Hugging Face's GPT-2 has no grouped-query attention; llama.cpp's has
         kv_heads = fields.get(f"{architecture}.attention.head_count_kv", config.n_head)
         config = make_config(path, **{**config.__dict__, "n_kv_head": kv_heads})  # checked, as every field is
@@ -129,8 +145,8 @@ def _hf_state(tensors: dict, architecture: str, config: GPTConfig, path: Path) -
     state = {}
     for gguf_name, tensor in tensors.items():
         if gguf_name not in by_gguf_name:
-            if gguf_name == "rope_freqs.weight":
-                raise CheckpointError(f"{path}: rope_freqs.weight (Llama 3.1's scaled rope) has no manas equivalent")
+            if gguf_name == "rope_freqs.weight":  # the config's rope_factors (load_gguf)
+                continue
             raise CheckpointError(f"{path}: tensor {gguf_name} is not part of a {architecture} model manas runs")
         name = by_gguf_name[gguf_name]
         weights = torch.from_numpy(_dequantized(gguf, tensor, path))
@@ -147,7 +163,7 @@ def _manas_state(
     """The config and tensors of the manas model. GPT-2's and StarCoder2's llama.cpp files may repeat the tied
     output layer (quantized on its own, so not always equal to the embedding): equal, it is dropped; else the
     model keeps an output layer of its own."""
-    if architecture in ("llama", "qwen2"):
+    if architecture in ("llama", "qwen2", "qwen3"):
         return config, llama.state_to_manas(state, config, path)
     head = state.pop(TIED_HEAD, None)
     if architecture == "gpt2":

@@ -3,8 +3,9 @@
 mapping before the core may read it, and gives the core's loader (native/model.py's NativeGPT) what
 binding.bind asks for: `vector(name)` and `linear(name)` under manas' names. No torch, no gguf package.
 
-llama.cpp's `llama` files keep queries and keys in interleaved rope pairs, manas' own layout; its `qwen2` files
-keep Hugging Face's rotate-half pairs, which the core rotates as they are (ManasModel.rope_halves)."""
+llama.cpp's `llama` files keep queries and keys in interleaved rope pairs, manas' own layout; its `qwen2` and
+`qwen3` files keep Hugging Face's rotate-half pairs, which the core rotates as they are (ManasModel.rope_halves). A
+llama file's rope_freqs.weight (Llama 3.1, 3.2) is its config's rope_factors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import ctypes
 import math
 import mmap
 import os
+import struct
 from ctypes import POINTER, c_float
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,8 @@ from .gguf_metadata import Layout, TensorInfo, layout_of
 from .gguf_vocab import spec_from_fields, string_field
 from .tokenizer_cache import cached_spec
 
-IN_PLACE = ("llama", "qwen2")  # llama.cpp's architectures whose files the core runs in place
+IN_PLACE = ("llama", "qwen2", "qwen3")  # llama.cpp's architectures whose files the core runs in place
+ROTATE_HALF = ("qwen2", "qwen3")  # those whose queries and keys keep Hugging Face's rotate-half layout
 
 # ggml's types: (name, values per block, bytes per block) for those the core multiplies; the others by name only
 BLOCK_TYPES = {
@@ -42,6 +45,7 @@ OTHER_TYPES = {
 TOP = {"token_embd": "token_embedding", "output_norm": "final_norm", "output": "lm_head"}
 LAYER = {
     "attn_norm": "ln_attention", "attn_q": "attention.qkv", "attn_k": "attention.key", "attn_v": "attention.value",
+    "attn_q_norm": "attention.q_norm", "attn_k_norm": "attention.k_norm",
     "attn_output": "attention.output", "ffn_norm": "ln_ffn", "ffn_gate": "ffn.gate", "ffn_up": "ffn.up",
     "ffn_down": "ffn.down",
 }  # fmt: skip
@@ -72,7 +76,7 @@ class GGUFFile:
     inside the file, aligned, apart from the others."""
 
     def __init__(self, path: Path) -> None:
-        from .gguf_config import ARCHITECTURES, check_apart, check_block_count, hf_config
+        from .gguf_config import ARCHITECTURES, RUNS, check_apart, check_block_count, hf_config, with_rope_factors
         from .header import map_whole
         from .huggingface import checked_template, config_from_hf
 
@@ -89,14 +93,14 @@ class GGUFFile:
             raise NotInPlace(f"{path}: llama.cpp's {self.architecture} runs converted to float32, not in place")
         if self.architecture not in IN_PLACE:
             raise CheckpointError(
-                f"{path}: llama.cpp architecture {self.architecture!r} is not one manas runs from GGUF "
-                f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3, Qwen2 and 2.5, GPT-2, StarCoder2)"
+                f"{path}: llama.cpp architecture {self.architecture!r} is not one manas runs from GGUF ({RUNS})"
             )
         check_block_count(layout, self.architecture, path)
         self.tensors = {tensor.name: checked_tensor(tensor, layout, path) for tensor in layout.tensors}
         check_apart([(t.start, t.start + t.nbytes, name) for name, t in self.tensors.items()], path)
         shapes = {name: tensor.shape for name, tensor in self.tensors.items()}
-        self.config: GPTConfig = config_from_hf(hf_config(self.fields, self.architecture, shapes, path), path)
+        config = config_from_hf(hf_config(self.fields, self.architecture, shapes, path), path)
+        self.config: GPTConfig = with_rope_factors(config, self._rope_factors(), path)
         check_shapes(shapes, self.config, path)
         with memoryview(self.mapping)[: layout.metadata_end] as metadata:  # released even when the spec is refused
             self.tokenizer_spec = cached_spec(metadata, lambda: spec_from_fields(self.fields, path))
@@ -105,6 +109,17 @@ class GGUFFile:
         self.metadata = {"converted_from": f"GGUF {self.architecture}"} | (
             {"chat_template": template} if template else {}
         )
+
+    def _rope_factors(self) -> list[float] | None:
+        """rope_freqs.weight's values: a float32 vector, read from the checked mapping (the config checks them)."""
+        tensor = self.tensors.get("rope_freqs.weight")
+        if tensor is None:
+            return None
+        if tensor.kind != 0 or len(tensor.shape) != 1:
+            raise CheckpointError(f"{self.path}: rope_freqs.weight is {type_name(tensor.kind)} {list(tensor.shape)}, "
+                                  "where llama.cpp writes a float32 vector")  # fmt: skip
+        with memoryview(self.mapping)[tensor.start : tensor.start + tensor.nbytes] as data:
+            return list(struct.unpack(f"<{tensor.nbytes // 4}f", data))
 
     @property
     def types(self) -> str:
@@ -148,9 +163,9 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], config: GPTConfig, path: Pa
     """The file holds exactly the model's tensors, each of the shape its config implies: the core sizes every buffer
     by the config and reads each tensor by its shape, so the two must agree before it reads anything."""
     expected = expected_shapes(config)
+    if config.rope_factors is not None:
+        expected["rope_freqs.weight"] = (len(config.rope_factors),)
     for name, shape in shapes.items():
-        if name == "rope_freqs.weight":
-            raise CheckpointError(f"{path}: rope_freqs.weight (Llama 3.1's scaled rope) has no manas equivalent")
         if name not in expected:
             raise CheckpointError(f"{path}: tensor {name} is not part of a model manas runs from this file")
         if shape != expected[name]:
@@ -179,7 +194,7 @@ class GGUFWeights:
     def __init__(self, gguf: GGUFFile, library: ctypes.CDLL) -> None:
         self.gguf, self.library, self.config = gguf, library, gguf.config
         self.name = f"GGUF {gguf.types}"
-        self.rope_halves = gguf.architecture == "qwen2"
+        self.rope_halves = gguf.architecture in ROTATE_HALF
         self.nbytes = sum(tensor.nbytes for tensor in gguf.tensors.values())
         # the bytes the core reads from the file's pages: free memory as the kernel counts it (MemAvailable) takes
         # them for reclaimable cache, but a run keeps them resident (native/engine.py's free_memory_bytes)

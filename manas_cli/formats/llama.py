@@ -1,13 +1,18 @@
-"""Llama-family models as Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM, and back.
+"""Llama-family models as Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
+MistralForCausalLM, and back.
 
-The three are one decoder (RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP) with different defaults:
-Qwen2 has biases on q, k, v only; Llama may have them on every attention projection (attention_bias) and on the MLP
-(mlp_bias); Mistral may restrict attention to a sliding window, which manas does not run. Each maps onto a manas
-config field by field (engine/config.py); the rotary layout is rotary_layout.py's.
+The four are one decoder (RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP) with different defaults:
+Qwen2 has biases on q, k, v only; Qwen3 RMS-norms each query and key head before rope (qk_norm); Llama may have
+biases on every attention projection (attention_bias) and on the MLP (mlp_bias), and Llama 3.1 and 3.2 scale their
+rope's frequencies (rope_type "llama3", as rope_factors); Mistral may restrict attention to a sliding window, which
+manas does not run. Each maps onto a manas config field by field (engine/config.py); the rotary layout is
+rotary_layout.py's.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,10 +26,17 @@ if TYPE_CHECKING:
 
     from ..torch_engine.model import GPT
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-NAMES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 BLOCK_MODULES = {
     "ln_attention": "input_layernorm",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
     "attention.output": "self_attn.o_proj",
     "ln_ffn": "post_attention_layernorm",
     "ffn.gate": "mlp.gate_proj",
@@ -35,6 +47,11 @@ TOP_MODULES = {"token_embedding": "model.embed_tokens", "final_norm": "model.nor
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # The rope parameters that mean plain rotary positions (transformers 5 spells them rope_parameters).
 PLAIN_ROPE = {"rope_type": "default"}
+# Each rope scaling manas runs, by rope_type, with the parameters it reads beside rope_type (and rope_theta).
+ROPE_SCALINGS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def config_from_hf(values: dict, source: Path) -> GPTConfig:
@@ -53,6 +70,8 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
     n_head, n_embd = field("num_attention_heads", int), field("hidden_size", int)
     head_dim = None if values.get("head_dim") is None else field("head_dim", int)
     kv_heads = None if values.get("num_key_value_heads") is None else field("num_key_value_heads", int)
+    rope_base = rope_field("rope_theta", float, field("rope_theta", float, 10000.0))
+    head_size = head_dim or n_embd // max(n_head, 1)
     config = make_config(
         source,
         position_encoding="rope",
@@ -62,7 +81,7 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         n_head=n_head,
         n_kv_head=kv_heads,
         n_embd=n_embd,
-        rope_base=rope_field("rope_theta", float, field("rope_theta", float, 10000.0)),
+        rope_base=rope_base,
         norm_eps=field("rms_norm_eps", float, 1e-6),
         dropout=field("attention_dropout", float, 0.0),
         norm="rmsnorm",
@@ -71,10 +90,71 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         # the usual head size is left implicit, as a config written by manas leaves it
         head_dim=None if n_head and head_dim == n_embd / n_head else head_dim,
         tie_embeddings=field("tie_word_embeddings", bool, False),
+        qk_norm=model_type == "qwen3",
+        rope_factors=rope_factors(_rope_scaling(values, rope, source), head_size, rope_base, source),
         **_biases(values, model_type, field, source),
     )
     _refuse_unsupported(values, rope, config, source)
     return config
+
+
+def _rope_scaling(values: dict, rope: dict, source: Path) -> dict | None:
+    """The config's rope scaling (transformers 4's rope_scaling, or 5's rope_parameters), None for plain rope."""
+    scaling = values.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = rope
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise CheckpointError(f"{source}: rope_scaling must be an object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise CheckpointError(
+            f"{source}: rope_scaling of rope_type {kind!r} has no manas equivalent (manas runs "
+            f"{', '.join(ROPE_SCALINGS)})"
+        )
+    known = {"rope_type", "type", "rope_theta", *ROPE_SCALINGS[kind]}
+    if unknown := sorted(set(scaling) - known):
+        raise CheckpointError(f"{source}: rope_scaling.{unknown[0]} has no manas equivalent for rope_type {kind!r}")
+    return scaling
+
+
+def rope_factors(scaling: dict | None, head_size: int, base: float, source: Path) -> list[float] | None:
+    """Each rope pair's frequency divisor, float32 as llama.cpp's rope_freqs holds them: "linear" divides every
+    frequency by `factor`; "llama3" (Llama 3.1, 3.2) the low frequencies by `factor`, the high ones by 1, and blends
+    the two between, as transformers' _compute_llama3_parameters and llama.cpp's converter do."""
+    if scaling is None:
+        return None
+    kind, field = scaling.get("rope_type", scaling.get("type")), typed_field(scaling, source, "rope_scaling.")
+    factor = field("factor", float)
+    if not 0 < factor < math.inf:
+        raise CheckpointError(f"{source}: rope_scaling.factor must be positive, got {factor!r}")
+    if kind == "linear":
+        return [_float32(factor)] * (head_size // 2)
+    low, high = field("low_freq_factor", float), field("high_freq_factor", float)
+    original = field("original_max_position_embeddings", int)
+    if not (0 < low < high < math.inf and original > 0):
+        raise CheckpointError(
+            f"{source}: rope_scaling needs 0 < low_freq_factor < high_freq_factor and a positive "
+            f"original_max_position_embeddings, got {low!r}, {high!r}, {original!r}"
+        )
+    factors = []
+    for i in range(0, head_size, 2):
+        wavelength = 2 * math.pi * base ** (i / head_size)  # of frequency base^(−i/head_size)
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(_float32(factor))
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(_float32(1 / ((1 - smooth) / factor + smooth)))
+    return factors
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def _biases(values: dict, model_type: str, field, source: Path) -> dict[str, bool]:
@@ -96,9 +176,8 @@ def _refuse_unsupported(values: dict, rope: dict, config: GPTConfig, source: Pat
     unsupported = {
         # a window as long as the context masks nothing
         "sliding_window": sliding and window is not None and not (type(window) is int and window >= config.block_size),
-        "rope_scaling": values.get("rope_scaling") is not None,
-        "rope_parameters": rope.get("rope_type", "default") != "default"
-        or not set(rope) <= {"rope_type", "rope_theta"},
+        "rope_parameters": rope.get("rope_type", "default") == "default"
+        and not set(rope) <= {"rope_type", "rope_theta"},
         "pretraining_tp": values.get("pretraining_tp", 1) != 1,
     }
     if changed := [name for name, differs in unsupported.items() if differs]:
@@ -126,11 +205,15 @@ def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Pa
 
 
 def model_type_of(config: GPTConfig) -> str:
-    """Qwen2 for q, k, v biases alone, else Llama (whose attention_bias and mlp_bias cover manas' `bias`)."""
+    """Qwen3 for per-head query and key norms, Qwen2 for q, k, v biases alone, else Llama (whose attention_bias and
+    mlp_bias cover manas' `bias`)."""
+    if config.qk_norm:
+        return "qwen3"
     return "qwen2" if config.has_qkv_bias and not config.bias else "llama"
 
 
-def check_exportable(config: GPTConfig, source: Path) -> None:
+def check_exportable(config: GPTConfig, source: Path, hf: bool = True) -> None:
+    """Refuse what the Hugging Face model (hf) or llama.cpp's twin of it would compute differently."""
     if config.norm != "rmsnorm" or config.mlp != "swiglu" or config.position_encoding != "rope":
         raise CheckpointError(
             f"{source}: a model with norm={config.norm!r}, mlp={config.mlp!r} and {config.position_encoding} "
@@ -138,6 +221,31 @@ def check_exportable(config: GPTConfig, source: Path) -> None:
         )
     if config.bias and not config.has_qkv_bias:
         raise CheckpointError(f"{source}: biases on the projections but not on q, k, v have no Hugging Face model")
+    if config.qk_norm and config.has_qkv_bias:
+        raise CheckpointError(f"{source}: query and key norms with biases have no Hugging Face model (Qwen3 has none)")
+    if hf and config.rope_factors is not None and hf_rope_scaling(config) is None:
+        raise CheckpointError(
+            f"{source}: its rope_factors are not a rope_scaling Hugging Face names (linear, or Llama 3's with "
+            "low_freq_factor 1, high_freq_factor 4 and 8,192 positions); `--format gguf` writes them as they are"
+        )
+
+
+# Llama 3.1's and 3.2's rope_scaling, but for its factor (8 and 32)
+LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def hf_rope_scaling(config: GPTConfig) -> dict | None:
+    """The Hugging Face rope_scaling whose factors are exactly the config's rope_factors: linear's (every factor
+    the same) or Llama 3's published parameters, each checked by computing its factors; None if neither is."""
+    factors = config.rope_factors
+    if factors is None:
+        return None
+    candidates = [{"rope_type": "linear", "factor": factors[0]}, LLAMA3_SCALING | {"factor": max(factors)}]
+    for scaling in candidates:
+        if rope_factors(scaling, config.head_size, config.rope_base, Path("export")) == factors:
+            return scaling
+    return None
 
 
 def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) -> dict:
@@ -156,8 +264,8 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
         "hidden_act": "silu",
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
-        "rope_scaling": None,
+        "rope_parameters": (hf_rope_scaling(config) or {"rope_type": "default"}) | {"rope_theta": config.rope_base},
+        "rope_scaling": hf_rope_scaling(config),
         "tie_word_embeddings": config.tie_embeddings,
         "attention_dropout": config.dropout,
         "initializer_range": 0.02,
@@ -170,6 +278,8 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
         values |= {"attention_bias": config.bias, "mlp_bias": config.bias, "pretraining_tp": 1}
     else:
         values |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": config.n_layer}
+    if model_type == "qwen3":
+        values |= {"attention_bias": False}
     return values
 
 
@@ -188,5 +298,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
             for part, split in rotary_layout.split_qkv(tensor, config).items():
                 tensors[f"model.layers.{parts[1]}.self_attn.{part}.{kind}"] = split
         else:
+            head_norm = parts[2] in rotary_layout.HEAD_NORMS  # laid out as a head: rotate-half too
+            tensor = rotary_layout.to_rotate_half(tensor, 1) if head_norm else tensor
             tensors[f"model.layers.{parts[1]}.{BLOCK_MODULES[parts[2]]}.{kind}"] = tensor
     return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 QKV = ("q_proj", "k_proj", "v_proj")
 QKV_MODULES = {f"self_attn.{name}": name for name in QKV}  # inside model.layers.N
+# manas' per-head query and key norms (Qwen3): one weight per head dimension, laid out as the heads it scales
+HEAD_NORMS = ("attention.q_norm", "attention.k_norm")
 
 
 def to_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -73,6 +75,8 @@ def state_to_manas(
             if not tensor.is_floating_point():  # fusing would promote bool or int to float without a word
                 raise CheckpointError(f"{source}: tensor {name} is {tensor.dtype}, not a real floating-point tensor")
             qkv.setdefault((layer[1], kind), {})[part] = tensor
+        elif layer and layer[2] in inverse and inverse[layer[2]] in HEAD_NORMS:
+            renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = from_rotate_half(tensor, 1)
         elif layer and layer[2] in inverse:
             renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = tensor
         else:

@@ -38,6 +38,8 @@ class ManasLayer(ctypes.Structure):
         ("down", ManasLinear),
         ("key", ManasLinear),
         ("value", ManasLinear),
+        ("q_norm", ManasNorm),
+        ("k_norm", ManasNorm),
     ]
 
 
@@ -65,6 +67,7 @@ class ManasModel(ctypes.Structure):
         ("integer_products", c_int32),
         ("rope_halves", c_int32),
         ("token_table", ManasLinear),
+        ("rope_factors", POINTER(c_float)),
     ]
 
 
@@ -201,6 +204,8 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
             weights.linear(f"blocks.{i}.ffn.down"),
             key,
             value,
+            norm(f"blocks.{i}.attention.q_norm") if config.qk_norm else ManasNorm(),
+            norm(f"blocks.{i}.attention.k_norm") if config.qk_norm else ManasNorm(),
         )
     learned = config.position_encoding == "learned"
     embedding = weights.vector("token_embedding.weight")
@@ -228,4 +233,5 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
         integer_products,
         getattr(weights, "rope_halves", False),
         table,
+        None if config.rope_factors is None else (c_float * len(config.rope_factors))(*config.rope_factors),
     )

@@ -37,7 +37,7 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 8
+#define MANAS_ABI_VERSION 9
 #define MANAS_ARITHMETIC_VERSION 2 /* manas_arithmetic_version */
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
@@ -71,6 +71,7 @@ typedef struct {
     ManasNorm ln_ffn;
     ManasLinear gate, up, down;  /* gate: SwiGLU's (n_out 0 in a GELU MLP) */
     ManasLinear key, value;      /* a GGUF file's own keys and values (qkv then holds the queries), else n_out 0 */
+    ManasNorm q_norm, k_norm;    /* (hs): RMSNorm of each query and key head before rope (Qwen3), else weight NULL */
 } ManasLayer;
 
 typedef struct {
@@ -90,6 +91,7 @@ typedef struct {
     int32_t integer_products;  /* 1: int8 and int4 weights multiply activations quantized per QBLOCK, in integers */
     int32_t rope_halves;       /* 1: rope pairs x[i] with x[i + hs/2] (a GGUF qwen2's layout); 0: x[2i], x[2i+1] */
     ManasLinear token_table;   /* a GGUF file's token embedding as stored (ggml), when token_embedding is NULL */
+    const float *rope_factors; /* (hs / 2): each rope pair's frequency divisor (Llama 3's scaled rope), or NULL */
 } ManasModel;
 
 /* One row's KV cache: k and v each [layer][capacity][kv head][head size], float32. */
@@ -149,6 +151,7 @@ static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char
         {&s->gated, m->swiglu ? R * F : 0},
         {&s->reordered, R * W},
         {&s->angles, R * hs},
+        {&s->squares, hs},
         {&s->tiles, (size_t)threads * TILE * W},
         {&s->scores, (size_t)threads * score_rows(m) * score_span(m)},
         {&s->quantized, R * quantized_floats((int)W)},
@@ -211,7 +214,8 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
             matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, qkv_width, rows);
         }
         for (int r = 0; r < rows; r++)
-            cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width);
+            cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width,
+                      s.squares);
         /* Past its keys and values (every row's, cached), the last layer feeds only the logits: it runs on the
            logit rows alone (a prefill's last), gathered to the front. */
         int last = layer == m->n_layer - 1, kept = last ? n_logits : rows;

@@ -32,6 +32,10 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, config.attention_width + 2 * kv_width, bias=config.has_qkv_bias)
         self.output = nn.Linear(config.attention_width, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         """Every head of q|k|v, (B, n_head + 2 n_kv_head, T, hs): they lie side by side, queries first, then keys,
@@ -40,9 +44,13 @@ class CausalSelfAttention(nn.Module):
         return self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_size).transpose(1, 2)
 
     def project(self, heads: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries (B, n_head, T, hs), keys and values (B, n_kv_head, T, hs) for positions start_pos.."""
-        qk = self.encode_positions(heads[:, : self.n_head + self.n_kv_head], start_pos)
-        q, k = qk.split((self.n_head, self.n_kv_head), dim=1)
+        """Queries (B, n_head, T, hs), keys and values (B, n_kv_head, T, hs) for positions start_pos..; with qk_norm
+        each query and key head RMS-normed first (Qwen3)."""
+        qk = heads[:, : self.n_head + self.n_kv_head]
+        if self.qk_norm:
+            q, k = qk.split((self.n_head, self.n_kv_head), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = self.encode_positions(qk, start_pos).split((self.n_head, self.n_kv_head), dim=1)
         return q, k, heads[:, self.n_head + self.n_kv_head :]
 
     def encode_positions(self, qk: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -91,7 +99,7 @@ class RotaryAttention(CausalSelfAttention):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
-        self.rope_base, self.block_size = config.rope_base, config.block_size
+        self.rope_base, self.rope_factors, self.block_size = config.rope_base, config.rope_factors, config.block_size
         # Derived from the config, so never saved: a checkpoint holds only learned weights. Built for the positions
         # used so far (doubling, up to block_size), so a block_size that no tensor backs allocates nothing.
         self.register_buffer("cos", torch.empty(0, config.head_size), persistent=False)
@@ -103,7 +111,7 @@ class RotaryAttention(CausalSelfAttention):
         if end > self.cos.size(0):
             positions = min(max(end, 2 * self.cos.size(0)), self.block_size)
             with torch.inference_mode(False):  # plain tensors: a later training step may save them for backward
-                cos, sin = rope_tables(self.head_size, positions, self.rope_base)
+                cos, sin = rope_tables(self.head_size, positions, self.rope_base, self.rope_factors)
             self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
         positions = slice(start_pos, end)
         return rotate_pairs(qk, self.cos[positions].to(qk.dtype), self.sin[positions].to(qk.dtype))

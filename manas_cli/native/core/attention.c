@@ -320,10 +320,21 @@ static void attend_heads(void *context, int begin, int end, int thread) {
     }
 }
 
-/* Rotate (rope) the row's queries and keys, then write its key and value into its cache at its position. */
+/* One head's hs values RMS-normed in place (Qwen3's q_norm and k_norm): rmsnorm's arithmetic, through `squares`. */
+static void norm_head(const ManasModel *m, const ManasNorm *norm, float *head, float *squares) {
+    rmsnorm(m->head_size, m->norm_eps, norm, head, squares);
+    memcpy(head, squares, (size_t)m->head_size * sizeof *head);
+}
+
+/* Norm (qk_norm) and rotate (rope) the row's queries and keys, then write its key and value into its cache at its
+   position. squares: (hs) scratch. */
 static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, int position, const float *angles,
-                      float *qkv) {
+                      float *qkv, float *squares) {
     int hs = m->head_size, kv_width = m->n_kv_head * hs, width = m->n_head * hs;
+    const ManasLayer *block = &m->layers[layer];
+    if (block->q_norm.weight)
+        for (int head = 0; head < m->n_head + m->n_kv_head; head++)
+            norm_head(m, head < m->n_head ? &block->q_norm : &block->k_norm, qkv + head * hs, squares);
     if (m->rope)
         for (int head = 0; head < m->n_head + m->n_kv_head; head++) rotate(hs, m->rope_halves, angles, qkv + head * hs);
     size_t offset = ((size_t)layer * cache->capacity + position) * kv_width;

@@ -164,12 +164,14 @@ static void normalize(const ManasModel *m, const ManasNorm *norm, int rows, cons
         (m->rms_norm ? rmsnorm : layernorm)((int)C, m->norm_eps, norm, x + r * C, out + r * C);
 }
 
-/* Each row's cos and sin of pos · base^(−2i/head_size), computed in double and rounded to float, as
-   torch_engine/rotary.py's rope_tables. */
+/* Each row's cos and sin of pos · base^(−2i/head_size) / factor_i (factor 1 without rope_factors), computed in
+   double and rounded to float, as torch_engine/rotary.py's rope_tables. */
 static void rope_angles(const ManasModel *m, int position, float *angles) {
     int half = m->head_size / 2;
     for (int i = 0; i < half; i++) {
-        double angle = (double)position * own_exp(-(double)(2 * i) / (double)(2 * half) * own_log(m->rope_base));
+        double frequency = own_exp(-(double)(2 * i) / (double)(2 * half) * own_log(m->rope_base));
+        if (m->rope_factors) frequency /= (double)m->rope_factors[i];
+        double angle = (double)position * frequency;
         double sine, cosine;
         own_sincos(angle, &sine, &cosine);
         angles[i] = (float)cosine;

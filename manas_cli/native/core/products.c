@@ -324,6 +324,7 @@ typedef struct {
     float *gated;      /* (rows, F): SwiGLU's gate, before it multiplies hidden */
     float *reordered;  /* (rows, W): an int4 product's input in its blocks' column order (int4_input) */
     float *angles;     /* (rows, hs): the rotary angles of each row's position */
+    float *squares;    /* (hs): a query or key head's squares while it is normed (qk_norm) */
     float *tiles;      /* (threads, TILE, W): each thread's dequantized weight rows (an int4 prefill) */
     float *scores;     /* (threads, score_rows, block_size): each thread's attention weights */
     float *quantized;  /* (rows, quantized_floats(W)): an integer product's input rows (quantize_row) */

@@ -261,14 +261,14 @@ EDITS = {
     ),  # fmt: skip
     "a missing layer": (lambda ts: [(n, v) for n, v in ts if n != "blk.1.ffn_gate.weight"], "has no"),
     "a stray tensor": (lambda ts: [*ts, ("blk.0.attn_extra.weight", np.zeros((4, 256), np.float32))], "not part"),
-    "rope_freqs": (lambda ts: [*ts, ("rope_freqs.weight", np.ones(32, np.float32))], "scaled rope"),
+    "rope_freqs": (lambda ts: [*ts, ("rope_freqs.weight", np.ones(32, np.float32))], "does not scale"),
 }
 
 
 @pytest.mark.parametrize("edit", EDITS)
 def test_a_tensor_the_config_does_not_describe_is_one_error_line_before_the_core_reads_it(typed_files, tmp_path, edit):
     """The core sizes its buffers by the config and reads each tensor by its shape: a file whose tensors disagree
-    with its config (or hold one manas does not run, as Llama 3.1's rope_freqs) is refused first."""
+    with its config (or hold one its architecture does not read, as a qwen2 file's rope_freqs) is refused first."""
     change, why = EDITS[edit]
     path = tmp_path / "edited.gguf"
     rewritten(typed_files["qwen2-f32"], path, change)

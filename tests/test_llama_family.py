@@ -95,7 +95,11 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None), "gpt2"),
     "head-dim": ("LlamaConfig", dict(head_dim=32, attention_bias=True, mlp_bias=True), "gpt2"),
     # Qwen3: each query and key head RMS-normed, heads wider than hidden_size / heads (Qwen3-0.6B: 16 of 128 in 1,024)
-    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32, rope_parameters=dict(rope_theta=1e6)), "qwen2"),
+    "qwen3": (
+        "Qwen3Config",
+        dict(tie_word_embeddings=True, head_dim=32, rope_parameters=dict(rope_theta=1e6)),
+        "qwen2",
+    ),
     # Llama 3.2's scaled rope as published; and one whose blend reaches the positions a test runs (8,192 does not)
     "llama3.2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE), "gpt2"),
     "llama3-scaled": (
@@ -218,7 +222,7 @@ BAD_FOLDERS = [
         "ffn.gate.weight has shape [160, 64], the config needs [128, 64]",
     ),
     (lambda f: edit_json(f / "config.json", num_hidden_layers=3), "missing tensor for blocks.2"),
-    (lambda f: edit_json(f / "config.json", rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (lambda f: edit_json(f / "config.json", rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling"),
     (lambda f: edit_json(f / "config.json", model_type="mistral", sliding_window=64), "sliding_window=64"),
     (lambda f: edit_json(f / "config.json", model_type="gemma"), "model_type is 'gemma'"),
     (lambda f: edit_json(f / "config.json", attention_bias=True), "attention_bias=True with mlp_bias=False"),

@@ -75,8 +75,8 @@ def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]
             "head_dim": value("attention.key_length"),
             "tie_word_embeddings": "output.weight" not in shapes,
         }
-    if (scaling := value("rope.scaling.type")) not in (None, "none"):
-        values["rope_scaling"] = {"type": scaling}  # refused by name, as a folder's is
+    if (scaling := value("rope.scaling.type")) not in (None, "none"):  # another than linear refused by name
+        values["rope_scaling"] = {"type": scaling, "factor": _decimal(value("rope.scaling.factor"))}
     if architecture == "llama" and "blk.0.attn_q.bias" in shapes:
         values["attention_bias"] = values["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
     values |= {"model_type": architecture, "vocab_size": vocab_size}

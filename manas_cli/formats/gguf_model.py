@@ -95,6 +95,10 @@ def load_gguf(path: Path) -> GGUFModel:
     if "rope_freqs.weight" in names:
         import gguf
 
+        if architecture != "llama":
+            raise CheckpointError(
+                f"{path}: rope_freqs.weight in a {architecture} file, whose rope llama.cpp does not scale"
+            )
         config = with_rope_factors(config, _dequantized(gguf, names["rope_freqs.weight"], path).tolist(), path)
     if architecture in ("gpt2", "starcoder2"):  # Hugging Face's GPT-2 has no grouped-query attention; llama.cpp's has
         kv_heads = fields.get(f"{architecture}.attention.head_count_kv", config.n_head)

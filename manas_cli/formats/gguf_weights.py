@@ -115,6 +115,9 @@ class GGUFFile:
         tensor = self.tensors.get("rope_freqs.weight")
         if tensor is None:
             return None
+        if self.architecture != "llama":
+            raise CheckpointError(f"{self.path}: rope_freqs.weight in a {self.architecture} file, whose rope llama.cpp "
+                                  "does not scale")  # fmt: skip
         if tensor.kind != 0 or len(tensor.shape) != 1:
             raise CheckpointError(f"{self.path}: rope_freqs.weight is {type_name(tensor.kind)} {list(tensor.shape)}, "
                                   "where llama.cpp writes a float32 vector")  # fmt: skip

@@ -1,0 +1,179 @@
+"""The small models of 2025–26 that are a Llama-family decoder with one idea more (issue 71): Qwen3 (each query and
+key head RMS-normed before rope) and Llama 3.1 and 3.2 (a scaled rope, rope_type "llama3"). Random models of each,
+as transformers builds them, run from their Hugging Face folder and from the GGUF file manas exports in llama.cpp's
+layout (`qwen3` with attn_q_norm/attn_k_norm, `llama` with rope_freqs): greedy text and scores are transformers'
+on both engines, cached generation equals crop-and-recompute past the window, exports go back to transformers, and
+each bad field is one error line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_fixtures import RUN_OPTIONS, manas
+from conftest import needs_compiler
+from manas_cli.formats.checkpoint import load_checkpoint
+from manas_cli.formats.tokenizer import encode_text
+from test_llama_family import CTX, PROMPT, converted, crop_and_recompute, hf_folder
+
+gguf = pytest.importorskip("gguf")
+
+NEW = ("qwen3", "llama3.2", "llama3-scaled")
+TEXT = "the theatre in the city, and then the weather: 12 émigrés in 2025. " * 3
+
+
+@pytest.fixture(scope="module")
+def new_models(tmp_path_factory, tiny_bpe_spec) -> dict[str, dict]:
+    """Per family: transformers' model, its folder converted, and that checkpoint exported as an f32 GGUF."""
+    models = {}
+    for family in NEW:
+        folder = tmp_path_factory.mktemp(family)
+        hf = hf_folder(folder / "hf", tiny_bpe_spec, family)
+        checkpoint = converted(folder, folder / "hf")
+        exported = folder / "model.gguf"
+        manas("export", checkpoint, "--format", "gguf", "--outtype", "f32", "--out", exported).ok()
+        models[family] = {"hf": hf, "checkpoint": checkpoint, "gguf": exported}
+    return models
+
+
+def transformers_greedy(hf, ids: list[int], tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, eos_token_id=None)
+    return out[0, len(ids) :].tolist()
+
+
+@needs_compiler
+@pytest.mark.parametrize("engine", ["native", "torch"])
+@pytest.mark.parametrize("source", ["checkpoint", "gguf"])
+@pytest.mark.parametrize("family", NEW)
+def test_greedy_text_is_transformers_for_64_tokens_on_both_engines(new_models, family, source, engine):
+    model = new_models[family]
+    env = {} if engine == "native" else {"MANAS_ENGINE": "torch"}
+    run = manas("generate", "-m", model[source], *RUN_OPTIONS, "-p", PROMPT, "-n", "64", "-t", "0", "--json", **env)
+    record = run.ok().json()
+    assert record["engine"] == engine
+    if source == "gguf" and engine == "native":
+        assert record["weights"].startswith("GGUF")  # run in place
+    ids = encode_text(load_checkpoint(model["checkpoint"]).encoding, PROMPT)
+    expected = transformers_greedy(model["hf"], ids, 64)
+    assert record["tokens"] == expected[: len(record["tokens"])] and len(record["tokens"]) >= 32
+
+
+@needs_compiler
+@pytest.mark.parametrize("source", ["checkpoint", "gguf"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled"])
+def test_a_score_is_transformers_within_1e_4_nats_per_token(new_models, family, source, tmp_path):
+    model = new_models[family]
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    record = manas("score", str(text), "-m", model[source], *RUN_OPTIONS, "--json").ok().json()
+    ids = encode_text(load_checkpoint(model["checkpoint"]).encoding, TEXT)
+    assert record["tokens"] == len(ids) - 1
+    with torch.no_grad():
+        expected = model["hf"](torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert abs(record["nats_per_token"] - expected) <= 1e-4
+
+
+@needs_compiler
+@pytest.mark.parametrize("source", ["checkpoint", "gguf"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled"])
+def test_seeded_generation_past_the_window_equals_crop_and_recompute(new_models, family, source):
+    path = new_models[family][source]
+    run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", PROMPT, "-n", "40", "--ctx", str(CTX), "-t", "0.9",
+                "--top-k", "40", "--seed", "7", "--json")  # fmt: skip
+    record = run.ok().json()
+    assert record["engine"] == "native" and record["re_prefills"] > 0
+    assert record["tokens"] == crop_and_recompute(path, "native", PROMPT, 40, 7, temperature=0.9, top_k=40)
+
+
+def test_the_gguf_holds_llama_cpps_tensors_for_each_family(new_models):
+    """qwen3 keeps Hugging Face's rotate-half layout and its head norms as they are; a scaled rope's factors are
+    llama's rope_freqs.weight, float32, one per rope pair."""
+    reader = gguf.GGUFReader(new_models["qwen3"]["gguf"])
+    tensors = {t.name: t for t in reader.tensors}
+    assert reader.fields["general.architecture"].contents() == "qwen3"
+    q_norm = new_models["qwen3"]["hf"].model.layers[1].self_attn.q_norm.weight.detach()
+    assert torch.equal(torch.from_numpy(tensors["blk.1.attn_q_norm.weight"].data.copy()), q_norm)
+    assert "rope_freqs.weight" not in tensors
+    for family in ("llama3.2", "llama3-scaled"):
+        reader = gguf.GGUFReader(new_models[family]["gguf"])
+        factors = {t.name: t for t in reader.tensors}["rope_freqs.weight"].data.tolist()
+        assert factors == load_checkpoint(new_models[family]["checkpoint"]).model.config.rope_factors
+        assert reader.fields["general.architecture"].contents() == "llama"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3.2"])
+def test_export_hf_gives_transformers_the_same_model(new_models, family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = new_models[family]
+    manas("export", model["checkpoint"], "--format", "hf", "--out", tmp_path / "back").ok()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back) is type(model["hf"])
+    ids = torch.randint(0, 270, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model["hf"](ids).logits, atol=1e-4, rtol=0)
+
+
+def test_rope_factors_hugging_face_cannot_name_are_refused_by_export_hf_but_not_gguf(new_models, tmp_path):
+    run = manas("export", new_models["llama3-scaled"]["checkpoint"], "--format", "hf", "--out", tmp_path / "back")
+    assert run.returncode != 0 and run.err.startswith("error: ") and "--format gguf" in run.err
+    assert not (tmp_path / "back").exists()
+
+
+def edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "low_freq_factor"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": -1.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "rope_scaling.factor",
+        ),  # fmt: skip
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta": 1.0}}, "rope_scaling.beta"),
+        ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
+    ],
+)
+def test_a_bad_rope_scaling_is_one_error_line_naming_the_field(tmp_path, tiny_bpe_spec, changes, message):
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "llama3.2")
+    edit_config(tmp_path / "hf", **changes)
+    run = manas("convert", tmp_path / "hf", "--out", tmp_path / "out.safetensors")
+    assert run.returncode != 0 and run.err.startswith("error: ") and message in run.err, run.err
+    assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("factors, message", [([1.0] * 3, "one factor per rope pair"), ([-1.0] * 8, "positive")])
+def test_a_gguf_whose_rope_freqs_do_not_fit_is_one_error_line(new_models, tmp_path, factors, message):
+    source = gguf.GGUFReader(new_models["llama3.2"]["gguf"])
+    out = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(out, "llama")
+    from test_real_models import copy_fields
+
+    copy_fields(writer, source.fields)
+    for tensor in source.tensors:
+        data = tensor.data.copy().reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        writer.add_tensor(tensor.name, data if tensor.name != "rope_freqs.weight" else torch.tensor(factors).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for env in ({}, {"MANAS_ENGINE": "torch"}):
+        run = manas("generate", "-m", out, *RUN_OPTIONS, "-p", "the", "-n", "2", **env)
+        assert run.returncode != 0 and run.err.startswith("error: ") and message in run.err, run.err
+        assert "Traceback" not in run.err

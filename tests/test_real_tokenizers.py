@@ -367,3 +367,48 @@ def test_a_sentencepiece_tokenizer_json_that_does_not_hold_together_is_one_error
         return
     assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err, run.err
     assert len(run.err.strip().splitlines()) == 1
+
+
+def llama3_tokenizer_json(path: Path) -> Path:
+    """Llama 3's tokenizer.json as Hugging Face's `tokenizers` writes it, from the vocabulary and merges of
+    llama.cpp's llama-bpe fixture (Llama 3's own): its split regex, then bytes, whole pieces in the vocabulary taken
+    as they are (ignore_merges), the special tokens as added tokens."""
+    import gguf
+
+    reader = gguf.GGUFReader(LLAMA_CPP_VOCAB / "ggml-vocab-llama-bpe.gguf")
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(merge.split(" ")) for merge in reader.fields["tokenizer.ggml.merges"].contents()]
+    normal = {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind == 1}
+    model = tokenizers.models.BPE(vocab=normal, merges=merges, ignore_merges=True)
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+        [
+            tokenizers.pre_tokenizers.Split(tokenizers.Regex(LLAMA3_SPLIT), behavior="isolated"),
+            tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.add_special_tokens([token for token, kind in zip(tokens, types) if kind == 3])
+    tokenizer.save(str(path))
+    return path
+
+
+LLAMA3_SPLIT = (  # tokenizer.LLAMA3_PAT_STR, as Llama 3's tokenizer.json writes it
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_llama_3s_tokenizer_json_reads_its_merges_as_ranks_and_gives_tokenizers_ids(tmp_path):
+    """Llama 3's merges are tiktoken's ranks written out, not a BPE's build order (merge 2 builds 'ĠĠĠ' from 'ĠĠ',
+    which no earlier merge builds): a folder's tokenizer.json is read as ranks, as a GGUF's is, to the ids of
+    Hugging Face's `tokenizers` on every text of these tests and of llama.cpp's fixture."""
+    pytest.importorskip("gguf")
+    path = llama3_tokenizer_json(tmp_path / "tokenizer.json")
+    reference = tokenizers.Tokenizer.from_file(str(path))
+    fixture = LLAMA_CPP_VOCAB / "ggml-vocab-llama-bpe.gguf.inp"
+    cases = [*texts().values(), *fixture.read_text(encoding="utf-8").split(SEPARATOR)[:-1]]
+    stdin = "".join(json.dumps(case) + "\n" for case in cases).encode()
+    run = manas("tokenize", "-c", path, "--jsonl", "--no-special", stdin=stdin).ok()
+    ids = [[int(i) for i in line.split()] for line in run.out.split("\n")[:-1]]
+    assert ids == [reference.encode(case, add_special_tokens=False).ids for case in cases]

@@ -13,10 +13,9 @@ from .tokenizer import (
     GPT2_PAT_STR,
     LLAMA3_PAT_STR,
     QWEN2_PAT_STR,
-    byte_level_spec,
-    bytes_to_unicode,
     checked_spec,
     spec_from_vocab_and_merges,
+    tiktoken_vocabulary,
 )
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) and the splits they make: SmolLM2's, StarCoder2's and
@@ -61,7 +60,7 @@ def spec_from_fields(fields: dict, path: Path) -> dict:
         raise TokenizerError(f"{path}: tokenizer.ggml.tokens names a token twice")
     specials = frozenset(token for token, kind in zip(tokens, types) if kind in SPECIAL_TYPES)
     if pre == "llama-bpe":  # Llama 3's vocabulary is tiktoken's: its ids are the ranks (see tiktoken_vocabulary)
-        spec = tiktoken_vocabulary(tokens, specials, path, PRE_TOKENIZERS[pre])
+        spec = tiktoken_vocabulary(vocab, specials, path, "tokenizer.ggml.tokens", PRE_TOKENIZERS[pre])
     else:
         spec = spec_from_vocab_and_merges(
             vocab,
@@ -73,25 +72,6 @@ def spec_from_fields(fields: dict, path: Path) -> dict:
             pat_str=PRE_TOKENIZERS[pre],
         )
     return checked_spec(spec | _ends(fields, tokens, spec["special_tokens"]), path)
-
-
-def tiktoken_vocabulary(tokens: list[str], specials: frozenset[str], path: Path, pat_str: str) -> dict:
-    """Llama 3's tokenizer is a tiktoken one (Meta's tokenizer.model is a ranks file): its merges, written out
-    for Hugging Face and llama.cpp afterwards, are not in the order a BPE builds them, so they cannot be checked as
-    one (spec_from_vocab_and_merges); its ids are tiktoken's ranks, which give llama.cpp's ids (tested on
-    llama.cpp's own fixtures for it)."""
-    byte_of = {alias: byte for byte, alias in bytes_to_unicode().items()}
-    ranks, special = {}, {}
-    for token_id, token in enumerate(tokens):
-        if token in specials:
-            special[token] = token_id
-        elif all(ch in byte_of for ch in token):
-            ranks[bytes(byte_of[ch] for ch in token)] = token_id
-        else:
-            raise TokenizerError(
-                f"{path}: token {token[:40]!r} (id {token_id}) is not spelled in GPT-2's byte alphabet"
-            )
-    return byte_level_spec(ranks, pat_str, special)
 
 
 def _sentencepiece(fields: dict, path: Path) -> dict:

@@ -179,15 +179,13 @@ def spec_from_tokenizer_json(tokenizer_json: str, source: str | Path) -> dict:
         raise TokenizerError(
             f"{source}: tokenizer.json's added_tokens must be a list of objects with a 'content' and an integer 'id'"
         )
-    spec = spec_from_vocab_and_merges(
-        model.get("vocab"),
-        merges,
-        frozenset(t["content"] for t in added),
-        source,
-        "tokenizer.json's model.vocab",
-        "merge {} of tokenizer.json",
-        pat_str=pat_str,
-    )
+    specials, vocab_name = frozenset(t["content"] for t in added), "tokenizer.json's model.vocab"
+    if pat_str == LLAMA3_PAT_STR:  # Llama 3's vocabulary is tiktoken's: its ids are the ranks
+        spec = tiktoken_vocabulary(model.get("vocab"), specials, source, vocab_name, pat_str)
+    else:
+        spec = spec_from_vocab_and_merges(
+            model.get("vocab"), merges, specials, source, vocab_name, "merge {} of tokenizer.json", pat_str=pat_str
+        )
     # Added tokens outside model.vocab (<|endoftext|> in Qwen2's and SmolLM2's) are special tokens of their own ids.
     vocab = model.get("vocab")
     spec["special_tokens"] |= {t["content"]: t["id"] for t in added if t["content"] not in vocab}
@@ -235,6 +233,29 @@ def _normalization(normalizer: object, source: str | Path) -> str | None:
     if kind in NORMALIZATIONS:
         return kind
     raise TokenizerError(f"{source}: tokenizer.json's normalizer {kind!r} is not one manas runs (none, or NFC)")
+
+
+def tiktoken_vocabulary(
+    vocab: object, specials: frozenset[str], source: str | Path, vocab_name: str, pat_str: str
+) -> dict:
+    """Llama 3's tokenizer is a tiktoken one (Meta's tokenizer.model is a ranks file): its merges, written out for
+    Hugging Face and llama.cpp afterwards, are tiktoken's ranks rather than the order a BPE builds them in, so they
+    cannot be checked as one (spec_from_vocab_and_merges); its ids are tiktoken's ranks, which give Hugging Face's
+    and llama.cpp's ids (tested on llama.cpp's own fixtures for it, and on `tokenizers` running the same file)."""
+    if not isinstance(vocab, dict) or not all(type(i) is int for i in vocab.values()):
+        raise TokenizerError(f"{source}: {vocab_name} must map each token to an integer id")
+    byte_of = {alias: byte for byte, alias in bytes_to_unicode().items()}
+    ranks, special = {}, {}
+    for token, token_id in vocab.items():
+        if token in specials:
+            special[token] = token_id
+        elif all(ch in byte_of for ch in token):
+            ranks[bytes(byte_of[ch] for ch in token)] = token_id
+        else:
+            raise TokenizerError(
+                f"{source}: {vocab_name} token {token[:40]!r} (id {token_id}) is not spelled in GPT-2's byte alphabet"
+            )
+    return byte_level_spec(ranks, pat_str, special)
 
 
 def spec_from_vocab_and_merges(

@@ -395,7 +395,8 @@ def llama3_tokenizer_json(path: Path) -> Path:
 
 
 LLAMA3_SPLIT = (  # tokenizer.LLAMA3_PAT_STR, as Llama 3's tokenizer.json writes it
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
 )
 
 

@@ -144,6 +144,8 @@ int main(int argc, char **argv) {
     m.rope_halves = take_int(&r);  /* a GGUF file's: rope pairs, its own token table, keys and values apart */
     m.token_table = take_linear(&r);
     for (int l = 0; l < m.n_layer; l++) layers[l].key = take_linear(&r), layers[l].value = take_linear(&r);
+    m.rope_factors = take_array(&r);  /* Llama 3's scaled rope, or NULL; then Qwen3's head norms */
+    for (int l = 0; l < m.n_layer; l++) layers[l].q_norm = take_norm(&r), layers[l].k_norm = take_norm(&r);
 
     int n_prompt = take_int(&r);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);

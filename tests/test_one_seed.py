@@ -111,6 +111,10 @@ def write_dump(path: Path, m: ManasModel, prompt: list[int], seed_prompt: list[i
     parts += [norm_bytes(m.final_norm, C), linear_bytes(m.lm_head)]
     parts += [struct.pack("<i", m.rope_halves), linear_bytes(m.token_table)]
     parts += [linear_bytes(layer.key) + linear_bytes(layer.value) for layer in m.layers[: m.n_layer]]
+    parts += [array(floats_at(m.rope_factors, m.head_size // 2))]  # Llama 3's scaled rope; Qwen3's head norms
+    parts += [
+        norm_bytes(layer.q_norm, m.head_size) + norm_bytes(layer.k_norm, m.head_size) for layer in m.layers[: m.n_layer]
+    ]
     parts += [struct.pack(f"<i{len(prompt)}i", len(prompt), *prompt)]
     parts += [struct.pack(f"<i{len(seed_prompt)}i", len(seed_prompt), *seed_prompt)]
     parts += [struct.pack("<ifif", NEW_TOKENS, 0.8, 40, 0.95), struct.pack(f"<i{len(seeds)}Q", len(seeds), *seeds)]
@@ -153,8 +157,12 @@ def target(name: str) -> tuple[list[str], list[str], list[str]]:
     return [gcc], march[name], []
 
 
-KINDS = ("float32", "int8", "int4", "gguf-q4_k_m", "gguf-q8_0")
-GGUF_KINDS = {"gguf-q4_k_m": ("qwen2", ("Q4_K", "Q6_K", "Q5_0", "Q8_0")), "gguf-q8_0": ("llama", ("Q8_0",))}
+KINDS = ("float32", "int8", "int4", "gguf-q4_k_m", "gguf-q8_0", "gguf-qwen3")
+GGUF_KINDS = {
+    "gguf-q4_k_m": ("qwen2", ("Q4_K", "Q6_K", "Q5_0", "Q8_0")),
+    "gguf-q8_0": ("llama", ("Q8_0",)),  # with rope_freqs: Llama 3's scaled rope
+    "gguf-qwen3": ("qwen3", ("Q4_K", "Q6_K")),  # head norms, heads wider than the width / heads
+}
 
 
 def checkpoint_of(kind: str, folder: Path) -> Path:
@@ -176,17 +184,19 @@ def bound(kind: str, folder: Path, native_library) -> tuple[NativeGPT, list[int]
 
 
 def write_gguf(path: Path, architecture: str) -> None:
-    """A random f32 model of llama.cpp's `architecture`, 256 wide (a K-quant's superblock), with a byte vocabulary."""
+    """A random f32 model of llama.cpp's `architecture`, 256 wide (a K-quant's superblock), with a byte vocabulary:
+    qwen2 with q, k, v biases, qwen3 with head norms and heads of 128, llama with rope_freqs."""
     import gguf
     import numpy as np
 
     from manas_cli.formats.tokenizer import bytes_to_unicode
 
     width, hidden, layers, heads, kv_heads, vocabulary = 256, 512, 2, 4, 2, 256
+    head = 128 if architecture == "qwen3" else width // heads
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(128), writer.add_embedding_length(width), writer.add_feed_forward_length(hidden)
     writer.add_block_count(layers), writer.add_head_count(heads), writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(10000.0), writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0), writer.add_layer_norm_rms_eps(1e-6), writer.add_key_length(head)
     writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre("default")
     writer.add_token_list([bytes_to_unicode()[b] for b in range(vocabulary)])
     writer.add_token_types([1] * vocabulary)
@@ -194,24 +204,28 @@ def write_gguf(path: Path, architecture: str) -> None:
     tensors = {"token_embd.weight": (vocabulary, width), "output_norm.weight": (width,)}
     for i in range(layers):
         tensors |= {f"blk.{i}.attn_norm.weight": (width,), f"blk.{i}.ffn_norm.weight": (width,)}
-        for part, rows in (("q", width), ("k", kv_heads * width // heads), ("v", kv_heads * width // heads)):
+        for part, rows in (("q", heads * head), ("k", kv_heads * head), ("v", kv_heads * head)):
             tensors[f"blk.{i}.attn_{part}.weight"] = (rows, width)
             if architecture == "qwen2":
                 tensors[f"blk.{i}.attn_{part}.bias"] = (rows,)
-        tensors |= {f"blk.{i}.attn_output.weight": (width, width), f"blk.{i}.ffn_gate.weight": (hidden, width),
+        if architecture == "qwen3":
+            tensors |= {f"blk.{i}.attn_q_norm.weight": (head,), f"blk.{i}.attn_k_norm.weight": (head,)}
+        tensors |= {f"blk.{i}.attn_output.weight": (width, heads * head), f"blk.{i}.ffn_gate.weight": (hidden, width),
                     f"blk.{i}.ffn_up.weight": (hidden, width), f"blk.{i}.ffn_down.weight": (width, hidden)}  # fmt: skip
     for name, shape in tensors.items():
         scale = 0.1 if len(shape) == 2 else 0.05
         values = rng.standard_normal(shape).astype(np.float32) * np.float32(scale)
         writer.add_tensor(name, values + np.float32(1) if name.endswith("norm.weight") else values)
+    if architecture == "llama":
+        writer.add_tensor("rope_freqs.weight", np.geomspace(1, 32, head // 2).astype(np.float32))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
 
 
 def write_dumps(folder: Path, native_library) -> None:
-    """The shipped model as float32, int8 and int4 (`manas quantize`), and two GGUF files (a Q4_K_M-like mix of a
-    qwen2 model, a Q8_0 llama), each bound by the core as the engine binds it, dumped with its prompt and a short
-    prompt for the seeds (all 20 for float32, 5 for the others); then the driver built as the engine builds the
-    core (-march=native, gcc), and each dump's output."""
+    """The shipped model as float32, int8 and int4 (`manas quantize`), and three GGUF files (a Q4_K_M-like mix of a
+    qwen2 model, a Q8_0 llama with rope_freqs, a qwen3 of Q4_K and Q6_K), each bound by the core as the engine
+    binds it, dumped with its prompt and a short prompt for the seeds (all 20 for float32, 5 for the others); then
+    the driver built as the engine builds the core (-march=native, gcc), and each dump's output."""
     from test_real_models import retyped
 
     for bits in (8, 4):
@@ -276,10 +290,11 @@ def test_the_driver_prints_the_engines_own_logits_bit_for_bit(dumps, host_output
 )
 def test_every_target_gives_the_hosts_bits(name, dumps, host_outputs, tmp_path):
     """The shipped model's logits over its whole window and 20 seeds' tokens (and a hash of every decode step's
-    logits), its int8 and int4 copies' (integer products), and two GGUF files' blocks multiplied in place (a
-    Q4_K_M-like mix, Q8_0), on 1 and 2 threads: byte for byte the host build's output."""
+    logits), its int8 and int4 copies' (integer products), and three GGUF files' blocks multiplied in place (a
+    Q4_K_M-like mix, Q8_0 with a scaled rope, Qwen3's head norms), on 1 and 2 threads: byte for byte the host
+    build's output."""
     compiler, flags, runner = target(name)
-    runs = [("float32", 1), ("int8", 1), ("int4", 2), ("gguf-q4_k_m", 1), ("gguf-q8_0", 2)]
+    runs = [("float32", 1), ("int8", 1), ("int4", 2), ("gguf-q4_k_m", 1), ("gguf-q8_0", 2), ("gguf-qwen3", 1)]
     if name not in ("x86-64", "aarch64"):  # the slow ones (fmaf calls; emulation) leave 2 threads to the others
         runs.append(("float32", 2))
     if name == "native":  # the host build itself (gcc, -march=native), whose 1-thread outputs these are

@@ -17,7 +17,7 @@ from cli_fixtures import RUN_OPTIONS, manas
 from conftest import needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.formats.tokenizer import encode_text
-from test_llama_family import CTX, PROMPT, converted, crop_and_recompute, hf_folder
+from test_llama_family import CTX, LLAMA3_ROPE, PROMPT, converted, crop_and_recompute, hf_folder
 
 gguf = pytest.importorskip("gguf")
 
@@ -148,6 +148,8 @@ def edit_config(folder: Path, **changes) -> None:
         ),  # fmt: skip
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta": 1.0}}, "rope_scaling.beta"),
         ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 1e300}}, "rope_factors must be positive finite"),
+        ({"rope_theta": -1.0, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": -1.0}}, "rope_base"),
     ],
 )
 def test_a_bad_rope_scaling_is_one_error_line_naming_the_field(tmp_path, tiny_bpe_spec, changes, message):

@@ -4,6 +4,7 @@ checkpoint's header (and running it on the native core) never imports it."""
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 
@@ -214,6 +215,14 @@ def parameter_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]
     yield from norm("final_norm")
     if not config.tie_embeddings:
         yield "lm_head.weight", (config.vocab_size, C)
+
+
+def as_float32(value: float) -> float:
+    """value as a float32 file stores it (GGUF, rope_factors): infinite beyond its range, 0 below its smallest."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def stored_names(kind: str) -> tuple[str, ...]:

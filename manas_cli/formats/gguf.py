@@ -13,13 +13,13 @@ Hugging Face's GPT-2 has no such thing. The tokenizer goes along as GGUF's byte-
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..engine.config import as_float32
 from ..errors import CheckpointError, MissingDependencyError, first_line
 from ..files import atomic_write, check_output_file
 from ..torch_engine.model import GPT, GPTConfig
@@ -71,14 +71,6 @@ def import_gguf() -> Any:
             'pip install --force-reinstall "manas-cli[gguf]"'
         ) from None
     return gguf
-
-
-def as_float32(value: float) -> float:
-    """value as GGUF stores it, in float32: infinite beyond its range, 0 below its smallest."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", value))[0]
-    except OverflowError:
-        return math.inf
 
 
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:

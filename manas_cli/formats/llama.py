@@ -12,11 +12,10 @@ rotary_layout.py's.
 from __future__ import annotations
 
 import math
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..engine.config import GPTConfig
+from ..engine.config import GPTConfig, as_float32
 from ..errors import CheckpointError
 from . import rotary_layout
 from .importing import make_config, typed_field
@@ -125,14 +124,14 @@ def rope_factors(scaling: dict | None, head_size: int, base: float, source: Path
     """Each rope pair's frequency divisor, float32 as llama.cpp's rope_freqs holds them: "linear" divides every
     frequency by `factor`; "llama3" (Llama 3.1, 3.2) the low frequencies by `factor`, the high ones by 1, and blends
     the two between, as transformers' _compute_llama3_parameters and llama.cpp's converter do."""
-    if scaling is None:
+    if scaling is None or not 0 < base < math.inf:  # a rope_base out of range: the config names it
         return None
     kind, field = scaling.get("rope_type", scaling.get("type")), typed_field(scaling, source, "rope_scaling.")
     factor = field("factor", float)
     if not 0 < factor < math.inf:
         raise CheckpointError(f"{source}: rope_scaling.factor must be positive, got {factor!r}")
     if kind == "linear":
-        return [_float32(factor)] * (head_size // 2)
+        return [as_float32(factor)] * (head_size // 2)
     low, high = field("low_freq_factor", float), field("high_freq_factor", float)
     original = field("original_max_position_embeddings", int)
     if not (0 < low < high < math.inf and original > 0):
@@ -146,15 +145,11 @@ def rope_factors(scaling: dict | None, head_size: int, base: float, source: Path
         if wavelength < original / high:
             factors.append(1.0)
         elif wavelength > original / low:
-            factors.append(_float32(factor))
+            factors.append(as_float32(factor))
         else:
             smooth = (original / wavelength - low) / (high - low)
-            factors.append(_float32(1 / ((1 - smooth) / factor + smooth)))
+            factors.append(as_float32(1 / ((1 - smooth) / factor + smooth)))
     return factors
-
-
-def _float32(value: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def _biases(values: dict, model_type: str, field, source: Path) -> dict[str, bool]:

@@ -18,6 +18,7 @@ from conftest import needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.formats.tokenizer import encode_text
 from test_llama_family import CTX, LLAMA3_ROPE, PROMPT, converted, crop_and_recompute, hf_folder
+from test_real_models import copy_fields
 
 gguf = pytest.importorskip("gguf")
 
@@ -165,8 +166,6 @@ def test_a_gguf_whose_rope_freqs_do_not_fit_is_one_error_line(new_models, tmp_pa
     source = gguf.GGUFReader(new_models["llama3.2"]["gguf"])
     out = tmp_path / "bad.gguf"
     writer = gguf.GGUFWriter(out, "llama")
-    from test_real_models import copy_fields
-
     copy_fields(writer, source.fields)
     for tensor in source.tensors:
         data = tensor.data.copy().reshape(tuple(int(n) for n in reversed(tensor.shape)))

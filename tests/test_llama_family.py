@@ -107,6 +107,19 @@ FAMILIES = {
         dict(rope_parameters=LLAMA3_ROPE | dict(factor=8.0, original_max_position_embeddings=64)),
         "gpt2",
     ),
+    # SmolLM3: no rope on every fourth layer (layer 3 of 4 here; 9 of SmolLM3-3B's 36), its rope base
+    "smollm3": (
+        "SmolLM3Config",
+        dict(
+            num_hidden_layers=4,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_theta=5e6),
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),  # its defaults are ids of its 128k vocabulary
+        "gpt2",
+    ),
 }
 
 

@@ -79,6 +79,12 @@ def explicit_forward(model: GPT) -> callable:
         ({"norm_eps": 0.0}, "norm_eps"),
         ({"gelu_approximate": "sigmoid"}, "gelu_approximate"),
         ({"dropout": 1.0}, "dropout"),
+        ({"position_encoding": "rope", "nope_layers": [9]}, "nope_layers"),
+        ({"position_encoding": "rope", "nope_layers": [1, 0]}, "nope_layers"),
+        ({"position_encoding": "rope", "nope_layers": [0, 0]}, "nope_layers"),
+        ({"position_encoding": "rope", "nope_layers": [True]}, "nope_layers"),
+        ({"position_encoding": "rope", "nope_layers": 1}, "nope_layers"),
+        ({"nope_layers": [0]}, "nope_layers needs position_encoding 'rope'"),
     ],
 )
 def test_invalid_config_raises_value_error_naming_the_field(overrides, field):

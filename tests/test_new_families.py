@@ -1,9 +1,9 @@
 """The small models of 2025–26 that are a Llama-family decoder with one idea more (issue 71): Qwen3 (each query and
-key head RMS-normed before rope) and Llama 3.1 and 3.2 (a scaled rope, rope_type "llama3"). Random models of each,
-as transformers builds them, run from their Hugging Face folder and from the GGUF file manas exports in llama.cpp's
-layout (`qwen3` with attn_q_norm/attn_k_norm, `llama` with rope_freqs): greedy text and scores are transformers'
-on both engines, cached generation equals crop-and-recompute past the window, exports go back to transformers, and
-each bad field is one error line."""
+key head RMS-normed before rope), Llama 3.1 and 3.2 (a scaled rope, rope_type "llama3") and SmolLM3 (no rope on
+every fourth layer). Random models of each, as transformers builds them, run from their Hugging Face folder and from
+the GGUF file manas exports in llama.cpp's layout (`qwen3` with attn_q_norm/attn_k_norm, `llama` with rope_freqs,
+`smollm3`): greedy text and scores are transformers' on both engines, cached generation equals crop-and-recompute
+past the window, exports go back to transformers, and each bad field is one error line."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from test_real_models import copy_fields
 
 gguf = pytest.importorskip("gguf")
 
-NEW = ("qwen3", "llama3.2", "llama3-scaled")
+NEW = ("qwen3", "llama3.2", "llama3-scaled", "smollm3")
 TEXT = "the theatre in the city, and then the weather: 12 émigrés in 2025. " * 3
 
 
@@ -65,7 +65,7 @@ def test_greedy_text_is_transformers_for_64_tokens_on_both_engines(new_models, f
 
 @needs_compiler
 @pytest.mark.parametrize("source", ["checkpoint", "gguf"])
-@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3"])
 def test_a_score_is_transformers_within_1e_4_nats_per_token(new_models, family, source, tmp_path):
     model = new_models[family]
     text = tmp_path / "text.txt"
@@ -80,7 +80,7 @@ def test_a_score_is_transformers_within_1e_4_nats_per_token(new_models, family, 
 
 @needs_compiler
 @pytest.mark.parametrize("source", ["checkpoint", "gguf"])
-@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3"])
 def test_seeded_generation_past_the_window_equals_crop_and_recompute(new_models, family, source):
     path = new_models[family][source]
     run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", PROMPT, "-n", "40", "--ctx", str(CTX), "-t", "0.9",
@@ -104,9 +104,12 @@ def test_the_gguf_holds_llama_cpps_tensors_for_each_family(new_models):
         factors = {t.name: t for t in reader.tensors}["rope_freqs.weight"].data.tolist()
         assert factors == load_checkpoint(new_models[family]["checkpoint"]).model.config.rope_factors
         assert reader.fields["general.architecture"].contents() == "llama"
+    reader = gguf.GGUFReader(new_models["smollm3"]["gguf"])  # llama.cpp's every fourth layer without rope, implied
+    assert reader.fields["general.architecture"].contents() == "smollm3"
+    assert "rope_freqs.weight" not in {t.name for t in reader.tensors}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3.2"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3.2", "smollm3"])
 def test_export_hf_gives_transformers_the_same_model(new_models, family, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -178,3 +181,38 @@ def test_a_gguf_whose_rope_freqs_do_not_fit_is_one_error_line(new_models, tmp_pa
         run = manas("generate", "-m", out, *RUN_OPTIONS, "-p", "the", "-n", "2", **env)
         assert run.returncode != 0 and run.err.startswith("error: ") and message in run.err, run.err
         assert "Traceback" not in run.err
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"no_rope_layers": [1, 1, 0]}, "one 0 (no rope) or 1 (rope) per layer, 4"),
+        ({"no_rope_layers": [1, 2, 1, 0]}, "no_rope_layers must hold"),
+        ({"no_rope_layers": "every fourth"}, "no_rope_layers must hold"),
+        ({"no_rope_layers": None, "no_rope_layer_interval": 0}, "no_rope_layer_interval must be a positive"),
+        ({"layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, "layer_types"),
+    ],
+)
+def test_a_bad_no_rope_layers_is_one_error_line_naming_the_field(tmp_path, tiny_bpe_spec, changes, message):
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "smollm3")
+    edit_config(tmp_path / "hf", **changes)
+    run = manas("convert", tmp_path / "hf", "--out", tmp_path / "out.safetensors")
+    assert run.returncode != 0 and run.err.startswith("error: ") and message in run.err, run.err
+    assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
+
+
+def test_layers_without_rope_other_than_every_fourth_export_to_hf_but_not_to_gguf(tmp_path, tiny_bpe_spec):
+    """llama.cpp's smollm3 leaves out every fourth layer's rope, whatever the file says; transformers reads the list."""
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_folder(tmp_path / "hf", tiny_bpe_spec, "smollm3", no_rope_layers=[0, 1, 1, 1])
+    checkpoint = converted(tmp_path, tmp_path / "hf")
+    assert load_checkpoint(checkpoint).model.config.nope_layers == [0]
+    run = manas("export", checkpoint, "--format", "gguf", "--out", tmp_path / "model.gguf")
+    assert run.returncode != 0 and "every fourth layer, not of layers 0" in run.err, run.err
+    assert not (tmp_path / "model.gguf").exists()
+    manas("export", checkpoint, "--format", "hf", "--out", tmp_path / "back").ok()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ids = torch.randint(0, 270, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)

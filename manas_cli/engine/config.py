@@ -23,6 +23,7 @@ FAMILY_DEFAULTS = {
     "qkv_bias": None,
     "qk_norm": False,
     "rope_factors": None,
+    "nope_layers": None,
 }
 # The longest context any released model uses (2^20 positions). No tensor backs block_size with rope, so a bound
 # keeps a file's claim from sizing what position-dependent state there is (the static KV cache's window).
@@ -60,6 +61,7 @@ class GPTConfig:
     # Each rope pair's frequency divided by its factor (head size / 2 of them): Llama 3.1's and 3.2's scaled rope,
     # as llama.cpp's rope_freqs holds it; None: every factor 1.
     rope_factors: list[float] | None = None
+    nope_layers: list[int] | None = None  # the layers whose attention has no rope, ascending (SmolLM3: every fourth)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -96,6 +98,26 @@ class GPTConfig:
         if self.qk_norm and self.norm != "rmsnorm":
             raise ValueError("qk_norm needs norm 'rmsnorm' (the query and key norms are RMSNorms)")
         self._check_rope_factors()
+        self._check_nope_layers()
+
+    def _check_nope_layers(self) -> None:
+        """Layer indices, each once, ascending, with rope positions (a layer without them has nothing to drop)."""
+        if self.nope_layers is None:
+            return
+        if self.position_encoding != "rope":
+            raise ValueError("nope_layers needs position_encoding 'rope'")
+        previous = -1
+        for layer in self.nope_layers:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not previous < layer < self.n_layer:
+                raise ValueError(
+                    f"nope_layers must list layer indices from 0 to {self.n_layer - 1} (n_layer − 1), each once and "
+                    f"ascending, got {layer!r}"
+                )
+            previous = layer
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates its queries and keys."""
+        return self.position_encoding == "rope" and layer not in (self.nope_layers or ())
 
     def _check_rope_factors(self) -> None:
         """Positive and finite, one per rope pair, with rope positions."""

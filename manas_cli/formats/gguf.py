@@ -3,8 +3,9 @@
 GGUF names llama.cpp's own architectures. The model's Hugging Face tensors map onto them as llama.cpp's converter
 (convert_hf_to_gguf.py) maps them, with the names of the gguf package's TensorNameMap: GPT-2's are `gpt2` (Conv1D
 weights transposed back to out×in), Starcoder2's are `starcoder2` (queries and keys already in the rotate-half
-layout of llama.cpp's NEOX rope), Qwen2's `qwen2` and Qwen3's `qwen3` (NEOX too) and Llama's `llama`, whose rope
-rotates interleaved pairs as manas does (the queries and keys permuted back from Hugging Face's layout, as the
+layout of llama.cpp's NEOX rope), Qwen2's `qwen2` and Qwen3's `qwen3` (NEOX too), and Llama's `llama` and SmolLM3's
+`smollm3` (no rope on every fourth layer, the one pattern llama.cpp's smollm3 runs), whose rope rotates interleaved
+pairs as manas does (the queries and keys permuted back from Hugging Face's layout, as the
 converter does); a scaled rope's factors (Llama 3.1, 3.2) go in as `rope_freqs.weight`, as the converter writes them.
 llama.cpp's gpt2 reads head_count_kv, so learned-position models with grouped-query attention export too, though
 Hugging Face's GPT-2 has no such thing. The tokenizer goes along as GGUF's byte-level BPE.
@@ -26,6 +27,7 @@ from ..torch_engine.model import GPT, GPTConfig
 from ..torch_engine.quantize import dequantize_model
 from . import llama, rotary_layout, starcoder2
 from .checkpoint import load_checkpoint
+from .gguf_config import INTERLEAVED, SMOLLM3_NO_ROPE_INTERVAL
 from .gpt2 import hf_state_dict, is_gpt2_linear_weight
 from .huggingface import GPT2_SPLIT_PATTERNS, ByteLevelBPE, byte_level_bpe
 from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, LLAMA3_PAT_STR, QWEN2_PAT_STR, bos_id
@@ -79,6 +81,12 @@ def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -
         raise CheckpointError(f"{source}: llama.cpp reads rope_factors (rope_freqs) only in its llama architecture")
     if not config.is_gpt2_family:
         llama.check_exportable(config, source, hf=False)
+    every_fourth = list(range(SMOLLM3_NO_ROPE_INTERVAL - 1, config.n_layer, SMOLLM3_NO_ROPE_INTERVAL))
+    if config.nope_layers and config.nope_layers != every_fourth:
+        raise CheckpointError(
+            f"{source}: llama.cpp's smollm3 leaves rope out of every fourth layer, not of layers "
+            f"{', '.join(map(str, config.nope_layers[:8]))}{', ...' if len(config.nope_layers) > 8 else ''}"
+        )
     elif config.gelu_approximate != "tanh":
         raise CheckpointError(
             f"{source}: the model uses the exact GELU (gelu_approximate={config.gelu_approximate!r}), but llama.cpp's "
@@ -118,7 +126,7 @@ def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
     for name, tensor in hf_tensors.items():
         if architecture == "gpt2" and is_gpt2_linear_weight(name.removeprefix("transformer.")):
             tensor = tensor.t()  # Conv1D's in×out back to out×in, as llama.cpp's converter does
-        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        if architecture in INTERLEAVED and name.endswith(rotary_layout.QUERY_KEY_TENSORS):
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
             tensor = rotary_layout.from_rotate_half(tensor, heads)  # llama.cpp's llama rope: interleaved pairs
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous().numpy()

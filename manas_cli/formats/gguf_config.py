@@ -13,9 +13,16 @@ from ..errors import CheckpointError
 from .gguf_metadata import Layout, TensorInfo
 from .importing import make_config
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "starcoder2")  # llama.cpp's names of the models manas runs
+# llama.cpp's names of the models manas runs
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gpt2", "starcoder2")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "smollm3")  # RMSNorm, rope and SwiGLU: formats/llama.py's models
+# Those whose converter stores queries and keys in interleaved rope pairs (llama.cpp's NORM rope), manas' layout; the
+# others keep Hugging Face's rotate-half pairs (NEOX).
+INTERLEAVED = ("llama", "smollm3")
 # What a refusal lists: the architectures, and models they hold
-RUNS = f"{', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3.x, Qwen2, 2.5 and 3, GPT-2, StarCoder2"
+RUNS = f"{', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3.x, Qwen2, 2.5 and 3, SmolLM3, GPT-2, StarCoder2"
+# llama.cpp's smollm3 leaves rope out of every fourth layer (its n_no_rope_layer_step, not read from the file)
+SMOLLM3_NO_ROPE_INTERVAL = 4
 
 
 def check_block_count(layout: Layout, architecture: str, path: Path) -> None:
@@ -69,7 +76,9 @@ def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]
             "norm_epsilon": _decimal(value("attention.layer_norm_epsilon", 1e-5)),
             "hidden_act": "gelu_pytorch_tanh",
         }
-    if architecture in ("llama", "qwen2", "qwen3"):
+    if architecture == "smollm3":
+        values["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
+    if architecture in LLAMA_FAMILY:
         values |= {
             "rms_norm_eps": _decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
             "head_dim": value("attention.key_length"),
@@ -77,7 +86,7 @@ def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]
         }
     if (scaling := value("rope.scaling.type")) not in (None, "none"):  # another than linear refused by name
         values["rope_scaling"] = {"type": scaling, "factor": _decimal(value("rope.scaling.factor"))}
-    if architecture == "llama" and "blk.0.attn_q.bias" in shapes:
+    if architecture in INTERLEAVED and "blk.0.attn_q.bias" in shapes:
         values["attention_bias"] = values["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
     values |= {"model_type": architecture, "vocab_size": vocab_size}
     return {key: item for key, item in values.items() if item is not None}

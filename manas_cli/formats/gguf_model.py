@@ -21,6 +21,8 @@ from ..torch_engine.model import GPT
 from . import gpt2, huggingface, llama, rotary_layout, starcoder2
 from .gguf_config import (
     ARCHITECTURES,
+    INTERLEAVED,
+    LLAMA_FAMILY,
     RUNS,
     check_apart,
     check_block_count,
@@ -61,7 +63,7 @@ HF_LAYOUTS = {
         ("input_layernorm", *rotary_layout.QKV_MODULES, *starcoder2.BLOCK_MODULES.values()),
     ),
 }  # fmt: skip
-HF_LAYOUTS["qwen2"] = HF_LAYOUTS["llama"]
+HF_LAYOUTS["qwen2"] = HF_LAYOUTS["smollm3"] = HF_LAYOUTS["llama"]
 HF_LAYOUTS["qwen3"] = (
     HF_LAYOUTS["llama"][0],
     "model.layers",
@@ -154,7 +156,7 @@ def _hf_state(tensors: dict, architecture: str, config: GPTConfig, path: Path) -
             raise CheckpointError(f"{path}: tensor {gguf_name} is not part of a {architecture} model manas runs")
         name = by_gguf_name[gguf_name]
         weights = torch.from_numpy(_dequantized(gguf, tensor, path))
-        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        if architecture in INTERLEAVED and name.endswith(rotary_layout.QUERY_KEY_TENSORS):
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
             weights = rotary_layout.to_rotate_half(weights, heads)  # llama.cpp's interleaved pairs → Hugging Face's
         state[name] = weights
@@ -167,7 +169,7 @@ def _manas_state(
     """The config and tensors of the manas model. GPT-2's and StarCoder2's llama.cpp files may repeat the tied
     output layer (quantized on its own, so not always equal to the embedding): equal, it is dropped; else the
     model keeps an output layer of its own."""
-    if architecture in ("llama", "qwen2", "qwen3"):
+    if architecture in LLAMA_FAMILY:
         return config, llama.state_to_manas(state, config, path)
     head = state.pop(TIED_HEAD, None)
     if architecture == "gpt2":

@@ -3,9 +3,9 @@
 mapping before the core may read it, and gives the core's loader (native/model.py's NativeGPT) what
 binding.bind asks for: `vector(name)` and `linear(name)` under manas' names. No torch, no gguf package.
 
-llama.cpp's `llama` files keep queries and keys in interleaved rope pairs, manas' own layout; its `qwen2` and
-`qwen3` files keep Hugging Face's rotate-half pairs, which the core rotates as they are (ManasModel.rope_halves). A
-llama file's rope_freqs.weight (Llama 3.1, 3.2) is its config's rope_factors."""
+llama.cpp's `llama` and `smollm3` files keep queries and keys in interleaved rope pairs, manas' own layout; its
+`qwen2` and `qwen3` files keep Hugging Face's rotate-half pairs, which the core rotates as they are
+(ManasModel.rope_halves). A llama file's rope_freqs.weight (Llama 3.1, 3.2) is its config's rope_factors."""
 
 from __future__ import annotations
 
@@ -21,13 +21,12 @@ from pathlib import Path
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError, TokenizerError, first_line
 from ..native.binding import WEIGHTS_F32, WEIGHTS_GGML, ManasLinear
-from .gguf_config import tensor_extent
+from .gguf_config import INTERLEAVED, tensor_extent
 from .gguf_metadata import Layout, TensorInfo, layout_of
 from .gguf_vocab import spec_from_fields, string_field
 from .tokenizer_cache import cached_spec
 
-IN_PLACE = ("llama", "qwen2", "qwen3")  # llama.cpp's architectures whose files the core runs in place
-ROTATE_HALF = ("qwen2", "qwen3")  # those whose queries and keys keep Hugging Face's rotate-half layout
+IN_PLACE = ("llama", "qwen2", "qwen3", "smollm3")  # llama.cpp's architectures whose files the core runs in place
 
 # ggml's types: (name, values per block, bytes per block) for those the core multiplies; the others by name only
 BLOCK_TYPES = {
@@ -197,7 +196,7 @@ class GGUFWeights:
     def __init__(self, gguf: GGUFFile, library: ctypes.CDLL) -> None:
         self.gguf, self.library, self.config = gguf, library, gguf.config
         self.name = f"GGUF {gguf.types}"
-        self.rope_halves = gguf.architecture in ROTATE_HALF
+        self.rope_halves = gguf.architecture not in INTERLEAVED  # Hugging Face's rotate-half pairs, kept
         self.nbytes = sum(tensor.nbytes for tensor in gguf.tensors.values())
         # the bytes the core reads from the file's pages: free memory as the kernel counts it (MemAvailable) takes
         # them for reclaimable cache, but a run keeps them resident (native/engine.py's free_memory_bytes)

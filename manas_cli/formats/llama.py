@@ -1,10 +1,11 @@
-"""Llama-family models as Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
-MistralForCausalLM, and back.
+"""Llama-family models as Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+SmolLM3ForCausalLM and MistralForCausalLM, and back.
 
 The four are one decoder (RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP) with different defaults:
 Qwen2 has biases on q, k, v only; Qwen3 RMS-norms each query and key head before rope (qk_norm); Llama may have
 biases on every attention projection (attention_bias) and on the MLP (mlp_bias), and Llama 3.1 and 3.2 scale their
-rope's frequencies (rope_type "llama3", as rope_factors); Mistral may restrict attention to a sliding window, which
+rope's frequencies (rope_type "llama3", as rope_factors); SmolLM3 leaves rope out of some layers (no_rope_layers,
+as nope_layers); Mistral may restrict attention to a sliding window, which
 manas does not run. Each maps onto a manas config field by field (engine/config.py); the rotary layout is
 rotary_layout.py's.
 """
@@ -29,9 +30,10 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
-NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "smollm3": "SmolLM3", "mistral": "Mistral"}
 BLOCK_MODULES = {
     "ln_attention": "input_layernorm",
     "attention.q_norm": "self_attn.q_norm",
@@ -54,8 +56,8 @@ ROPE_SCALINGS = {
 
 
 def config_from_hf(values: dict, source: Path) -> GPTConfig:
-    """A Hugging Face Llama, Qwen2 or Mistral config.json as a manas config, refusing by name every option whose
-    computation manas does not run."""
+    """A Hugging Face Llama, Qwen2, Qwen3, SmolLM3 or Mistral config.json as a manas config, refusing by name every
+    option whose computation manas does not run."""
     model_type = values["model_type"]
     if missing := [key for key in SHAPE_FIELDS if key not in values]:
         raise CheckpointError(f"{source}: the {NAMES[model_type]} config lacks {', '.join(missing)}")
@@ -88,9 +90,10 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         ffn_hidden=field("intermediate_size", int),
         # the usual head size is left implicit, as a config written by manas leaves it
         head_dim=None if n_head and head_dim == n_embd / n_head else head_dim,
-        tie_embeddings=field("tie_word_embeddings", bool, False),
+        tie_embeddings=field("tie_word_embeddings", bool, model_type == "smollm3"),  # each class's default
         qk_norm=model_type == "qwen3",
         rope_factors=rope_factors(_rope_scaling(values, rope, source), head_size, rope_base, source),
+        nope_layers=_nope_layers(values, field, source) if model_type == "smollm3" else None,
         **_biases(values, model_type, field, source),
     )
     _refuse_unsupported(values, rope, config, source)
@@ -152,6 +155,24 @@ def rope_factors(scaling: dict | None, head_size: int, base: float, source: Path
     return factors
 
 
+def _nope_layers(values: dict, field, source: Path) -> list[int] | None:
+    """SmolLM3's layers without rope: where no_rope_layers holds 0 (one 0 or 1 per layer), or, without that list,
+    every no_rope_layer_interval-th layer (the 4th, 8th, ...), as transformers' SmolLM3Config derives it."""
+    layers = field("num_hidden_layers", int)
+    flags = values.get("no_rope_layers")
+    if flags is None:
+        interval = field("no_rope_layer_interval", int, 4)
+        if interval < 1:
+            raise CheckpointError(f"{source}: no_rope_layer_interval must be a positive integer, got {interval!r}")
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(flag not in (0, 1) or isinstance(flag, bool)
+                                                                  for flag in flags):  # fmt: skip
+        raise CheckpointError(
+            f"{source}: no_rope_layers must hold one 0 (no rope) or 1 (rope) per layer, {layers}, got {flags!r}"[:300]
+        )
+    return [i for i, flag in enumerate(flags) if flag == 0] or None
+
+
 def _biases(values: dict, model_type: str, field, source: Path) -> dict[str, bool]:
     """manas' bias fields: Qwen2's q, k, v biases; Llama's attention_bias (q, k, v and o) with mlp_bias."""
     if model_type == "qwen2":
@@ -174,6 +195,8 @@ def _refuse_unsupported(values: dict, rope: dict, config: GPTConfig, source: Pat
         "rope_parameters": rope.get("rope_type", "default") == "default"
         and not set(rope) <= {"rope_type", "rope_theta"},
         "pretraining_tp": values.get("pretraining_tp", 1) != 1,
+        # transformers 5 names each layer's attention; a sliding one masks what manas' full attention sees
+        "layer_types": any(kind != "full_attention" for kind in values.get("layer_types") or ()),
     }
     if changed := [name for name, differs in unsupported.items() if differs]:
         name = changed[0]
@@ -200,10 +223,12 @@ def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Pa
 
 
 def model_type_of(config: GPTConfig) -> str:
-    """Qwen3 for per-head query and key norms, Qwen2 for q, k, v biases alone, else Llama (whose attention_bias and
-    mlp_bias cover manas' `bias`)."""
+    """Qwen3 for per-head query and key norms, SmolLM3 for layers without rope, Qwen2 for q, k, v biases alone, else
+    Llama (whose attention_bias and mlp_bias cover manas' `bias`)."""
     if config.qk_norm:
         return "qwen3"
+    if config.nope_layers:
+        return "smollm3"
     return "qwen2" if config.has_qkv_bias and not config.bias else "llama"
 
 
@@ -218,6 +243,13 @@ def check_exportable(config: GPTConfig, source: Path, hf: bool = True) -> None:
         raise CheckpointError(f"{source}: biases on the projections but not on q, k, v have no Hugging Face model")
     if config.qk_norm and config.has_qkv_bias:
         raise CheckpointError(f"{source}: query and key norms with biases have no Hugging Face model (Qwen3 has none)")
+    if config.nope_layers and (config.qk_norm or config.rope_factors is not None):
+        raise CheckpointError(
+            f"{source}: layers without rope beside query and key norms or scaled rope have no Hugging Face model "
+            "(SmolLM3 has neither)"
+        )
+    if config.nope_layers and config.has_qkv_bias != config.bias:
+        raise CheckpointError(f"{source}: layers without rope with q, k, v biases alone have no Hugging Face model")
     if hf and config.rope_factors is not None and hf_rope_scaling(config) is None:
         raise CheckpointError(
             f"{source}: its rope_factors are not a rope_scaling Hugging Face names (linear, or Llama 3's with "
@@ -271,10 +303,19 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
     }
     if model_type == "llama":
         values |= {"attention_bias": config.bias, "mlp_bias": config.bias, "pretraining_tp": 1}
-    else:
+    elif model_type != "smollm3":
         values |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": config.n_layer}
     if model_type == "qwen3":
         values |= {"attention_bias": False}
+    if model_type == "smollm3":
+        nope = set(config.nope_layers)
+        values |= {
+            "attention_bias": config.bias,
+            "mlp_bias": config.bias,
+            "no_rope_layers": [int(i not in nope) for i in range(config.n_layer)],
+            "no_rope_layer_interval": 4,  # read only without the list
+            "pad_token_id": None,  # its class's default is an id of SmolLM3's own vocabulary
+        }
     return values
 
 

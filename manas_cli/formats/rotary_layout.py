@@ -21,6 +21,8 @@ QKV = ("q_proj", "k_proj", "v_proj")
 QKV_MODULES = {f"self_attn.{name}": name for name in QKV}  # inside model.layers.N
 # manas' per-head query and key norms (Qwen3): one weight per head dimension, laid out as the heads it scales
 HEAD_NORMS = ("attention.q_norm", "attention.k_norm")
+# The Hugging Face tensors a converter permutes between rotate-half and interleaved rope pairs
+QUERY_KEY_TENSORS = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 
 
 def to_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ class ManasLayer(ctypes.Structure):
         ("value", ManasLinear),
         ("q_norm", ManasNorm),
         ("k_norm", ManasNorm),
+        ("no_rope", c_int32),
     ]
 
 
@@ -206,6 +207,7 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
             value,
             norm(f"blocks.{i}.attention.q_norm") if config.qk_norm else ManasNorm(),
             norm(f"blocks.{i}.attention.k_norm") if config.qk_norm else ManasNorm(),
+            not config.uses_rope(i),
         )
     learned = config.position_encoding == "learned"
     embedding = weights.vector("token_embedding.weight")

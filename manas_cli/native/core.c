@@ -37,7 +37,7 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MANAS_ABI_VERSION 9
+#define MANAS_ABI_VERSION 10
 #define MANAS_ARITHMETIC_VERSION 2 /* manas_arithmetic_version */
 #define MAX_THREADS 256 /* engine/threads.py's MAX_THREADS: both engines take the same --threads */
 
@@ -72,6 +72,7 @@ typedef struct {
     ManasLinear gate, up, down;  /* gate: SwiGLU's (n_out 0 in a GELU MLP) */
     ManasLinear key, value;      /* a GGUF file's own keys and values (qkv then holds the queries), else n_out 0 */
     ManasNorm q_norm, k_norm;    /* (hs): RMSNorm of each query and key head before rope (Qwen3), else weight NULL */
+    int32_t no_rope;             /* 1: this layer's queries and keys are not rotated (SmolLM3's every fourth layer) */
 } ManasLayer;
 
 typedef struct {

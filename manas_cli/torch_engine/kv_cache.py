@@ -142,14 +142,14 @@ def check_cacheable(model: GPT) -> None:
         raise ValueError("the model is in training mode: call model.eval() before caching")
     if config.position_encoding == "learned" and getattr(model, "position_embedding", None) is None:
         raise ValueError("learned position encoding but the model has no position_embedding table")
-    expected_kind = RotaryAttention if config.position_encoding == "rope" else CausalSelfAttention
     qkv_width = config.attention_width + 2 * config.n_kv_head * config.head_size
     for i, block in enumerate(model.blocks):
         attention = block.attention
+        expected_kind = RotaryAttention if config.uses_rope(i) else CausalSelfAttention
         if type(attention) is not expected_kind:
             raise ValueError(
-                f"blocks[{i}].attention is {type(attention).__name__}, "
-                f"but position_encoding {config.position_encoding!r} needs {expected_kind.__name__}"
+                f"blocks[{i}].attention is {type(attention).__name__}, but position_encoding "
+                f"{config.position_encoding!r} (nope_layers {config.nope_layers}) needs {expected_kind.__name__}"
             )
         if (attention.n_head, attention.n_kv_head) != (config.n_head, config.n_kv_head):
             raise ValueError(

@@ -146,10 +146,10 @@ def norm(config: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.ln_attention = norm(config)
-        self.attention = RotaryAttention(config) if config.position_encoding == "rope" else CausalSelfAttention(config)
+        self.attention = RotaryAttention(config) if config.uses_rope(layer) else CausalSelfAttention(config)
         self.ln_ffn = norm(config)
         self.ffn = FeedForward(config)
 
@@ -169,7 +169,7 @@ class GPT(nn.Module):
         self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
         if config.position_encoding == "learned":
             self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.final_norm = norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:

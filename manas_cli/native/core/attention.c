@@ -335,7 +335,7 @@ static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, i
     if (block->q_norm.weight)
         for (int head = 0; head < m->n_head + m->n_kv_head; head++)
             norm_head(m, head < m->n_head ? &block->q_norm : &block->k_norm, qkv + head * hs, squares);
-    if (m->rope)
+    if (m->rope && !block->no_rope)
         for (int head = 0; head < m->n_head + m->n_kv_head; head++) rotate(hs, m->rope_halves, angles, qkv + head * hs);
     size_t offset = ((size_t)layer * cache->capacity + position) * kv_width;
     memcpy(cache->k + offset, qkv + width, kv_width * sizeof(float));

@@ -11,11 +11,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .chat_template import check_size
+from .chat_template import RESERVED, check_size
 from .template_worker import worker
 
 MAX_MESSAGES = 1024
 ROLES = ("system", "user", "assistant", "tool")
+MAX_TEMPLATE_KWARGS = 32  # enable_thinking, and the few switches templates read
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rendered chat prompt: its ids, and where its answer starts with respect to a thought (thinking.py)."""
+
+    ids: list[int]
+    thought: str  # thinking.INSIDE, MAY_OPEN or NONE
+    thinks: bool  # whether the template is a thinking model's (its answers are split into thought and reply)
 
 
 @dataclass(frozen=True)
@@ -109,15 +119,40 @@ def _content(content: object, i: int) -> str:
     return "\n".join(texts)
 
 
+def check_template_kwargs(value: object) -> dict | None:
+    """vLLM's chat_template_kwargs: an object of variables for the template (enable_thinking), none of the names the
+    renderer sets itself; ValueError says which is not."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(
+            'chat_template_kwargs must be an object of template variables, e.g. {"enable_thinking": false}'
+        )
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"chat_template_kwargs holds {len(value)} variables: at most {MAX_TEMPLATE_KWARGS}")
+    for name in value:
+        if not name.isidentifier():
+            raise ValueError(f"chat_template_kwargs' {name[:40]!r} is not a template variable's name")
+        if name in RESERVED:
+            raise ValueError(f"chat_template_kwargs may not set {name!r}: the request gives it")
+    return value
+
+
 def render(
-    template: str, messages: list[Message], *, bos_token: str = "", eos_token: str = "", tools: list | None = None
+    template: str,
+    messages: list[Message],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    tools: list | None = None,
+    kwargs: dict | None = None,
 ) -> str:
-    """The prompt for the assistant's next turn: the template over the messages (and the tools the model may call)
-    with add_generation_prompt, rendered in the template worker (bounded by the operating system, see
-    template_worker)."""
+    """The prompt for the assistant's next turn: the template over the messages (and the tools the model may call,
+    and the template variables kwargs sets) with add_generation_prompt, rendered in the template worker (bounded by
+    the operating system, see template_worker)."""
     check_size(template)
     as_dicts = [message.as_template_reads() for message in messages]
-    return worker().render(template, as_dicts, bos_token, eos_token, tools)
+    return worker().render(template, as_dicts, bos_token, eos_token, tools, kwargs)
 
 
 def check_template(template: str) -> None:
@@ -127,12 +162,17 @@ def check_template(template: str) -> None:
     worker().compile(template)
 
 
-def prompt_ids(template: str, messages: list[Message], encoding, tools: list | None = None) -> list[int]:
+def render_prompt(
+    template: str, messages: list[Message], encoding, tools: list | None = None, kwargs: dict | None = None
+) -> Prompt:
     """The token ids the model's next turn follows: the rendered template, its special tokens as themselves (as
-    transformers' apply_chat_template tokenizes it: the template writes any BOS itself)."""
+    transformers' apply_chat_template tokenizes it: the template writes any BOS itself); and whether its answer
+    starts inside a thought, may open one, or has none (thinking.start_state)."""
+    from . import thinking
     from .formats.tokenizer import END_OF_TEXT, encode_text
 
     bos = getattr(encoding, "bos", None) or ""
     eos = getattr(encoding, "end_of_text", END_OF_TEXT)
-    text = render(template, messages, bos_token=bos, eos_token=eos, tools=tools)
-    return encode_text(encoding, text, special=True)
+    text = render(template, messages, bos_token=bos, eos_token=eos, tools=tools, kwargs=kwargs)
+    ids = encode_text(encoding, text, special=True)
+    return Prompt(ids, thinking.start_state(template, text), thinking.thinks(template))

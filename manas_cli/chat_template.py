@@ -24,14 +24,26 @@ class TemplateError(InputError):
     """A chat template that cannot render these messages: it does not parse, raises, or runs past its bounds."""
 
 
+# What the renderer itself sets: a request's chat_template_kwargs may not replace them
+RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
 def render(
-    template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "", tools: list | None = None
+    template: str,
+    messages: list[dict],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    tools: list | None = None,
+    kwargs: dict | None = None,
 ) -> str:
     """The prompt for the assistant's next turn: the template over the messages with add_generation_prompt, and
     `tools` (None without: transformers always passes the name, and Llama 3.x's template asks whether it is
-    defined)."""
+    defined); `kwargs`: more variables for the template, as apply_chat_template passes its keyword arguments
+    (enable_thinking)."""
     compiled = _compile(template)
     context = {
+        **(kwargs or {}),
         "messages": messages,
         "tools": tools,
         "add_generation_prompt": True,

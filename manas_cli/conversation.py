@@ -6,9 +6,10 @@ keeps only the positions whose tokens are the prompt's own, and extending a pref
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .chat import Message, prompt_ids
+from . import thinking
+from .chat import Message, Prompt, render_prompt
 from .engine.engines import Engine
 from .engine.generation import GenerationStats, generate
 from .engine.prefix_cache import common_start
@@ -24,6 +25,7 @@ class Answer:
     reused: int  # prompt tokens the cache already held
     tokens: list[int]  # the answer's token ids
     seed: int  # what reproduces it: the same seed, settings and conversation
+    thought: str | None = None  # a thinking model's thought (thinking.py), also in `text`; None: it had none
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Conversation:
     template: str
     system: str | None = None
     messages: list[Message] = field(default_factory=list)
+    template_kwargs: dict | None = None  # variables for the template: {"enable_thinking": False} (chat --no-think)
 
     def __post_init__(self) -> None:
         self.requests = Requests(self.engine, self.encoding)
@@ -44,19 +47,25 @@ class Conversation:
         self.messages, self.cached = [], []
         self.session.reset()
 
-    def prompt(self, user: str) -> list[int]:
-        """The ids the next answer follows: the whole conversation rendered, cropped to the window."""
+    def prompt(self, user: str) -> Prompt:
+        """What the next answer follows: the whole conversation rendered, its ids cropped to the window."""
         system = [Message("system", self.system)] if self.system else []
-        ids = prompt_ids(self.template, [*system, *self.messages, Message("user", user)], self.encoding)
-        return ids[-self.engine.config.block_size :]
+        messages = [*system, *self.messages, Message("user", user)]
+        prompt = render_prompt(self.template, messages, self.encoding, kwargs=self.template_kwargs)
+        return replace(prompt, ids=prompt.ids[-self.engine.config.block_size :])
 
     def reply(
         self, user: str, settings: GenerationSettings, on_text: Callable[[str], None], stopped: Callable[[], bool]
     ) -> Answer:
         """The assistant's answer to `user`, its text handed to on_text as it comes; stopped() ends it early (the
         answer so far is kept). The user's message and the answer join the conversation."""
-        ids = self.prompt(user)
+        prompt = self.prompt(user)
+        ids = prompt.ids
         reused = self._reusable(ids)
+        if prompt.thinks and settings.format is not None and settings.format.kind == "json_schema":
+            # the schema constrains the reply, after the thought
+            special = self.encoding.special_tokens_set
+            settings = replace(settings, format=thinking.after_thought(settings.format, prompt.thought, special))
         request = self.requests.prepare(settings, record=True)
         stream = request.streams[0]
         stats = GenerationStats(prompt_tokens=len(ids))
@@ -79,8 +88,10 @@ class Conversation:
         # The cache holds every token fed to it: the prompt and each sampled token but the last (never decoded).
         fed = fed[:-1]
         self.cached = fed if len(fed) == self.session.positions else []
-        self.messages += [Message("user", user), Message("assistant", stream.text)]
-        return Answer(stream.text, stream.finish_reason, stats, reused, stream.tokens, request.seed)
+        # the answer's reply joins the conversation without its thought, as a client sends an answer's content back
+        thought, reply = thinking.split(stream.text, prompt.thought) if prompt.thinks else (None, stream.text)
+        self.messages += [Message("user", user), Message("assistant", reply)]
+        return Answer(stream.text, stream.finish_reason, stats, reused, stream.tokens, request.seed, thought)
 
     def _reusable(self, ids: list[int]) -> int:
         """How many of the prompt's first tokens the cache holds at the same positions (one is always left to

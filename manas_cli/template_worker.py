@@ -7,7 +7,7 @@ builds a gigabyte. So every compile and render runs in the worker. A server's ot
 completions) never wait on a template; chat requests take turns, each waiting at most WALL_S for every template
 render ahead of it.
 
-A request is {"template", "messages" (null: compile only), "bos", "eos", "tools"}; the reply {"text"}."""
+A request is {"template", "messages" (null: compile only), "bos", "eos", "tools", "kwargs"}; the reply {"text"}."""
 
 from __future__ import annotations
 
@@ -37,10 +37,23 @@ class TemplateWorker:
         self._ask({"template": template, "messages": None, "bos": "", "eos": ""})
 
     def render(
-        self, template: str, messages: list[dict], bos_token: str, eos_token: str, tools: list | None = None
+        self,
+        template: str,
+        messages: list[dict],
+        bos_token: str,
+        eos_token: str,
+        tools: list | None = None,
+        kwargs: dict | None = None,
     ) -> str:
         return self._ask(
-            {"template": template, "messages": messages, "bos": bos_token, "eos": eos_token, "tools": tools}
+            {
+                "template": template,
+                "messages": messages,
+                "bos": bos_token,
+                "eos": eos_token,
+                "tools": tools,
+                "kwargs": kwargs,
+            }
         )
 
     def _ask(self, request: dict) -> str:
@@ -81,5 +94,6 @@ def _handle(request: dict) -> dict:
         bos_token=request["bos"],
         eos_token=request["eos"],
         tools=request.get("tools"),
+        kwargs=request.get("kwargs"),
     )
     return {"text": text}

@@ -40,14 +40,14 @@ def smollm2_spec() -> dict:
 def scripted_model(path: Path, spec: dict, template: Path, answer: str) -> Path:
     """A GPT-2-layout model with SmolLM2's tokenizer whose greedy answer to ASK with TOOLS, rendered by `template`,
     is `answer` then end-of-text."""
-    from manas_cli.chat import parse_messages, prompt_ids
+    from manas_cli.chat import parse_messages, render_prompt
     from manas_cli.engine.config import GPTConfig
     from manas_cli.formats.checkpoint import save_checkpoint
     from manas_cli.formats.tokenizer import build_encoding, encode_text, end_of_text_id
     from manas_cli.torch_engine.model import GPT
 
     encoding = build_encoding(spec)
-    prompt = prompt_ids(template.read_text(), parse_messages(ASK), encoding, TOOLS)
+    prompt = render_prompt(template.read_text(), parse_messages(ASK), encoding, TOOLS).ids
     script = [*encode_text(encoding, answer), end_of_text_id(encoding)]
     model = GPT(GPTConfig(vocab_size=49152, block_size=1024, n_layer=1, n_head=2, n_embd=128))
     with torch.no_grad():

@@ -441,7 +441,7 @@ def test_a_folders_chat_template_is_kept_and_renders_the_ids_transformers_gives(
     pytest.importorskip("jinja2")
     from transformers import AutoTokenizer
 
-    from manas_cli.chat import parse_messages, prompt_ids
+    from manas_cli.chat import parse_messages, render_prompt
 
     hf_folder(tmp_path / "hf", tiny_bpe_spec, "qwen2")
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
@@ -452,5 +452,5 @@ def test_a_folders_chat_template_is_kept_and_renders_the_ids_transformers_gives(
     expected = AutoTokenizer.from_pretrained(tmp_path / "hf").apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
-    assert prompt_ids(CHATML, parse_messages(messages), checkpoint.encoding) == expected
+    assert render_prompt(CHATML, parse_messages(messages), checkpoint.encoding).ids == expected
     assert expected.count(268) == 3  # <|im_start|>, one id each time

@@ -102,7 +102,7 @@ def test_the_real_chat_template_renders_the_ids_transformers_gives(smollm2):
     pytest.importorskip("jinja2")
     from transformers import AutoTokenizer
 
-    from manas_cli.chat import parse_messages, prompt_ids
+    from manas_cli.chat import parse_messages, render_prompt
     from manas_cli.formats.checkpoint import load_checkpoint
 
     folder, model = smollm2
@@ -112,7 +112,7 @@ def test_the_real_chat_template_renders_the_ids_transformers_gives(smollm2):
         messages, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     template = checkpoint.metadata["chat_template"]
-    assert prompt_ids(template, parse_messages(messages), checkpoint.encoding) == expected
+    assert render_prompt(template, parse_messages(messages), checkpoint.encoding).ids == expected
 
 
 # ---- llama.cpp's own fixtures: its vocabularies, inputs and the ids it gives ----

@@ -132,7 +132,7 @@ def test_tool_choice_none_and_auto_may_answer_in_text(server):
 def test_a_tool_round_trip_renders_the_ids_transformers_gives(smollm2, template):
     from transformers import AutoTokenizer
 
-    from manas_cli.chat import parse_messages, prompt_ids
+    from manas_cli.chat import parse_messages, render_prompt
     from manas_cli.formats.checkpoint import load_checkpoint
 
     folder, model = smollm2
@@ -154,7 +154,7 @@ def test_a_tool_round_trip_renders_the_ids_transformers_gives(smollm2, template)
         tokenize=True, return_dict=True, bos_token="",
     )["input_ids"]  # fmt: skip
     encoding = load_checkpoint(model).encoding
-    assert prompt_ids(template.read_text(), parse_messages(messages), encoding, TOOLS) == expected
+    assert render_prompt(template.read_text(), parse_messages(messages), encoding, TOOLS).ids == expected
 
 
 def test_llama3_calls_are_its_json_object_with_parameters(smollm2):

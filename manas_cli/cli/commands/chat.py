@@ -51,9 +51,10 @@ def run(
     json_output: bool,
     model_options: "ModelOptions",
     given: list[str] | None = None,
+    think: bool | None = None,
 ) -> None:
     """The conversation at the terminal, or one message a line from a pipe; `given`: these messages alone (manas
-    run NAME PROMPT)."""
+    run NAME PROMPT); `think`: the template's enable_thinking (None: its default)."""
     from ...conversation import Conversation
     from ...models import model_name
     from ...records import json_line
@@ -72,7 +73,8 @@ def run(
             f"{checkpoint.path.name} has no chat template (a base model): give one with --chat-template FILE, or "
             "use manas generate to continue a text"
         )
-    conversation = Conversation(engine, checkpoint.encoding, template, system)
+    kwargs = None if think is None else {"enable_thinking": think}
+    conversation = Conversation(engine, checkpoint.encoding, template, system, template_kwargs=kwargs)
     if interactive:
         say(console, f"chatting with {checkpoint.path.stem} · {HELP}")
     with history(model_name(model_options.checkpoint) if interactive else None):
@@ -170,6 +172,7 @@ def answer_record(answer, engine) -> dict:
     stats = answer.stats
     return {
         "text": answer.text,
+        "reasoning_content": answer.thought,
         "tokens": answer.tokens,
         "finish_reason": answer.finish_reason,
         "prompt_tokens": stats.prompt_tokens,
@@ -287,9 +290,18 @@ def command(
         bool,
         typer.Option(
             "--json",
-            help="One JSON object a line per answer: text, tokens, finish_reason, token counts, seed, engine.",
+            help="One JSON object a line per answer: text, reasoning_content (a thinking model's thought), tokens, "
+            "finish_reason, token counts, seed, engine.",
         ),
     ] = False,
+    think: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--think/--no-think",
+            help="For a model that thinks before it answers (Qwen3, SmolLM3): the template's enable_thinking. "
+            "Default: the template's own (they think).",
+        ),
+    ] = None,
     *,
     answer_format: object,
     model_options: "ModelOptions",
@@ -301,13 +313,16 @@ def command(
     manas generate gives the whole rendered prompt. At the prompt: a line ending in a backslash continues, three
     quotes open and close a block; Up and Down recall earlier messages (kept per model); /help lists the commands:
     /set temperature 0.2 (and the other settings), /system TEXT, /clear; Ctrl-C stops an answer, Ctrl-D (or /bye,
-    /exit) ends.
+    /exit) ends. A thinking model (Qwen3, SmolLM3) writes its thought between <think> and </think> before its
+    answer; --no-think asks it not to, and a structured output (--json-schema) constrains the answer after it.
 
     Examples:
 
       manas chat -m smollm2-135m-instruct
 
       printf 'Hello!\nWhat did I just say?\n' | manas chat -m qwen2.5-0.5b-instruct -t 0
+
+      manas chat -m qwen3-0.6b --no-think
     """
 
     settings = GenerationSettings(
@@ -326,4 +341,5 @@ def command(
         stats=stats,
         json_output=json_output,
         model_options=model_options,
+        think=think,
     )

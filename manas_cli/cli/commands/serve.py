@@ -114,12 +114,13 @@ def run(
         raise typer.Exit(130) from None
 
 
-def chat_prompt(template: str, checkpoint, messages, tools: list | None = None) -> list[int]:
-    """The messages' (and tools') prompt ids through the template, cropped to the window as a completion's prompt
-    is."""
-    from ...chat import prompt_ids
+def chat_prompt(template: str, checkpoint, messages, tools: list | None = None, kwargs: dict | None = None):
+    """The messages' (and tools', and template variables') prompt through the template (chat.Prompt), its ids
+    cropped to the window as a completion's prompt is."""
+    from ...chat import render_prompt
 
-    return prompt_ids(template, messages, checkpoint.encoding, tools)[-checkpoint.model.config.block_size :]
+    prompt = render_prompt(template, messages, checkpoint.encoding, tools, kwargs)
+    return replace(prompt, ids=prompt.ids[-checkpoint.model.config.block_size :])
 
 
 # ---- the command: its flags and help, and the call ------------------------------------------------------------

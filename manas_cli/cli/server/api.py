@@ -54,6 +54,7 @@ CHAT_FIELDS = {
     "tools": None,
     "tool_choice": None,
     "parallel_tool_calls": None,
+    "chat_template_kwargs": None,  # vLLM's and llama-server's: variables for the template (enable_thinking)
 }
 FORMAT_FIELDS = ("response_format", "json_schema", "grammar")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -137,6 +138,10 @@ class ChatRequest:
     top_logprobs: int | None
     format_field: str | None = None
     tools: object | None = None  # tools.Tools
+    template_kwargs: dict | None = None
+    # Where the answer starts with respect to a thought (thinking.py), once the prompt is rendered; None: the model's
+    # template does not think, and its answers have no reasoning_content
+    thought: str | None = None
 
 
 def parse_completion(value: object, max_tokens: int) -> Completion:
@@ -157,7 +162,7 @@ def parse_completion(value: object, max_tokens: int) -> Completion:
 def parse_chat(value: object, max_tokens: int) -> ChatRequest:
     """A chat request's fields, checked as a completion's; its messages by chat.parse_messages. Without max_tokens
     (or max_completion_tokens) a choice may run to the server's ceiling, as OpenAI's chat answers run to the end."""
-    from ...chat import parse_messages
+    from ...chat import check_template_kwargs, parse_messages
 
     _check_fields(value, CHAT_FIELDS)
     if value.get("max_tokens") is not None and value.get("max_completion_tokens") is not None:
@@ -180,7 +185,11 @@ def parse_chat(value: object, max_tokens: int) -> ChatRequest:
     if tools is not None and tools.choice != "none" and field is not None:
         raise RequestError(f"give tools or {field}, not both: a tool call's arguments follow its schema", param=field)
     settings = GenerationSettings(**{**settings.__dict__, "format": format})
-    return ChatRequest(messages, n, settings, stream, include_usage, top if logprobs else None, field, tools)
+    try:
+        kwargs = check_template_kwargs(value.get("chat_template_kwargs"))
+    except ValueError as exc:
+        raise RequestError(str(exc), param="chat_template_kwargs") from None
+    return ChatRequest(messages, n, settings, stream, include_usage, top if logprobs else None, field, tools, kwargs)
 
 
 def _tools(value: dict):
@@ -392,8 +401,18 @@ def chat_logprobs(entries: list[dict], top: int) -> dict:
     }
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    message = {"role": "assistant", "content": text}
+def chat_choice(
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict | None,
+    *,
+    thinks: bool = False,
+    reasoning: str | None = None,
+) -> dict:
+    """A thinking model's message (thinks) carries its thought as reasoning_content, None where it had none (as
+    vLLM's reasoning parsers return it); another model's has no such field."""
+    message = {"role": "assistant", "content": text} | ({"reasoning_content": reasoning} if thinks else {})
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

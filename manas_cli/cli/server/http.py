@@ -21,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ...errors import ManasError, first_line
 from ...records import json_line
 from ...settings import GenerationSettings
+from ...thinking import ThoughtSplitter, after_thought
+from ...thinking import split as split_thought
 from ...tools import ToolError, call_format, check_syntax, read_calls
 from .api import (
     FINISH_REASONS,
@@ -284,14 +286,29 @@ class Handler(BaseHTTPRequestHandler):
             )
         request = parse_chat(parse_json(self._body()), self.server.max_tokens)
         request, syntax = self._with_tools(request)
+        tools = request.tools.listed if request.tools else None
         try:
-            ids = self.server.chat(request.messages, request.tools.listed if request.tools else None)
+            prompt = self.server.chat(request.messages, tools, request.template_kwargs)
         except ManasError as exc:  # the template refused these messages, or failed on them
             raise RequestError(str(exc), param="messages") from None
+        request = self._after_thought(request, prompt)
         if syntax is not None and request.tools.choice != "none":
-            self._run(request, [ids], partial(ToolReply, syntax=syntax))
+            self._run(request, [prompt.ids], partial(ToolReply, syntax=syntax))
         else:
-            self._run(request, [ids], ChatReply)
+            self._run(request, [prompt.ids], ChatReply)
+
+    def _after_thought(self, request, prompt):
+        """A thinking model's request (thinking.py): its answers split into thought and reply, and the grammar of a
+        response_format, json_schema or tools put after the thought, so that it constrains the reply alone (a
+        `grammar` constrains the whole answer, as written)."""
+        if not prompt.thinks:
+            return request
+        format = request.settings.format
+        if format is not None and request.format_field in ("response_format", "json_schema", "tools"):
+            special = self.server.scheduler.requests.encoding.special_tokens_set
+            settings = replace(request.settings, format=after_thought(format, prompt.thought, special))
+            request = replace(request, settings=settings)
+        return replace(request, thought=prompt.thought)
 
     def _with_tools(self, request):
         """A chat request with tools constrained to the model's call syntax (tools.py), and that syntax; as it is,
@@ -540,12 +557,21 @@ class Reply:
 
 
 class ChatReply(Reply):
-    """A chat request's answer: the assistant's message, chunks of `delta`, OpenAI's chat logprobs."""
+    """A chat request's answer: the assistant's message, chunks of `delta`, OpenAI's chat logprobs. A thinking
+    model's thought comes apart from its reply, as reasoning_content (streamed as delta.reasoning_content)."""
 
     def __init__(self, request, prompts: list[list[int]], choices: list[Choice], server: Server) -> None:
         self.request, self.prompts, self.choices = request, prompts, choices
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.model, self.created = server.model_id, int(time.time())
+        self.thinks = request.thought is not None
+        self._splitters = {choice.index: ThoughtSplitter(request.thought) for choice in choices} if self.thinks else {}
+
+    def split(self, choice: Choice) -> tuple[str | None, str]:
+        """A whole answer's thought (None: it had none) and reply."""
+        if not self.thinks:
+            return None, choice.stream.text
+        return split_thought(choice.stream.text, self.request.thought)
 
     def opening(self) -> list[dict]:
         """Each choice's first chunk names the role, as OpenAI's do."""
@@ -555,15 +581,33 @@ class ChatReply(Reply):
         ]
 
     def body(self) -> dict:
-        choices = [
-            chat_choice(choice.index, choice.stream.text, self.finish_reason(choice), self._logprobs(choice.stream))
-            for choice in self.choices
-        ]
+        choices = []
+        for choice in self.choices:
+            thought, reply = self.split(choice)
+            finish, logprobs = self.finish_reason(choice), self._logprobs(choice.stream)
+            choices.append(chat_choice(choice.index, reply, finish, logprobs, thinks=self.thinks, reasoning=thought))
         return completion_body(self.id, self.created, self.model, choices, self.usage(), "chat.completion")
 
     def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
         return chat_chunk(self.id, self.created, self.model, index, delta, finish_reason, logprobs)
+
+    def delta(self, index: int, text: str, logprobs: dict | None) -> list[dict]:
+        if not self.thinks:
+            return super().delta(index, text, logprobs)
+        return [self._thought_chunk(index, *self._splitters[index].feed(text), logprobs)]
+
+    def closing(self, index: int) -> list[dict]:
+        held = [self._thought_chunk(index, *self._splitters[index].finish(), None)] if self.thinks else []
+        return [chunk for chunk in held if chunk["choices"][0]["delta"]] + super().closing(index)
+
+    def _thought_chunk(self, index: int, thought: str, reply: str, logprobs: dict | None) -> dict:
+        """A chunk of a thinking model's stream: the thought's text as reasoning_content, the reply's as content
+        (an empty content where neither has any yet: the token's logprobs still come)."""
+        delta = ({"reasoning_content": thought} if thought else {}) | ({"content": reply} if reply else {})
+        if not delta and logprobs is not None:
+            delta = {"content": ""}
+        return chat_chunk(self.id, self.created, self.model, index, delta, None, logprobs)
 
     def stream_logprobs(self, index: int, text: str, entry: dict | None) -> dict | None:
         if self.request.top_logprobs is None or entry is None:
@@ -586,8 +630,9 @@ class ToolReply(ChatReply):
         self._read: dict[int, object] = {}
 
     def read(self, choice: Choice):
+        """The calls in the answer's reply (after any thought)."""
         if choice.index not in self._read:
-            self._read[choice.index] = read_calls(choice.stream.text, self.syntax, self.request.tools)
+            self._read[choice.index] = read_calls(self.split(choice)[1], self.syntax, self.request.tools)
         return self._read[choice.index]
 
     def finish_reason(self, choice: Choice) -> str:
@@ -597,8 +642,9 @@ class ToolReply(ChatReply):
     def body(self) -> dict:
         choices = []
         for choice in self.choices:
-            answer = self.read(choice)
-            body = chat_choice(choice.index, answer.content, self.finish_reason(choice), self._logprobs(choice.stream))
+            answer, thought = self.read(choice), self.split(choice)[0]
+            finish, logprobs = self.finish_reason(choice), self._logprobs(choice.stream)
+            body = chat_choice(choice.index, answer.content, finish, logprobs, thinks=self.thinks, reasoning=thought)
             if answer.calls:
                 body["message"]["tool_calls"] = answer.calls
             choices.append(body)
@@ -609,6 +655,8 @@ class ToolReply(ChatReply):
 
     def closing(self, index: int) -> list[dict]:
         answer, chunks = self.read(self.choice(index)), []
+        if thought := self.split(self.choice(index))[0]:
+            chunks.append(self._thought_chunk(index, thought, "", None))
         if answer.content:
             chunks.append(self.chunk(index, answer.content, None, None))
         for delta in tool_call_deltas(answer.calls):

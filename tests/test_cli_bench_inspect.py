@@ -172,10 +172,12 @@ def test_inspect_cache_json_describes_the_cache_after_prompt_and_decoding(checkp
             "k_shape": [1, n_kv_head, positions, HEAD_SIZE],
             "v_shape": [1, n_kv_head, positions, HEAD_SIZE],
             "bytes": cache_bytes(name, positions) // N_LAYER,
+            "window": None,  # no sliding window: every layer attends over all it holds
+            "window_bytes": cache_bytes(name, positions) // N_LAYER,
         }
         for layer in range(N_LAYER)
     ]
-    assert report["logical_bytes"] == cache_bytes(name, positions)
+    assert report["logical_bytes"] == cache_bytes(name, positions) == report["window_bytes"]
     assert report["storage_bytes"] >= report["logical_bytes"]
     assert report["bytes_per_position"] == cache_bytes(name, 1)
     assert report["full_window_bytes"] == cache_bytes(name, BLOCK_SIZE)

@@ -491,7 +491,8 @@ REFUSALS = {
     "bare-weights-without-config": (setup_bare_safetensors_without_config, "pass --config PATH"),
     "not-gpt2": (
         setup_hf_config_of(model_type="gpt_neox"),
-        "model_type is 'gpt_neox'; convert reads 'gpt2', 'starcoder2', 'llama', 'qwen2', 'qwen3', 'mistral'",
+        "model_type is 'gpt_neox'; convert reads 'gpt2', 'starcoder2', 'llama', 'qwen2', 'qwen3', 'smollm3', "
+        "'mistral', 'gemma3_text'",
     ),
     "layer-scaled-attention": (
         setup_hf_config_of(scale_attn_by_inverse_layer_idx=True),

@@ -107,6 +107,26 @@ FAMILIES = {
         dict(rope_parameters=LLAMA3_ROPE | dict(factor=8.0, original_max_position_embeddings=64)),
         "gpt2",
     ),
+    # Gemma 3: GeGLU, 1 + w norms, √d embedding, post norms, q/k norms, local layers with a window (8 here; 512 in
+    # Gemma 3 270M) and a rope base of their own; heads of 32 in a 64-wide model (270M: 4 of 256 in 640)
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+        "gpt2",
+    ),
     # SmolLM3: no rope on every fourth layer (layer 3 of 4 here; 9 of SmolLM3-3B's 36), its rope base
     "smollm3": (
         "SmolLM3Config",

@@ -8,6 +8,8 @@ past the window, exports go back to transformers, and each bad field is one erro
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from test_real_models import copy_fields
 
 gguf = pytest.importorskip("gguf")
 
-NEW = ("qwen3", "llama3.2", "llama3-scaled", "smollm3")
+NEW = ("qwen3", "llama3.2", "llama3-scaled", "smollm3", "gemma3")
 TEXT = "the theatre in the city, and then the weather: 12 émigrés in 2025. " * 3
 
 
@@ -65,7 +67,7 @@ def test_greedy_text_is_transformers_for_64_tokens_on_both_engines(new_models, f
 
 @needs_compiler
 @pytest.mark.parametrize("source", ["checkpoint", "gguf"])
-@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3", "gemma3"])
 def test_a_score_is_transformers_within_1e_4_nats_per_token(new_models, family, source, tmp_path):
     model = new_models[family]
     text = tmp_path / "text.txt"
@@ -80,7 +82,7 @@ def test_a_score_is_transformers_within_1e_4_nats_per_token(new_models, family, 
 
 @needs_compiler
 @pytest.mark.parametrize("source", ["checkpoint", "gguf"])
-@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3", "gemma3"])
 def test_seeded_generation_past_the_window_equals_crop_and_recompute(new_models, family, source):
     path = new_models[family][source]
     run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", PROMPT, "-n", "40", "--ctx", str(CTX), "-t", "0.9",
@@ -109,7 +111,7 @@ def test_the_gguf_holds_llama_cpps_tensors_for_each_family(new_models):
     assert "rope_freqs.weight" not in {t.name for t in reader.tensors}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3.2", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3.2", "smollm3", "gemma3"])
 def test_export_hf_gives_transformers_the_same_model(new_models, family, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -216,3 +218,51 @@ def test_layers_without_rope_other_than_every_fourth_export_to_hf_but_not_to_ggu
     ids = torch.randint(0, 270, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("engine", ["native", "torch"])
+def test_inspect_cache_shows_each_layers_window_and_the_bytes_it_attends_over(new_models, engine):
+    """Gemma 3's local layers (two of three here, a window of 8) attend over their last 8 positions of what the
+    cache holds; the global layer over all of it."""
+    env = {} if engine == "native" else {"MANAS_ENGINE": "torch"}
+    run = manas("inspect-cache", "-m", new_models["gemma3"]["checkpoint"], *RUN_OPTIONS, "-p", PROMPT, "--tokens",
+                "30", "--json", **env)  # fmt: skip
+    report = run.ok().json()
+    positions, layers = report["positions"], report["layers"]
+    assert positions > 8 and [layer["window"] for layer in layers] == [8, 8, None]
+    for layer in layers:
+        per_position = layer["bytes"] // positions
+        assert layer["window_bytes"] == per_position * (8 if layer["window"] else positions)
+    assert report["window_bytes"] == sum(layer["window_bytes"] for layer in layers) < report["logical_bytes"]
+    shown = manas("inspect-cache", "-m", new_models["gemma3"]["checkpoint"], *RUN_OPTIONS, "-p", PROMPT, "--tokens",
+                  "30", **env).ok().out  # fmt: skip
+    assert "in window" in shown and "sliding windows: the layers attend over" in shown
+
+
+LLAMA_CPP_BIN = Path(os.environ.get("MANAS_LLAMA_CPP_BIN", Path.home() / ".cache/manas-llamacpp/build/bin"))
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", NEW)
+def test_llama_cpp_greedy_text_on_the_exported_gguf_is_manas_generate(new_models, family):
+    """llama.cpp's own forward of each family, as `llama-completion` runs manas' GGUF export (built by
+    ../shared/tools/build-llamacpp.sh; MANAS_LLAMA_CPP_BIN names another folder): the same greedy text."""
+    completion = LLAMA_CPP_BIN / "llama-completion"
+    if not completion.is_file():
+        pytest.skip(f"no llama-completion in {LLAMA_CPP_BIN} (bash ../shared/tools/build-llamacpp.sh builds it)")
+    model = new_models[family]
+    run = subprocess.run(
+        [completion, "-m", model["gguf"], "-p", PROMPT, "-n", "32", "--temp", "0", "--top-k", "1", "-no-cnv",
+         "--no-display-prompt", "--simple-io", "--no-warmup", "-t", "1", "-c", "512", "--ignore-eos", "-nr"],
+        capture_output=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:].decode(errors="replace")
+    record = manas("generate", "-m", model["gguf"], *RUN_OPTIONS, "-p", PROMPT, "-n", "32", "-t", "0", "--json").ok()
+    record = record.json()
+    # a random model writes bytes that are no UTF-8 of their own: compared as bytes, llama.cpp's printed as they come
+    # (then its two closing newlines; a NUL byte's token prints nothing, as a C string), manas' each token's
+    encoding = load_checkpoint(model["checkpoint"]).encoding
+    ours = b"".join(encoding.decode_single_token_bytes(token) for token in record["tokens"]).replace(b"\0", b"")
+    theirs = run.stdout.removesuffix(b"\n\n")
+    assert theirs == ours if record["finish_reason"] == "length" else theirs.startswith(ours), (theirs, ours)

@@ -368,23 +368,17 @@ def cache_view(report: dict, header: dict):
         Text(f"positions {report['positions']}/{report['block_size']} {bar(fill, 40):<40} {fill:.0%}"),
         Text(""),
     ]
+    windows = any(layer["window"] is not None for layer in report["layers"])
     table = Table(box=None, pad_edge=False)
-    for column, justify in (
-        ("layer", "right"),
-        ("K shape", "left"),
-        ("V shape", "left"),
-        ("dtype", "left"),
-        ("bytes", "right"),
-    ):
+    columns = [("layer", "right"), ("K shape", "left"), ("V shape", "left"), ("dtype", "left"), ("bytes", "right")]
+    for column, justify in columns + ([("window", "right"), ("in window", "right")] if windows else []):
         table.add_column(column, justify=justify)
     for layer in report["layers"]:
-        table.add_row(
-            str(layer["layer"]),
-            str(tuple(layer["k_shape"])),
-            str(tuple(layer["v_shape"])),
-            report["dtype"],
-            f"{layer['bytes']:,}",
-        )
+        cells = [str(layer["layer"]), str(tuple(layer["k_shape"])), str(tuple(layer["v_shape"])), report["dtype"]]
+        cells.append(f"{layer['bytes']:,}")
+        if windows:
+            cells += [f"{layer['window']:,}" if layer["window"] else "all", f"{layer['window_bytes']:,}"]
+        table.add_row(*cells)
     saving = 1 - report["logical_bytes"] / report["mha_equivalent_bytes"] if report["mha_equivalent_bytes"] else 0.0
     totals = [
         f"logical {format_bytes(report['logical_bytes'])} · allocated {format_bytes(report['storage_bytes'])} · "
@@ -396,6 +390,12 @@ def cache_view(report: dict, header: dict):
         totals.append(
             f"a multi-head cache would hold {format_bytes(report['mha_equivalent_bytes'])}: "
             f"grouped-query attention saves {saving:.0%}"
+        )
+    if windows and report["logical_bytes"]:
+        share = report["window_bytes"] / report["logical_bytes"]
+        totals.append(
+            f"sliding windows: the layers attend over {format_bytes(report['window_bytes'])} of it ({share:.0%}); "
+            "the cache keeps every position, so a re-prefill's window stays exact"
         )
     if report["re_prefill_positions"]:
         totals.append("re-prefills at sequence positions " + ranges(report["re_prefill_positions"]))

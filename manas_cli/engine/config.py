@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, fields
 POSITION_ENCODINGS = ("learned", "rope")
 GELU_APPROXIMATIONS = ("tanh", "none")  # F.gelu's `approximate` values
 NORMS = ("layernorm", "rmsnorm")  # GPT-2's LayerNorm; Llama's RMSNorm (weight only, no mean subtracted)
-MLPS = ("gelu", "swiglu")  # GPT-2's up → GELU → down; Llama's down(silu(gate(x)) · up(x))
+# GPT-2's up → GELU → down; Llama's down(silu(gate(x)) · up(x)); Gemma's down(gelu(gate(x)) · up(x))
+MLPS = ("gelu", "swiglu", "geglu")
 # The fields Llama-family models added (FORMAT.md, version 3), with the values that mean GPT-2's block. A config
 # that leaves them so is written without them, as earlier versions wrote it.
 FAMILY_DEFAULTS = {
@@ -24,6 +25,11 @@ FAMILY_DEFAULTS = {
     "qk_norm": False,
     "rope_factors": None,
     "nope_layers": None,
+    "embedding_scale": None,
+    "post_norms": False,
+    "sliding_window": None,
+    "window_layers": None,
+    "local_rope_base": None,
 }
 # The longest context any released model uses (2^20 positions). No tensor backs block_size with rope, so a bound
 # keeps a file's claim from sizing what position-dependent state there is (the static KV cache's window).
@@ -62,6 +68,13 @@ class GPTConfig:
     # as llama.cpp's rope_freqs holds it; None: every factor 1.
     rope_factors: list[float] | None = None
     nope_layers: list[int] | None = None  # the layers whose attention has no rope, ascending (SmolLM3: every fourth)
+    embedding_scale: float | None = None  # the token embedding multiplied by it, float32 (Gemma: √n_embd)
+    post_norms: bool = False  # a norm on the attention's and the MLP's outputs before each residual add (Gemma)
+    # Attention over the last sliding_window positions only (the position itself included), in the layers
+    # window_layers lists (Gemma 3: five of six), whose rope turns at local_rope_base where given (Gemma 3's 10,000)
+    sliding_window: int | None = None
+    window_layers: list[int] | None = None
+    local_rope_base: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -95,29 +108,60 @@ class GPTConfig:
         for name, allowed in (("norm", NORMS), ("mlp", MLPS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.mlp == "geglu" and self.gelu_approximate != "tanh":
+            raise ValueError("mlp 'geglu' needs gelu_approximate 'tanh' (Gemma's)")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ValueError("qk_norm needs norm 'rmsnorm' (the query and key norms are RMSNorms)")
         self._check_rope_factors()
-        self._check_nope_layers()
-
-    def _check_nope_layers(self) -> None:
-        """Layer indices, each once, ascending, with rope positions (a layer without them has nothing to drop)."""
-        if self.nope_layers is None:
-            return
-        if self.position_encoding != "rope":
+        self._check_layers("nope_layers")
+        self._check_layers("window_layers")
+        self._check_windows()
+        if self.nope_layers is not None and self.position_encoding != "rope":
             raise ValueError("nope_layers needs position_encoding 'rope'")
+        if self.embedding_scale is not None and not 0 < self.embedding_scale < math.inf:
+            raise ValueError(f"embedding_scale must be a positive finite number, got {self.embedding_scale!r}")
+        if self.post_norms and self.norm != "rmsnorm":
+            raise ValueError("post_norms needs norm 'rmsnorm' (Gemma's)")
+
+    def _check_layers(self, name: str) -> None:
+        """A list of layer indices: each once, ascending, below n_layer."""
         previous = -1
-        for layer in self.nope_layers:
+        for layer in getattr(self, name) or ():
             if isinstance(layer, bool) or not isinstance(layer, int) or not previous < layer < self.n_layer:
                 raise ValueError(
-                    f"nope_layers must list layer indices from 0 to {self.n_layer - 1} (n_layer − 1), each once and "
+                    f"{name} must list layer indices from 0 to {self.n_layer - 1} (n_layer − 1), each once and "
                     f"ascending, got {layer!r}"
                 )
             previous = layer
 
+    def _check_windows(self) -> None:
+        """sliding_window and window_layers together, the window shorter than the context; a local rope base with
+        rope positions, in window layers."""
+        if (self.sliding_window is None) != (self.window_layers is None):
+            raise ValueError("sliding_window and window_layers come together: the window, and the layers it is in")
+        # a window as long as the context (a --ctx below the model's window) masks nothing, and is allowed
+        if self.sliding_window is not None and not 0 < self.sliding_window <= MAX_BLOCK_SIZE:
+            raise ValueError(f"sliding_window must be from 1 to {MAX_BLOCK_SIZE}, got {self.sliding_window!r}")
+        if self.local_rope_base is not None:
+            if self.position_encoding != "rope" or self.window_layers is None:
+                raise ValueError("local_rope_base needs position_encoding 'rope' and window_layers")
+            if not 0 < self.local_rope_base < math.inf:
+                raise ValueError(f"local_rope_base must be positive, got {self.local_rope_base!r}")
+            if self.rope_factors is not None:
+                raise ValueError("local_rope_base with rope_factors is not supported (whose rope would they scale?)")
+
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates its queries and keys."""
         return self.position_encoding == "rope" and layer not in (self.nope_layers or ())
+
+    def window(self, layer: int) -> int | None:
+        """The positions layer `layer` attends over (its own included), None for the whole context."""
+        return self.sliding_window if layer in (self.window_layers or ()) else None
+
+    def rope_base_of(self, layer: int) -> float:
+        """The rope base of layer `layer`: a window layer's local one where the model has it."""
+        local = self.local_rope_base is not None and self.window(layer) is not None
+        return self.local_rope_base if local else self.rope_base
 
     def _check_rope_factors(self) -> None:
         """Positive and finite, one per rope pair, with rope positions."""
@@ -229,11 +273,15 @@ def parameter_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]
             yield f"blocks.{i}.attention.q_norm.weight", (config.head_size,)
             yield f"blocks.{i}.attention.k_norm.weight", (config.head_size,)
         yield from linear(f"blocks.{i}.attention.output", C, config.attention_width)
+        if config.post_norms:
+            yield from norm(f"blocks.{i}.ln_attention_out")
         yield from norm(f"blocks.{i}.ln_ffn")
-        if config.mlp == "swiglu":
+        if config.mlp != "gelu":
             yield from linear(f"blocks.{i}.ffn.gate", hidden, C)
         yield from linear(f"blocks.{i}.ffn.up", hidden, C)
         yield from linear(f"blocks.{i}.ffn.down", C, hidden)
+        if config.post_norms:
+            yield from norm(f"blocks.{i}.ln_ffn_out")
     yield from norm("final_norm")
     if not config.tie_embeddings:
         yield "lm_head.weight", (config.vocab_size, C)

@@ -79,16 +79,22 @@ def prefill_if_due(session, windows: list[list[int]], first: bool, keep: int):
 
 
 def cache_report(session) -> dict:
-    """What the cache holds, layer by layer, and what it would cost at a full window or without GQA."""
+    """What the cache holds, layer by layer, and what it would cost at a full window or without GQA; for a model
+    with sliding windows (Gemma 3), each layer's window and the bytes of the positions it attends over (what a cache
+    that kept only those would hold)."""
     storage = session.storage()
     config = session.model.config
-    layers = [
-        {"layer": index, "k_shape": k_shape, "v_shape": v_shape, "bytes": size}
-        for index, (k_shape, v_shape, size) in enumerate(session.layer_shapes())
-    ]
-    bytes_per_position = storage["logical_bytes"] // storage["positions"] if storage["positions"] else 0
+    positions = storage["positions"]
+    layers = []
+    for index, (k_shape, v_shape, size) in enumerate(session.layer_shapes()):
+        window = config.window(index)
+        attended = size if window is None or positions <= window else size // positions * window
+        layers.append({"layer": index, "k_shape": k_shape, "v_shape": v_shape, "bytes": size, "window": window,
+                       "window_bytes": attended})  # fmt: skip
+    bytes_per_position = storage["logical_bytes"] // positions if positions else 0
     return {
         **storage,
+        "window_bytes": sum(layer["window_bytes"] for layer in layers),
         "block_size": config.block_size,
         "layers": layers,
         "bytes_per_position": bytes_per_position,

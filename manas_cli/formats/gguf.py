@@ -25,7 +25,7 @@ from ..errors import CheckpointError, MissingDependencyError, first_line
 from ..files import atomic_write, check_output_file
 from ..torch_engine.model import GPT, GPTConfig
 from ..torch_engine.quantize import dequantize_model
-from . import llama, rotary_layout, starcoder2
+from . import gemma, llama, rotary_layout, starcoder2
 from .checkpoint import load_checkpoint
 from .gguf_config import INTERLEAVED, SMOLLM3_NO_ROPE_INTERVAL
 from .gpt2 import hf_state_dict, is_gpt2_linear_weight
@@ -44,7 +44,10 @@ PRE_TOKENIZERS = dict.fromkeys(GPT2_SPLIT_PATTERNS, "gpt-2") | {
 
 
 def architecture_of(config: GPTConfig) -> str:
-    """llama.cpp's architecture for the model: the Llama family's Hugging Face twin's, else by position encoding."""
+    """llama.cpp's architecture for the model: Gemma 3's, the Llama family's Hugging Face twin's, else by position
+    encoding."""
+    if gemma.is_gemma(config):
+        return "gemma3"
     return llama.model_type_of(config) if not config.is_gpt2_family else ARCHITECTURES[config.position_encoding]
 
 
@@ -76,17 +79,15 @@ def import_gguf() -> Any:
 
 
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
-    """Refuse what llama.cpp's gpt2, starcoder2, llama, qwen2 and qwen3 would compute or stop differently."""
-    if config.rope_factors is not None and llama.model_type_of(config) != "llama":
+    """Refuse what llama.cpp's gpt2, starcoder2, llama, qwen2, qwen3, smollm3 and gemma3 would compute or stop
+    differently."""
+    if config.rope_factors is not None and architecture_of(config) != "llama":
         raise CheckpointError(f"{source}: llama.cpp reads rope_factors (rope_freqs) only in its llama architecture")
-    if not config.is_gpt2_family:
+    _check_layer_patterns(config, source)
+    if gemma.is_gemma(config):
+        gemma.check_exportable(config, source)
+    elif not config.is_gpt2_family:
         llama.check_exportable(config, source, hf=False)
-    every_fourth = list(range(SMOLLM3_NO_ROPE_INTERVAL - 1, config.n_layer, SMOLLM3_NO_ROPE_INTERVAL))
-    if config.nope_layers and config.nope_layers != every_fourth:
-        raise CheckpointError(
-            f"{source}: llama.cpp's smollm3 leaves rope out of every fourth layer, not of layers "
-            f"{', '.join(map(str, config.nope_layers[:8]))}{', ...' if len(config.nope_layers) > 8 else ''}"
-        )
     elif config.gelu_approximate != "tanh":
         raise CheckpointError(
             f"{source}: the model uses the exact GELU (gelu_approximate={config.gelu_approximate!r}), but llama.cpp's "
@@ -110,6 +111,17 @@ def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -
         )
 
 
+def _check_layer_patterns(config: GPTConfig, source: Path) -> None:
+    """The layers without rope are the ones llama.cpp's smollm3 leaves it out of: every fourth (gemma3's window
+    layers go in the file, as sliding_window_pattern)."""
+    every_fourth = list(range(SMOLLM3_NO_ROPE_INTERVAL - 1, config.n_layer, SMOLLM3_NO_ROPE_INTERVAL))
+    if config.nope_layers and config.nope_layers != every_fourth:
+        raise CheckpointError(
+            f"{source}: llama.cpp's smollm3 leaves rope out of every fourth layer, not of layers "
+            f"{', '.join(map(str, config.nope_layers[:8]))}{', ...' if len(config.nope_layers) > 8 else ''}"
+        )
+
+
 # --- tensors -----------------------------------------------------------------------------------------------------
 
 
@@ -118,9 +130,8 @@ def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
     dimensions innermost first, so the gguf writer records this as llama.cpp's {in, out}."""
     config = model.config
     architecture = architecture_of(config)
-    hf_tensors = {"starcoder2": starcoder2.hf_state_dict, "gpt2": hf_state_dict}.get(architecture, llama.hf_state_dict)(
-        model
-    )
+    twins = {"starcoder2": starcoder2.hf_state_dict, "gpt2": hf_state_dict, "gemma3": gemma.hf_state_dict}
+    hf_tensors = twins.get(architecture, llama.hf_state_dict)(model)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.n_layer)
     tensors = {}
     for name, tensor in hf_tensors.items():
@@ -129,6 +140,8 @@ def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
         if architecture in INTERLEAVED and name.endswith(rotary_layout.QUERY_KEY_TENSORS):
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
             tensor = rotary_layout.from_rotate_half(tensor, heads)  # llama.cpp's llama rope: interleaved pairs
+        if architecture == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor + 1  # llama.cpp's gemma3 scales by the weight as stored: its converter adds Gemma's 1
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous().numpy()
     if config.rope_factors is not None:
         tensors["rope_freqs.weight"] = np.array(config.rope_factors, dtype=np.float32)
@@ -176,6 +189,11 @@ def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, ou
     if config.position_encoding == "rope":
         writer.add_rope_dimension_count(config.head_size)
         writer.add_rope_freq_base(config.rope_base)
+    if config.window_layers is not None:  # gemma3's window, its layers (one flag each) and their rope base
+        windows = set(config.window_layers)
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern([i in windows for i in range(config.n_layer)])
+        writer.add_rope_freq_base_swa(config.local_rope_base or config.rope_base)
 
 
 def add_tokenizer(

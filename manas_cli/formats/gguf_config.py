@@ -14,15 +14,21 @@ from .gguf_metadata import Layout, TensorInfo
 from .importing import make_config
 
 # llama.cpp's names of the models manas runs
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gpt2", "starcoder2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "gpt2", "starcoder2")
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "smollm3")  # RMSNorm, rope and SwiGLU: formats/llama.py's models
 # Those whose converter stores queries and keys in interleaved rope pairs (llama.cpp's NORM rope), manas' layout; the
 # others keep Hugging Face's rotate-half pairs (NEOX).
 INTERLEAVED = ("llama", "smollm3")
 # What a refusal lists: the architectures, and models they hold
-RUNS = f"{', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3.x, Qwen2, 2.5 and 3, SmolLM3, GPT-2, StarCoder2"
+RUNS = (
+    f"{', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3.x, Qwen2, 2.5 and 3, SmolLM3, Gemma 3 (text), "
+    "GPT-2, StarCoder2"
+)
 # llama.cpp's smollm3 leaves rope out of every fourth layer (its n_no_rope_layer_step, not read from the file)
 SMOLLM3_NO_ROPE_INTERVAL = 4
+# llama.cpp's gemma3 without a sliding_window_pattern: five window layers of every six; and its local rope base
+GEMMA3_WINDOW_PATTERN, GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
+HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # the Hugging Face model_type of an architecture, where it differs
 
 
 def check_block_count(layout: Layout, architecture: str, path: Path) -> None:
@@ -86,10 +92,39 @@ def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]
         }
     if (scaling := value("rope.scaling.type")) not in (None, "none"):  # another than linear refused by name
         values["rope_scaling"] = {"type": scaling, "factor": _decimal(value("rope.scaling.factor"))}
+    if architecture == "gemma3":
+        values |= _gemma3_config(value, shapes, path)
     if architecture in INTERLEAVED and "blk.0.attn_q.bias" in shapes:
         values["attention_bias"] = values["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
-    values |= {"model_type": architecture, "vocab_size": vocab_size}
+    values |= {"model_type": HF_MODEL_TYPES.get(architecture, architecture), "vocab_size": vocab_size}
     return {key: item for key, item in values.items() if item is not None}
+
+
+def _gemma3_config(value, shapes: dict[str, tuple[int, ...]], path: Path) -> dict:
+    """A gemma3 file's Gemma 3 fields as llama.cpp reads them: its window, which layers slide (sliding_window_pattern,
+    an array of flags or every n-th layer global, 6 without it), the local layers' rope base (10,000 without it)."""
+    layers, window = value("block_count"), value("attention.sliding_window", 0)
+    if type(layers) is not int or type(window) is not int:
+        raise CheckpointError(f"{path}: its gemma3.block_count and attention.sliding_window must be integers")
+    if layers == 62:  # llama.cpp scales Gemma 3 27B's attention by 1/√(n_embd / n_head), not 1/√head_dim
+        raise CheckpointError(f"{path}: Gemma 3 27B's attention scale has no manas equivalent")
+    pattern = value("attention.sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
+    if isinstance(pattern, list):
+        slides = [bool(flag) for flag in pattern]
+    elif type(pattern) is int and pattern >= 0:
+        slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    else:
+        raise CheckpointError(f"{path}: its gemma3.attention.sliding_window_pattern {pattern!r} is not a pattern")
+    head_dim = value("attention.key_length")
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": window if window > 0 else None,
+        "layer_types": ["sliding_attention" if slide and window > 0 else "full_attention" for slide in slides],
+        "rope_local_base_freq": _decimal(value("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        "rms_norm_eps": _decimal(value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight" not in shapes,
+    }
 
 
 def with_rope_factors(config: GPTConfig, factors: list[float] | None, path: Path) -> GPTConfig:

@@ -18,7 +18,7 @@ import torch
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError, first_line
 from ..torch_engine.model import GPT
-from . import gpt2, huggingface, llama, rotary_layout, starcoder2
+from . import gemma, gpt2, huggingface, llama, rotary_layout, starcoder2
 from .gguf_config import (
     ARCHITECTURES,
     INTERLEAVED,
@@ -64,6 +64,11 @@ HF_LAYOUTS = {
     ),
 }  # fmt: skip
 HF_LAYOUTS["qwen2"] = HF_LAYOUTS["smollm3"] = HF_LAYOUTS["llama"]
+HF_LAYOUTS["gemma3"] = (
+    HF_LAYOUTS["llama"][0],
+    "model.layers",
+    (*rotary_layout.QKV_MODULES, *gemma.BLOCK_MODULES.values()),
+)
 HF_LAYOUTS["qwen3"] = (
     HF_LAYOUTS["llama"][0],
     "model.layers",
@@ -159,6 +164,8 @@ def _hf_state(tensors: dict, architecture: str, config: GPTConfig, path: Path) -
         if architecture in INTERLEAVED and name.endswith(rotary_layout.QUERY_KEY_TENSORS):
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
             weights = rotary_layout.to_rotate_half(weights, heads)  # llama.cpp's interleaved pairs → Hugging Face's
+        if architecture == "gemma3" and name.endswith("norm.weight"):
+            weights = weights - 1  # llama.cpp's converter stored the 1 + w Gemma's norms scale by
         state[name] = weights
     return state
 
@@ -171,6 +178,8 @@ def _manas_state(
     model keeps an output layer of its own."""
     if architecture in LLAMA_FAMILY:
         return config, llama.state_to_manas(state, config, path)
+    if architecture == "gemma3":
+        return config, gemma.state_to_manas(state, config, path)
     head = state.pop(TIED_HEAD, None)
     if architecture == "gpt2":
         renamed = gpt2.gpt2_state_to_manas(state, conv1d=False, source=path)

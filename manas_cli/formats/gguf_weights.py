@@ -26,7 +26,8 @@ from .gguf_metadata import Layout, TensorInfo, layout_of
 from .gguf_vocab import spec_from_fields, string_field
 from .tokenizer_cache import cached_spec
 
-IN_PLACE = ("llama", "qwen2", "qwen3", "smollm3")  # llama.cpp's architectures whose files the core runs in place
+# llama.cpp's architectures whose files the core runs in place
+IN_PLACE = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
 
 # ggml's types: (name, values per block, bytes per block) for those the core multiplies; the others by name only
 BLOCK_TYPES = {
@@ -46,7 +47,7 @@ LAYER = {
     "attn_norm": "ln_attention", "attn_q": "attention.qkv", "attn_k": "attention.key", "attn_v": "attention.value",
     "attn_q_norm": "attention.q_norm", "attn_k_norm": "attention.k_norm",
     "attn_output": "attention.output", "ffn_norm": "ln_ffn", "ffn_gate": "ffn.gate", "ffn_up": "ffn.up",
-    "ffn_down": "ffn.down",
+    "ffn_down": "ffn.down", "post_attention_norm": "ln_attention_out", "post_ffw_norm": "ln_ffn_out",
 }  # fmt: skip
 BY_MANAS_NAME = {manas: gguf for gguf, manas in (TOP | LAYER).items()}
 

@@ -241,6 +241,10 @@ def check_exportable(config: GPTConfig, source: Path, hf: bool = True) -> None:
         )
     if config.bias and not config.has_qkv_bias:
         raise CheckpointError(f"{source}: biases on the projections but not on q, k, v have no Hugging Face model")
+    gemma = {"post_norms": config.post_norms, "embedding_scale": config.embedding_scale,
+             "sliding_window": config.sliding_window}  # fmt: skip
+    if given := [name for name, value in gemma.items() if value]:
+        raise CheckpointError(f"{source}: {given[0]} with a SwiGLU MLP has no Hugging Face or llama.cpp model")
     if config.qk_norm and config.has_qkv_bias:
         raise CheckpointError(f"{source}: query and key norms with biases have no Hugging Face model (Qwen3 has none)")
     if config.nope_layers and (config.qk_norm or config.rope_factors is not None):
@@ -280,26 +284,11 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
     values = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.block_size,
-        "hidden_size": config.n_embd,
-        "intermediate_size": config.ffn_width,
-        "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head,
-        "num_key_value_heads": config.n_kv_head,
-        "head_dim": config.head_size,
+        **rotary_layout.hf_shape(config, dtype, end_of_text),
         "hidden_act": "silu",
-        "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_base,
         "rope_parameters": (hf_rope_scaling(config) or {"rope_type": "default"}) | {"rope_theta": config.rope_base},
         "rope_scaling": hf_rope_scaling(config),
-        "tie_word_embeddings": config.tie_embeddings,
-        "attention_dropout": config.dropout,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": end_of_text,
-        "eos_token_id": end_of_text,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if model_type == "llama":
         values |= {"attention_bias": config.bias, "mlp_bias": config.bias, "pretraining_tp": 1}
@@ -321,20 +310,4 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """The Hugging Face model's tensors: q, k, v split in the rotate-half layout, lm_head only when untied."""
-    config, state = model.config, model.state_dict()
-    tensors = {}
-    for name, tensor in state.items():
-        module, _, kind = name.rpartition(".")
-        parts = module.split(".", 2)
-        if module == "lm_head" and config.tie_embeddings:
-            continue
-        if module in TOP_MODULES:
-            tensors[f"{TOP_MODULES[module]}.{kind}"] = tensor
-        elif parts[2] == "attention.qkv":
-            for part, split in rotary_layout.split_qkv(tensor, config).items():
-                tensors[f"model.layers.{parts[1]}.self_attn.{part}.{kind}"] = split
-        else:
-            head_norm = parts[2] in rotary_layout.HEAD_NORMS  # laid out as a head: rotate-half too
-            tensor = rotary_layout.to_rotate_half(tensor, 1) if head_norm else tensor
-            tensors[f"model.layers.{parts[1]}.{BLOCK_MODULES[parts[2]]}.{kind}"] = tensor
-    return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    return rotary_layout.hf_state_dict(model, BLOCK_MODULES, TOP_MODULES)

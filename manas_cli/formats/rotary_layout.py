@@ -16,6 +16,8 @@ from ..errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
+    from ..torch_engine.model import GPT
+
 
 QKV = ("q_proj", "k_proj", "v_proj")
 QKV_MODULES = {f"self_attn.{name}": name for name in QKV}  # inside model.layers.N
@@ -94,6 +96,48 @@ def state_to_manas(
                 f"{source}: q_proj, k_proj and v_proj.{kind} of layer {index} differ in shape"
             ) from None
     return renamed
+
+
+def hf_state_dict(model: GPT, block_modules: dict[str, str], top_modules: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A rotary model's tensors under Hugging Face's names (state_to_manas' inverse): q, k, v split in the
+    rotate-half layout, the head norms too, lm_head only when untied."""
+    config, tensors = model.config, {}
+    for name, tensor in model.state_dict().items():
+        module, _, kind = name.rpartition(".")
+        parts = module.split(".", 2)
+        if module == "lm_head" and config.tie_embeddings:
+            continue
+        if module in top_modules:
+            tensors[f"{top_modules[module]}.{kind}"] = tensor
+        elif parts[2] == "attention.qkv":
+            for part, split in split_qkv(tensor, config).items():
+                tensors[f"model.layers.{parts[1]}.self_attn.{part}.{kind}"] = split
+        else:
+            tensor = to_rotate_half(tensor, 1) if parts[2] in HEAD_NORMS else tensor  # laid out as a head
+            tensors[f"model.layers.{parts[1]}.{block_modules[parts[2]]}.{kind}"] = tensor
+    return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+
+
+def hf_shape(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) -> dict:
+    """The config.json fields every rotary Hugging Face model of manas' heads shares: its shape, dtype and ids."""
+    return {
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.block_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.ffn_width,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.head_size,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": config.dropout,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": end_of_text,
+        "eos_token_id": end_of_text,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def _key_of(mapping: dict[str, str], value: str) -> str:

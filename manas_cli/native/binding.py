@@ -41,6 +41,9 @@ class ManasLayer(ctypes.Structure):
         ("q_norm", ManasNorm),
         ("k_norm", ManasNorm),
         ("no_rope", c_int32),
+        ("ln_attention_out", ManasNorm),
+        ("ln_ffn_out", ManasNorm),
+        ("window", c_int32),
     ]
 
 
@@ -69,6 +72,9 @@ class ManasModel(ctypes.Structure):
         ("rope_halves", c_int32),
         ("token_table", ManasLinear),
         ("rope_factors", POINTER(c_float)),
+        ("geglu", c_int32),
+        ("embedding_scale", c_float),
+        ("local_rope_base", c_double),
     ]
 
 
@@ -184,7 +190,7 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
     def norm(name: str) -> ManasNorm:
         return ManasNorm(weights.vector(f"{name}.weight"), weights.vector(f"{name}.bias"))
 
-    swiglu = config.mlp == "swiglu"
+    swiglu, gated = config.mlp == "swiglu", config.mlp != "gelu"
     separate = getattr(weights, "separate_qkv", False)  # a GGUF's: queries, keys and values apart
 
     def attention(i: int) -> tuple[ManasLinear, ManasLinear, ManasLinear]:
@@ -200,7 +206,7 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
             qkv,
             weights.linear(f"blocks.{i}.attention.output"),
             norm(f"blocks.{i}.ln_ffn"),
-            weights.linear(f"blocks.{i}.ffn.gate") if swiglu else ManasLinear(),
+            weights.linear(f"blocks.{i}.ffn.gate") if gated else ManasLinear(),
             weights.linear(f"blocks.{i}.ffn.up"),
             weights.linear(f"blocks.{i}.ffn.down"),
             key,
@@ -208,6 +214,9 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
             norm(f"blocks.{i}.attention.q_norm") if config.qk_norm else ManasNorm(),
             norm(f"blocks.{i}.attention.k_norm") if config.qk_norm else ManasNorm(),
             not config.uses_rope(i),
+            norm(f"blocks.{i}.ln_attention_out") if config.post_norms else ManasNorm(),
+            norm(f"blocks.{i}.ln_ffn_out") if config.post_norms else ManasNorm(),
+            config.window(i) or 0,
         )
     learned = config.position_encoding == "learned"
     embedding = weights.vector("token_embedding.weight")
@@ -236,4 +245,7 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
         getattr(weights, "rope_halves", False),
         table,
         None if config.rope_factors is None else (c_float * len(config.rope_factors))(*config.rope_factors),
+        config.mlp == "geglu",
+        config.embedding_scale or 0.0,
+        config.local_rope_base or 0.0,
     )

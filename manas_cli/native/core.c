@@ -73,6 +73,8 @@ typedef struct {
     ManasLinear key, value;      /* a GGUF file's own keys and values (qkv then holds the queries), else n_out 0 */
     ManasNorm q_norm, k_norm;    /* (hs): RMSNorm of each query and key head before rope (Qwen3), else weight NULL */
     int32_t no_rope;             /* 1: this layer's queries and keys are not rotated (SmolLM3's every fourth layer) */
+    ManasNorm ln_attention_out, ln_ffn_out; /* (C): norms of the attention's and MLP's outputs (Gemma), else NULL */
+    int32_t window;              /* > 0: a query attends over its last `window` positions only (Gemma 3's local layers) */
 } ManasLayer;
 
 typedef struct {
@@ -93,6 +95,9 @@ typedef struct {
     int32_t rope_halves;       /* 1: rope pairs x[i] with x[i + hs/2] (a GGUF qwen2's layout); 0: x[2i], x[2i+1] */
     ManasLinear token_table;   /* a GGUF file's token embedding as stored (ggml), when token_embedding is NULL */
     const float *rope_factors; /* (hs / 2): each rope pair's frequency divisor (Llama 3's scaled rope), or NULL */
+    int32_t geglu;             /* 1: down(gelu(gate x) · up x) (Gemma), with swiglu 0 */
+    float embedding_scale;     /* the token embedding multiplied by it (Gemma's √C); 0: not scaled */
+    double local_rope_base;    /* the rope base of window layers (Gemma 3's 10,000); 0: rope_base */
 } ManasModel;
 
 /* One row's KV cache: k and v each [layer][capacity][kv head][head size], float32. */
@@ -126,6 +131,19 @@ static void embed(const ManasModel *m, int token, float *x) {
         ggml_dequantize_row(&m->token_table, token, x);
     else
         dequantize_row(&m->lm_head, token, x);
+    if (m->embedding_scale != 0.0f)
+        for (int i = 0; i < m->n_embd; i++) x[i] *= m->embedding_scale;
+}
+
+/* out (rows of C) added to x; normed first with `norm` where the layer has one (Gemma's post norms), through
+   normed (rows of C). */
+static void add_output(const ManasModel *m, const ManasNorm *norm, int rows, const float *out, float *normed,
+                       float *x) {
+    if (norm->weight) {
+        normalize(m, norm, rows, out, normed);
+        out = normed;
+    }
+    for (size_t i = 0; i < (size_t)rows * m->n_embd; i++) x[i] += out[i];
 }
 
 /* Rows sources[0..n) of x (rows of C) moved to x's first n rows, through spare (n rows): a source may be any row,
@@ -149,9 +167,11 @@ static size_t carve(Scratch *s, const ManasModel *m, int rows, int threads, char
         {&s->qkv, R * (A + 2 * (size_t)m->n_kv_head * hs)},
         {&s->attention, R * A},
         {&s->hidden, R * F},
-        {&s->gated, m->swiglu ? R * F : 0},
+        {&s->gated, m->swiglu || m->geglu ? R * F : 0},
         {&s->reordered, R * W},
         {&s->angles, R * hs},
+        {&s->local_angles, m->local_rope_base != 0.0 ? R * hs : 0},
+        {&s->normed, R * C},
         {&s->squares, hs},
         {&s->tiles, (size_t)threads * TILE * W},
         {&s->scores, (size_t)threads * score_rows(m) * score_span(m)},
@@ -197,7 +217,9 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
         float *x = s.x + (size_t)r * C;
         embed(m, tokens[r], x);
         if (m->rope) {
-            rope_angles(m, positions[r], s.angles + (size_t)r * hs);
+            rope_angles(m, m->rope_base, positions[r], s.angles + (size_t)r * hs);
+            if (m->local_rope_base != 0.0)
+                rope_angles(m, m->local_rope_base, positions[r], s.local_angles + (size_t)r * hs);
         } else {
             const float *position = m->position_embedding + (size_t)positions[r] * C;
             for (int i = 0; i < C; i++) x[i] += position[i];
@@ -214,8 +236,9 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
         } else {
             matmul(pool, &s, &block->qkv, m->integer_products, s.h, s.qkv, qkv_width, rows);
         }
+        const float *angles = block->window && m->local_rope_base != 0.0 ? s.local_angles : s.angles;
         for (int r = 0; r < rows; r++)
-            cache_row(m, layer, &caches[r], positions[r], s.angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width,
+            cache_row(m, layer, &caches[r], positions[r], angles + (size_t)r * hs, s.qkv + (size_t)r * qkv_width,
                       s.squares);
         /* Past its keys and values (every row's, cached), the last layer feeds only the logits: it runs on the
            logit rows alone (a prefill's last), gathered to the front. */
@@ -225,14 +248,15 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
         attend.alone = rows_alone(&attend);
         parallel_for(pool, attend_heads, &attend, kept * m->n_head);
         matmul(pool, &s, &block->output, m->integer_products, s.attention, s.h, C, kept);
-        for (size_t i = 0; i < (size_t)kept * C; i++) s.x[i] += s.h[i];
+        add_output(m, &block->ln_attention_out, kept, s.h, s.normed, s.x);
         normalize(m, &block->ln_ffn, kept, s.x, s.h);
         matmul(pool, &s, &block->up, m->integer_products, s.h, s.hidden, m->ffn_width, kept);
-        if (m->swiglu) matmul(pool, &s, &block->gate, m->integer_products, s.h, s.gated, m->ffn_width, kept);
-        Activate activate = {s.hidden, m->swiglu ? s.gated : NULL, m->ffn_width, m->gelu_tanh};
+        int gated = m->swiglu || m->geglu;
+        if (gated) matmul(pool, &s, &block->gate, m->integer_products, s.h, s.gated, m->ffn_width, kept);
+        Activate activate = {s.hidden, gated ? s.gated : NULL, m->ffn_width, m->gelu_tanh, m->geglu};
         parallel_for(pool, activate_rows, &activate, kept);
         matmul(pool, &s, &block->down, m->integer_products, s.hidden, s.h, C, kept);
-        for (size_t i = 0; i < (size_t)kept * C; i++) s.x[i] += s.h[i];
+        add_output(m, &block->ln_ffn_out, kept, s.h, s.normed, s.x);
     }
     normalize(m, &m->final_norm, n_logits, s.x, s.h);
     matmul(pool, &s, &m->lm_head, m->integer_products, s.h, logits, m->vocab_size, n_logits);

@@ -23,8 +23,9 @@ class CausalSelfAttention(nn.Module):
     """Multi-head attention with one fused q|k|v projection; n_kv_head < n_head shares each K/V head among
     n_head / n_kv_head consecutive query heads (query head h reads kv head h // group, as repeat_interleave does)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
+        self.window = config.window(layer)  # the positions a query attends over, its own included; None: all
         self.n_head = config.n_head
         self.n_kv_head = config.n_kv_head
         self.head_size = config.head_size
@@ -61,11 +62,18 @@ class CausalSelfAttention(nn.Module):
         """Each query head's mix of values, (B, n_head, T, hs)."""
         # Several queries are always the newest positions of the keys (a prompt), so the causal mask applies;
         # a single query is the newest position and sees every key: masking it upper-left would hide its past.
+        T, S = q.size(2), k.size(2)
+        mask = None
+        if self.window is not None and S > self.window:  # each query sees its last `window` positions
+            queries = torch.arange(S - T, S, device=q.device)[:, None]
+            keys = torch.arange(S, device=q.device)[None, :]
+            mask = (keys <= queries) & (keys > queries - self.window)
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
-            is_causal=q.size(2) > 1,
+            attn_mask=mask,
+            is_causal=mask is None and T > 1,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_head != self.n_head,
         )
@@ -97,9 +105,10 @@ class CausalSelfAttention(nn.Module):
 class RotaryAttention(CausalSelfAttention):
     """Causal self-attention whose queries and keys are rotated by their absolute position."""
 
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config)
-        self.rope_base, self.rope_factors, self.block_size = config.rope_base, config.rope_factors, config.block_size
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.rope_base, self.rope_factors = config.rope_base_of(layer), config.rope_factors
+        self.block_size = config.block_size
         # Derived from the config, so never saved: a checkpoint holds only learned weights. Built for the positions
         # used so far (doubling, up to block_size), so a block_size that no tensor backs allocates nothing.
         self.register_buffer("cos", torch.empty(0, config.head_size), persistent=False)
@@ -118,11 +127,13 @@ class RotaryAttention(CausalSelfAttention):
 
 
 class FeedForward(nn.Module):
-    """GPT-2's MLP, down(gelu(up(x))), or with mlp="swiglu" Llama's gated one, down(silu(gate(x)) · up(x))."""
+    """GPT-2's MLP, down(gelu(up(x))); with mlp="swiglu" Llama's gated one, down(silu(gate(x)) · up(x)); with
+    mlp="geglu" Gemma's, down(gelu(gate(x)) · up(x))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.gated = config.mlp == "swiglu"
+        self.mlp = config.mlp
+        self.gated = config.mlp != "gelu"
         if self.gated:
             self.gate = nn.Linear(config.n_embd, config.ffn_width, bias=config.bias)
         self.up = nn.Linear(config.n_embd, config.ffn_width, bias=config.bias)
@@ -131,8 +142,10 @@ class FeedForward(nn.Module):
         self.gelu_approximate = config.gelu_approximate
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
+        if self.mlp == "swiglu":
             return F.silu(self.gate(x)) * self.up(x)
+        if self.mlp == "geglu":
+            return F.gelu(self.gate(x), approximate=self.gelu_approximate) * self.up(x)
         return F.gelu(self.up(x), approximate=self.gelu_approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,20 +159,34 @@ def norm(config: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
+    """Attention then the MLP, each on the normed residual stream and added back to it; with post_norms (Gemma)
+    each one's output normed too before it is added."""
+
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.ln_attention = norm(config)
-        self.attention = RotaryAttention(config) if config.uses_rope(layer) else CausalSelfAttention(config)
+        kind = RotaryAttention if config.uses_rope(layer) else CausalSelfAttention
+        self.attention = kind(config, layer)
         self.ln_ffn = norm(config)
         self.ffn = FeedForward(config)
+        self.post_norms = config.post_norms
+        if config.post_norms:
+            self.ln_attention_out, self.ln_ffn_out = norm(config), norm(config)
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, cache=None) -> torch.Tensor:
-        x = x + self.attention(self.ln_attention(x), start_pos, cache)
-        return x + self.ffn(self.ln_ffn(x))
+        return self.feed_forward(x + self.attended(self.attention(self.ln_attention(x), start_pos, cache)))
 
     def forward_rows(self, x: torch.Tensor, positions: list[int], caches: list) -> torch.Tensor:
-        x = x + self.attention.forward_rows(self.ln_attention(x), positions, caches)
-        return x + self.ffn(self.ln_ffn(x))
+        return self.feed_forward(
+            x + self.attended(self.attention.forward_rows(self.ln_attention(x), positions, caches))
+        )
+
+    def attended(self, y: torch.Tensor) -> torch.Tensor:
+        return self.ln_attention_out(y) if self.post_norms else y
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ffn(self.ln_ffn(x))
+        return x + (self.ln_ffn_out(y) if self.post_norms else y)
 
 
 class GPT(nn.Module):
@@ -192,9 +219,16 @@ class GPT(nn.Module):
         quantized copy) is the token embedding, and quantization's scales and zeros are not parameters."""
         return sum(math.prod(shape) for _, shape in parameter_shapes(self.config))
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, scaled by embedding_scale where the model has one (Gemma's √n_embd, as a float32
+        multiplies them)."""
+        x = self.token_embedding(idx)
+        scale = self.config.embedding_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=torch.float32).to(x.dtype)
+
     def hidden_states(self, idx: torch.Tensor, start_pos: int = 0, caches=None) -> torch.Tensor:
         """The final-normed residual stream for tokens at positions start_pos..start_pos+T-1."""
-        x = self.token_embedding(idx)
+        x = self.embed(idx)
         if self.config.position_encoding == "learned":
             x = x + self.position_embedding.weight[start_pos : start_pos + idx.size(1)]
         x = dropout(x, self.config.dropout, self.training)
@@ -205,7 +239,7 @@ class GPT(nn.Module):
     def decode_rows(self, idx: torch.Tensor, positions: list[int], caches: list[list]) -> torch.Tensor:
         """One new token for each of several independent sequences, idx (R, 1): row r at positions[r], with its
         own layer caches caches[r]; the logits (R, 1, vocab)."""
-        x = self.token_embedding(idx)
+        x = self.embed(idx)
         if self.config.position_encoding == "learned":
             x = x + self.position_embedding.weight[torch.tensor(positions, device=idx.device)][:, None]
         for i, block in enumerate(self.blocks):

@@ -1,5 +1,6 @@
 /* Causal attention over each row's KV cache: a row's query heads against its own cached positions 0..position
-   only, softmax(q·k / √hs) · v; then the new key and value written into the cache. The queries that read the same
+   only (in a window layer its last `window` of them), softmax(q·k / √hs) · v; then the new key and value written
+   into the cache. The queries that read the same
    cached keys (a prefill's rows of one head, a decode row's query heads of one key head) go through them
    ATTEND_ROWS at a time, each cached vector loaded once for them all, their sums held in registers.
 
@@ -142,6 +143,14 @@ typedef struct {
 } Attend;
 
 static inline int source(const Attend *a, int row) { return a->sources ? a->sources[row] : row; }
+
+/* The first position a query at `position` attends over: 0, or in a window layer the oldest of its last `window`
+   positions. A window's positions are attended as a whole cache's are from its first: the same arithmetic over
+   the keys and values from there, so a prefill's row and a decode step's agree. */
+static inline int window_start(const ManasModel *m, int layer, int position) {
+    int window = m->layers[layer].window;
+    return window > 0 && position >= window ? position + 1 - window : 0;
+}
 
 /* ROWS rows of one head sharing a cache, positions ascending: each row's weights softmax(q·k / √hs) (into
    weights[k]), then its mix of values (into out[k]). Each row's softmax is exp_below's: its exponentials, their
@@ -287,8 +296,9 @@ static void attend_heads(void *context, int begin, int end, int thread) {
             int h0 = begin > row ? (begin - row + a->rows - 1) / a->rows : 0, h1 = (end - 1 - row) / a->rows + 1;
             if (h0 >= h1) continue;  /* tasks h * rows + row in begin .. end − 1: heads h0 .. h1 − 1 */
             const ManasCache *cache = &a->caches[source(a, row)];
-            size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width;
-            attend_row_by_position(m, a->positions[source(a, row)] + 1, a->qkv + (size_t)source(a, row) * qkv_width,
+            int position = a->positions[source(a, row)], first = window_start(m, a->layer, position);
+            size_t layer_offset = ((size_t)a->layer * cache->capacity + first) * kv_width;
+            attend_row_by_position(m, position + 1 - first, a->qkv + (size_t)source(a, row) * qkv_width,
                                    cache->k + layer_offset, cache->v + layer_offset, h0, h1, scores,
                                    a->attention + (size_t)row * width);
         }
@@ -297,16 +307,19 @@ static void attend_heads(void *context, int begin, int end, int thread) {
     for (int task = begin; task < end;) {
         int row = task % a->rows, head = task / a->rows, kv_head = head / group, rows = 1;
         const ManasCache *cache = &a->caches[source(a, row)];
-        while (rows < ATTEND_ROWS && task + rows < end && row + rows < a->rows &&
+        /* rows attend together over positions from 0; a row whose window starts later attends alone, from there */
+        int first = window_start(m, a->layer, a->positions[source(a, row)]);
+        while (first == 0 && rows < ATTEND_ROWS && task + rows < end && row + rows < a->rows &&
                a->caches[source(a, row + rows)].k == cache->k &&
-               a->positions[source(a, row + rows)] >= a->positions[source(a, row + rows - 1)])
+               a->positions[source(a, row + rows)] >= a->positions[source(a, row + rows - 1)] &&
+               window_start(m, a->layer, a->positions[source(a, row + rows)]) == 0)
             rows++;
-        size_t layer_offset = (size_t)a->layer * cache->capacity * kv_width + (size_t)kv_head * hs;
+        size_t layer_offset = ((size_t)a->layer * cache->capacity + first) * kv_width + (size_t)kv_head * hs;
         const float *keys = cache->k + layer_offset, *values = cache->v + layer_offset, *q[ATTEND_ROWS];
         int positions[ATTEND_ROWS];
         float *weights[ATTEND_ROWS], *out[ATTEND_ROWS];
         for (int k = 0; k < rows; k++) {
-            positions[k] = a->positions[source(a, row + k)] + 1;
+            positions[k] = a->positions[source(a, row + k)] + 1 - first;
             weights[k] = scores + (size_t)k * score_span(m);
             out[k] = a->attention + (size_t)(row + k) * width + head * hs;
             q[k] = a->qkv + (size_t)source(a, row + k) * qkv_width + head * hs;

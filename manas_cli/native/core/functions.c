@@ -123,14 +123,18 @@ static inline float silu(float x) { return x / (1.0f + exponential(-x)); }
 
 /* The MLP's activation in place over rows of its hidden features, split over the pool by rows: GELU, or with a
    gate (SwiGLU) silu(gate) · hidden. */
-typedef struct { float *hidden; const float *gate; int width, tanh_approximation; } Activate;
+/* gate: a gated MLP's (SiLU's, or GELU's with gelu_gate), else NULL for GELU alone */
+typedef struct { float *hidden; const float *gate; int width, tanh_approximation, gelu_gate; } Activate;
 
 static void activate_rows(void *context, int begin, int end, int thread) {
     const Activate *a = context;
     (void)thread;
     size_t first = (size_t)begin * a->width, n = (size_t)(end - begin) * a->width;
     float *hidden = a->hidden + first;
-    if (a->gate) {
+    if (a->gate && a->gelu_gate) {
+        const float *gate = a->gate + first;
+        for (size_t i = 0; i < n; i++) hidden[i] = gelu(gate[i], a->tanh_approximation) * hidden[i];
+    } else if (a->gate) {
         const float *gate = a->gate + first;
         for (size_t i = 0; i < n; i++) hidden[i] = silu(gate[i]) * hidden[i];
     } else if (a->tanh_approximation) {  /* two loops, so the tanh one vectorizes */
@@ -166,10 +170,10 @@ static void normalize(const ManasModel *m, const ManasNorm *norm, int rows, cons
 
 /* Each row's cos and sin of pos · base^(−2i/head_size) / factor_i (factor 1 without rope_factors), computed in
    double and rounded to float, as torch_engine/rotary.py's rope_tables. */
-static void rope_angles(const ManasModel *m, int position, float *angles) {
+static void rope_angles(const ManasModel *m, double base, int position, float *angles) {
     int half = m->head_size / 2;
     for (int i = 0; i < half; i++) {
-        double frequency = own_exp(-(double)(2 * i) / (double)(2 * half) * own_log(m->rope_base));
+        double frequency = own_exp(-(double)(2 * i) / (double)(2 * half) * own_log(base));
         if (m->rope_factors) frequency /= (double)m->rope_factors[i];
         double angle = (double)position * frequency;
         double sine, cosine;

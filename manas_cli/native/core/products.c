@@ -321,9 +321,11 @@ typedef struct {
     float *qkv;        /* (rows, A + 2 n_kv_head hs): queries, keys and values */
     float *attention;  /* (rows, A): the heads' outputs side by side */
     float *hidden;     /* (rows, F): the feed-forward's inner width */
-    float *gated;      /* (rows, F): SwiGLU's gate, before it multiplies hidden */
+    float *gated;      /* (rows, F): a gated MLP's gate (SwiGLU's, GeGLU's), before it multiplies hidden */
     float *reordered;  /* (rows, W): an int4 product's input in its blocks' column order (int4_input) */
     float *angles;     /* (rows, hs): the rotary angles of each row's position */
+    float *local_angles; /* (rows, hs): the same at a window layer's own rope base (local_rope_base), if any */
+    float *normed;     /* (rows, C): an attention's or MLP's output normed before it is added (post norms) */
     float *squares;    /* (hs): a query or key head's squares while it is normed (qk_norm) */
     float *tiles;      /* (threads, TILE, W): each thread's dequantized weight rows (an int4 prefill) */
     float *scores;     /* (threads, score_rows, block_size): each thread's attention weights */

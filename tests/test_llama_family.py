@@ -127,6 +127,30 @@ FAMILIES = {
         ),
         "gpt2",
     ),
+    # Phi-4-mini: fused qkv_proj and gate_up_proj, three quarters of each head turned, LongRoPE's short factors and
+    # attention factor (a context of 512 past an original 256); heads of 16 here (Phi-4-mini: 24 of 128)
+    "phi4-mini": (
+        "Phi3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            original_max_position_embeddings=256,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=25000.0,
+                partial_rotary_factor=0.75,
+                short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                original_max_position_embeddings=256,
+            ),
+            tie_word_embeddings=False,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+            sliding_window=None,
+        ),
+        "gpt2",
+    ),
     # SmolLM3: no rope on every fourth layer (layer 3 of 4 here; 9 of SmolLM3-3B's 36), its rope base
     "smollm3": (
         "SmolLM3Config",

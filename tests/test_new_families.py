@@ -8,6 +8,7 @@ past the window, exports go back to transformers, and each bad field is one erro
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -24,7 +25,7 @@ from test_real_models import copy_fields
 
 gguf = pytest.importorskip("gguf")
 
-NEW = ("qwen3", "llama3.2", "llama3-scaled", "smollm3", "gemma3")
+NEW = ("qwen3", "llama3.2", "llama3-scaled", "smollm3", "gemma3", "phi4-mini")
 TEXT = "the theatre in the city, and then the weather: 12 émigrés in 2025. " * 3
 
 
@@ -67,7 +68,7 @@ def test_greedy_text_is_transformers_for_64_tokens_on_both_engines(new_models, f
 
 @needs_compiler
 @pytest.mark.parametrize("source", ["checkpoint", "gguf"])
-@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3", "gemma3", "phi4-mini"])
 def test_a_score_is_transformers_within_1e_4_nats_per_token(new_models, family, source, tmp_path):
     model = new_models[family]
     text = tmp_path / "text.txt"
@@ -82,7 +83,7 @@ def test_a_score_is_transformers_within_1e_4_nats_per_token(new_models, family, 
 
 @needs_compiler
 @pytest.mark.parametrize("source", ["checkpoint", "gguf"])
-@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3-scaled", "smollm3", "gemma3", "phi4-mini"])
 def test_seeded_generation_past_the_window_equals_crop_and_recompute(new_models, family, source):
     path = new_models[family][source]
     run = manas("generate", "-m", path, *RUN_OPTIONS, "-p", PROMPT, "-n", "40", "--ctx", str(CTX), "-t", "0.9",
@@ -111,7 +112,7 @@ def test_the_gguf_holds_llama_cpps_tensors_for_each_family(new_models):
     assert "rope_freqs.weight" not in {t.name for t in reader.tensors}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3.2", "smollm3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3.2", "smollm3", "gemma3", "phi4-mini"])
 def test_export_hf_gives_transformers_the_same_model(new_models, family, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -133,6 +134,16 @@ def test_rope_factors_hugging_face_cannot_name_are_refused_by_export_hf_but_not_
 def edit_config(folder: Path, **changes) -> None:
     path = folder / "config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def assert_convert_refuses(tmp_path: Path, spec: dict, family: str, changes: dict, message: str) -> None:
+    """The family's folder with its config.json changed: `manas convert` refuses it with one error line naming
+    `message`, and writes nothing."""
+    hf_folder(tmp_path / "hf", spec, family)
+    edit_config(tmp_path / "hf", **changes)
+    run = manas("convert", tmp_path / "hf", "--out", tmp_path / "out.safetensors")
+    assert run.returncode != 0 and run.err.startswith("error: ") and message in run.err, run.err
+    assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
 
 
 @pytest.mark.parametrize(
@@ -159,11 +170,7 @@ def edit_config(folder: Path, **changes) -> None:
     ],
 )
 def test_a_bad_rope_scaling_is_one_error_line_naming_the_field(tmp_path, tiny_bpe_spec, changes, message):
-    hf_folder(tmp_path / "hf", tiny_bpe_spec, "llama3.2")
-    edit_config(tmp_path / "hf", **changes)
-    run = manas("convert", tmp_path / "hf", "--out", tmp_path / "out.safetensors")
-    assert run.returncode != 0 and run.err.startswith("error: ") and message in run.err, run.err
-    assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
+    assert_convert_refuses(tmp_path, tiny_bpe_spec, "llama3.2", changes, message)
 
 
 @pytest.mark.parametrize("factors, message", [([1.0] * 3, "one factor per rope pair"), ([-1.0] * 8, "positive")])
@@ -196,11 +203,7 @@ def test_a_gguf_whose_rope_freqs_do_not_fit_is_one_error_line(new_models, tmp_pa
     ],
 )
 def test_a_bad_no_rope_layers_is_one_error_line_naming_the_field(tmp_path, tiny_bpe_spec, changes, message):
-    hf_folder(tmp_path / "hf", tiny_bpe_spec, "smollm3")
-    edit_config(tmp_path / "hf", **changes)
-    run = manas("convert", tmp_path / "hf", "--out", tmp_path / "out.safetensors")
-    assert run.returncode != 0 and run.err.startswith("error: ") and message in run.err, run.err
-    assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
+    assert_convert_refuses(tmp_path, tiny_bpe_spec, "smollm3", changes, message)
 
 
 def test_layers_without_rope_other_than_every_fourth_export_to_hf_but_not_to_gguf(tmp_path, tiny_bpe_spec):
@@ -246,23 +249,43 @@ LLAMA_CPP_BIN = Path(os.environ.get("MANAS_LLAMA_CPP_BIN", Path.home() / ".cache
 @needs_compiler
 @pytest.mark.parametrize("family", NEW)
 def test_llama_cpp_greedy_text_on_the_exported_gguf_is_manas_generate(new_models, family):
-    """llama.cpp's own forward of each family, as `llama-completion` runs manas' GGUF export (built by
-    ../shared/tools/build-llamacpp.sh; MANAS_LLAMA_CPP_BIN names another folder): the same greedy text."""
-    completion = LLAMA_CPP_BIN / "llama-completion"
-    if not completion.is_file():
-        pytest.skip(f"no llama-completion in {LLAMA_CPP_BIN} (bash ../shared/tools/build-llamacpp.sh builds it)")
+    """llama.cpp's own forward of each family, as its `llama-simple` (greedy) runs manas' GGUF export (built by
+    the project's build-llamacpp.sh tool; MANAS_LLAMA_CPP_BIN names another folder): the same greedy text.
+    (llama-completion may lose its last printed bytes as it exits, on a busy machine; llama-simple prints with
+    printf.)"""
+    simple = LLAMA_CPP_BIN / "llama-simple"
+    if not simple.is_file():
+        pytest.skip(f"no llama-simple in {LLAMA_CPP_BIN} (the project's build-llamacpp.sh tool builds it)")
     model = new_models[family]
-    run = subprocess.run(
-        [completion, "-m", model["gguf"], "-p", PROMPT, "-n", "32", "--temp", "0", "--top-k", "1", "-no-cnv",
-         "--no-display-prompt", "--simple-io", "--no-warmup", "-t", "1", "-c", "512", "--ignore-eos", "-nr"],
-        capture_output=True, timeout=120, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:].decode(errors="replace")
     record = manas("generate", "-m", model["gguf"], *RUN_OPTIONS, "-p", PROMPT, "-n", "32", "-t", "0", "--json").ok()
-    record = record.json()
+    run = subprocess.run([simple, "-m", model["gguf"], "-n", "32", PROMPT], capture_output=True, timeout=120,
+                         stdin=subprocess.DEVNULL)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:].decode(errors="replace")
     # a random model writes bytes that are no UTF-8 of their own: compared as bytes, llama.cpp's printed as they come
-    # (then its two closing newlines; a NUL byte's token prints nothing, as a C string), manas' each token's
+    # after the prompt's (a NUL byte's token prints nothing, as a C string), manas' each token's
     encoding = load_checkpoint(model["checkpoint"]).encoding
-    ours = b"".join(encoding.decode_single_token_bytes(token) for token in record["tokens"]).replace(b"\0", b"")
-    theirs = run.stdout.removesuffix(b"\n\n")
-    assert theirs == ours if record["finish_reason"] == "length" else theirs.startswith(ours), (theirs, ours)
+    ours = b"".join(encoding.decode_single_token_bytes(token) for token in record.json()["tokens"])
+    assert run.stdout.removeprefix(PROMPT.encode()).removesuffix(b"\n") == ours.replace(b"\0", b"")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.7,
+                              "short_factor": [1.0] * 5, "long_factor": [1.0] * 5}}, "even count"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                              "short_factor": [1.0] * 5, "long_factor": [1.0] * 5}}, "short_factor must hold 6"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "type 'dynamic'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)  # fmt: skip
+def test_a_bad_phi3_config_is_one_error_line_naming_the_field(tmp_path, tiny_bpe_spec, changes, message):
+    assert_convert_refuses(tmp_path, tiny_bpe_spec, "phi4-mini", changes, message)
+
+
+def test_a_longrope_model_runs_within_its_original_context(new_models):
+    """Past its original context each implementation turns by the long factors its own way; manas keeps the
+    original one (256 here, of 512), where all of them use the short factors."""
+    config = load_checkpoint(new_models["phi4-mini"]["checkpoint"]).model.config
+    assert config.block_size == 256 and config.rotary_dims == 12 and config.rope_factors[:2] == [1.0, 1.100000023841858]
+    assert abs(config.rope_scale - (1 + math.log(2) / math.log(256)) ** 0.5) < 1e-12

@@ -201,12 +201,12 @@ def test_what_a_gguf_holds_that_manas_cannot_run_is_one_error_line(tmp_path):
     pytest.importorskip("gguf")
     import gguf
 
-    writer = gguf.GGUFWriter(tmp_path / "phi.gguf", "phi3")
+    writer = gguf.GGUFWriter(tmp_path / "moe.gguf", "qwen3moe")  # mixture-of-experts: not yet
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    run = manas("convert", tmp_path / "phi.gguf", "--out", tmp_path / "out.safetensors")
-    assert run.returncode == 1 and "llama.cpp architecture 'phi3' is not one manas imports" in run.err
+    run = manas("convert", tmp_path / "moe.gguf", "--out", tmp_path / "out.safetensors")
+    assert run.returncode == 1 and "llama.cpp architecture 'qwen3moe' is not one manas imports" in run.err
     assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
 
 

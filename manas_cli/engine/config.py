@@ -30,6 +30,8 @@ FAMILY_DEFAULTS = {
     "sliding_window": None,
     "window_layers": None,
     "local_rope_base": None,
+    "partial_rotary": None,
+    "rope_scale": None,
 }
 # The longest context any released model uses (2^20 positions). No tensor backs block_size with rope, so a bound
 # keeps a file's claim from sizing what position-dependent state there is (the static KV cache's window).
@@ -75,6 +77,10 @@ class GPTConfig:
     sliding_window: int | None = None
     window_layers: list[int] | None = None
     local_rope_base: float | None = None
+    # Rope on the first partial_rotary of each head's dimensions only (Phi-4-mini: 0.75), the rest passed through;
+    # and cos and sin multiplied by rope_scale (LongRoPE's attention factor)
+    partial_rotary: float | None = None
+    rope_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -95,6 +101,7 @@ class GPTConfig:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
         if self.position_encoding == "rope" and self.head_size % 2:
             raise ValueError(f"the head size ({self.head_size}) must be even with rope position encoding")
+        self._check_partial_rotary()
         if not 0 < self.rope_base < math.inf:
             raise ValueError(f"rope_base must be positive, got {self.rope_base!r}")
         if not 0 < self.norm_eps < math.inf:
@@ -122,6 +129,28 @@ class GPTConfig:
             raise ValueError(f"embedding_scale must be a positive finite number, got {self.embedding_scale!r}")
         if self.post_norms and self.norm != "rmsnorm":
             raise ValueError("post_norms needs norm 'rmsnorm' (Gemma's)")
+
+    def _check_partial_rotary(self) -> None:
+        """A fraction of the head that rotates an even count of its dimensions, and a positive cos/sin scale; each
+        with rope positions."""
+        for name in ("partial_rotary", "rope_scale"):
+            if getattr(self, name) is not None and self.position_encoding != "rope":
+                raise ValueError(f"{name} needs position_encoding 'rope'")
+        if self.partial_rotary is not None:
+            if not 0 < self.partial_rotary <= 1:
+                raise ValueError(f"partial_rotary must be in (0, 1], got {self.partial_rotary!r}")
+            if self.rotary_dims < 2 or self.rotary_dims % 2:
+                raise ValueError(
+                    f"partial_rotary {self.partial_rotary!r} of a head of {self.head_size} rotates {self.rotary_dims} "
+                    "dimensions: rope turns pairs, so it must be an even count"
+                )
+        if self.rope_scale is not None and not 0 < self.rope_scale < math.inf:
+            raise ValueError(f"rope_scale must be a positive finite number, got {self.rope_scale!r}")
+
+    @property
+    def rotary_dims(self) -> int:
+        """The dimensions of each head that rope turns: the first ones (all without partial_rotary)."""
+        return int(self.head_size * self.partial_rotary) if self.partial_rotary is not None else self.head_size
 
     def _check_layers(self, name: str) -> None:
         """A list of layer indices: each once, ascending, below n_layer."""
@@ -169,9 +198,9 @@ class GPTConfig:
             return
         if self.position_encoding != "rope":
             raise ValueError("rope_factors needs position_encoding 'rope'")
-        if len(self.rope_factors) != self.head_size // 2:
+        if len(self.rope_factors) != self.rotary_dims // 2:
             raise ValueError(
-                f"rope_factors must hold one factor per rope pair, {self.head_size // 2} (head size / 2), "
+                f"rope_factors must hold one factor per rope pair, {self.rotary_dims // 2} (rotary dimensions / 2), "
                 f"got {len(self.rope_factors)}"
             )
         for factor in self.rope_factors:

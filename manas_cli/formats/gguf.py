@@ -25,9 +25,9 @@ from ..errors import CheckpointError, MissingDependencyError, first_line
 from ..files import atomic_write, check_output_file
 from ..torch_engine.model import GPT, GPTConfig
 from ..torch_engine.quantize import dequantize_model
-from . import gemma, llama, rotary_layout, starcoder2
+from . import gemma, llama, phi3, rotary_layout, starcoder2
 from .checkpoint import load_checkpoint
-from .gguf_config import INTERLEAVED, SMOLLM3_NO_ROPE_INTERVAL
+from .gguf_config import INTERLEAVED, PHI3_LONG_FACTORS, PHI3_SHORT_FACTORS, SMOLLM3_NO_ROPE_INTERVAL
 from .gpt2 import hf_state_dict, is_gpt2_linear_weight
 from .huggingface import GPT2_SPLIT_PATTERNS, ByteLevelBPE, byte_level_bpe
 from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, LLAMA3_PAT_STR, QWEN2_PAT_STR, bos_id
@@ -48,6 +48,8 @@ def architecture_of(config: GPTConfig) -> str:
     encoding."""
     if gemma.is_gemma(config):
         return "gemma3"
+    if phi3.is_phi3(config):
+        return "phi3"
     return llama.model_type_of(config) if not config.is_gpt2_family else ARCHITECTURES[config.position_encoding]
 
 
@@ -81,11 +83,16 @@ def import_gguf() -> Any:
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
     """Refuse what llama.cpp's gpt2, starcoder2, llama, qwen2, qwen3, smollm3 and gemma3 would compute or stop
     differently."""
-    if config.rope_factors is not None and architecture_of(config) != "llama":
-        raise CheckpointError(f"{source}: llama.cpp reads rope_factors (rope_freqs) only in its llama architecture")
+    if config.rope_factors is not None and architecture_of(config) not in ("llama", "phi3"):
+        raise CheckpointError(f"{source}: llama.cpp reads rope_factors (rope_freqs) only in its llama and phi3 "
+                              "architectures")  # fmt: skip
     _check_layer_patterns(config, source)
     if gemma.is_gemma(config):
         gemma.check_exportable(config, source)
+    elif phi3.is_phi3(config):
+        phi3.check_exportable(config, source)
+        if config.sliding_window is not None:
+            raise CheckpointError(f"{source}: llama.cpp runs Phi-3 without its sliding window, which manas keeps")
     elif not config.is_gpt2_family:
         llama.check_exportable(config, source, hf=False)
     elif config.gelu_approximate != "tanh":
@@ -131,6 +138,7 @@ def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
     config = model.config
     architecture = architecture_of(config)
     twins = {"starcoder2": starcoder2.hf_state_dict, "gpt2": hf_state_dict, "gemma3": gemma.hf_state_dict}
+    twins |= {"phi3": phi3.hf_state_dict}
     hf_tensors = twins.get(architecture, llama.hf_state_dict)(model)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.n_layer)
     tensors = {}
@@ -139,12 +147,13 @@ def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
             tensor = tensor.t()  # Conv1D's in×out back to out×in, as llama.cpp's converter does
         if architecture in INTERLEAVED and name.endswith(rotary_layout.QUERY_KEY_TENSORS):
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
-            tensor = rotary_layout.from_rotate_half(tensor, heads)  # llama.cpp's llama rope: interleaved pairs
+            tensor = rotary_layout.from_rotate_half(tensor, heads, config.rotary_dims)  # llama's interleaved pairs
         if architecture == "gemma3" and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp's gemma3 scales by the weight as stored: its converter adds Gemma's 1
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous().numpy()
-    if config.rope_factors is not None:
-        tensors["rope_freqs.weight"] = np.array(config.rope_factors, dtype=np.float32)
+    if config.rope_factors is not None:  # phi3's LongRoPE: the short factors as both lists (manas keeps no others)
+        names = (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS) if architecture == "phi3" else ("rope_freqs.weight",)
+        tensors |= {name: np.array(config.rope_factors, dtype=np.float32) for name in names}
     return tensors
 
 
@@ -187,8 +196,11 @@ def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, ou
     else:
         writer.add_layer_norm_eps(config.norm_eps)
     if config.position_encoding == "rope":
-        writer.add_rope_dimension_count(config.head_size)
+        writer.add_rope_dimension_count(config.rotary_dims)
         writer.add_rope_freq_base(config.rope_base)
+    if config.rope_scale is not None:  # phi3's LongRoPE attention factor, within its original context
+        writer.add_rope_scaling_attn_factors(config.rope_scale)
+        writer.add_rope_scaling_orig_ctx_len(config.block_size)
     if config.window_layers is not None:  # gemma3's window, its layers (one flag each) and their rope base
         windows = set(config.window_layers)
         writer.add_sliding_window(config.sliding_window)

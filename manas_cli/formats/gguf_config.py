@@ -14,7 +14,7 @@ from .gguf_metadata import Layout, TensorInfo
 from .importing import make_config
 
 # llama.cpp's names of the models manas runs
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "gpt2", "starcoder2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "phi3", "gpt2", "starcoder2")
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "smollm3")  # RMSNorm, rope and SwiGLU: formats/llama.py's models
 # Those whose converter stores queries and keys in interleaved rope pairs (llama.cpp's NORM rope), manas' layout; the
 # others keep Hugging Face's rotate-half pairs (NEOX).
@@ -22,13 +22,15 @@ INTERLEAVED = ("llama", "smollm3")
 # What a refusal lists: the architectures, and models they hold
 RUNS = (
     f"{', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2 and 3.x, Qwen2, 2.5 and 3, SmolLM3, Gemma 3 (text), "
-    "GPT-2, StarCoder2"
+    "Phi-3 and Phi-4-mini, GPT-2, StarCoder2"
 )
 # llama.cpp's smollm3 leaves rope out of every fourth layer (its n_no_rope_layer_step, not read from the file)
 SMOLLM3_NO_ROPE_INTERVAL = 4
 # llama.cpp's gemma3 without a sliding_window_pattern: five window layers of every six; and its local rope base
 GEMMA3_WINDOW_PATTERN, GEMMA3_LOCAL_ROPE_BASE = 6, 10000.0
 HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # the Hugging Face model_type of an architecture, where it differs
+# A phi3 file's LongRoPE factors (one per rope pair): manas runs within the original context, by the short ones
+PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS = "rope_factors_short.weight", "rope_factors_long.weight"
 
 
 def check_block_count(layout: Layout, architecture: str, path: Path) -> None:
@@ -47,9 +49,11 @@ def _field(fields: dict, architecture: str, key: str, default: object = None) ->
     return fields.get(f"{architecture}.{key}", default)
 
 
-def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]], path: Path) -> dict:
+def hf_config(
+    fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]], path: Path, short_factors: list | None = None
+) -> dict:
     """The Hugging Face config.json of the file's hyperparameters (as llama.cpp's converter wrote them from one);
-    `shapes`: its tensors' shapes by name, PyTorch's order."""
+    `shapes`: its tensors' shapes by name, PyTorch's order; short_factors: a phi3 file's rope_factors_short."""
 
     def value(key: str, default: object = None) -> object:
         return _field(fields, architecture, key, default)
@@ -94,10 +98,31 @@ def hf_config(fields: dict, architecture: str, shapes: dict[str, tuple[int, ...]
         values["rope_scaling"] = {"type": scaling, "factor": _decimal(value("rope.scaling.factor"))}
     if architecture == "gemma3":
         values |= _gemma3_config(value, shapes, path)
+    if architecture == "phi3":
+        values |= _phi3_config(value, shapes, short_factors)
     if architecture in INTERLEAVED and "blk.0.attn_q.bias" in shapes:
         values["attention_bias"] = values["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
     values |= {"model_type": HF_MODEL_TYPES.get(architecture, architecture), "vocab_size": vocab_size}
     return {key: item for key, item in values.items() if item is not None}
+
+
+def _phi3_config(value, shapes: dict[str, tuple[int, ...]], short_factors: list | None) -> dict:
+    """A phi3 file's Phi-3 fields as llama.cpp reads them: its rotary dimensions, its LongRoPE short factors and
+    attention factor, no sliding window (llama.cpp runs Phi-3's without one)."""
+    width, heads = value("embedding_length"), value("attention.head_count")
+    head_size = width // heads if type(width) is int and type(heads) is int and heads > 0 else None
+    rotary = value("rope.dimension_count", head_size)
+    values = {
+        "rms_norm_eps": _decimal(value("attention.layer_norm_rms_epsilon", 1e-5)),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "partial_rotary_factor": rotary / head_size if type(rotary) is int and head_size else 1.0,
+        "original_max_position_embeddings": value("rope.scaling.original_context_length"),
+    }
+    if short_factors is not None:
+        attention = _decimal(value("rope.scaling.attn_factor", 1.0))
+        values["rope_scaling"] = {"rope_type": "longrope", "short_factor": short_factors,
+                                  "long_factor": short_factors, "attention_factor": attention}  # fmt: skip
+    return values
 
 
 def _gemma3_config(value, shapes: dict[str, tuple[int, ...]], path: Path) -> dict:

@@ -18,11 +18,13 @@ import torch
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError, first_line
 from ..torch_engine.model import GPT
-from . import gemma, gpt2, huggingface, llama, rotary_layout, starcoder2
+from . import gemma, gpt2, huggingface, llama, phi3, rotary_layout, starcoder2
 from .gguf_config import (
     ARCHITECTURES,
     INTERLEAVED,
     LLAMA_FAMILY,
+    PHI3_LONG_FACTORS,
+    PHI3_SHORT_FACTORS,
     RUNS,
     check_apart,
     check_block_count,
@@ -64,6 +66,12 @@ HF_LAYOUTS = {
     ),
 }  # fmt: skip
 HF_LAYOUTS["qwen2"] = HF_LAYOUTS["smollm3"] = HF_LAYOUTS["llama"]
+HF_LAYOUTS["phi3"] = (
+    HF_LAYOUTS["llama"][0],
+    "model.layers",
+    ("input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj",
+     "mlp.down_proj"),
+)  # fmt: skip
 HF_LAYOUTS["gemma3"] = (
     HF_LAYOUTS["llama"][0],
     "model.layers",
@@ -98,10 +106,12 @@ def load_gguf(path: Path) -> GGUFModel:
     check_block_count(layout, architecture, path)
     names = {tensor.name: tensor for tensor in read_gguf(path).tensors}  # the package reads the tensors
     shapes = {name: _shape(tensor) for name, tensor in names.items()}
-    config = huggingface.config_from_hf(hf_config(fields, architecture, shapes, path), path)
-    if "rope_freqs.weight" in names:
-        import gguf
+    import gguf
 
+    short = names.get(PHI3_SHORT_FACTORS) if architecture == "phi3" else None
+    short = None if short is None else _dequantized(gguf, short, path).tolist()
+    config = huggingface.config_from_hf(hf_config(fields, architecture, shapes, path, short), path)
+    if "rope_freqs.weight" in names:
         if architecture != "llama":
             raise CheckpointError(
                 f"{path}: rope_freqs.weight in a {architecture} file, whose rope llama.cpp does not scale"
@@ -156,14 +166,14 @@ def _hf_state(tensors: dict, architecture: str, config: GPTConfig, path: Path) -
     state = {}
     for gguf_name, tensor in tensors.items():
         if gguf_name not in by_gguf_name:
-            if gguf_name == "rope_freqs.weight":  # the config's rope_factors (load_gguf)
+            if gguf_name in ("rope_freqs.weight", PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS):  # the config's (load_gguf)
                 continue
             raise CheckpointError(f"{path}: tensor {gguf_name} is not part of a {architecture} model manas runs")
         name = by_gguf_name[gguf_name]
         weights = torch.from_numpy(_dequantized(gguf, tensor, path))
         if architecture in INTERLEAVED and name.endswith(rotary_layout.QUERY_KEY_TENSORS):
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
-            weights = rotary_layout.to_rotate_half(weights, heads)  # llama.cpp's interleaved pairs → Hugging Face's
+            weights = rotary_layout.to_rotate_half(weights, heads, config.rotary_dims)  # interleaved → Hugging Face's
         if architecture == "gemma3" and name.endswith("norm.weight"):
             weights = weights - 1  # llama.cpp's converter stored the 1 + w Gemma's norms scale by
         state[name] = weights
@@ -180,6 +190,8 @@ def _manas_state(
         return config, llama.state_to_manas(state, config, path)
     if architecture == "gemma3":
         return config, gemma.state_to_manas(state, config, path)
+    if architecture == "phi3":
+        return config, phi3.state_to_manas(state, config, path)
     head = state.pop(TIED_HEAD, None)
     if architecture == "gpt2":
         renamed = gpt2.gpt2_state_to_manas(state, conv1d=False, source=path)

@@ -27,7 +27,7 @@ from .gguf_vocab import spec_from_fields, string_field
 from .tokenizer_cache import cached_spec
 
 # llama.cpp's architectures whose files the core runs in place
-IN_PLACE = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
+IN_PLACE = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "phi3")
 
 # ggml's types: (name, values per block, bytes per block) for those the core multiplies; the others by name only
 BLOCK_TYPES = {
@@ -50,6 +50,11 @@ LAYER = {
     "ffn_down": "ffn.down", "post_attention_norm": "ln_attention_out", "post_ffw_norm": "ln_ffn_out",
 }  # fmt: skip
 BY_MANAS_NAME = {manas: gguf for gguf, manas in (TOP | LAYER).items()}
+# A phi3 file's fused layers: manas' layer → (llama.cpp's tensor, which of its row ranges: q|k|v, gate|up)
+FUSED = {
+    "attention.qkv": ("attn_qkv", 0), "attention.key": ("attn_qkv", 1), "attention.value": ("attn_qkv", 2),
+    "ffn.gate": ("ffn_up", 0), "ffn.up": ("ffn_up", 1),
+}  # fmt: skip
 
 
 def type_name(kind: int) -> str:
@@ -76,7 +81,15 @@ class GGUFFile:
     inside the file, aligned, apart from the others."""
 
     def __init__(self, path: Path) -> None:
-        from .gguf_config import ARCHITECTURES, RUNS, check_apart, check_block_count, hf_config, with_rope_factors
+        from .gguf_config import (
+            ARCHITECTURES,
+            PHI3_SHORT_FACTORS,
+            RUNS,
+            check_apart,
+            check_block_count,
+            hf_config,
+            with_rope_factors,
+        )
         from .header import map_whole
         from .huggingface import checked_template, config_from_hf
 
@@ -99,9 +112,10 @@ class GGUFFile:
         self.tensors = {tensor.name: checked_tensor(tensor, layout, path) for tensor in layout.tensors}
         check_apart([(t.start, t.start + t.nbytes, name) for name, t in self.tensors.items()], path)
         shapes = {name: tensor.shape for name, tensor in self.tensors.items()}
-        config = config_from_hf(hf_config(self.fields, self.architecture, shapes, path), path)
+        short = self._float_vector(PHI3_SHORT_FACTORS) if self.architecture == "phi3" else None
+        config = config_from_hf(hf_config(self.fields, self.architecture, shapes, path, short), path)
         self.config: GPTConfig = with_rope_factors(config, self._rope_factors(), path)
-        check_shapes(shapes, self.config, path)
+        check_shapes(shapes, self.config, path, fused=self.architecture == "phi3")
         with memoryview(self.mapping)[: layout.metadata_end] as metadata:  # released even when the spec is refused
             self.tokenizer_spec = cached_spec(metadata, lambda: spec_from_fields(self.fields, path))
         template = self.fields.get("tokenizer.chat_template")
@@ -111,15 +125,19 @@ class GGUFFile:
         )
 
     def _rope_factors(self) -> list[float] | None:
-        """rope_freqs.weight's values: a float32 vector, read from the checked mapping (the config checks them)."""
-        tensor = self.tensors.get("rope_freqs.weight")
-        if tensor is None:
-            return None
-        if self.architecture != "llama":
+        """rope_freqs.weight's values (the config checks them)."""
+        if "rope_freqs.weight" in self.tensors and self.architecture != "llama":
             raise CheckpointError(f"{self.path}: rope_freqs.weight in a {self.architecture} file, whose rope llama.cpp "
                                   "does not scale")  # fmt: skip
+        return self._float_vector("rope_freqs.weight")
+
+    def _float_vector(self, name: str) -> list[float] | None:
+        """A float32 vector's values (rope_freqs, a phi3 file's rope factors), read from the checked mapping."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            return None
         if tensor.kind != 0 or len(tensor.shape) != 1:
-            raise CheckpointError(f"{self.path}: rope_freqs.weight is {type_name(tensor.kind)} {list(tensor.shape)}, "
+            raise CheckpointError(f"{self.path}: {name} is {type_name(tensor.kind)} {list(tensor.shape)}, "
                                   "where llama.cpp writes a float32 vector")  # fmt: skip
         with memoryview(self.mapping)[tensor.start : tensor.start + tensor.nbytes] as data:
             return list(struct.unpack(f"<{tensor.nbytes // 4}f", data))
@@ -146,28 +164,38 @@ def checked_tensor(tensor: TensorInfo, layout: Layout, path: Path) -> Tensor:
     return Tensor(tensor.kind, tuple(reversed(tensor.dims)), start, nbytes)
 
 
-def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a llama or qwen2 file of this config holds, by llama.cpp's name, in PyTorch's order: the model's
-    own (engine/config.py's parameter_shapes; the output layer where untied), queries, keys and values apart."""
+def expected_shapes(config: GPTConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor a llama-family file of this config holds, by llama.cpp's name, in PyTorch's order: the model's
+    own (engine/config.py's parameter_shapes; the output layer where untied), queries, keys and values apart; with
+    `fused` (phi3) q|k|v as attn_qkv and gate|up as ffn_up."""
     from ..engine.config import parameter_shapes
 
     kv_width = config.n_kv_head * config.head_size
     expected = {}
     for name, shape in parameter_shapes(config):
-        if ".attention.qkv." not in name:
+        module, _, kind = name.rpartition(".")
+        _, layer, inner = module.split(".", 2) if module.startswith("blocks.") else ("", "", "")
+        if fused and inner in FUSED:
+            tensor = FUSED[inner][0]
+            rows = config.attention_width + 2 * kv_width if tensor == "attn_qkv" else 2 * config.ffn_width
+            expected[f"blk.{layer}.{tensor}.{kind}"] = (rows, *shape[1:])
+        elif ".attention.qkv." in name:
+            for part, rows in (("qkv", config.attention_width), ("key", kv_width), ("value", kv_width)):
+                expected[gguf_name(name.replace(".qkv.", f".{part}."))] = (rows, *shape[1:])
+        else:
             expected[gguf_name(name)] = shape
-            continue
-        for part, rows in (("qkv", config.attention_width), ("key", kv_width), ("value", kv_width)):
-            expected[gguf_name(name.replace(".qkv.", f".{part}."))] = (rows, *shape[1:])
     return expected
 
 
-def check_shapes(shapes: dict[str, tuple[int, ...]], config: GPTConfig, path: Path) -> None:
+def check_shapes(shapes: dict[str, tuple[int, ...]], config: GPTConfig, path: Path, fused: bool = False) -> None:
     """The file holds exactly the model's tensors, each of the shape its config implies: the core sizes every buffer
     by the config and reads each tensor by its shape, so the two must agree before it reads anything."""
-    expected = expected_shapes(config)
+    from .gguf_config import PHI3_LONG_FACTORS, PHI3_SHORT_FACTORS
+
+    expected = expected_shapes(config, fused)
     if config.rope_factors is not None:
-        expected["rope_freqs.weight"] = (len(config.rope_factors),)
+        names = (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS) if fused else ("rope_freqs.weight",)
+        expected |= dict.fromkeys(names, (len(config.rope_factors),))
     for name, shape in shapes.items():
         if name not in expected:
             raise CheckpointError(f"{path}: tensor {name} is not part of a model manas runs from this file")
@@ -231,6 +259,8 @@ class GGUFWeights:
     def linear(self, name: str) -> ManasLinear:
         if name == "lm_head" and self._tensor("lm_head.weight") is None:
             name = "token_embedding"  # tied: the output layer is the embedding's rows
+        if self.gguf.architecture == "phi3" and (fused := self._fused(name)) is not None:
+            return fused
         tensor = self._tensor(f"{name}.weight")
         if tensor is None:
             raise CheckpointError(f"{self.gguf.path}: the file has no {gguf_name(name + '.weight')}")
@@ -240,6 +270,21 @@ class GGUFWeights:
         bias = self.vector(f"{name}.bias") if name != "token_embedding" else None
         kind = WEIGHTS_F32 if tensor.kind == 0 else WEIGHTS_GGML
         return ManasLinear(kind, columns, rows, tensor.kind, self._base + tensor.start, None, None, bias)
+
+    def _fused(self, name: str) -> ManasLinear | None:
+        """A phi3 file's query, key, value, gate or up layer: its rows of the fused tensor, read in place (a row
+        of a ggml type is whole blocks, so each range starts on one)."""
+        _, layer, inner = name.split(".", 2) if name.startswith("blocks.") else ("", "", "")
+        if inner not in FUSED:
+            return None
+        tensor_name, part = FUSED[inner]
+        tensor = self.gguf.tensors[f"blk.{layer}.{tensor_name}.weight"]  # its shape checked (check_shapes)
+        config, kv = self.config, self.config.n_kv_head * self.config.head_size
+        widths = (config.attention_width, kv, kv) if tensor_name == "attn_qkv" else (config.ffn_width,) * 2
+        row_bytes = tensor.nbytes // tensor.shape[0]
+        start = tensor.start + sum(widths[:part]) * row_bytes
+        kind = WEIGHTS_F32 if tensor.kind == 0 else WEIGHTS_GGML
+        return ManasLinear(kind, tensor.shape[1], widths[part], tensor.kind, self._base + start, None, None, None)
 
     def token_table(self) -> ManasLinear:
         """The token embedding as a ggml layer, its rows dequantized one by one as tokens are embedded."""

@@ -22,7 +22,7 @@ import tiktoken
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError, InputError, ManasError, TokenizerError, first_line
 from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
-from . import gemma, gpt2, llama, starcoder2
+from . import gemma, gpt2, llama, phi3, starcoder2
 from .importing import TIED_HEAD, build_model, check_tied_head, load_pickled_weights, load_safetensors
 from .tokenizer import (
     DIGITS_PAT_STR,
@@ -96,7 +96,8 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
     if not isinstance(values, dict):
         raise CheckpointError(f"{source}: not a JSON object")
     readers = {gpt2.MODEL_TYPE: gpt2.config_from_hf, starcoder2.MODEL_TYPE: starcoder2.config_from_hf}
-    readers |= dict.fromkeys(llama.ARCHITECTURES, llama.config_from_hf) | {gemma.MODEL_TYPE: gemma.config_from_hf}
+    readers |= dict.fromkeys(llama.ARCHITECTURES, llama.config_from_hf)
+    readers |= {gemma.MODEL_TYPE: gemma.config_from_hf, phi3.MODEL_TYPE: phi3.config_from_hf}
     if values.get("model_type") not in readers:
         raise CheckpointError(
             f"{source}: model_type is {values.get('model_type')!r}; convert reads {', '.join(map(repr, readers))}"
@@ -174,6 +175,8 @@ def hf_kind(template: str, model: GPT) -> tuple[str, GPT]:
 def load_hf(state: dict[str, torch.Tensor], source: Path, config: GPTConfig) -> GPT:
     if gemma.is_gemma(config):
         return build_model(config, gemma.state_to_manas(state, config, source), source)
+    if phi3.is_fused(state):
+        return build_model(config, phi3.state_to_manas(state, config, source), source)
     if not config.is_gpt2_family:
         return build_model(config, llama.state_to_manas(state, config, source), source)
     if config.position_encoding == "rope":
@@ -324,6 +327,9 @@ def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, di
     if gemma.is_gemma(config):
         gemma.check_exportable(config, source)
         return "Gemma 3", gemma.hf_config(config, dtype, end_of_text), gemma.hf_state_dict(model)
+    if phi3.is_phi3(config):
+        phi3.check_exportable(config, source)
+        return "Phi-3", phi3.hf_config(config, dtype, end_of_text), phi3.hf_state_dict(model)
     if not config.is_gpt2_family:
         llama.check_exportable(config, source)
         name = llama.NAMES[llama.model_type_of(config)]

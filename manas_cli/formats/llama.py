@@ -241,9 +241,10 @@ def check_exportable(config: GPTConfig, source: Path, hf: bool = True) -> None:
         )
     if config.bias and not config.has_qkv_bias:
         raise CheckpointError(f"{source}: biases on the projections but not on q, k, v have no Hugging Face model")
-    gemma = {"post_norms": config.post_norms, "embedding_scale": config.embedding_scale,
-             "sliding_window": config.sliding_window}  # fmt: skip
-    if given := [name for name, value in gemma.items() if value]:
+    others = {"post_norms": config.post_norms, "embedding_scale": config.embedding_scale,
+              "sliding_window": config.sliding_window, "partial_rotary": config.partial_rotary,
+              "rope_scale": config.rope_scale}  # fmt: skip
+    if given := [name for name, value in others.items() if value]:
         raise CheckpointError(f"{source}: {given[0]} with a SwiGLU MLP has no Hugging Face or llama.cpp model")
     if config.qk_norm and config.has_qkv_bias:
         raise CheckpointError(f"{source}: query and key norms with biases have no Hugging Face model (Qwen3 has none)")

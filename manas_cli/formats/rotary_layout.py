@@ -27,24 +27,34 @@ HEAD_NORMS = ("attention.q_norm", "attention.k_norm")
 QUERY_KEY_TENSORS = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 
 
-def to_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows (or bias entries) from pairs (2i, 2i+1) to halves (i, i + head_size/2): row i of a
-    head becomes its old row 2i, row head_size/2 + i its old row 2i+1 (LLaMA's Meta → Hugging Face permutation)."""
-    head_size = rows.size(0) // n_heads
-    return rows.reshape(n_heads, head_size // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
+def to_rotate_half(rows: torch.Tensor, n_heads: int, rotary: int | None = None) -> torch.Tensor:
+    """Reorder each head's first `rotary` rows (or bias entries; all of them by default) from pairs (2i, 2i+1) to
+    halves (i, i + rotary/2): row i of a head becomes its old row 2i, row rotary/2 + i its old row 2i+1 (LLaMA's
+    Meta → Hugging Face permutation); the rows past `rotary` (a partial rotary's, Phi-3's) stay."""
+    return _permuted(rows, n_heads, rotary, lambda turned, n, half: turned.reshape(n, half, 2, -1).transpose(1, 2))
 
 
-def from_rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+def from_rotate_half(rows: torch.Tensor, n_heads: int, rotary: int | None = None) -> torch.Tensor:
     """The inverse of to_rotate_half."""
+    return _permuted(rows, n_heads, rotary, lambda turned, n, half: turned.reshape(n, 2, half, -1).transpose(1, 2))
+
+
+def _permuted(rows: torch.Tensor, n_heads: int, rotary: int | None, permute) -> torch.Tensor:
+    import torch
+
     head_size = rows.size(0) // n_heads
-    return rows.reshape(n_heads, 2, head_size // 2, -1).transpose(1, 2).reshape(rows.shape)
+    rotary = rotary or head_size
+    heads = rows.reshape(n_heads, head_size, -1)
+    turned = permute(heads[:, :rotary], n_heads, rotary // 2).reshape(n_heads, rotary, -1)
+    return torch.cat((turned, heads[:, rotary:]), 1).reshape(rows.shape)
 
 
 def split_qkv(fused: torch.Tensor, config: GPTConfig) -> dict[str, torch.Tensor]:
     """manas' fused q|k|v weight (or bias) as Hugging Face's q_proj, k_proj, v_proj, in its rotate-half layout."""
     kv_width = config.n_kv_head * config.head_size
     q, k, v = fused.split((config.attention_width, kv_width, kv_width))
-    return dict(zip(QKV, (to_rotate_half(q, config.n_head), to_rotate_half(k, config.n_kv_head), v)))
+    rotary = config.rotary_dims
+    return dict(zip(QKV, (to_rotate_half(q, config.n_head, rotary), to_rotate_half(k, config.n_kv_head, rotary), v)))
 
 
 def state_to_manas(
@@ -80,7 +90,7 @@ def state_to_manas(
                 raise CheckpointError(f"{source}: tensor {name} is {tensor.dtype}, not a real floating-point tensor")
             qkv.setdefault((layer[1], kind), {})[part] = tensor
         elif layer and layer[2] in inverse and inverse[layer[2]] in HEAD_NORMS:
-            renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = from_rotate_half(tensor, 1)
+            renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = from_rotate_half(tensor, 1, config.rotary_dims)
         elif layer and layer[2] in inverse:
             renamed[f"blocks.{layer[1]}.{inverse[layer[2]]}.{kind}"] = tensor
         else:
@@ -88,7 +98,8 @@ def state_to_manas(
     for (index, kind), parts in qkv.items():
         if missing := [name for name in QKV if name not in parts]:
             raise CheckpointError(f"{source}: missing tensor model.layers.{index}.self_attn.{missing[0]}.{kind}")
-        q, k = from_rotate_half(parts["q_proj"], config.n_head), from_rotate_half(parts["k_proj"], config.n_kv_head)
+        q = from_rotate_half(parts["q_proj"], config.n_head, config.rotary_dims)
+        k = from_rotate_half(parts["k_proj"], config.n_kv_head, config.rotary_dims)
         try:
             renamed[f"blocks.{index}.attention.qkv.{kind}"] = torch.cat((q, k, parts["v_proj"]))
         except RuntimeError:
@@ -113,7 +124,7 @@ def hf_state_dict(model: GPT, block_modules: dict[str, str], top_modules: dict[s
             for part, split in split_qkv(tensor, config).items():
                 tensors[f"model.layers.{parts[1]}.self_attn.{part}.{kind}"] = split
         else:
-            tensor = to_rotate_half(tensor, 1) if parts[2] in HEAD_NORMS else tensor  # laid out as a head
+            tensor = to_rotate_half(tensor, 1, config.rotary_dims) if parts[2] in HEAD_NORMS else tensor  # as a head
             tensors[f"model.layers.{parts[1]}.{block_modules[parts[2]]}.{kind}"] = tensor
     return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
 

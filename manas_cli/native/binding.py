@@ -75,6 +75,8 @@ class ManasModel(ctypes.Structure):
         ("geglu", c_int32),
         ("embedding_scale", c_float),
         ("local_rope_base", c_double),
+        ("rotary_dims", c_int32),
+        ("rope_scale", c_double),
     ]
 
 
@@ -248,4 +250,6 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
         config.mlp == "geglu",
         config.embedding_scale or 0.0,
         config.local_rope_base or 0.0,
+        config.rotary_dims,
+        config.rope_scale or 0.0,
     )

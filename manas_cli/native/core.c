@@ -98,6 +98,8 @@ typedef struct {
     int32_t geglu;             /* 1: down(gelu(gate x) · up x) (Gemma), with swiglu 0 */
     float embedding_scale;     /* the token embedding multiplied by it (Gemma's √C); 0: not scaled */
     double local_rope_base;    /* the rope base of window layers (Gemma 3's 10,000); 0: rope_base */
+    int32_t rotary_dims;       /* the first dimensions of each head that rope turns (Phi-4-mini's 96 of 128); 0: all */
+    double rope_scale;         /* cos and sin multiplied by it (LongRoPE's attention factor); 0: 1 */
 } ManasModel;
 
 /* One row's KV cache: k and v each [layer][capacity][kv head][head size], float32. */

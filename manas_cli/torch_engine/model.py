@@ -108,22 +108,27 @@ class RotaryAttention(CausalSelfAttention):
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__(config, layer)
         self.rope_base, self.rope_factors = config.rope_base_of(layer), config.rope_factors
-        self.block_size = config.block_size
+        self.block_size, self.rotary, self.rope_scale = config.block_size, config.rotary_dims, config.rope_scale
         # Derived from the config, so never saved: a checkpoint holds only learned weights. Built for the positions
         # used so far (doubling, up to block_size), so a block_size that no tensor backs allocates nothing.
-        self.register_buffer("cos", torch.empty(0, config.head_size), persistent=False)
-        self.register_buffer("sin", torch.empty(0, config.head_size), persistent=False)
+        self.register_buffer("cos", torch.empty(0, self.rotary), persistent=False)
+        self.register_buffer("sin", torch.empty(0, self.rotary), persistent=False)
 
     def encode_positions(self, qk: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Rotate queries and keys (B, heads, T, hs) together: they share positions, and one call is half the ops."""
+        """Rotate queries and keys (B, heads, T, hs) together: they share positions, and one call is half the ops.
+        With a partial rotary (Phi-3) only each head's first `rotary` dimensions turn."""
         end = start_pos + qk.size(2)
         if end > self.cos.size(0):
             positions = min(max(end, 2 * self.cos.size(0)), self.block_size)
             with torch.inference_mode(False):  # plain tensors: a later training step may save them for backward
-                cos, sin = rope_tables(self.head_size, positions, self.rope_base, self.rope_factors)
+                cos, sin = rope_tables(self.rotary, positions, self.rope_base, self.rope_factors, self.rope_scale)
             self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
         positions = slice(start_pos, end)
-        return rotate_pairs(qk, self.cos[positions].to(qk.dtype), self.sin[positions].to(qk.dtype))
+        cos, sin = self.cos[positions].to(qk.dtype), self.sin[positions].to(qk.dtype)
+        if self.rotary == self.head_size:
+            return rotate_pairs(qk, cos, sin)
+        turned, kept = qk.split((self.rotary, self.head_size - self.rotary), dim=-1)
+        return torch.cat((rotate_pairs(turned, cos, sin), kept), dim=-1)
 
 
 class FeedForward(nn.Module):

@@ -349,7 +349,8 @@ static void cache_row(const ManasModel *m, int layer, const ManasCache *cache, i
         for (int head = 0; head < m->n_head + m->n_kv_head; head++)
             norm_head(m, head < m->n_head ? &block->q_norm : &block->k_norm, qkv + head * hs, squares);
     if (m->rope && !block->no_rope)
-        for (int head = 0; head < m->n_head + m->n_kv_head; head++) rotate(hs, m->rope_halves, angles, qkv + head * hs);
+        for (int head = 0; head < m->n_head + m->n_kv_head; head++)
+            rotate(rotary_dims(m), m->rope_halves, angles, qkv + head * hs);
     size_t offset = ((size_t)layer * cache->capacity + position) * kv_width;
     memcpy(cache->k + offset, qkv + width, kv_width * sizeof(float));
     memcpy(cache->v + offset, qkv + width + kv_width, kv_width * sizeof(float));

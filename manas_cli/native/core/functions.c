@@ -168,26 +168,30 @@ static void normalize(const ManasModel *m, const ManasNorm *norm, int rows, cons
         (m->rms_norm ? rmsnorm : layernorm)((int)C, m->norm_eps, norm, x + r * C, out + r * C);
 }
 
-/* Each row's cos and sin of pos · base^(−2i/head_size) / factor_i (factor 1 without rope_factors), computed in
-   double and rounded to float, as torch_engine/rotary.py's rope_tables. */
+/* The dimensions of a head that rope turns: its first rotary_dims (a partial rotary's), or all of them. */
+static int rotary_dims(const ManasModel *m) { return m->rotary_dims ? m->rotary_dims : m->head_size; }
+
+/* Each row's cos and sin of pos · base^(−2i/rotary) / factor_i (factor 1 without rope_factors), times rope_scale
+   where set, computed in double and rounded to float, as torch_engine/rotary.py's rope_tables. */
 static void rope_angles(const ManasModel *m, double base, int position, float *angles) {
-    int half = m->head_size / 2;
+    int half = rotary_dims(m) / 2;
+    double scale = m->rope_scale != 0.0 ? m->rope_scale : 1.0;
     for (int i = 0; i < half; i++) {
         double frequency = own_exp(-(double)(2 * i) / (double)(2 * half) * own_log(base));
         if (m->rope_factors) frequency /= (double)m->rope_factors[i];
         double angle = (double)position * frequency;
         double sine, cosine;
         own_sincos(angle, &sine, &cosine);
-        angles[i] = (float)cosine;
-        angles[half + i] = (float)sine;
+        angles[i] = m->rope_scale != 0.0 ? (float)(cosine * scale) : (float)cosine;
+        angles[half + i] = m->rope_scale != 0.0 ? (float)(sine * scale) : (float)sine;
     }
 }
 
-/* Rotate each pair (a, b) of one head: (a cos − b sin, b cos + a sin). Pair i is (x[2i], x[2i+1]), manas' layout
-   (and llama.cpp's `llama`), or with `halves` (x[i], x[i + hs/2]), Hugging Face's rotate-half (llama.cpp's qwen2,
-   whose GGUF files keep it). */
-static void rotate(int head_size, int halves, const float *angles, float *x) {
-    int half = head_size / 2;
+/* Rotate each pair (a, b) of one head's first `rotary` dimensions: (a cos − b sin, b cos + a sin). Pair i is
+   (x[2i], x[2i+1]), manas' layout (and llama.cpp's `llama`), or with `halves` (x[i], x[i + rotary/2]), Hugging Face's
+   rotate-half (llama.cpp's qwen2, whose GGUF files keep it). */
+static void rotate(int rotary, int halves, const float *angles, float *x) {
+    int half = rotary / 2;
     for (int i = 0; i < half; i++) {
         int first = halves ? i : 2 * i, second = halves ? i + half : 2 * i + 1;
         float a = x[first], b = x[second], c = angles[i], s = angles[half + i];

@@ -845,3 +845,25 @@ def test_a_step_over_a_second_is_told_on_a_pipe_and_a_quick_one_is_not(tmp_path)
         1
     ].startswith("compiled the native core in"), lines
     assert run_generate(env=env).stderr == ""
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+def test_a_speculative_check_gives_each_positions_decode_step_bit_for_bit(native_library, weights, family):
+    """What speculation's exactness rests on (engine/speculation.py): k + 1 tokens checked in one pass over the cache
+    give, row by row, the logits k + 1 decode steps give; a rewind keeps the cache a step would have left."""
+    native = native_model(configured_model("rope", "gqa", True, "tanh", weights, family), native_library)
+    ids = random_ids(1, BLOCK_SIZE, seed=9)[0].tolist()
+    stepped = NativeSession(native)
+    stepped.prefill([ids[:7]])
+    expected = [step_logits(stepped.decode([token])).clone() for token in ids[7:12]]
+    checked = NativeSession(native)
+    checked.prefill([ids[:7]])
+    logits = checked.check(ids[7:12])
+    assert all(torch.equal(step_logits(logits[i : i + 1]), expected[i]) for i in range(5))
+    checked.rewind(9)  # two of the five kept: the next step is the one after them
+    stepped_again = NativeSession(native)
+    stepped_again.prefill([ids[:7]])
+    for token in ids[7:9]:
+        stepped_again.decode([token])
+    assert torch.equal(step_logits(checked.decode([ids[9]])), step_logits(stepped_again.decode([ids[9]])))

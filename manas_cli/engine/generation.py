@@ -26,6 +26,7 @@ class Step:
     seconds: float  # forward pass and sampling, synchronized
     # With logprobs: per row, the token's log-probability and the most likely ids with theirs (sampling.top_logprobs)
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    speculated: tuple[int, int] | None = None  # on a speculative check's last token: (proposed, accepted) tokens
 
 
 def crop_window(rows: list[list[int]], block_size: int) -> list[list[int]]:
@@ -154,10 +155,15 @@ class GenerationStats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     re_prefills: int = 0
+    proposed_tokens: int = 0  # speculative decoding's proposals, and those the model drew itself
+    accepted_tokens: int = 0
     # Kept only when asked for (inspect-cache shows them): past the window, recompute re-prefills at every step.
     re_prefill_positions: list[int] | None = None
 
     def update(self, step: Step) -> None:
+        if step.speculated is not None:
+            self.proposed_tokens += step.speculated[0]
+            self.accepted_tokens += step.speculated[1]
         if self.steps == 0:
             self.ttft_s = self.prefill_seconds = step.seconds
         else:

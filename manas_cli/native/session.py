@@ -162,6 +162,25 @@ class NativeSession:
             [token for b in group for token in ids[b]], list(range(T)) * len(group), caches, logit_rows
         )
 
+    def check(self, tokens: list[int]):
+        """One row's tokens from its next position on, in one pass (speculation's check): each one's logits,
+        Logits (len(tokens), vocab), the bits a decode step of each gives (each position's arithmetic reads only its
+        own past). rewind() then keeps the positions that stay."""
+        if self.batch_size != 1 or not 0 < self.positions <= self.block_size - len(tokens):
+            raise ValueError(f"a check runs on one cached row with room for {len(tokens)} positions")
+        first = self.positions
+        self.allocate(1, first + len(tokens))
+        logits = self.model.run(tokens, list(range(first, first + len(tokens))), [self.cache(0)] * len(tokens),
+                                list(range(len(tokens))))  # fmt: skip
+        self.positions = first + len(tokens)
+        return logits
+
+    def rewind(self, positions: int) -> None:
+        """Keep the first `positions` cached positions; what lies past them is written over."""
+        if not 0 < positions <= self.positions:
+            raise ValueError(f"the cache holds {self.positions} positions, not {positions}")
+        self.positions = positions
+
     def decode(self, token_ids):
         """CacheSession.decode: append one position per row (a list of B ids, or a (B, 1) tensor's); their logits,
         Logits (B, vocab)."""

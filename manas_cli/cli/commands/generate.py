@@ -40,8 +40,11 @@ def run(
     quiet: bool,
     json_output: bool,
     model_options: "ModelOptions",
+    lookup: int = 0,
+    draft_max: int = 0,
 ) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
+    from ...engine.speculation import generate_with_lookup
     from ...engine.threads import ThreadGovernor
     from ...records import sample_record
     from ...requests import Requests, encode_prompt
@@ -69,16 +72,23 @@ def run(
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = engine.new_session(model_options.cache, capacity=positions)
-    steps = generate(
-        engine,
-        prompt_batch(ids, batch),
-        request.sampler,
-        max_tokens,
-        requests.eot,
-        overflow,
-        session,
-        settings.logprobs,
-    )
+    if lookup:
+        check_speculation(engine, batch, lookup, block_size)
+        steps = generate_with_lookup(
+            engine, [ids], request.sampler, max_tokens, requests.eot, session, lookup, draft_max, settings.logprobs,
+            overflow,
+        )  # fmt: skip
+    else:
+        steps = generate(
+            engine,
+            prompt_batch(ids, batch),
+            request.sampler,
+            max_tokens,
+            requests.eot,
+            overflow,
+            session,
+            settings.logprobs,
+        )
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
     governor = ThreadGovernor(threads, engine.set_threads)
@@ -108,7 +118,9 @@ def run(
         storage = session.storage()
     if json_output:
         for stream in streams:
-            out.json_line(sample_record(stream, run_stats, storage, seed, engine, settings))
+            speculation = {"proposed_tokens": run_stats.proposed_tokens, "accepted_tokens": run_stats.accepted_tokens}
+            record = sample_record(stream, run_stats, storage, seed, engine, settings)
+            out.json_line(record | (speculation if lookup else {}))
     else:
         out.close_text([stream.text for stream in streams], echo=text if echo else None)
     display.keep_notices()
@@ -116,6 +128,18 @@ def run(
         say(console, generation_stats_line(run_stats, storage, seed if settings.temperature > 0 else None))
     if interruption is not None:
         raise typer.Exit(interrupt_exit_code(interruption))
+
+
+def check_speculation(engine, samples: int, lookup: int, block_size: int) -> None:
+    """Prompt lookup runs on the native engine, for one sample, with an n-gram shorter than the window."""
+    from ...errors import InputError
+
+    if engine.name != "native":
+        raise InputError("--lookup runs on the native engine, whose checks give each step's bits (--engine native)")
+    if samples != 1:
+        raise InputError("--lookup decodes one sample: drop --num-samples")
+    if not 1 <= lookup < block_size:
+        raise InputError(f"--lookup takes an n-gram of 1 to {block_size - 1} tokens (the window), got {lookup}")
 
 
 def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None:
@@ -182,6 +206,22 @@ def command(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
     json_output: JsonOption = False,
+    lookup: Annotated[
+        int,
+        typer.Option(
+            "--lookup",
+            min=0,
+            help="Speculative decoding by prompt lookup: propose the tokens that followed the text's last N tokens "
+            "where they occurred before, and keep those the model draws itself. The same text, token for token, "
+            "faster where the text repeats the prompt (an edit, an extraction). 0: off.",
+        ),
+    ] = 0,
+    draft_max: Annotated[
+        int,
+        typer.Option(
+            "--draft-max", min=1, max=64, help="The most tokens proposed to one check (with --lookup)."
+        ),  # speculation.DEFAULT_DRAFT_MAX
+    ] = 4,
     *,
     settings: GenerationSettings,
     model_options: "ModelOptions",
@@ -242,4 +282,6 @@ def command(
         quiet=quiet,
         json_output=json_output,
         model_options=model_options,
+        lookup=lookup,
+        draft_max=draft_max,
     )

@@ -48,8 +48,8 @@ def generate_with_lookup(
     overflow: str = "recompute",
 ) -> Iterator[Step]:
     """generation.generate's steps, one token each, for one row, with prompt lookup (ngram ≥ 1): the same tokens,
-    logprobs and re-prefills as generate gives. The first step of a check carries its `proposed` and `accepted`
-    counts."""
+    logprobs and re-prefills as generate gives. The last step of a check carries its (proposed, accepted) counts,
+    the first its pass's time."""
     (row,) = token_rows(prompt)
     block_size, keep = engine.config.block_size, overflow_keep(overflow, engine.config.block_size)
     (window,) = crop_window([row], block_size)
@@ -80,7 +80,7 @@ def generate_with_lookup(
             kept = i < len(proposal) and token[0] == proposal[i]
             produced += 1
             last = not kept or produced >= max_new_tokens or token[0] == eot_id
-            seconds = time.perf_counter() - started if i == 0 else 0.0  # the check's time, on its first token
+            seconds = time.perf_counter() - started if i == 0 else 0.0  # the pass and the first draw
             yield Step(token, "decode", first + i + 1, seconds, top, (len(proposal), i + kept) if last else None)
             if last:
                 break

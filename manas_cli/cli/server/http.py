@@ -595,7 +595,8 @@ class ChatReply(Reply):
     def delta(self, index: int, text: str, logprobs: dict | None) -> list[dict]:
         if not self.thinks:
             return super().delta(index, text, logprobs)
-        return [self._thought_chunk(index, *self._splitters[index].feed(text), logprobs)]
+        chunk = self._thought_chunk(index, *self._splitters[index].feed(text), logprobs)
+        return [chunk] if chunk["choices"][0]["delta"] else []  # text held back (a tag begun) waits
 
     def closing(self, index: int) -> list[dict]:
         held = [self._thought_chunk(index, *self._splitters[index].finish(), None)] if self.thinks else []

@@ -47,6 +47,7 @@ class Token:
     last: bool  # its budget is spent, or it is end-of-text, or it failed
     cache: object  # the row's cache (CacheSession or NativeSession), for what it holds once the request is done
     error: str | None = None  # why this request failed (its logits were not finite, its grammar); token is then -1
+    speculated: tuple[int, int] | None = None  # a batched row does not speculate (GenerationStats reads it)
 
 
 class Row:

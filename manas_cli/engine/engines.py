@@ -33,7 +33,9 @@ class Engine(Protocol):
     def weights_bytes(self) -> int: ...
 
     def new_session(self, allocation: str = "dynamic", capacity: int | None = None):
-        """The KV cache of one request (engine/session.py's rules): prefill(rows), decode(tokens), positions."""
+        """The KV cache of one request (engine/session.py's rules): prefill(rows), decode(tokens), positions; and
+        where its checks of several tokens give each step's bits (the core's), check(tokens) and rewind(positions)
+        for speculative decoding (speculation.py)."""
 
     def sampling_state(self, sampler: Sampler, rows: int, logprobs: int):
         """What sampling keeps for a request's rows between steps: sample(logits, windows, position)."""

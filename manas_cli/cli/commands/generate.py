@@ -73,7 +73,7 @@ def run(
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = engine.new_session(model_options.cache, capacity=positions)
     if lookup:
-        check_speculation(engine, batch, lookup, block_size)
+        check_speculation(session, batch, lookup, block_size)
         steps = generate_with_lookup(
             engine, [ids], request.sampler, max_tokens, requests.eot, session, lookup, draft_max, settings.logprobs,
             overflow,
@@ -130,11 +130,12 @@ def run(
         raise typer.Exit(interrupt_exit_code(interruption))
 
 
-def check_speculation(engine, samples: int, lookup: int, block_size: int) -> None:
-    """Prompt lookup runs on the native engine, for one sample, with an n-gram shorter than the window."""
+def check_speculation(session, samples: int, lookup: int, block_size: int) -> None:
+    """Prompt lookup runs where a session checks several tokens in one pass with each step's bits (the native
+    engine's), for one sample, with an n-gram shorter than the window."""
     from ...errors import InputError
 
-    if engine.name != "native":
+    if not hasattr(session, "check"):
         raise InputError("--lookup runs on the native engine, whose checks give each step's bits (--engine native)")
     if samples != 1:
         raise InputError("--lookup decodes one sample: drop --num-samples")

@@ -140,6 +140,18 @@ def tiny_bpe_spec() -> dict:
 
 
 @pytest.fixture(scope="session")
+def smollm2(tmp_path_factory, tiny_bpe_spec) -> tuple[Path, Path]:
+    """(a SmolLM2-shaped random model as transformers saves it, with SmolLM2's real tokenizer; its conversion):
+    the chat, tool and thinking tests' model, read only."""
+    from test_llama_family import converted
+    from test_real_tokenizers import smollm2_folder
+
+    folder = tmp_path_factory.mktemp("smollm2-chat")
+    smollm2_folder(folder / "hf", tiny_bpe_spec)
+    return folder / "hf", converted(folder, folder / "hf")
+
+
+@pytest.fixture(scope="session")
 def test_data() -> Path:
     return DATA
 

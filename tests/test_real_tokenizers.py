@@ -48,16 +48,6 @@ def smollm2_folder(folder: Path, spec: dict) -> None:
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))  # <|im_end|>
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory, tiny_bpe_spec) -> tuple[Path, Path]:
-    """(the folder, its conversion)."""
-    from test_llama_family import converted
-
-    folder = tmp_path_factory.mktemp("smollm2")
-    smollm2_folder(folder / "hf", tiny_bpe_spec)
-    return folder / "hf", converted(folder, folder / "hf")
-
-
 def test_the_vocabulary_lacks_the_bytes_the_data_notes_say():
     vocab = json.loads((SMOLLM2 / "tokenizer.json").read_text())["model"]["vocab"]
     from manas_cli.formats.tokenizer import bytes_to_unicode

@@ -26,17 +26,6 @@ THOUGHT_THEN_REPLY = 'start: "<think>\\nTwo and two make four.\\n</think>\\n\\nF
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory, tiny_bpe_spec):
-    """(a SmolLM2-shaped random model as transformers saves it, with the real tokenizer; its conversion)."""
-    from test_llama_family import converted
-    from test_real_tokenizers import smollm2_folder
-
-    folder = tmp_path_factory.mktemp("smollm2-thinking")
-    smollm2_folder(folder / "hf", tiny_bpe_spec)
-    return folder / "hf", converted(folder, folder / "hf")
-
-
-@pytest.fixture(scope="module")
 def server(smollm2):
     with running_server(smollm2[1], "--batch-size", "4", "--chat-template", str(SMOLLM3)) as live:
         yield live

@@ -51,17 +51,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory, tiny_bpe_spec):
-    """(a SmolLM2-shaped random model as transformers saves it, with the real tokenizer; its conversion)."""
-    from test_llama_family import converted
-    from test_real_tokenizers import smollm2_folder
-
-    folder = tmp_path_factory.mktemp("smollm2-tools")
-    smollm2_folder(folder / "hf", tiny_bpe_spec)
-    return folder / "hf", converted(folder, folder / "hf")
-
-
-@pytest.fixture(scope="module")
 def server(smollm2):
     with running_server(smollm2[1], "--batch-size", "4", "--chat-template", str(QWEN)) as live:
         yield live

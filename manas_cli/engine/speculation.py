@@ -28,11 +28,22 @@ def lookup_proposal(tokens: list[int], ngram: int, most: int) -> list[int]:
     if most <= 0:
         return []
     for n in range(min(ngram, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # latest first; never the suffix itself
-            if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + most]
+        if (end := _latest_end(tokens, tokens[-n:])) is not None:
+            return tokens[end + 1 : end + 1 + most]
     return []
+
+
+def _latest_end(tokens: list[int], suffix: list[int]) -> int | None:
+    """Where the latest occurrence of suffix before the tokens' own last ends: the list's own search (C) finds each
+    place its last token occurs, and only those are compared whole (this runs at every decode step)."""
+    found, end, n = None, len(suffix) - 2, len(suffix)
+    while True:
+        try:
+            end = tokens.index(suffix[-1], end + 1, len(tokens) - 1)
+        except ValueError:
+            return found
+        if tokens[end - n + 1 : end + 1] == suffix:
+            found = end
 
 
 def generate_with_lookup(

@@ -144,6 +144,25 @@ def open_model(options: ModelOptions, on_step: Callable[[str], None] = lambda st
     return _load_with_torch(options, path, threads, unavailable, on_compile)
 
 
+def open_draft(options: ModelOptions, draft: Path, encoding) -> LoadedModel:
+    """A draft model for speculative decoding: run by the core (whose checks give each step's bits) at the model's
+    threads, as it is stored, with the vocabulary of the model's `encoding`; every failure one InputError."""
+    from dataclasses import replace
+
+    from .formats.tokenizer import vocabulary_difference
+
+    try:
+        loaded = open_model(replace(options, checkpoint=draft, engine="native", quantize=None, ctx=None))
+    except ManasError as exc:
+        raise InputError(f"the draft model {draft}: {exc}") from None
+    if (difference := vocabulary_difference(encoding, loaded.checkpoint.encoding)) is not None:
+        raise InputError(
+            f"the draft model {draft} has another vocabulary than the model's ({difference}): a draft must propose "
+            "the model's own token ids (pick a model of the same family, or the model's own quantized copy)"
+        )
+    return loaded
+
+
 def is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf" and path.is_file()
 

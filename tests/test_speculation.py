@@ -81,3 +81,54 @@ def test_lookup_on_the_torch_engine_is_refused_by_name(llama_files):  # noqa: F8
     run = manas("generate", "-c", llama_files["float32"], *RUN_OPTIONS, "-p", PROMPT, "-n", "4", "--lookup", "2",
                 MANAS_ENGINE="torch")  # fmt: skip
     assert run.returncode != 0 and "native engine" in run.err and len(run.err.strip().splitlines()) == 1
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", ["within", "past"])
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_a_draft_model_gives_the_text_of_plain_decoding_token_for_token(llama_files, weights, sampler, window):  # noqa: F811
+    """The model's own int4 copy drafts: its guesses are kept where the model draws them itself, and the text,
+    log-probabilities and stop reason are plain decoding's, past the window too (the draft keeps its own)."""
+    flags = [*SAMPLERS[sampler], "-n", "48", "--logprobs", "2", *(["--ctx", str(WINDOW)] if window == "past" else [])]
+    plain = generated(llama_files[weights], *flags)
+    fast = generated(llama_files[weights], *flags, "--draft-model", str(llama_files["int4"]), "--draft-max", "5")
+    for field in ("text", "tokens", "logprobs", "finish_reason", "re_prefills"):
+        assert fast[field] == plain[field], field
+    assert 0 < fast["accepted_tokens"] <= fast["proposed_tokens"]  # a copy of the model agrees with it often
+    if window == "past":
+        assert fast["re_prefills"] > 0
+
+
+@needs_compiler
+def test_the_draft_flag_has_llama_cpps_names_and_a_draft_of_one_token_changes_nothing(llama_files):  # noqa: F811
+    flags = ("-t", "0", "-n", "32")
+    plain = generated(llama_files["float32"], *flags)
+    for name in ("-md", "--model-draft"):
+        fast = generated(llama_files["float32"], *flags, name, str(llama_files["int8"]), "--draft-max", "1")
+        assert fast["tokens"] == plain["tokens"] and fast["accepted_tokens"] > 0
+
+
+@needs_compiler
+def test_a_draft_whose_vocabulary_differs_is_one_error_line(llama_files, smollm2):  # noqa: F811
+    """SmolLM2's real tokenizer against the hand-written one: the ids would name other tokens."""
+    run = manas("generate", "-c", llama_files["float32"], *RUN_OPTIONS, "-p", PROMPT, "-n", "4",
+                "--draft-model", str(smollm2[1]))  # fmt: skip
+    assert run.returncode != 0 and run.err.startswith("error: the draft model ") and "another vocabulary" in run.err
+    assert "token ids against" in run.err and len(run.err.strip().splitlines()) == 1, run.err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--draft-model", "no-such-draft.safetensors"), "the draft model no-such-draft.safetensors"),
+        (("--draft-model", "DRAFT", "--lookup", "2"), "choose one"),
+        (("--draft-model", "DRAFT", "--num-samples", "2"), "--draft-model decodes one sample"),
+        (("--draft-model", "DRAFT", "--draft-max", "65"), "--draft-max"),
+    ],
+)
+def test_draft_refusals_are_one_error_line(llama_files, flags, message):  # noqa: F811
+    flags = [str(llama_files["int4"]) if flag == "DRAFT" else flag for flag in flags]
+    run = manas("generate", "-c", llama_files["float32"], *RUN_OPTIONS, "-p", PROMPT, "-n", "4", *flags)
+    assert run.returncode != 0 and message in run.err, run.err
+    assert len([line for line in run.err.strip().splitlines() if line.strip()]) <= 1 or "Usage" in run.err

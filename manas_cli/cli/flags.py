@@ -187,6 +187,41 @@ OverflowOption = Annotated[
 ]
 
 
+# Speculative decoding's flags (generate, bench): engine/speculation.py
+LookupOption = Annotated[
+    int,
+    typer.Option(
+        "--lookup",
+        min=0,
+        help="Speculative decoding by prompt lookup: propose the tokens that followed the text's last N tokens "
+        "where they occurred before, and keep those the model draws itself. The same text, token for token, "
+        "faster where the text repeats the prompt (an edit, an extraction). 0: off.",
+    ),
+]
+DraftModelOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--draft-model",
+        "-md",
+        "--model-draft",
+        metavar="NAME|PATH",
+        show_default=False,
+        help="Speculative decoding with a draft model: a small model with the same vocabulary (the model's own "
+        "int4 copy, or a smaller model of its family) guesses ahead, and the model keeps the tokens it draws "
+        "itself. The same text, token for token; faster where the draft guesses well.",
+    ),
+]
+DraftMaxOption = Annotated[
+    int,
+    typer.Option(
+        "--draft-max",
+        min=1,
+        max=64,
+        help="The most tokens proposed to one check (--lookup, --draft-model); fewer after a guess that fails.",
+    ),  # speculation.DEFAULT_DRAFT_MAX
+]
+
+
 # The generation settings' flags, declared once (generate, batch generate): name -> (annotation, default).
 MaxTokensOption = Annotated[
     int,

@@ -158,6 +158,7 @@ def generation_stats_line(stats, storage: dict, seed: int | None = None) -> str:
         f"ttft {stats.ttft_s * 1000:.0f} ms · prefill {stats.prefill_tokens_per_s:,.0f} tok/s{total} · "
         f"decode {stats.decode_tokens_per_s:,.1f} tok/s{total} · re-prefills {stats.re_prefills} · "
         f"cache {plural(storage['positions'], 'position')}, {format_bytes(storage['storage_bytes'])}"
+        + (f" · accepted {stats.accepted_tokens}/{stats.proposed_tokens} proposed" if stats.proposed_tokens else "")
         + (f" · seed {seed}" if seed is not None else "")
     )
 

@@ -1,24 +1,36 @@
-"""Speculative decoding by prompt lookup that changes nothing: the tokens that followed the text's last n-gram where it
-occurred before are proposed, the model checks them all in one pass over the cache, and each is kept only where it
-is the token the model draws there itself. The text is the one plain decoding gives, token for token.
+"""Speculative decoding that changes nothing: a proposer guesses the next tokens (prompt lookup: what followed the
+text's last n-gram where it occurred before; a draft model: a small model with the same vocabulary, decoding ahead),
+the model checks them all in one pass over the cache, and each is kept only where it is the token the model draws
+there itself. The text is the one plain decoding gives, token for token.
 
 It holds because the native core's pass over k + 1 positions gives each position the logits a decode step of it
 gives, bit for bit (each position's arithmetic reads only its own past, as a prefill's rows do), and its sampler
 draws a position's token from Philox keyed on the seed and that position (docs/native.md): a token drawn inside a
 check is the one a step would have drawn. Penalties' counts and a grammar's state advance with each token drawn,
-which is every token kept and the first one that differs, as plain decoding draws them."""
+which is every token kept and the first one that differs, as plain decoding draws them. A proposal is only ever a
+guess: what a proposer does can change the speed, never the text."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from .engines import Engine
 from .generation import Step, crop_window, overflow_keep, slide, token_rows
-from .sampling import Sampler
+from .sampling import Penalties, Sampler
 from .session import prefill_if_due
 
 DEFAULT_DRAFT_MAX = 4  # proposed tokens a check: the verify pass's cost grows with them, and a long guess fails sooner
+
+# A proposer: (the text's window, ending with the token just drawn; that token's text position; the most tokens
+# wanted) -> the tokens it guesses follow, at most that many (none: the step decodes one token).
+Propose = Callable[[list[int], int, int], list[int]]
+
+
+def lookup_proposer(ngram: int) -> Propose:
+    """Prompt lookup with n-grams of up to `ngram` tokens (lookup_proposal)."""
+    return lambda window, position, most: lookup_proposal(window, ngram, most)
 
 
 def lookup_proposal(tokens: list[int], ngram: int, most: int) -> list[int]:
@@ -46,21 +58,79 @@ def _latest_end(tokens: list[int], suffix: list[int]) -> int | None:
             found = end
 
 
-def generate_with_lookup(
+class DraftProposer:
+    """A draft model's guesses: it decodes ahead of the model on its own cache, drawing each token with the
+    model's sampler at the same text position (the same keyed number: where the two distributions are close, the
+    same token), without the frequency and presence penalties' counts or a structured output's state, which only
+    the model's own draws advance. Its cache follows the text: what it fed and the text still share is kept, the
+    rest is rewound and fed again; a text past its window is cropped to half of it, so re-prefills stay rare."""
+
+    def __init__(self, engine: Engine, sampler: Sampler, eot_id: int | None) -> None:
+        self.block_size = engine.config.block_size
+        self.session = engine.new_session("dynamic", capacity=self.block_size)
+        plain = Penalties(sampler.penalties.repetition, sampler.penalties.last_n)
+        self.state = engine.sampling_state(replace(sampler, penalties=plain, grammar=None), 1, 0)
+        self.eot_id = eot_id
+        self.fed: list[int] = []  # the tokens whose keys and values its cache holds, in order
+        self.start = 0  # fed[0]'s text position
+
+    def __call__(self, window: list[int], position: int, most: int) -> list[int]:
+        room = self.block_size - most + 1  # tokens it may hold before guessing (it feeds most - 1 more)
+        if most <= 0 or room < 1:
+            return []
+        logits, text = self._follow(window, position, room)
+        proposal: list[int] = []
+        while True:
+            (token,), _ = self.state.sample(logits, [text], position + len(proposal))
+            proposal.append(token)
+            if len(proposal) == most or token == self.eot_id:
+                return proposal
+            text = text + [token]
+            self.fed.append(token)
+            logits = self.session.decode([token])
+
+    def _follow(self, window: list[int], position: int, room: int):
+        """Bring the draft's cache to the text that ends at `position` (its last token's logits, and the tokens
+        it holds), feeding only what it does not hold already."""
+        first = position - len(window) + 1  # window[0]'s text position
+        if not self.fed or self.start < first or position - self.start + 1 > room:
+            self.start = first if position - first + 1 <= room else position + 1 - max(1, room // 2)
+            self.fed = []
+        text = window[self.start - first :]
+        kept = _shared(self.fed, text, len(text) - 1)  # the last token is fed again: its logits are wanted
+        if kept:
+            self.session.rewind(kept)
+            logits = self.session.check(text[kept:])[len(text) - kept - 1 :]
+        else:
+            logits = self.session.prefill([text])
+        self.fed = list(text)
+        return logits, text
+
+
+def _shared(fed: list[int], text: list[int], most: int) -> int:
+    """How many leading tokens fed and text share, at most `most`."""
+    for i, (a, b) in enumerate(zip(fed[:most], text[:most])):
+        if a != b:
+            return i
+    return min(len(fed), most)
+
+
+def generate_speculative(
     engine: Engine,
     prompt,
     sampler: Sampler,
     max_new_tokens: int,
     eot_id: int | None,
     session,
-    ngram: int,
+    propose: Propose,
     draft_max: int = DEFAULT_DRAFT_MAX,
     logprobs: int = 0,
     overflow: str = "recompute",
 ) -> Iterator[Step]:
-    """generation.generate's steps, one token each, for one row, with prompt lookup (ngram ≥ 1): the same tokens,
-    logprobs and re-prefills as generate gives. The last step of a check carries its (proposed, accepted) counts,
-    the first its pass's time."""
+    """generation.generate's steps, one token each, for one row, with proposals checked: the same tokens,
+    logprobs and re-prefills as generate gives. Each check asks for up to k tokens, k adapting between 1 and
+    draft_max: doubled after a proposal kept whole, one past the tokens kept after one that was not. The last step
+    of a check carries its (proposed, accepted) counts, the first its pass's time."""
     (row,) = token_rows(prompt)
     block_size, keep = engine.config.block_size, overflow_keep(overflow, engine.config.block_size)
     (window,) = crop_window([row], block_size)
@@ -69,13 +139,13 @@ def generate_with_lookup(
     started = time.perf_counter()
     token, top = state.sample(session.prefill([window]), [window], position)
     yield Step(token, "prefill", session.positions, time.perf_counter() - started, top)
-    produced = 1
+    produced, k = 1, draft_max
     while produced < max_new_tokens and token[0] != eot_id:
         window, position = slide(window, token[0], block_size), position + 1
         # A check never passes the window: a full cache re-prefills at the very step plain decoding does.
         room = min(block_size - session.positions - 1, max_new_tokens - produced - 1)
-        proposal = lookup_proposal(window, ngram, min(draft_max, room))
         started = time.perf_counter()
+        proposal = propose(window, position, min(k, room)) if room > 0 else []
         if not proposal:
             kind, logits = prefill_if_due(session, [window], False, keep) or ("decode", session.decode(token))
             token, top = state.sample(logits, [window], position)
@@ -91,8 +161,9 @@ def generate_with_lookup(
             kept = i < len(proposal) and token[0] == proposal[i]
             produced += 1
             last = not kept or produced >= max_new_tokens or token[0] == eot_id
-            seconds = time.perf_counter() - started if i == 0 else 0.0  # the pass and the first draw
+            seconds = time.perf_counter() - started if i == 0 else 0.0  # the proposal, the pass and the first draw
             yield Step(token, "decode", first + i + 1, seconds, top, (len(proposal), i + kept) if last else None)
             if last:
                 break
         session.rewind(first + i + 1)  # the cache keeps the tokens fed up to row i, whose logits drew the last
+        k = min(draft_max, 2 * k) if i + kept == len(proposal) else max(1, i + 1)

@@ -697,6 +697,25 @@ def decodable(encoding: tiktoken.Encoding) -> list[bool]:
     return ids
 
 
+def vocabulary_difference(a: tiktoken.Encoding, b: tiktoken.Encoding) -> str | None:
+    """Where two vocabularies differ (a draft model must draw the ids the model reads): None when every id names
+    the same bytes in both."""
+    size_a, size_b = vocabulary_size(a), vocabulary_size(b)
+    if size_a != size_b:
+        return f"{size_a:,} token ids against {size_b:,}"
+    for token_id in range(size_a):
+        if (piece := _token_bytes(a, token_id)) != (other := _token_bytes(b, token_id)):
+            return f"id {token_id} is {piece!r} against {other!r}"
+    return None
+
+
+def _token_bytes(encoding: tiktoken.Encoding, token_id: int) -> bytes | None:
+    try:
+        return encoding.decode_single_token_bytes(token_id)
+    except KeyError:  # a hole in the ids
+        return None
+
+
 class IncrementalDecoder:
     """Token ids in, text out, never half of a multi-byte UTF-8 character: the bytes of a character split across
     tokens wait for the rest. Invalid bytes become U+FFFD, exactly as tiktoken's decode of the whole sequence."""

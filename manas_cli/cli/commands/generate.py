@@ -11,7 +11,10 @@ from ...errors import interrupt_exit_code
 from ...settings import GenerationSettings, token_budget
 from ..flags import (
     BatchSizeOption,
+    DraftMaxOption,
+    DraftModelOption,
     JsonOption,
+    LookupOption,
     Overflow,
     OverflowOption,
     PromptFileOption,
@@ -41,10 +44,11 @@ def run(
     json_output: bool,
     model_options: "ModelOptions",
     lookup: int = 0,
+    draft_model: Path | None = None,
     draft_max: int = 0,
 ) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.speculation import generate_with_lookup
+    from ...engine.speculation import generate_speculative
     from ...engine.threads import ThreadGovernor
     from ...records import sample_record
     from ...requests import Requests, encode_prompt
@@ -72,10 +76,10 @@ def run(
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = engine.new_session(model_options.cache, capacity=positions)
-    if lookup:
-        check_speculation(session, batch, lookup, block_size)
-        steps = generate_with_lookup(
-            engine, [ids], request.sampler, max_tokens, requests.eot, session, lookup, draft_max, settings.logprobs,
+    if lookup or draft_model is not None:
+        propose = choose_proposer(session, batch, lookup, draft_model, model_options, checkpoint, request, requests)
+        steps = generate_speculative(
+            engine, [ids], request.sampler, max_tokens, requests.eot, session, propose, draft_max, settings.logprobs,
             overflow,
         )  # fmt: skip
     else:
@@ -120,7 +124,7 @@ def run(
         for stream in streams:
             speculation = {"proposed_tokens": run_stats.proposed_tokens, "accepted_tokens": run_stats.accepted_tokens}
             record = sample_record(stream, run_stats, storage, seed, engine, settings)
-            out.json_line(record | (speculation if lookup else {}))
+            out.json_line(record | (speculation if lookup or draft_model else {}))
     else:
         out.close_text([stream.text for stream in streams], echo=text if echo else None)
     display.keep_notices()
@@ -130,17 +134,27 @@ def run(
         raise typer.Exit(interrupt_exit_code(interruption))
 
 
-def check_speculation(session, samples: int, lookup: int, block_size: int) -> None:
-    """Prompt lookup runs where a session checks several tokens in one pass with each step's bits (the native
-    engine's), for one sample, with an n-gram shorter than the window."""
+def choose_proposer(session, samples: int, lookup: int, draft_model, model_options, checkpoint, request, requests):
+    """The proposer of --lookup or --draft-model (engine/speculation.py), checked: it runs where a session checks
+    several tokens in one pass with each step's bits (the native engine's), for one sample."""
+    from ...engine.speculation import DraftProposer, lookup_proposer
     from ...errors import InputError
+    from ...models import open_draft
 
+    flag = "--lookup" if lookup else "--draft-model"
+    if lookup and draft_model is not None:
+        raise InputError("--lookup and --draft-model are two ways to propose tokens: choose one")
     if not hasattr(session, "check"):
-        raise InputError("--lookup runs on the native engine, whose checks give each step's bits (--engine native)")
+        raise InputError(f"{flag} runs on the native engine, whose checks give each step's bits (--engine native)")
     if samples != 1:
-        raise InputError("--lookup decodes one sample: drop --num-samples")
-    if not 1 <= lookup < block_size:
-        raise InputError(f"--lookup takes an n-gram of 1 to {block_size - 1} tokens (the window), got {lookup}")
+        raise InputError(f"{flag} decodes one sample: drop --num-samples")
+    block_size = checkpoint.model.config.block_size
+    if lookup:
+        if lookup >= block_size:
+            raise InputError(f"--lookup takes an n-gram of 1 to {block_size - 1} tokens (the window), got {lookup}")
+        return lookup_proposer(lookup)
+    draft = open_draft(model_options, draft_model, checkpoint.encoding)
+    return DraftProposer(draft.engine, request.sampler, requests.eot)
 
 
 def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None:
@@ -207,22 +221,9 @@ def command(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
     json_output: JsonOption = False,
-    lookup: Annotated[
-        int,
-        typer.Option(
-            "--lookup",
-            min=0,
-            help="Speculative decoding by prompt lookup: propose the tokens that followed the text's last N tokens "
-            "where they occurred before, and keep those the model draws itself. The same text, token for token, "
-            "faster where the text repeats the prompt (an edit, an extraction). 0: off.",
-        ),
-    ] = 0,
-    draft_max: Annotated[
-        int,
-        typer.Option(
-            "--draft-max", min=1, max=64, help="The most tokens proposed to one check (with --lookup)."
-        ),  # speculation.DEFAULT_DRAFT_MAX
-    ] = 4,
+    lookup: LookupOption = 0,
+    draft_model: DraftModelOption = None,
+    draft_max: DraftMaxOption = 4,
     *,
     settings: GenerationSettings,
     model_options: "ModelOptions",
@@ -284,5 +285,6 @@ def command(
         json_output=json_output,
         model_options=model_options,
         lookup=lookup,
+        draft_model=draft_model,
         draft_max=draft_max,
     )

@@ -243,30 +243,47 @@ static int tile_block(const Matmul *m) {
     return tiles < 1 ? 1 : tiles > TILE_BLOCK ? TILE_BLOCK : tiles;
 }
 
-/* A float32 decode step's tiles begin .. end − 1 from their panels: y[o] = x · w[o], each in dots' lane order
-   (sum_lanes4 adds as sum_lanes does, so a last tile's rows past n_out, zeros in its panel, change no sum).
-   Consecutive panels are one stream, read from one pointer with nothing between tiles but their sums, and asked
-   for twice ahead of the reads, into L1 and into L2 (a hint, not a read). A layer has panels only where its rows
-   are whole PANEL_UNITs (manas_panel_bytes), so n_in is a multiple of LANES and the chunks leave no tail. */
-static __attribute__((noinline)) void float32_decode(const Matmul *m, int begin, int end) {
-    const ManasLinear *linear = m->linear;
-    int chunks = linear->n_in / LANES;
-    const float *panel = (const float *)linear->panels + (size_t)begin * TILE * linear->n_in;  /* (TILE, n_in) */
-    for (int tile = begin; tile < end; tile++) {
-        Lanes lane[TILE];
-        for (int o = 0; o < TILE; o++) lane[o] = splat(0.0f);
-        for (int c = 0; c < chunks; c++, panel += TILE * LANES) {
+/* One row x against a tile's panel (TILE, n_in) of `chunks` chunks: out[o] = x · w[o], in dots' lane order
+   (sum_lanes4 adds as sum_lanes does, so a last tile's rows past n_out, zeros in its panel, change no sum). The
+   panel is one stream read from one pointer; where it comes from memory (`ask`), it is asked for twice ahead of
+   the reads, into L1 and into L2 (a hint, not a read). */
+static inline __attribute__((always_inline)) void panel_dots(const float *panel, const float *x, int chunks, int ask,
+                                                             float out[TILE]) {
+    Lanes lane[TILE];
+    for (int o = 0; o < TILE; o++) lane[o] = splat(0.0f);
+    for (int c = 0; c < chunks; c++, panel += TILE * LANES) {
+        if (ask)
             for (int o = 0; o < TILE; o++) {
                 __builtin_prefetch(panel + (F32_NEAR_CHUNKS * TILE + o) * LANES, 0, 3);
                 __builtin_prefetch(panel + (F32_FAR_CHUNKS * TILE + o) * LANES, 0, 2);
             }
-            Lanes xs = load_lanes(m->x + c * LANES);
-            for (int o = 0; o < TILE; o++) lane[o] = madd(lane[o], xs, load_lanes(panel + o * LANES));
+        Lanes xs = load_lanes(x + c * LANES);
+        for (int o = 0; o < TILE; o++) lane[o] = madd(lane[o], xs, load_lanes(panel + o * LANES));
+    }
+    sum_lanes4(lane, out);
+}
+
+/* A float32 decode step's tiles begin .. end − 1 from their panels, for its one row or the few rows of a
+   speculative check (FEW_ROWS at most): consecutive panels are one stream, with nothing between tiles but their
+   sums; a check's later rows find the tile's panel in cache (n_in 1536: 24 KiB), so each costs its arithmetic,
+   not another read of the layer, where the prefill's row tiles read from panel rows laid out for many rows
+   (SmolLM2-135M, 1 thread, AVX2: a check of 5 positions cost 2.0 decode steps that way). Each output is the one
+   row's sum, bit for bit. A layer has panels only where its rows are whole PANEL_UNITs (manas_panel_bytes), so
+   n_in is a multiple of LANES and the chunks leave no tail. (The integer kinds gain nothing so: their rows cost
+   their arithmetic either way, int8's 0.55 of a decode step each, int4's 0.75, on the same host.) */
+#define FEW_ROWS 8
+static __attribute__((noinline)) void float32_decode(const Matmul *m, int begin, int end) {
+    const ManasLinear *linear = m->linear;
+    int chunks = linear->n_in / LANES;
+    for (int tile = begin; tile < end; tile++) {
+        const float *panel = (const float *)linear->panels + (size_t)tile * TILE * linear->n_in;  /* (TILE, n_in) */
+        for (int r = 0; r < m->rows; r++) {
+            float out[TILE];
+            if (r == 0) panel_dots(panel, m->x, chunks, 1, out);
+            else panel_dots(panel, m->x + (size_t)r * m->stride, chunks, 0, out);
+            for (int o = 0, o0 = tile * TILE; o < TILE && o0 + o < linear->n_out; o++)
+                m->y[(size_t)r * m->y_stride + o0 + o] = finish(linear, o0 + o, out[o]);
         }
-        float out[TILE];
-        sum_lanes4(lane, out);
-        for (int o = 0, o0 = tile * TILE; o < TILE && o0 + o < linear->n_out; o++)
-            m->y[o0 + o] = finish(linear, o0 + o, out[o]);
     }
 }
 
@@ -278,7 +295,7 @@ static void matmul_tiles(void *context, int begin, int end, int thread) {
         ggml_tiles(m, begin, end, m->tiles + (size_t)thread * TILE * m->linear->n_in);
         return;
     }
-    if (m->kind == WEIGHTS_F32 && m->rows == 1 && m->linear->panels) {
+    if (m->kind == WEIGHTS_F32 && m->rows <= FEW_ROWS && m->linear->panels) {
         float32_decode(m, begin, end);
         return;
     }

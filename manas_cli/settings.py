@@ -8,6 +8,48 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_DRAFT = 64  # the most tokens one speculative check takes (--draft-max)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as a request asks for it (engine/speculation.py; the text is the same either way):
+    prompt lookup with n-grams of up to `lookup` tokens, or the draft model the command or server holds (`draft`),
+    or the text the client predicts (OpenAI's `prediction`); up to draft_max tokens a check. All off: none."""
+
+    lookup: int = 0
+    draft: bool = False
+    draft_max: int = 4  # speculation.DEFAULT_DRAFT_MAX
+    prediction: str | None = None
+
+    @property
+    def on(self) -> bool:
+        return bool(self.lookup or self.draft or self.prediction)
+
+    def record(self) -> dict:
+        """As a --jsonl line's "speculative" gives it."""
+        return {"lookup": self.lookup, "draft": self.draft, "draft_max": self.draft_max}
+
+
+SPECULATIVE_KEYS = {
+    "lookup": ("an integer >= 0 (0: none)", lambda v: _integer(v) and v >= 0),
+    "draft": ("true or false", lambda v: isinstance(v, bool)),
+    "draft_max": (f"an integer from 1 to {MAX_DRAFT}", lambda v: _integer(v) and 1 <= v <= MAX_DRAFT),
+}
+
+
+def speculation_from(value: object) -> Speculation:
+    """A request's "speculative" object ({"lookup": N, "draft": true, "draft_max": K}, each optional), checked;
+    ValueError says what is wrong."""
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative must be an object with {', '.join(SPECULATIVE_KEYS)}, got {value!r}")
+    for key, given in value.items():
+        if key not in SPECULATIVE_KEYS:
+            raise ValueError(f"speculative has {key!r}: it takes {', '.join(SPECULATIVE_KEYS)}")
+        rule, keeps = SPECULATIVE_KEYS[key]
+        if not keeps(given):
+            raise ValueError(f"speculative.{key} must be {rule}, got {given!r}")
+    return Speculation(**value)
 
 
 @dataclass(frozen=True)
@@ -26,6 +68,7 @@ class GenerationSettings:
     logprobs: int = 0
     parse_special: bool = True  # special-token text in the prompt (<|im_start|>) is those tokens, as transformers does
     format: object | None = None  # structured.Format: a JSON Schema, grammar or regex every text must match
+    speculative: Speculation | None = None  # None: as the command or server runs (its --lookup, --draft-model)
 
     def record(self) -> dict:
         """The sampling settings a --json record reports (its seed and logprobs are fields of their own)."""
@@ -66,6 +109,7 @@ RULES = {
     ),
     "logprobs": (f"an integer from 0 to {MAX_LOGPROBS}", lambda v: _integer(v) and 0 <= v <= MAX_LOGPROBS),
     "parse_special": ("true or false", lambda v: isinstance(v, bool)),
+    "speculative": ("an object (lookup, draft, draft_max)", lambda v: isinstance(v, (dict, Speculation))),
 }
 
 
@@ -77,6 +121,8 @@ def check(name: str, value: object) -> object:
     rule, keeps = RULES[name]
     if not keeps(value):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
+    if name == "speculative" and isinstance(value, dict):
+        return speculation_from(value)
     return tuple(value) if name == "stop" else value
 
 
@@ -102,7 +148,9 @@ def with_overrides(settings: GenerationSettings, overrides: dict) -> GenerationS
 
 def as_overrides(settings: GenerationSettings) -> dict:
     """settings as with_overrides takes them (the keys of a --jsonl record): plain JSON values."""
-    values = {name: value for name, value in settings.__dict__.items() if name != "format"}
+    values = {name: value for name, value in settings.__dict__.items() if name not in ("format", "speculative")}
+    if settings.speculative is not None:
+        values["speculative"] = settings.speculative.record()
     return {**values, **(settings.format.record() if settings.format is not None else {})}
 
 

@@ -5,6 +5,8 @@ strings; and a check's logits are the decode steps' bit for bit, in the core."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cli_fixtures import RUN_OPTIONS, manas
@@ -132,3 +134,164 @@ def test_draft_refusals_are_one_error_line(llama_files, flags, message):  # noqa
     run = manas("generate", "-c", llama_files["float32"], *RUN_OPTIONS, "-p", PROMPT, "-n", "4", *flags)
     assert run.returncode != 0 and message in run.err, run.err
     assert len([line for line in run.err.strip().splitlines() if line.strip()]) <= 1 or "Usage" in run.err
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "flags, name", [(("--lookup", "2"), "tg24 lookup2"), (("--draft-model", "INT4"), "tg24 draft")]
+)
+def test_bench_times_speculation_and_reports_what_its_proposals_came_to(llama_files, flags, name):  # noqa: F811
+    flags = [str(llama_files["int4"]) if flag == "INT4" else flag for flag in flags]
+    run = manas("bench", "-c", llama_files["float32"], *RUN_OPTIONS, "-p", PROMPT, "-n", "24", "-r", "1",
+                "--no-baseline", "--json", *flags).ok()  # fmt: skip
+    report = run.json()
+    assert [test["name"] for test in report["tests"]][1:] == ["tg24", name]
+    spec = report["speculation"]
+    assert 0 < spec["accepted_tokens"] <= spec["proposed_tokens"] and spec["checks"] > 0
+    assert spec["acceptance_rate"] == spec["accepted_tokens"] / spec["proposed_tokens"]
+    assert spec["tokens_per_check"] == (spec["accepted_tokens"] + spec["checks"]) / spec["checks"] > 1
+    assert spec["speedup"] > 0
+    table = manas("bench", "-c", llama_files["float32"], *RUN_OPTIONS, "-p", PROMPT, "-n", "8", "-r", "1",
+                  "--no-baseline", *flags).ok()  # fmt: skip
+    assert "speculation: accepted " in table.out and "tokens per check" in table.out
+
+
+def test_bench_speculation_refuses_a_depth_and_a_batch(llama_files):  # noqa: F811
+    for flags, message in ((("--depth", "8"), "drop --depth"), (("--batch", "2"), "one sample")):
+        run = manas("bench", "-c", llama_files["float32"], *RUN_OPTIONS, "-n", "4", "--lookup", "2", *flags)
+        assert run.returncode != 0 and message in run.err, run.err
+
+
+# ---- --jsonl lines and the server: speculation inside continuous batching ----
+
+FIELDS = ("text", "tokens", "logprobs", "finish_reason")
+LINES = [  # (the line's own settings, whether it speculates when the command does not)
+    ({"temperature": 0, "max_tokens": 40}, False),
+    ({"temperature": 0, "max_tokens": 40, "speculative": {"lookup": 2}}, True),
+    ({"temperature": 0.9, "seed": 3, "max_tokens": 40, "speculative": {"lookup": 3, "draft_max": 6}}, True),
+    ({"temperature": 0, "max_tokens": 40, "stop": ["the"], "speculative": {"lookup": 1}}, True),
+    ({"temperature": 0.7, "seed": 4, "max_tokens": 33, "logprobs": 2}, False),
+]
+
+
+def jsonl_records(path, lines: list[dict], *flags: str) -> list[dict]:
+    text = "".join(json.dumps({"prompt": PROMPT, **line}) + "\n" for line in lines)
+    run = manas("generate", "-c", path, *RUN_OPTIONS, "--jsonl", "--batch-size", "3", *flags, stdin=text.encode()).ok()
+    return [json.loads(line) for line in run.out.splitlines()]
+
+
+def plain(line: dict) -> dict:
+    return {key: value for key, value in line.items() if key != "speculative"}
+
+
+@needs_compiler
+def test_jsonl_lines_that_speculate_share_steps_with_lines_that_do_not_and_keep_their_records(llama_files):  # noqa: F811
+    lines = [settings for settings, _ in LINES]
+    fast = jsonl_records(llama_files["float32"], lines)
+    slow = jsonl_records(llama_files["float32"], [plain(line) for line in lines])
+    for record, reference, (_, speculates) in zip(fast, slow, LINES):
+        assert {f: record.get(f) for f in FIELDS} == {f: reference.get(f) for f in FIELDS}
+        assert ("proposed_tokens" in record) == speculates
+    assert sum(record.get("accepted_tokens", 0) for record in fast) > 0
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", [("--lookup", "2"), ("--draft-model", "INT4", "--draft-max", "3")])
+def test_jsonl_speculates_on_every_line_with_the_commands_flag_unless_a_line_turns_it_off(llama_files, flags):  # noqa: F811
+    flags = [str(llama_files["int4"]) if flag == "INT4" else flag for flag in flags]
+    lines = [plain(settings) for settings, _ in LINES] + [{"max_tokens": 20, "seed": 5, "speculative": {"lookup": 0}}]
+    fast = jsonl_records(llama_files["float32"], lines, *flags)
+    slow = jsonl_records(llama_files["float32"], [plain(line) for line in lines])
+    for record, reference in zip(fast, slow):
+        assert {f: record.get(f) for f in FIELDS} == {f: reference.get(f) for f in FIELDS}
+    assert all("proposed_tokens" in record for record in fast[:-1]) and "proposed_tokens" not in fast[-1]
+    assert sum(record["accepted_tokens"] for record in fast[:-1]) > 0
+
+
+def test_a_jsonl_line_whose_speculation_cannot_run_gets_an_error_record(llama_files):  # noqa: F811
+    lines = [{"max_tokens": 4, "speculative": {"draft": True}}, {"max_tokens": 4, "speculative": {"lookup": -1}},
+             {"max_tokens": 4, "speculative": {"lookup": 100000}}, {"max_tokens": 4}]  # fmt: skip
+    text = "".join(json.dumps({"prompt": PROMPT, **line}) + "\n" for line in lines)
+    run = manas("generate", "-c", llama_files["float32"], *RUN_OPTIONS, "--jsonl", stdin=text.encode())
+    records = [json.loads(line) for line in run.out.splitlines()]
+    assert run.returncode == 1 and [("error" in r) for r in records] == [True, True, True, False]
+    assert "--draft-model" in records[0]["error"] and "speculative.lookup" in records[1]["error"]
+    assert "the window" in records[2]["error"]
+
+
+@pytest.fixture(scope="module")
+def speculating_server(llama_files):  # noqa: F811
+    from test_serve import running_server
+
+    with running_server(llama_files["float32"], "--batch-size", "4", "--engine", "native") as live:
+        yield live
+
+
+def completion(server, body: dict) -> dict:
+    status, _, answer = server.raw(
+        "POST", "/v1/completions", json.dumps({"prompt": PROMPT, **body}).encode(), {"Content-Type": "application/json"}
+    )
+    assert status == 200, answer
+    return answer
+
+
+@needs_compiler
+def test_the_server_speculates_inside_its_batch_and_answers_as_without(speculating_server):
+    """Requests that speculate (lookup, a prediction) and requests that do not, sent at once: each answer is the
+    one it gets without speculation, and usage says what its proposals came to, as OpenAI reports a prediction's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [settings for settings, _ in LINES] + [
+        {"temperature": 0, "max_tokens": 40, "prediction": {"type": "content", "content": PROMPT + " in the city"}}
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        fast = list(pool.map(lambda body: completion(speculating_server, body), bodies))
+    for answer, body in zip(fast, bodies):
+        reference = completion(
+            speculating_server, {k: v for k, v in body.items() if k not in ("speculative", "prediction")}
+        )
+        assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert answer["choices"][0]["finish_reason"] == reference["choices"][0]["finish_reason"]
+        speculates = "speculative" in body or "prediction" in body
+        assert ("completion_tokens_details" in answer["usage"]) == speculates
+    details = [
+        answer["usage"]["completion_tokens_details"]
+        for answer in fast
+        if "completion_tokens_details" in answer["usage"]
+    ]
+    assert sum(d["accepted_prediction_tokens"] for d in details) > 0
+    assert all(d["rejected_prediction_tokens"] >= 0 for d in details)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"speculative": {"lookup": 1.5}}, "speculative.lookup must be"),
+        ({"speculative": {"ngram": 2}}, "speculative has 'ngram'"),
+        ({"speculative": {"draft": True}}, "--draft-model"),
+        ({"speculative": {"lookup": 100000}}, "the window"),
+        ({"prediction": {"type": "text", "content": "x"}}, "prediction must be"),
+        ({"prediction": {"type": "content", "content": "the theatre " * 400}}, "more than the model's window"),
+    ],
+)
+def test_speculation_the_server_cannot_run_is_a_400_naming_the_field(speculating_server, body, message):
+    status, _, answer = speculating_server.raw(
+        "POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 4, **body}).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    assert status == 400 and message in answer["error"]["message"], answer
+    assert answer["error"]["param"] in ("speculative", "prediction")
+
+
+@needs_compiler
+def test_a_server_with_a_draft_model_speculates_on_every_request_and_answers_as_without(llama_files):  # noqa: F811
+    from test_serve import running_server
+
+    body = {"temperature": 0.8, "seed": 9, "max_tokens": 30}
+    with running_server(llama_files["float32"], "--draft-model", str(llama_files["int4"])) as live:
+        fast = completion(live, body)
+        off = completion(live, {**body, "speculative": {"draft": False}})
+    assert fast["choices"][0]["text"] == off["choices"][0]["text"]
+    assert fast["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    assert "completion_tokens_details" not in off["usage"]

@@ -311,6 +311,12 @@ class BenchRows:
             f"re-prefills {report['re_prefills']} · peak memory {format_bytes(report['peak_memory_bytes'])} · "
             f"cache {format_bytes(report['cache_bytes'])}"
         )
+        if (spec := report.get("speculation")) is not None:
+            self._line(
+                f"speculation: accepted {spec['accepted_tokens']}/{spec['proposed_tokens']} proposed "
+                f"({spec['acceptance_rate']:.0%}) · {spec['tokens_per_check']:.2f} tokens per check · "
+                f"{spec['speedup']:.2f}× tg"
+            )
 
     @staticmethod
     def _line(text: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConstraintError, NumericalError
 from .engines import Engine
@@ -24,6 +24,7 @@ from .generation import overflow_keep, slide
 from .prefix_cache import PrefixCache
 from .sampling import Sampler
 from .session import prefill_if_due
+from .speculation import DEFAULT_DRAFT_MAX, Propose, next_draft_max
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Request:
     sampler: Sampler
     max_tokens: int
     logprobs: int = 0
+    proposer: Callable[[], Propose] | None = None  # speculative decoding: the row's own proposer (speculation.py)
+    draft_max: int = DEFAULT_DRAFT_MAX
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Token:
     last: bool  # its budget is spent, or it is end-of-text, or it failed
     cache: object  # the row's cache (CacheSession or NativeSession), for what it holds once the request is done
     error: str | None = None  # why this request failed (its logits were not finite, its grammar); token is then -1
-    speculated: tuple[int, int] | None = None  # a batched row does not speculate (GenerationStats reads it)
+    speculated: tuple[int, int] | None = None  # on a check's last token: (proposed, accepted) tokens
 
 
 class Row:
@@ -60,6 +63,30 @@ class Row:
         self.prompt_length = len(self.window)
         self.state = engine.sampling_state(request.sampler, 1, request.logprobs)
         self.steps = 0
+        self.propose = request.proposer() if request.proposer is not None else None
+        self.draft_max = request.draft_max  # the tokens its next check may take (speculation.next_draft_max)
+
+    def proposal(self) -> list[int]:
+        """The tokens this decoding row's proposer guesses follow, as generate_speculative asks for them: never past
+        the window or the budget; none without a proposer."""
+        room = min(self.session.block_size - self.session.positions - 1, self.request.max_tokens - self.steps - 1)
+        if self.propose is None or room <= 0:
+            return []
+        return self.propose(self.window, len(self.request.prompt) - 1 + self.steps, min(self.draft_max, room))
+
+    def take_checked(self, logits, proposal: list[int], started: float) -> list[Token]:
+        """The tokens a check gives (its logits: the last token's, then each proposed one's): each drawn as take
+        draws it, kept while it is the proposal's; the cache rewound past the first that is not."""
+        first, made = self.session.positions - len(proposal) - 1, []
+        for i in range(len(proposal) + 1):
+            made.append(self.take(logits[i : i + 1], "decode", started))
+            kept = i < len(proposal) and made[-1].token == proposal[i]
+            if not kept or made[-1].last:
+                break
+        self.session.rewind(first + i + 1)
+        self.draft_max = next_draft_max(self.draft_max, self.request.draft_max, len(proposal), i + kept)
+        made[-1] = replace(made[-1], speculated=(len(proposal), i + kept))
+        return made
 
     def start(self, prefixes: PrefixCache | None) -> list[int]:
         """The first step's tokens still to run: the window, or, where the prefix cache holds its start (an engine
@@ -140,7 +167,7 @@ def generate_batched(
         if not rows:
             return
         started = time.perf_counter()
-        made, decoding, joining = {}, [], []
+        made, decoding, joining, proposals = {}, [], [], {}
         for row in rows:
             if row.steps == 0 and joins(engine, joining, row):
                 joining.append(row)
@@ -148,20 +175,29 @@ def generate_batched(
             due = row.prefill(prefixes) if row.steps == 0 else prefill_if_due(row.session, [row.window], False, keep)
             if due is None:
                 decoding.append(row)
+                if proposal := row.proposal():
+                    proposals[row] = proposal
             else:
-                made[row] = row.take(due[1], due[0], started)
-        if joining:
-            parts = [(row.session, [row.window[-1]]) for row in decoding]
-            logits = engine.run_rows(parts + [(row.session, row.start(prefixes)) for row in joining])
+                made[row] = [row.take(due[1], due[0], started)]
+        if joining or proposals:
+            parts = [(row.session, [row.window[-1], *proposals.get(row, [])]) for row in decoding]
+            checks = [index for index, row in enumerate(decoding) if row in proposals]
+            logits = engine.run_rows(parts + [(row.session, row.start(prefixes)) for row in joining], checks)
             for row in joining:
                 row.started(prefixes)
         elif decoding:
             logits = engine.decode_rows([row.window[-1] for row in decoding], [row.session for row in decoding])
-        for index, row in enumerate(decoding + joining):
-            made[row] = row.take(logits[index : index + 1], "decode" if row.steps else "prefill", started)
-        yield [made[row] for row in rows]
-        done = [row for row in rows if made[row].last or finished(row.request.key)]
+        index = 0  # each row's first logits row: a check has one per token it ran, any other row one
+        for row in decoding + joining:
+            if row in proposals:
+                made[row] = row.take_checked(logits[index:], proposals[row], started)
+                index += len(proposals[row]) + 1
+            else:
+                made[row] = [row.take(logits[index : index + 1], "decode" if row.steps else "prefill", started)]
+                index += 1
+        yield [token for row in rows for token in made[row]]
+        done = [row for row in rows if made[row][-1].last or finished(row.request.key)]
         for row in done:
-            if row.reuses(prefixes) and made[row].error is None:
+            if row.reuses(prefixes) and made[row][-1].error is None:
                 row.hand_over(prefixes)
         rows = [row for row in rows if row not in done]

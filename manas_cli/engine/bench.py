@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .engines import Engine
 from .generation import GenerationStats, Step, generate, generate_reference
 from .sampling import Sampler
+from .speculation import Propose, generate_speculative
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,28 @@ class Measurement:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """bench's speculative decode test: its name (llama-bench style, after tgN: "lookup2", "draft"), a fresh proposer
+    for each run (a draft's cache starts empty), and the most tokens a check takes."""
+
+    name: str
+    proposer: Callable[[], Propose]
+    draft_max: int
+
+
+def speculation_figures(stats: GenerationStats) -> dict:
+    """What a speculative run's proposals came to: the share kept, and the tokens each check gave (those kept and
+    the model's own draw after them)."""
+    return {
+        "proposed_tokens": stats.proposed_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "checks": stats.checks,
+        "acceptance_rate": stats.accepted_tokens / stats.proposed_tokens if stats.proposed_tokens else 0.0,
+        "tokens_per_check": (stats.accepted_tokens + stats.checks) / stats.checks if stats.checks else 0.0,
+    }
+
+
+@dataclass(frozen=True)
 class BenchResult:
     measurements: list[Measurement]
     ttft_s: float
@@ -34,13 +57,13 @@ class BenchResult:
     cache_bytes: int
     peak_memory_bytes: int
     baseline_estimate_s: float | None = None  # the uncached baseline's estimated time, where it was left out for it
+    speculation: dict | None = None  # speculation_figures of the speculative test, where it ran
 
     @property
     def speedup(self) -> float | None:
         """Cached decode over the uncached baseline, when the baseline ran."""
-        if len(self.measurements) < 3:
-            return None
-        return self.measurements[1].mean / self.measurements[2].mean
+        uncached = [m for m in self.measurements if m.name.endswith("no-cache")]
+        return self.measurements[1].mean / uncached[0].mean if uncached else None
 
 
 def bench_prompt(engine: Engine, prompt_tokens: int, batch: int, seed: int = 0) -> list[list[int]]:
@@ -79,6 +102,8 @@ def run_bench(
     on_step: Callable[[str], None] = lambda label: None,
     depth: int = 0,
     on_measurement: Callable[[Measurement], None] = lambda measurement: None,
+    speculation: Speculation | None = None,
+    prompt_ids: list[int] | None = None,
 ) -> BenchResult:
     """pp{P}, tg{N} and (optionally) tg{N} no-cache, each `repeat` times after one warm-up run of each. on_step is
     called after every generated token with what is running (a progress bar), on_measurement with each test's
@@ -89,11 +114,15 @@ def run_bench(
     depth=D (llama-bench's -d): before each run, D tokens are put in the cache, untimed; the prefill test then
     times the prompt's P tokens after them (each attending over the D before it), and the decode test, a run of its
     own as llama-bench's, decodes after the D and the prompt's first token. The uncached baseline recomputes the
-    decode test's tokens so far at each step."""
+    decode test's tokens so far at each step.
+
+    speculation: a test of its own after tgN, the same greedy decode with proposals checked (one row, no depth);
+    prompt_ids: the prompt's tokens instead of random ones (proposals are kept from real text, rarely from noise)."""
     block_size = engine.config.block_size
     prompt_tokens = min(prompt_tokens, block_size - depth)  # the prefill crops a longer prompt to the window
     history = bench_prompt(engine, depth, batch, seed=1)
-    prompt = [row + ids for row, ids in zip(history, bench_prompt(engine, prompt_tokens, batch))]
+    prompt_rows = bench_prompt(engine, prompt_tokens, batch) if prompt_ids is None else [prompt_ids[-prompt_tokens:]]
+    prompt = [row + ids for row, ids in zip(history, prompt_rows)]
     decode_prompt = [row[: depth + 1] for row in prompt] if depth else prompt
     greedy = Sampler(temperature=0.0)
     session = engine.new_session(allocation, capacity=min(block_size, depth + prompt_tokens + new_tokens))
@@ -128,6 +157,17 @@ def run_bench(
     prefilled = prefilled or decoded
     measured(f"pp{prompt_tokens}{at}", [s.prefill_tokens_per_s for s in prefilled])
     measured(f"tg{new_tokens}{at}", [s.decode_tokens_per_s for s in decoded])
+    speculated = None
+    if speculation is not None:
+
+        def speculative() -> Iterator[Step]:
+            propose = speculation.proposer()
+            return generate_speculative(
+                engine, prompt, greedy, new_tokens, None, session, propose, speculation.draft_max, 0, overflow
+            )
+
+        speculated = timed(speculation.name, speculative, prompt_tokens)
+        measured(f"tg{new_tokens} {speculation.name}", [s.decode_tokens_per_s for s in speculated])
     estimate = baseline_seconds(decode_length + depth, new_tokens, repeat, batch, block_size, measurements[0].mean)
     skipped = baseline is None and estimate > BASELINE_BUDGET_S
     if baseline is not False and not skipped:
@@ -142,6 +182,7 @@ def run_bench(
         cache_bytes=session.storage()["storage_bytes"],
         peak_memory_bytes=engine.peak_memory_bytes(),
         baseline_estimate_s=estimate if skipped else None,
+        speculation=speculation_figures(speculated[-1]) if speculated else None,
     )
 
 

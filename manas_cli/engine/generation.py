@@ -155,8 +155,9 @@ class GenerationStats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     re_prefills: int = 0
-    proposed_tokens: int = 0  # speculative decoding's proposals, and those the model drew itself
+    proposed_tokens: int = 0  # speculative decoding's proposals, those the model drew itself, and its checks
     accepted_tokens: int = 0
+    checks: int = 0
     # Kept only when asked for (inspect-cache shows them): past the window, recompute re-prefills at every step.
     re_prefill_positions: list[int] | None = None
 
@@ -164,6 +165,7 @@ class GenerationStats:
         if step.speculated is not None:
             self.proposed_tokens += step.speculated[0]
             self.accepted_tokens += step.speculated[1]
+            self.checks += 1
         if self.steps == 0:
             self.ttft_s = self.prefill_seconds = step.seconds
         else:

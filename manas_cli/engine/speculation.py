@@ -33,6 +33,17 @@ def lookup_proposer(ngram: int) -> Propose:
     return lambda window, position, most: lookup_proposal(window, ngram, most)
 
 
+def prediction_proposer(predicted: list[int], ngram: int = 3) -> Propose:
+    """A predicted text's tokens as proposals (OpenAI's Predicted Outputs): what followed the text's last n-gram
+    (up to `ngram` tokens) where it occurs in the prediction; none where it does not."""
+
+    def propose(window: list[int], position: int, most: int) -> list[int]:
+        tail = window[-ngram:]
+        return lookup_proposal(predicted + tail, min(ngram, len(tail)), most)
+
+    return propose
+
+
 def lookup_proposal(tokens: list[int], ngram: int, most: int) -> list[int]:
     """Up to `most` tokens that followed the latest earlier occurrence of the tokens' last n-gram, trying n from
     `ngram` down to 1 (prompt lookup, as transformers' prompt_lookup_num_tokens and vLLM's ngram propose); none
@@ -166,4 +177,10 @@ def generate_speculative(
             if last:
                 break
         session.rewind(first + i + 1)  # the cache keeps the tokens fed up to row i, whose logits drew the last
-        k = min(draft_max, 2 * k) if i + kept == len(proposal) else max(1, i + 1)
+        k = next_draft_max(k, draft_max, len(proposal), i + kept)
+
+
+def next_draft_max(k: int, draft_max: int, proposed: int, accepted: int) -> int:
+    """The most tokens the next check asks for, after one that asked for k: doubled (to draft_max) after a proposal
+    kept whole, one past the tokens kept after one that was not."""
+    return min(draft_max, 2 * k) if accepted == proposed else max(1, accepted + 1)

@@ -6,6 +6,7 @@ batched == alone hold bit for bit."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 from ..engine.memory import cpu_available_bytes, process_peak_bytes
 from ..engine.sampling import Sampler, logits_error
@@ -49,9 +50,10 @@ class NativeEngine:
     def decode_rows(self, tokens: list[int], sessions: list[NativeSession]) -> Logits:
         return decode_rows(self.model, tokens, sessions)
 
-    def run_rows(self, rows: list[tuple[NativeSession, list[int]]]) -> Logits:
-        """A continuous batch's step in one call: decode rows and new prompts together (session.run_rows)."""
-        return run_rows(self.model, rows)
+    def run_rows(self, rows: list[tuple[NativeSession, list[int]]], checks: Sequence[int] = ()) -> Logits:
+        """A continuous batch's step in one call: decode rows, speculative checks and new prompts together
+        (session.run_rows)."""
+        return run_rows(self.model, rows, checks)
 
     def last_logits(self, windows: list[list[int]]) -> Logits:
         """The logits of each row's last position, (B, vocab), each row from position 0."""

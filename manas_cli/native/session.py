@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from ctypes import c_float
 from dataclasses import dataclass
 
@@ -220,18 +221,21 @@ class Snapshot:
         return 2 * ctypes.sizeof(self.k)
 
 
-def run_rows(model: NativeGPT, rows: list[tuple[NativeSession, list[int]]]) -> Logits:
+def run_rows(model: NativeGPT, rows: list[tuple[NativeSession, list[int]]], checks: Sequence[int] = ()) -> Logits:
     """One forward call over one-row sessions, each extended by its tokens from its own positions (a decode step's
-    one token, a new request's prompt or what the prefix cache did not hold of it): the logits of each one's last
-    token, in order. Each row's arithmetic is its own whichever rows share the call, so each session ends as its own
-    prefill, extend or decode would leave it, bit for bit; the weights are read once for all of them."""
+    one token, a new request's prompt or what the prefix cache did not hold of it, a speculative check's last token
+    and proposal): the logits of each one's last token, in order, and of every token of the rows in `checks` (as
+    NativeSession.check gives them). Each row's arithmetic is its own whichever rows share the call, so each session
+    ends as its own prefill, extend, decode or check would leave it, bit for bit; the weights are read once for all
+    of them."""
     tokens, positions, caches, logit_rows = [], [], [], []
-    for session, new in rows:
+    for index, (session, new) in enumerate(rows):
         session.allocate(1, session.positions + len(new))
+        first = len(tokens)
         tokens += new
         positions += range(session.positions, session.positions + len(new))
         caches += [session.cache(0)] * len(new)
-        logit_rows.append(len(tokens) - 1)
+        logit_rows += range(first, len(tokens)) if index in checks else [len(tokens) - 1]
     logits = model.run(tokens, positions, caches, logit_rows)
     for session, new in rows:
         session.positions, session.batch_size = session.positions + len(new), 1

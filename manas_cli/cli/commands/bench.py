@@ -1,10 +1,19 @@
 """`manas bench`: prefill and decode speed, and the KV cache's speed-up over crop-and-recompute."""
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ..flags import JsonOption, Overflow, takes_model_flags
+from ..flags import (
+    DraftMaxOption,
+    DraftModelOption,
+    JsonOption,
+    LookupOption,
+    Overflow,
+    PromptFileOption,
+    takes_model_flags,
+)
 
 if TYPE_CHECKING:
     from ...models import ModelOptions
@@ -63,21 +72,38 @@ def run(
     json_output: bool,
     model_options: "ModelOptions",
     depth: int = 0,
+    prompt: str | None = None,
+    prompt_file: Path | None = None,
+    lookup: int = 0,
+    draft_model: Path | None = None,
+    draft_max: int = 4,
 ) -> None:
-    from ...engine.bench import run_bench
+    from ...engine.bench import Speculation, run_bench
     from ...engine.bench import sweep as sweep_positions
+    from ...engine.sampling import Sampler
     from ...models import resolve_checkpoint
     from ...records import json_line
+    from ...requests import Requests, encode_prompt
     from ..render import BenchRows, is_noisy, noise_warning, say, stderr_console, sweep_chart, token_progress
-    from .common import check_memory, load_model, require_stdout
+    from .common import check_memory, load_model, read_prompt, require_stdout, speculation
 
     require_stdout()
     console = stderr_console()
     checkpoint, threads, engine = load_model(model_options, console)
     model = checkpoint.model
     block_size = model.config.block_size
+    given = prompt is not None or prompt_file is not None
+    ids = encode_prompt(checkpoint, read_prompt(prompt, prompt_file), console.print) if given else None
+    if ids is not None and prompt_tokens is None:
+        prompt_tokens = len(ids)
     prompt_tokens, tokens = bench_lengths(block_size, prompt_tokens, tokens, console, depth)
-    baseline = False if baseline is None and depth else baseline
+    draft, speculative = speculation(lookup, draft_model, draft_max, model_options, checkpoint, engine, batch)
+    if speculative is not None and depth:
+        raise typer.BadParameter("the speculative test decodes from its prompt: drop --depth", param_hint="'--depth'")
+    timed_speculation = None
+    if speculative is not None:
+        make = Requests(engine, checkpoint.encoding, draft).proposer(speculative, Sampler(temperature=0.0), 1)
+        timed_speculation = Speculation(f"lookup{lookup}" if lookup else "draft", make, draft_max)
     positions = min(block_size, depth + prompt_tokens + tokens)
     check_memory(engine, batch, positions, "--batch (or --depth, --prompt-tokens, --tokens)")
     info = {
@@ -103,12 +129,13 @@ def run(
             rows.row(report["tests"][-1])
 
     # Each test's warm-up run and its timed runs; with --depth the prefill test is a run of its own, one token long.
-    steps = (repeat + 1) * (tokens * (1 if baseline is False else 2) + (1 if depth else 0))
+    tests = (1 if baseline is False else 2) + (timed_speculation is not None)
+    steps = (repeat + 1) * (tokens * tests + (1 if depth else 0))
     try:
         with token_progress(console, steps, "warming up") as advance:
             result = run_bench(
                 engine, prompt_tokens, tokens, repeat, batch, baseline, model_options.cache, overflow, advance, depth,
-                on_measurement=measured,
+                on_measurement=measured, speculation=timed_speculation, prompt_ids=ids,
             )  # fmt: skip
     except KeyboardInterrupt:  # the rows measured stay printed (a JSON report holds them, marked interrupted)
         if json_output and report["tests"]:
@@ -134,6 +161,9 @@ def run(
         "peak_memory_bytes": result.peak_memory_bytes,
         "cache_bytes": result.cache_bytes,
     }
+    if result.speculation is not None:
+        plain, fast = report["tests"][1], report["tests"][2]
+        report["speculation"] = result.speculation | {"speedup": fast["tokens_per_s_mean"] / plain["tokens_per_s_mean"]}
     if sweep_rows is not None:
         report["sweep"] = sweep_rows
     if warning := noise_warning(report):
@@ -218,6 +248,19 @@ def command(
         bool, typer.Option("--sweep", help="Also chart decode speed against context position, through one overflow.")
     ] = False,
     json_output: JsonOption = False,
+    prompt: Annotated[
+        Optional[str],
+        typer.Option(
+            "--prompt",
+            "-p",
+            help="A prompt to time instead of random tokens ('-': standard input): speculative decoding keeps "
+            "proposals on real text, rarely on noise. Its tokens are the prefill test's (--prompt-tokens: its last).",
+        ),
+    ] = None,
+    prompt_file: PromptFileOption = None,
+    lookup: LookupOption = 0,
+    draft_model: DraftModelOption = None,
+    draft_max: DraftMaxOption = 4,
     *,
     model_options: "ModelOptions",
 ) -> None:
@@ -233,6 +276,8 @@ def command(
 
       manas bench --depth 2048 --prompt-tokens 512 --tokens 128
 
+      manas bench -p "$(cat notes.txt) Repeat the notes:" --lookup 2 --no-baseline
+
       manas bench --json | jq '.tests[] | {name, tokens_per_s_mean}'
     """
 
@@ -247,4 +292,9 @@ def command(
         json_output=json_output,
         model_options=model_options,
         depth=depth,
+        prompt=prompt,
+        prompt_file=prompt_file,
+        lookup=lookup,
+        draft_model=draft_model,
+        draft_max=draft_max,
     )

@@ -162,3 +162,30 @@ def model_chat_template(checkpoint) -> str | None:
     if template is not None:
         check_template(template)
     return template
+
+
+def speculation(
+    lookup: int, draft_model: Path | None, draft_max: int, options: ModelOptions, checkpoint, engine, samples: int = 1
+):
+    """--lookup N or --draft-model M (with --draft-max K), checked: (the draft model's engine or None, the
+    settings.Speculation every request runs unless it says otherwise, or None without either flag). Speculation runs
+    where a session checks several tokens in one pass with each step's bits (the native engine's), for one sample."""
+    from ...models import open_draft
+    from ...settings import Speculation
+
+    if not lookup and draft_model is None:
+        return None, None
+    flag = "--lookup" if lookup else "--draft-model"
+    if lookup and draft_model is not None:
+        raise InputError("--lookup and --draft-model are two ways to propose tokens: choose one")
+    if not hasattr(engine.new_session(), "check"):
+        raise InputError(f"{flag} runs on the native engine, whose checks give each step's bits (--engine native)")
+    if samples != 1:
+        raise InputError(f"{flag} decodes one sample: drop --num-samples (or --batch)")
+    block_size = checkpoint.model.config.block_size
+    if lookup >= block_size:
+        raise InputError(f"--lookup takes an n-gram of 1 to {block_size - 1} tokens (the window), got {lookup}")
+    if lookup:
+        return None, Speculation(lookup=lookup, draft_max=draft_max)
+    draft = open_draft(options, draft_model, checkpoint.encoding).engine
+    return draft, Speculation(draft=True, draft_max=draft_max)

@@ -54,7 +54,7 @@ def run(
     from ...requests import Requests, encode_prompt
     from ..live import LiveDisplay, piped, shares_terminal
     from ..render import Output, generation_stats_line, recompute_notice, say, stderr_console
-    from .common import check_memory, load_model, read_prompt, require_stdout
+    from .common import check_memory, load_model, read_prompt, require_stdout, speculation
 
     require_stdout()
     console = stderr_console(quiet=quiet)
@@ -69,18 +69,18 @@ def run(
     max_tokens = token_budget(settings.max_tokens, len(ids), block_size)
     positions = min(block_size, len(ids) + max_tokens)
     check_memory(engine, batch, positions, "--num-samples")
-    requests = Requests(engine, encoding)
+    draft, speculative = speculation(lookup, draft_model, draft_max, model_options, checkpoint, engine, batch)
+    requests = Requests(engine, encoding, draft, speculative)
     request = requests.prepare(settings, batch, record=json_output or batch > 1)  # one streamed sample keeps no text
     seed, streams = request.seed, request.streams
     shared = shares_terminal(sys.stdout, sys.stderr)
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = engine.new_session(model_options.cache, capacity=positions)
-    if lookup or draft_model is not None:
-        propose = choose_proposer(session, batch, lookup, draft_model, model_options, checkpoint, request, requests)
+    if request.proposer is not None:
         steps = generate_speculative(
-            engine, [ids], request.sampler, max_tokens, requests.eot, session, propose, draft_max, settings.logprobs,
-            overflow,
+            engine, [ids], request.sampler, max_tokens, requests.eot, session, request.proposer(), request.draft_max,
+            settings.logprobs, overflow,
         )  # fmt: skip
     else:
         steps = generate(
@@ -122,9 +122,9 @@ def run(
         storage = session.storage()
     if json_output:
         for stream in streams:
-            speculation = {"proposed_tokens": run_stats.proposed_tokens, "accepted_tokens": run_stats.accepted_tokens}
+            counts = {"proposed_tokens": run_stats.proposed_tokens, "accepted_tokens": run_stats.accepted_tokens}
             record = sample_record(stream, run_stats, storage, seed, engine, settings)
-            out.json_line(record | (speculation if lookup or draft_model else {}))
+            out.json_line(record | (counts if request.proposer is not None else {}))
     else:
         out.close_text([stream.text for stream in streams], echo=text if echo else None)
     display.keep_notices()
@@ -132,29 +132,6 @@ def run(
         say(console, generation_stats_line(run_stats, storage, seed if settings.temperature > 0 else None))
     if interruption is not None:
         raise typer.Exit(interrupt_exit_code(interruption))
-
-
-def choose_proposer(session, samples: int, lookup: int, draft_model, model_options, checkpoint, request, requests):
-    """The proposer of --lookup or --draft-model (engine/speculation.py), checked: it runs where a session checks
-    several tokens in one pass with each step's bits (the native engine's), for one sample."""
-    from ...engine.speculation import DraftProposer, lookup_proposer
-    from ...errors import InputError
-    from ...models import open_draft
-
-    flag = "--lookup" if lookup else "--draft-model"
-    if lookup and draft_model is not None:
-        raise InputError("--lookup and --draft-model are two ways to propose tokens: choose one")
-    if not hasattr(session, "check"):
-        raise InputError(f"{flag} runs on the native engine, whose checks give each step's bits (--engine native)")
-    if samples != 1:
-        raise InputError(f"{flag} decodes one sample: drop --num-samples")
-    block_size = checkpoint.model.config.block_size
-    if lookup:
-        if lookup >= block_size:
-            raise InputError(f"--lookup takes an n-gram of 1 to {block_size - 1} tokens (the window), got {lookup}")
-        return lookup_proposer(lookup)
-    draft = open_draft(model_options, draft_model, checkpoint.encoding)
-    return DraftProposer(draft.engine, request.sampler, requests.eot)
 
 
 def stream_text(steps, streams, stats, out, on_step) -> KeyboardInterrupt | None:
@@ -199,8 +176,9 @@ def command(
             help=(
                 "Read one JSON object per line from stdin (or --prompt-file): 'prompt', optionally 'id' and any "
                 "setting by its name (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, "
-                "repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs), and a structured output "
-                "of its own (json_schema, grammar with grammar_syntax, or regex); write one --json record per line, "
+                "repeat_last_n, frequency_penalty, presence_penalty, seed, stop, logprobs), a structured output "
+                "of its own (json_schema, grammar with grammar_syntax, or regex) and speculative decoding of its own "
+                '("speculative": {"lookup": N, "draft": true, "draft_max": K}); write one --json record per line, '
                 "in input order."
             ),
         ),
@@ -267,6 +245,9 @@ def command(
             stats=stats,
             quiet=quiet,
             model_options=model_options,
+            lookup=lookup,
+            draft_model=draft_model,
+            draft_max=draft_max,
         )
         return
     if settings.logprobs and not json_output:

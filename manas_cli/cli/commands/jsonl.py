@@ -16,7 +16,7 @@ from ...errors import InputError, interrupt_exit_code
 from ...models import ModelOptions
 from ...settings import GenerationSettings
 from ..flags import DEFAULT_BATCH_SIZE
-from .common import check_memory, load_model, require_stdout
+from .common import check_memory, load_model, require_stdout, speculation
 
 
 class LineReader:
@@ -95,7 +95,14 @@ def run(
     stats: bool | None,
     quiet: bool,
     model_options: ModelOptions,
+    lookup: int = 0,
+    draft_model: Path | None = None,
+    draft_max: int = 4,
 ) -> None:
+    """lookup, draft_model, draft_max: every line's speculative decoding, where its own "speculative" says
+    nothing."""
+    from dataclasses import replace
+
     import typer
 
     from ...batch import RecordBatch
@@ -109,7 +116,10 @@ def run(
     batch_size = batch_size or rows_that_fit(engine, console)
     check_memory(engine, batch_size, engine.config.block_size, "--batch-size")
     notify = partial(say, console)  # a crop notice, written whole (a Ctrl-C then keeps the stats line)
-    batch = RecordBatch(LineReader(source).next, defaults, checkpoint, engine, write_record, notify)
+    draft, speculative = speculation(lookup, draft_model, draft_max, model_options, checkpoint, engine)
+    if speculative is not None:
+        defaults = replace(defaults, speculative=speculative)
+    batch = RecordBatch(LineReader(source).next, defaults, checkpoint, engine, write_record, notify, draft)
     try:
         batch.run(batch_size, overflow)
     except KeyboardInterrupt as exc:

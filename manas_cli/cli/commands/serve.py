@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from ...errors import InputError
-from ..flags import takes_model_flags
+from ..flags import DraftMaxOption, DraftModelOption, LookupOption, takes_model_flags
 
 if TYPE_CHECKING:
     from ...models import ModelOptions
@@ -45,6 +45,9 @@ def run(
     max_tokens: int | None = None,
     chat_template: Path | None = None,
     prefix_cache_mb: float = 0,
+    lookup: int = 0,
+    draft_model: Path | None = None,
+    draft_max: int = 4,
 ) -> None:
     from ...engine.memory import fitting_window
     from ...models import model_name
@@ -52,7 +55,7 @@ def run(
     from ..render import say, stderr_console
     from ..server.http import Server, serve
     from ..server.scheduler import Scheduler
-    from .common import chat_template_text, check_memory, load_model, model_chat_template
+    from .common import chat_template_text, check_memory, load_model, model_chat_template, speculation
 
     if api_key is None and os.environ.get("MANAS_API_KEY") == "":  # typer takes an empty variable for an unset one
         api_key = ""
@@ -72,7 +75,11 @@ def run(
         window_note = f" · window {window:,} of {declared:,} tokens, to fit the free memory (--ctx sets it)"
     template = template or model_chat_template(checkpoint)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
-    scheduler = Scheduler(engine, checkpoint, batch_size, max_queued, prefix_cache_bytes=int(prefix_cache_mb * 2**20))
+    draft, speculative = speculation(lookup, draft_model, draft_max, model_options, checkpoint, engine)
+    scheduler = Scheduler(
+        engine, checkpoint, batch_size, max_queued, prefix_cache_bytes=int(prefix_cache_mb * 2**20), draft=draft,
+        speculative=speculative,
+    )  # fmt: skip
     model_id = model_name(model_options.checkpoint)
     try:
         server = Server(
@@ -205,6 +212,9 @@ def command(
         ),
     ] = 256,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
+    lookup: LookupOption = 0,
+    draft_model: DraftModelOption = None,
+    draft_max: DraftMaxOption = 4,
     *,
     model_options: "ModelOptions",
 ) -> None:
@@ -212,7 +222,8 @@ def command(
 
     POST /v1/completions (stream, n, stop, seed, logprobs, echo, the penalties, and manas's top_k, min_p,
     repetition_penalty, repeat_last_n); POST /v1/chat/completions for a model with a chat template (messages,
-    stream, n, stop, seed, logprobs and top_logprobs); GET /v1/models and /v1/models/{id}; GET /health. Every
+    stream, n, stop, seed, logprobs and top_logprobs); both take manas's `speculative` ({"lookup": N}, {"draft":
+    true}) and OpenAI's `prediction`, the same answer, faster where guesses are kept; GET /v1/models and /v1/models/{id}; GET /health. Every
     request joins one continuous batch, and its answer equals `manas generate --json` for that request alone. A base
     model has no chat template: /v1/chat/completions answers 404 unless --chat-template gives one. Ctrl-C or
     SIGTERM: stop accepting, let what runs finish (10 s), exit 0.
@@ -237,4 +248,7 @@ def command(
         chat_template=chat_template,
         prefix_cache_mb=prefix_cache_mb,
         model_options=model_options,
+        lookup=lookup,
+        draft_model=draft_model,
+        draft_max=draft_max,
     )

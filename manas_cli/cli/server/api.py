@@ -4,9 +4,9 @@ response and stream-chunk shapes. Pure functions of JSON values: no sockets, no 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ...settings import MAX_LOGPROBS, GenerationSettings, check, strict_json
+from ...settings import MAX_LOGPROBS, GenerationSettings, Speculation, check, strict_json
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts per request
@@ -39,6 +39,8 @@ FIELDS = {
     "response_format": None,  # OpenAI's structured output
     "json_schema": None,  # llama-server's: a JSON Schema
     "grammar": None,  # llama-server's: a GBNF grammar (or Lark)
+    "speculative": "speculative",  # manas's: {"lookup": N, "draft": true, "draft_max": K} (speculation.py)
+    "prediction": None,  # OpenAI's Predicted Outputs: {"type": "content", "content": ...}, proposed as it goes
 }
 # /v1/chat/completions': messages in place of prompt, logprobs a flag with top_logprobs its count.
 CHAT_FIELDS = {
@@ -155,7 +157,9 @@ def parse_completion(value: object, max_tokens: int) -> Completion:
     stream, include_usage = _stream_options(value)
     settings = _settings(value, FIELDS, max_tokens, DEFAULT_MAX_TOKENS)
     format, field = _format(value)
-    settings = GenerationSettings(**{**settings.__dict__, "format": format})
+    settings = GenerationSettings(
+        **{**settings.__dict__, "format": format, "speculative": _speculative(value, settings)}
+    )
     return Completion(prompts, n, settings, stream, include_usage, _boolean(value, "echo"), field)
 
 
@@ -184,12 +188,34 @@ def parse_chat(value: object, max_tokens: int) -> ChatRequest:
     tools = _tools(value)
     if tools is not None and tools.choice != "none" and field is not None:
         raise RequestError(f"give tools or {field}, not both: a tool call's arguments follow its schema", param=field)
-    settings = GenerationSettings(**{**settings.__dict__, "format": format})
+    settings = GenerationSettings(
+        **{**settings.__dict__, "format": format, "speculative": _speculative(value, settings)}
+    )
     try:
         kwargs = check_template_kwargs(value.get("chat_template_kwargs"))
     except ValueError as exc:
         raise RequestError(str(exc), param="chat_template_kwargs") from None
     return ChatRequest(messages, n, settings, stream, include_usage, top if logprobs else None, field, tools, kwargs)
+
+
+def _speculative(value: dict, settings: GenerationSettings) -> Speculation | None:
+    """The request's speculative decoding: its `speculative` (checked with the settings), with OpenAI's
+    `prediction` ({"type": "content", "content": a string, or text parts}) as what it proposes from."""
+    predicted = value.get("prediction")
+    if predicted is None:
+        return settings.speculative
+    content = predicted.get("content") if isinstance(predicted, dict) else None
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
+        content = "".join(part["text"] for part in content)
+    if not isinstance(predicted, dict) or predicted.get("type") != "content" or not isinstance(content, str):
+        raise RequestError(
+            'prediction must be {"type": "content", "content": a string or a list of text parts}', param="prediction"
+        )
+    if set(predicted) - {"type", "content"}:
+        raise RequestError("prediction takes type and content", param="prediction")
+    return replace(settings.speculative or Speculation(), prediction=content, lookup=0, draft=False)
 
 
 def _tools(value: dict):
@@ -362,12 +388,21 @@ def legacy_logprobs(entries: list[dict], offset: int) -> dict:
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, speculated: tuple[int, int] | None = None) -> dict:
+    """OpenAI's usage; speculated: (proposed, accepted) tokens where the request speculated, as OpenAI reports a
+    prediction's (completion_tokens_details)."""
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if speculated is not None:
+        proposed, accepted = speculated
+        counts["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": proposed - accepted,
+        }
+    return counts
 
 
 def completion_body(

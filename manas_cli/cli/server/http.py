@@ -344,7 +344,10 @@ class Handler(BaseHTTPRequestHandler):
                 settings = request.settings
                 if settings.seed is not None and i:  # choice i of a seeded request is `generate --seed S+i` alone
                     settings = type(settings)(**{**settings.__dict__, "seed": (settings.seed + i) % 2**64})
-                choice = self.server.scheduler.new_choice(p * request.n + i, ids, settings, grammar)
+                try:
+                    choice = self.server.scheduler.new_choice(p * request.n + i, ids, settings, grammar)
+                except ManasError as exc:  # speculation this server cannot run as asked
+                    raise RequestError(str(exc), param="speculative") from None
                 choice.events = events
                 choices.append(choice)
         try:
@@ -523,7 +526,12 @@ class Reply:
         return FINISH_REASONS.get(choice.stream.finish_reason, "length")
 
     def usage(self) -> dict:
-        return usage(sum(len(ids) for ids in self.prompts), sum(choice.stream.count for choice in self.choices))
+        speculated = None
+        if any(choice.request.proposer is not None for choice in self.choices):
+            speculated = (sum(c.proposed_tokens for c in self.choices), sum(c.accepted_tokens for c in self.choices))
+        return usage(
+            sum(len(ids) for ids in self.prompts), sum(choice.stream.count for choice in self.choices), speculated
+        )
 
     def body(self) -> dict:
         choices = []

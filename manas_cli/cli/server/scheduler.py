@@ -52,6 +52,8 @@ class Choice:
     error: str | None = None  # why the engine could not finish it (its logits were not finite, a shutdown)
     error_status: int = 500
     first_token_s: float | None = None  # time.monotonic() when the prefill's token was sampled
+    proposed_tokens: int = 0  # speculative decoding's proposals, and those kept
+    accepted_tokens: int = 0
 
     @property
     def stream(self):
@@ -83,13 +85,17 @@ class Scheduler:
         max_queued: int,
         overflow: str = "recompute",
         prefix_cache_bytes: int = 0,
+        draft=None,
+        speculative=None,
     ) -> None:
+        """draft: the server's draft model (serve --draft-model); speculative: what a request that says nothing of
+        it runs (settings.Speculation: serve --lookup, --draft-model)."""
         from ...engine.prefix_cache import PrefixCache
 
         self.engine, self.checkpoint = engine, checkpoint
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.batch_size, self.max_queued, self.overflow = batch_size, max_queued, overflow
-        self.requests = Requests(engine, checkpoint.encoding)
+        self.requests = Requests(engine, checkpoint.encoding, draft, speculative)
         self._waiting: queue.Queue[Choice] = queue.Queue()
         self._running: dict[int, Choice] = {}
         self._keys = iter(range(1, 1 << 62))
@@ -205,7 +211,9 @@ class Scheduler:
 
     def _deliver(self, made) -> None:
         """A row's new token to its choice; a done choice leaves the batch (generate_batched asks _finished)."""
-        choice = self._running[made.key]
+        choice = self._running.get(made.key)
+        if choice is None:  # done at an earlier token of the same speculative check (a stop string)
+            return
         if made.error is not None:
             choice.error = made.error
         if choice.cancelled or choice.error is not None:
@@ -213,6 +221,9 @@ class Scheduler:
             return
         if choice.first_token_s is None:
             choice.first_token_s = time.monotonic()
+        if made.speculated is not None:
+            choice.proposed_tokens += made.speculated[0]
+            choice.accepted_tokens += made.speculated[1]
         stream = choice.stream
         entries_before = len(stream.logprobs)
         text = stream.feed(made.token, made.logprobs)

@@ -13,8 +13,9 @@ from .chat import Message, Prompt, render_prompt
 from .engine.engines import Engine
 from .engine.generation import GenerationStats, generate
 from .engine.prefix_cache import common_start
+from .engine.speculation import generate_speculative
 from .requests import Requests
-from .settings import GenerationSettings
+from .settings import GenerationSettings, Speculation
 
 
 @dataclass
@@ -36,9 +37,11 @@ class Conversation:
     system: str | None = None
     messages: list[Message] = field(default_factory=list)
     template_kwargs: dict | None = None  # variables for the template: {"enable_thinking": False} (chat --no-think)
+    draft: Engine | None = None  # speculative decoding's draft model (chat --draft-model)
+    speculative: Speculation | None = None  # every answer's speculative decoding (chat --lookup, --draft-model)
 
     def __post_init__(self) -> None:
-        self.requests = Requests(self.engine, self.encoding)
+        self.requests = Requests(self.engine, self.encoding, self.draft, self.speculative)
         self.session = self.engine.new_session()
         self.cached: list[int] = []  # the tokens at the cache's positions 0 .. len − 1
 
@@ -70,10 +73,16 @@ class Conversation:
         stream = request.streams[0]
         stats = GenerationStats(prompt_tokens=len(ids))
         fed = list(ids)
-        steps = generate(
-            self.engine, [ids], request.sampler, settings.max_tokens, self.requests.eot, "recompute",
-            self.session, settings.logprobs, reused,
-        )  # fmt: skip
+        if request.proposer is not None:
+            steps = generate_speculative(
+                self.engine, [ids], request.sampler, settings.max_tokens, self.requests.eot, self.session,
+                request.proposer(), request.draft_max, settings.logprobs, "recompute", reused,
+            )  # fmt: skip
+        else:
+            steps = generate(
+                self.engine, [ids], request.sampler, settings.max_tokens, self.requests.eot, "recompute",
+                self.session, settings.logprobs, reused,
+            )  # fmt: skip
         interrupted = False
         for step in steps:
             stats.update(step)

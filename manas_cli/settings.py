@@ -32,15 +32,17 @@ class Speculation:
 
 
 SPECULATIVE_KEYS = {
-    "lookup": ("an integer >= 0 (0: none)", lambda v: _integer(v) and v >= 0),
+    "lookup": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
     "draft": ("true or false", lambda v: isinstance(v, bool)),
     "draft_max": (f"an integer from 1 to {MAX_DRAFT}", lambda v: _integer(v) and 1 <= v <= MAX_DRAFT),
 }
 
 
 def speculation_from(value: object) -> Speculation:
-    """A request's "speculative" object ({"lookup": N, "draft": true, "draft_max": K}, each optional), checked;
-    ValueError says what is wrong."""
+    """A request's "speculative" object ({"lookup": N, "draft": true, "draft_max": K}, each optional), or false
+    for none (where the command or server speculates by default), checked; ValueError says what is wrong."""
+    if value is False:
+        return Speculation()
     if not isinstance(value, dict):
         raise ValueError(f"speculative must be an object with {', '.join(SPECULATIVE_KEYS)}, got {value!r}")
     for key, given in value.items():
@@ -109,7 +111,10 @@ RULES = {
     ),
     "logprobs": (f"an integer from 0 to {MAX_LOGPROBS}", lambda v: _integer(v) and 0 <= v <= MAX_LOGPROBS),
     "parse_special": ("true or false", lambda v: isinstance(v, bool)),
-    "speculative": ("an object (lookup, draft, draft_max)", lambda v: isinstance(v, (dict, Speculation))),
+    "speculative": (
+        "an object (lookup, draft, draft_max), or false",
+        lambda v: v is False or isinstance(v, (dict, Speculation)),
+    ),
 }
 
 
@@ -121,7 +126,7 @@ def check(name: str, value: object) -> object:
     rule, keeps = RULES[name]
     if not keeps(value):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
-    if name == "speculative" and isinstance(value, dict):
+    if name == "speculative" and not isinstance(value, Speculation):
         return speculation_from(value)
     return tuple(value) if name == "stop" else value
 

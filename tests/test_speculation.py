@@ -199,7 +199,7 @@ def test_jsonl_lines_that_speculate_share_steps_with_lines_that_do_not_and_keep_
 @pytest.mark.parametrize("flags", [("--lookup", "2"), ("--draft-model", "INT4", "--draft-max", "3")])
 def test_jsonl_speculates_on_every_line_with_the_commands_flag_unless_a_line_turns_it_off(llama_files, flags):  # noqa: F811
     flags = [str(llama_files["int4"]) if flag == "INT4" else flag for flag in flags]
-    lines = [plain(settings) for settings, _ in LINES] + [{"max_tokens": 20, "seed": 5, "speculative": {"lookup": 0}}]
+    lines = [plain(settings) for settings, _ in LINES] + [{"max_tokens": 20, "seed": 5, "speculative": False}]
     fast = jsonl_records(llama_files["float32"], lines, *flags)
     slow = jsonl_records(llama_files["float32"], [plain(line) for line in lines])
     for record, reference in zip(fast, slow):
@@ -209,7 +209,8 @@ def test_jsonl_speculates_on_every_line_with_the_commands_flag_unless_a_line_tur
 
 
 def test_a_jsonl_line_whose_speculation_cannot_run_gets_an_error_record(llama_files):  # noqa: F811
-    lines = [{"max_tokens": 4, "speculative": {"draft": True}}, {"max_tokens": 4, "speculative": {"lookup": -1}},
+    """A draft no command loaded, a lookup of 0 (false turns speculation off), one past the window."""
+    lines = [{"max_tokens": 4, "speculative": {"draft": True}}, {"max_tokens": 4, "speculative": {"lookup": 0}},
              {"max_tokens": 4, "speculative": {"lookup": 100000}}, {"max_tokens": 4}]  # fmt: skip
     text = "".join(json.dumps({"prompt": PROMPT, **line}) + "\n" for line in lines)
     run = manas("generate", "-c", llama_files["float32"], *RUN_OPTIONS, "--jsonl", stdin=text.encode())
@@ -295,3 +296,25 @@ def test_a_server_with_a_draft_model_speculates_on_every_request_and_answers_as_
     assert fast["choices"][0]["text"] == off["choices"][0]["text"]
     assert fast["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
     assert "completion_tokens_details" not in off["usage"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("sampling", [("-t", "0"), ("-t", "0.8", "--seed", "6")], ids=["greedy", "seeded"])
+def test_chat_speculates_each_answer_over_the_conversations_cache_and_answers_as_without(smollm2, sampling):
+    """SmolLM2's real template, three turns: each answer with a lookup, or with the model itself as its draft
+    (which proposes what the model draws: every guess kept), is the answer without; later turns still reuse the
+    cache."""
+    lines = ["Hello there, friend!", "Say it again: hello there, friend!", "And once more."]
+
+    def answers(*flags: str) -> list[dict]:
+        return manas("chat", "-c", smollm2[1], *RUN_OPTIONS, "--json", "-n", "24", *sampling, *flags,
+                     stdin=("\n".join(lines) + "\n").encode()).ok().json_lines()  # fmt: skip
+
+    plain = answers()
+    for flags in (("--lookup", "2"), ("--draft-model", str(smollm2[1]))):
+        fast = answers(*flags)
+        assert [a["text"] for a in fast] == [a["text"] for a in plain]
+        assert [a["tokens"] for a in fast] == [a["tokens"] for a in plain]
+        assert all(a["reused_tokens"] > 0 for a in fast[1:])
+        if flags[0] == "--draft-model":
+            assert all(a["accepted_tokens"] == a["proposed_tokens"] > 0 for a in fast)

@@ -189,13 +189,15 @@ OverflowOption = Annotated[
 
 # Speculative decoding's flags (generate, bench): engine/speculation.py
 LookupOption = Annotated[
-    int,
+    Optional[int],
     typer.Option(
         "--lookup",
-        min=0,
+        min=1,
+        metavar="N",
+        show_default=False,
         help="Speculative decoding by prompt lookup: propose the tokens that followed the text's last N tokens "
         "where they occurred before, and keep those the model draws itself. The same text, token for token, "
-        "faster where the text repeats the prompt (an edit, an extraction). 0: off.",
+        "faster where the text repeats the prompt (an edit, an extraction).",
     ),
 ]
 DraftModelOption = Annotated[

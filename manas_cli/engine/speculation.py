@@ -137,9 +137,11 @@ def generate_speculative(
     draft_max: int = DEFAULT_DRAFT_MAX,
     logprobs: int = 0,
     overflow: str = "recompute",
+    reuse: int = 0,
 ) -> Iterator[Step]:
     """generation.generate's steps, one token each, for one row, with proposals checked: the same tokens,
-    logprobs and re-prefills as generate gives. Each check asks for up to k tokens, k adapting between 1 and
+    logprobs and re-prefills as generate gives (reuse=K: the session holds the prompt's first K tokens already, as
+    generate's reuse). Each check asks for up to k tokens, k adapting between 1 and
     draft_max: doubled after a proposal kept whole, one past the tokens kept after one that was not. The last step
     of a check carries its (proposed, accepted) counts, the first its pass's time."""
     (row,) = token_rows(prompt)
@@ -148,7 +150,8 @@ def generate_speculative(
     state = engine.sampling_state(sampler, 1, logprobs)
     position = len(row) - 1  # the text position the next token's logits follow
     started = time.perf_counter()
-    token, top = state.sample(session.prefill([window]), [window], position)
+    logits = session.extend([window], reuse) if reuse else session.prefill([window])
+    token, top = state.sample(logits, [window], position)
     yield Step(token, "prefill", session.positions, time.perf_counter() - started, top)
     produced, k = 1, draft_max
     while produced < max_new_tokens and token[0] != eot_id:

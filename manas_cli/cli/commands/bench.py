@@ -74,7 +74,7 @@ def run(
     depth: int = 0,
     prompt: str | None = None,
     prompt_file: Path | None = None,
-    lookup: int = 0,
+    lookup: int | None = None,
     draft_model: Path | None = None,
     draft_max: int = 4,
 ) -> None:
@@ -104,6 +104,7 @@ def run(
     if speculative is not None:
         make = Requests(engine, checkpoint.encoding, draft).proposer(speculative, Sampler(temperature=0.0), 1)
         timed_speculation = Speculation(f"lookup{lookup}" if lookup else "draft", make, draft_max)
+    baseline = False if baseline is None and depth else baseline
     positions = min(block_size, depth + prompt_tokens + tokens)
     check_memory(engine, batch, positions, "--batch (or --depth, --prompt-tokens, --tokens)")
     info = {
@@ -258,7 +259,7 @@ def command(
         ),
     ] = None,
     prompt_file: PromptFileOption = None,
-    lookup: LookupOption = 0,
+    lookup: LookupOption = None,
     draft_model: DraftModelOption = None,
     draft_max: DraftMaxOption = 4,
     *,

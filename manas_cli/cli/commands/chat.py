@@ -15,7 +15,16 @@ import typer
 
 from ...errors import InputError
 from ...settings import GenerationSettings
-from ..flags import STRUCTURED_FLAGS, checked_setting, format_of, takes_flags, takes_model_flags
+from ..flags import (
+    STRUCTURED_FLAGS,
+    DraftMaxOption,
+    DraftModelOption,
+    LookupOption,
+    checked_setting,
+    format_of,
+    takes_flags,
+    takes_model_flags,
+)
 
 if TYPE_CHECKING:
     from ...models import ModelOptions
@@ -52,6 +61,9 @@ def run(
     model_options: "ModelOptions",
     given: list[str] | None = None,
     think: bool | None = None,
+    lookup: int | None = None,
+    draft_model: Path | None = None,
+    draft_max: int = 4,
 ) -> None:
     """The conversation at the terminal, or one message a line from a pipe; `given`: these messages alone (manas
     run NAME PROMPT); `think`: the template's enable_thinking (None: its default)."""
@@ -59,7 +71,7 @@ def run(
     from ...models import model_name
     from ...records import json_line
     from ..render import say, stderr_console
-    from .common import chat_template_text, load_model, model_chat_template, require_stdout
+    from .common import chat_template_text, load_model, model_chat_template, require_stdout, speculation
 
     require_stdout()
     console = stderr_console()
@@ -74,7 +86,8 @@ def run(
             "use manas generate to continue a text"
         )
     kwargs = None if think is None else {"enable_thinking": think}
-    conversation = Conversation(engine, checkpoint.encoding, template, system, template_kwargs=kwargs)
+    draft, speculative = speculation(lookup, draft_model, draft_max, model_options, checkpoint, engine)
+    conversation = Conversation(engine, checkpoint.encoding, template, system, [], kwargs, draft, speculative)
     if interactive:
         say(console, f"chatting with {checkpoint.path.stem} · {HELP}")
     with history(model_name(model_options.checkpoint) if interactive else None):
@@ -183,6 +196,9 @@ def answer_record(answer, engine) -> dict:
         "seed": answer.seed,
         "engine": engine.name,
         "arithmetic_version": engine.arithmetic_version,
+        **(
+            {"proposed_tokens": stats.proposed_tokens, "accepted_tokens": stats.accepted_tokens} if stats.checks else {}
+        ),
     }
 
 
@@ -302,6 +318,9 @@ def command(
             "Default: the template's own (they think).",
         ),
     ] = None,
+    lookup: LookupOption = None,
+    draft_model: DraftModelOption = None,
+    draft_max: DraftMaxOption = 4,
     *,
     answer_format: object,
     model_options: "ModelOptions",
@@ -342,4 +361,7 @@ def command(
         json_output=json_output,
         model_options=model_options,
         think=think,
+        lookup=lookup,
+        draft_model=draft_model,
+        draft_max=draft_max,
     )

@@ -165,7 +165,13 @@ def model_chat_template(checkpoint) -> str | None:
 
 
 def speculation(
-    lookup: int, draft_model: Path | None, draft_max: int, options: ModelOptions, checkpoint, engine, samples: int = 1
+    lookup: int | None,
+    draft_model: Path | None,
+    draft_max: int,
+    options: ModelOptions,
+    checkpoint,
+    engine,
+    samples: int = 1,
 ):
     """--lookup N or --draft-model M (with --draft-max K), checked: (the draft model's engine or None, the
     settings.Speculation every request runs unless it says otherwise, or None without either flag). Speculation runs
@@ -183,7 +189,7 @@ def speculation(
     if samples != 1:
         raise InputError(f"{flag} decodes one sample: drop --num-samples (or --batch)")
     block_size = checkpoint.model.config.block_size
-    if lookup >= block_size:
+    if (lookup or 0) >= block_size:
         raise InputError(f"--lookup takes an n-gram of 1 to {block_size - 1} tokens (the window), got {lookup}")
     if lookup:
         return None, Speculation(lookup=lookup, draft_max=draft_max)

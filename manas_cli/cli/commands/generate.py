@@ -43,7 +43,7 @@ def run(
     quiet: bool,
     json_output: bool,
     model_options: "ModelOptions",
-    lookup: int = 0,
+    lookup: int | None = None,
     draft_model: Path | None = None,
     draft_max: int = 0,
 ) -> None:
@@ -199,7 +199,7 @@ def command(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but the text.")] = False,
     json_output: JsonOption = False,
-    lookup: LookupOption = 0,
+    lookup: LookupOption = None,
     draft_model: DraftModelOption = None,
     draft_max: DraftMaxOption = 4,
     *,

@@ -95,7 +95,7 @@ def run(
     stats: bool | None,
     quiet: bool,
     model_options: ModelOptions,
-    lookup: int = 0,
+    lookup: int | None = None,
     draft_model: Path | None = None,
     draft_max: int = 4,
 ) -> None:

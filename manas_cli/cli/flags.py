@@ -217,10 +217,24 @@ DraftMaxOption = Annotated[
     int,
     typer.Option(
         "--draft-max",
+        "--spec-draft-n-max",
         min=1,
         max=64,
-        help="The most tokens proposed to one check (--lookup, --draft-model); fewer after a guess that fails.",
+        help="The most tokens proposed to one check (--lookup, --draft-model). How many a check takes adapts to "
+        "what checks have kept and cost, down to --draft-min.",
     ),  # speculation.DEFAULT_DRAFT_MAX
+]
+DraftMinOption = Annotated[
+    int,
+    typer.Option(
+        "--draft-min",
+        "--spec-draft-n-min",
+        min=0,
+        max=64,
+        help="The fewest tokens proposed to one check: 0 lets decoding go plain where checks do not pay (they cost "
+        "more on some machines and weight types than on others); as many as --draft-max proposes that many at "
+        "every step.",
+    ),
 ]
 
 

@@ -30,11 +30,12 @@ class Measurement:
 @dataclass(frozen=True)
 class Speculation:
     """bench's speculative decode test: its name (llama-bench style, after tgN: "lookup2", "draft"), a fresh proposer
-    for each run (a draft's cache starts empty), and the most tokens a check takes."""
+    for each run (a draft's cache starts empty), and the most and fewest tokens a check takes."""
 
     name: str
     proposer: Callable[[], Propose]
     draft_max: int
+    draft_min: int = 0
 
 
 def speculation_figures(stats: GenerationStats) -> dict:
@@ -163,8 +164,9 @@ def run_bench(
         def speculative() -> Iterator[Step]:
             propose = speculation.proposer()
             return generate_speculative(
-                engine, prompt, greedy, new_tokens, None, session, propose, speculation.draft_max, 0, overflow
-            )
+                engine, prompt, greedy, new_tokens, None, session, propose, speculation.draft_max, 0, overflow,
+                draft_min=speculation.draft_min,
+            )  # fmt: skip
 
         speculated = timed(speculation.name, speculative, prompt_tokens)
         measured(f"tg{new_tokens} {speculation.name}", [s.decode_tokens_per_s for s in speculated])

@@ -138,12 +138,13 @@ def generate_speculative(
     logprobs: int = 0,
     overflow: str = "recompute",
     reuse: int = 0,
+    draft_min: int = 0,
 ) -> Iterator[Step]:
     """generation.generate's steps, one token each, for one row, with proposals checked: the same tokens,
     logprobs and re-prefills as generate gives (reuse=K: the session holds the prompt's first K tokens already, as
-    generate's reuse). Each check asks for up to k tokens, k adapting between 1 and
-    draft_max: doubled after a proposal kept whole, one past the tokens kept after one that was not. The last step
-    of a check carries its (proposed, accepted) counts, the first its pass's time."""
+    generate's reuse). Each check asks for the k tokens DraftLength finds pay best, draft_min (0: a plain step) to
+    draft_max.
+    The last step of a check carries its (proposed, accepted) counts, the first its pass's time."""
     (row,) = token_rows(prompt)
     block_size, keep = engine.config.block_size, overflow_keep(overflow, engine.config.block_size)
     (window,) = crop_window([row], block_size)
@@ -153,21 +154,24 @@ def generate_speculative(
     logits = session.extend([window], reuse) if reuse else session.prefill([window])
     token, top = state.sample(logits, [window], position)
     yield Step(token, "prefill", session.positions, time.perf_counter() - started, top)
-    produced, k = 1, draft_max
+    produced, length = 1, DraftLength(draft_max, draft_min)
     while produced < max_new_tokens and token[0] != eot_id:
         window, position = slide(window, token[0], block_size), position + 1
         # A check never passes the window: a full cache re-prefills at the very step plain decoding does.
-        room = min(block_size - session.positions - 1, max_new_tokens - produced - 1)
+        room = min(block_size - session.positions - 1, max_new_tokens - produced - 1, length.next())
         started = time.perf_counter()
-        proposal = propose(window, position, min(k, room)) if room > 0 else []
+        proposal = propose(window, position, room) if room > 0 else []
         if not proposal:
             kind, logits = prefill_if_due(session, [window], False, keep) or ("decode", session.decode(token))
+            if kind == "decode":
+                length.stepped(time.perf_counter() - started)
             token, top = state.sample(logits, [window], position)
             yield Step(token, kind, session.positions, time.perf_counter() - started, top)
             produced += 1
             continue
         first = session.positions
         logits = session.check([token[0], *proposal])  # the last token's logits, then each proposed one's
+        checked_s = time.perf_counter() - started  # the proposal and the pass: what the plain step's decode costs
         for i in range(len(proposal) + 1):
             if i:  # proposal[i - 1] was kept: it is the text's next token
                 window, position = slide(window, token[0], block_size), position + 1
@@ -180,10 +184,56 @@ def generate_speculative(
             if last:
                 break
         session.rewind(first + i + 1)  # the cache keeps the tokens fed up to row i, whose logits drew the last
-        k = next_draft_max(k, draft_max, len(proposal), i + kept)
+        length.checked(len(proposal), i + kept, checked_s)
+
+
+PROBE_EVERY = 16  # plain steps between checks of one token while checks do not pay (a text may begin to repeat)
+
+
+class DraftLength:
+    """How many tokens a row's next check asks for: the k, draft_min (0: a plain step) to draft_max, that the checks
+    so far say gives the most tokens a second. A check of k gives 1 + a + a^2 ... + a^k tokens where each proposed token
+    is kept with chance a (a geometric run: the tokens kept over those kept and the checks that missed one, as a
+    moving tally), and costs a plain step's seconds and what each proposed token has added to a check's (the
+    draft's steps, the pass's extra rows). Whether checks pay depends on the machine as much as on the text: on an
+    AVX2 host, each extra row of an int8 check costs half a decode step, of a float32 one an eighth. While plain
+    steps pay best, one token is checked every PROBE_EVERY steps. It sets the speed, never the text."""
+
+    def __init__(self, draft_max: int, draft_min: int = 0) -> None:
+        self.draft_max, self.draft_min = draft_max, min(draft_min, draft_max)
+        self.step_s: float | None = None  # a plain decode step's seconds, sampling aside (a moving average)
+        self.token_s: float | None = None  # what a proposed token adds to a check's seconds (a moving average)
+        self.kept = self.missed = 0.0  # proposed tokens kept, and checks that missed one (decaying tallies)
+        self.plain = 0  # plain steps since the last check
+
+    def next(self) -> int:
+        if self.step_s is None and not self.draft_min:
+            return 0  # a plain step first: what the checks are measured against
+        if self.step_s is None or self.token_s is None:
+            return self.draft_max
+        best = max(range(self.draft_min, self.draft_max + 1), key=self._tokens_per_s)
+        return 1 if best == 0 and self.plain >= PROBE_EVERY else best
+
+    def _tokens_per_s(self, k: int) -> float:
+        chance = (self.kept + 1) / (self.kept + self.missed + 2)  # Laplace's rule: never 0 or 1
+        return sum(chance**j for j in range(k + 1)) / (self.step_s + k * self.token_s)
+
+    def stepped(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+        self.plain += 1
+
+    def checked(self, proposed: int, accepted: int, seconds: float) -> None:
+        if self.step_s is None:  # checks from the first step on (draft_min): they alone are known
+            self.kept, self.missed = 0.9 * self.kept + accepted, 0.9 * self.missed + (accepted < proposed)
+            return
+        extra = max(0.0, seconds - self.step_s) / proposed
+        self.token_s = extra if self.token_s is None else 0.8 * self.token_s + 0.2 * extra
+        self.kept, self.missed = 0.9 * self.kept + accepted, 0.9 * self.missed + (accepted < proposed)
+        self.plain = 0
 
 
 def next_draft_max(k: int, draft_max: int, proposed: int, accepted: int) -> int:
-    """The most tokens the next check asks for, after one that asked for k: doubled (to draft_max) after a proposal
-    kept whole, one past the tokens kept after one that was not."""
+    """The most tokens a batched row's next check asks for (its steps are shared, so its own cost is not measured),
+    after one that asked for k: doubled (to draft_max) after a proposal kept whole, one past the tokens kept after
+    one that was not."""
     return min(draft_max, 2 * k) if accepted == proposed else max(1, accepted + 1)

@@ -7,6 +7,7 @@ import typer
 
 from ..flags import (
     DraftMaxOption,
+    DraftMinOption,
     DraftModelOption,
     JsonOption,
     LookupOption,
@@ -77,6 +78,7 @@ def run(
     lookup: int | None = None,
     draft_model: Path | None = None,
     draft_max: int = 4,
+    draft_min: int = 0,
 ) -> None:
     from ...engine.bench import Speculation, run_bench
     from ...engine.bench import sweep as sweep_positions
@@ -103,7 +105,7 @@ def run(
     timed_speculation = None
     if speculative is not None:
         make = Requests(engine, checkpoint.encoding, draft).proposer(speculative, Sampler(temperature=0.0), 1)
-        timed_speculation = Speculation(f"lookup{lookup}" if lookup else "draft", make, draft_max)
+        timed_speculation = Speculation(f"lookup{lookup}" if lookup else "draft", make, draft_max, draft_min)
     baseline = False if baseline is None and depth else baseline
     positions = min(block_size, depth + prompt_tokens + tokens)
     check_memory(engine, batch, positions, "--batch (or --depth, --prompt-tokens, --tokens)")
@@ -262,6 +264,7 @@ def command(
     lookup: LookupOption = None,
     draft_model: DraftModelOption = None,
     draft_max: DraftMaxOption = 4,
+    draft_min: DraftMinOption = 0,
     *,
     model_options: "ModelOptions",
 ) -> None:
@@ -298,4 +301,5 @@ def command(
         lookup=lookup,
         draft_model=draft_model,
         draft_max=draft_max,
+        draft_min=draft_min,
     )

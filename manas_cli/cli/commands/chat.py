@@ -18,6 +18,7 @@ from ...settings import GenerationSettings
 from ..flags import (
     STRUCTURED_FLAGS,
     DraftMaxOption,
+    DraftMinOption,
     DraftModelOption,
     LookupOption,
     checked_setting,
@@ -64,6 +65,7 @@ def run(
     lookup: int | None = None,
     draft_model: Path | None = None,
     draft_max: int = 4,
+    draft_min: int = 0,
 ) -> None:
     """The conversation at the terminal, or one message a line from a pipe; `given`: these messages alone (manas
     run NAME PROMPT); `think`: the template's enable_thinking (None: its default)."""
@@ -87,7 +89,10 @@ def run(
         )
     kwargs = None if think is None else {"enable_thinking": think}
     draft, speculative = speculation(lookup, draft_model, draft_max, model_options, checkpoint, engine)
-    conversation = Conversation(engine, checkpoint.encoding, template, system, [], kwargs, draft, speculative)
+    conversation = Conversation(
+        engine, checkpoint.encoding, template, system, template_kwargs=kwargs, draft=draft, speculative=speculative,
+        draft_min=draft_min,
+    )  # fmt: skip
     if interactive:
         say(console, f"chatting with {checkpoint.path.stem} · {HELP}")
     with history(model_name(model_options.checkpoint) if interactive else None):
@@ -321,6 +326,7 @@ def command(
     lookup: LookupOption = None,
     draft_model: DraftModelOption = None,
     draft_max: DraftMaxOption = 4,
+    draft_min: DraftMinOption = 0,
     *,
     answer_format: object,
     model_options: "ModelOptions",
@@ -364,4 +370,5 @@ def command(
         lookup=lookup,
         draft_model=draft_model,
         draft_max=draft_max,
+        draft_min=draft_min,
     )

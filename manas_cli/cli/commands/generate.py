@@ -12,6 +12,7 @@ from ...settings import GenerationSettings, token_budget
 from ..flags import (
     BatchSizeOption,
     DraftMaxOption,
+    DraftMinOption,
     DraftModelOption,
     JsonOption,
     LookupOption,
@@ -46,6 +47,7 @@ def run(
     lookup: int | None = None,
     draft_model: Path | None = None,
     draft_max: int = 0,
+    draft_min: int = 0,
 ) -> None:
     from ...engine.generation import GenerationStats, generate, prompt_batch
     from ...engine.speculation import generate_speculative
@@ -80,7 +82,7 @@ def run(
     if request.proposer is not None:
         steps = generate_speculative(
             engine, [ids], request.sampler, max_tokens, requests.eot, session, request.proposer(), request.draft_max,
-            settings.logprobs, overflow,
+            settings.logprobs, overflow, draft_min=draft_min,
         )  # fmt: skip
     else:
         steps = generate(
@@ -202,6 +204,7 @@ def command(
     lookup: LookupOption = None,
     draft_model: DraftModelOption = None,
     draft_max: DraftMaxOption = 4,
+    draft_min: DraftMinOption = 0,
     *,
     settings: GenerationSettings,
     model_options: "ModelOptions",
@@ -268,4 +271,5 @@ def command(
         lookup=lookup,
         draft_model=draft_model,
         draft_max=draft_max,
+        draft_min=draft_min,
     )

@@ -36,7 +36,7 @@ def test_a_proposal_is_what_followed_the_latest_earlier_occurrence_of_the_last_n
 def test_a_check_asks_for_as_many_tokens_as_pay_and_none_where_checks_cost_more_than_they_keep():
     """Measured costs in, k out: a plain step first (what checks are measured against), then draft_max; cheap
     proposed tokens that are kept keep k high, dear ones that are missed make the steps plain, with a one-token
-    probe every PROBE_EVERY of them; --draft-min keeps k at least that."""
+    probe after PROBE_EVERY of them, then after twice as many; --draft-min keeps k at least that."""
     cheap = DraftLength(6)
     assert cheap.next() == 0
     cheap.stepped(0.010)
@@ -48,6 +48,13 @@ def test_a_check_asks_for_as_many_tokens_as_pay_and_none_where_checks_cost_more_
     dear.stepped(0.010)
     for _ in range(5):
         dear.checked(4, 0, 0.010 + 4 * 0.008)  # each proposed token costs 0.8 of a step, and none is kept
+    assert dear.next() == 0
+    for _ in range(PROBE_EVERY):
+        dear.stepped(0.010)
+    assert dear.next() == 1
+    dear.checked(1, 0, 0.018)  # the probe does not pay either: the next one comes after twice as many steps
+    for _ in range(PROBE_EVERY):
+        dear.stepped(0.010)
     assert dear.next() == 0
     for _ in range(PROBE_EVERY):
         dear.stepped(0.010)

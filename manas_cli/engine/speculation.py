@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+from ..errors import NumericalError
 from .engines import Engine
 from .generation import Step, crop_window, overflow_keep, slide, token_rows
 from .sampling import Penalties, Sampler
@@ -86,19 +87,26 @@ class DraftProposer:
         self.start = 0  # fed[0]'s text position
 
     def __call__(self, window: list[int], position: int, most: int) -> list[int]:
-        room = self.block_size - most + 1  # tokens it may hold before guessing (it feeds most - 1 more)
-        if most <= 0 or room < 1:
+        """Up to `most` guesses; with most = 0, none: the draft only reads the text (the prompt, while the model
+        prefills it, so the first check does not wait for the draft's prefill)."""
+        room = self.block_size - max(0, most - 1)  # tokens it may hold before guessing (it feeds most - 1 more)
+        if room < 1:
             return []
-        logits, text = self._follow(window, position, room)
         proposal: list[int] = []
-        while True:
-            (token,), _ = self.state.sample(logits, [text], position + len(proposal))
-            proposal.append(token)
-            if len(proposal) == most or token == self.eot_id:
-                return proposal
-            text = text + [token]
-            self.fed.append(token)
-            logits = self.session.decode([token])
+        try:
+            logits, text = self._follow(window, position, room)
+            while most:
+                (token,), _ = self.state.sample(logits, [text], position + len(proposal))
+                proposal.append(token)
+                if len(proposal) == most or token == self.eot_id:
+                    return proposal
+                text = text + [token]
+                self.fed.append(token)
+                logits = self.session.decode([token])
+            return []
+        except NumericalError:  # the draft's logits are not finite: a guess, never the text, so none is made
+            self.fed = []
+            return []
 
     def _follow(self, window: list[int], position: int, room: int):
         """Bring the draft's cache to the text that ends at `position` (its last token's logits, and the tokens
@@ -152,6 +160,7 @@ def generate_speculative(
     position = len(row) - 1  # the text position the next token's logits follow
     started = time.perf_counter()
     logits = session.extend([window], reuse) if reuse else session.prefill([window])
+    propose(window, position, 0)  # a draft reads the prompt now: its prefill is the first token's wait
     token, top = state.sample(logits, [window], position)
     yield Step(token, "prefill", session.positions, time.perf_counter() - started, top)
     produced, length = 1, DraftLength(draft_max, draft_min)
@@ -187,7 +196,9 @@ def generate_speculative(
         length.checked(len(proposal), i + kept, checked_s)
 
 
-PROBE_EVERY = 16  # plain steps between checks of one token while checks do not pay (a text may begin to repeat)
+# Plain steps before a check of one token while checks do not pay (a text may begin to repeat), doubled after each
+# probe that does not pay either: a draft's probe costs its catching up with the text too.
+PROBE_EVERY = 16
 
 
 class DraftLength:
@@ -197,7 +208,8 @@ class DraftLength:
     moving tally), and costs a plain step's seconds and what each proposed token has added to a check's (the
     draft's steps, the pass's extra rows). Whether checks pay depends on the machine as much as on the text: on an
     AVX2 host, each extra row of an int8 check costs half a decode step, of a float32 one an eighth. While plain
-    steps pay best, one token is checked every PROBE_EVERY steps. It sets the speed, never the text."""
+    steps pay best, one token is checked after PROBE_EVERY of them, then twice as many. It sets the speed, never the
+    text."""
 
     def __init__(self, draft_max: int, draft_min: int = 0) -> None:
         self.draft_max, self.draft_min = draft_max, min(draft_min, draft_max)
@@ -205,6 +217,7 @@ class DraftLength:
         self.token_s: float | None = None  # what a proposed token adds to a check's seconds (a moving average)
         self.kept = self.missed = 0.0  # proposed tokens kept, and checks that missed one (decaying tallies)
         self.plain = 0  # plain steps since the last check
+        self.probe_after = PROBE_EVERY  # plain steps before the next probe
 
     def next(self) -> int:
         if self.step_s is None and not self.draft_min:
@@ -212,7 +225,12 @@ class DraftLength:
         if self.step_s is None or self.token_s is None:
             return self.draft_max
         best = max(range(self.draft_min, self.draft_max + 1), key=self._tokens_per_s)
-        return 1 if best == 0 and self.plain >= PROBE_EVERY else best
+        if best:
+            self.probe_after = PROBE_EVERY
+        elif self.plain >= self.probe_after:
+            self.probe_after *= 2
+            return 1
+        return best
 
     def _tokens_per_s(self, k: int) -> float:
         chance = (self.kept + 1) / (self.kept + self.missed + 2)  # Laplace's rule: never 0 or 1

@@ -27,7 +27,7 @@ class Prepared:
     streams: list[TextStream]  # one per row
     block_size: int  # the window, which max_tokens -1 fills
     proposer: Callable[[], Propose] | None = None  # speculative decoding's: a fresh proposer for each row
-    draft_max: int = 4
+    draft_max: int = Speculation.draft_max
 
     def request(self, key: int, prompt: list[int]) -> Request:
         """The request continuous batching takes (engine/batching.py), for one row."""
@@ -84,11 +84,10 @@ class Requests:
         sampler = make_sampler(settings, seed, self.allowed, self.engine, grammar)
         streams = [TextStream(self.encoding, self.eot, settings.stop, record) for _ in range(rows)]
         speculative = settings.speculative if settings.speculative is not None else self.speculative
-        proposer = self.proposer(speculative, sampler, rows) if speculative is not None and speculative.on else None
-        block_size = self.engine.config.block_size
-        return Prepared(
-            settings, seed, sampler, streams, block_size, proposer, speculative.draft_max if proposer else 4
-        )
+        speculating = speculative is not None and speculative.on
+        proposer = self.proposer(speculative, sampler, rows) if speculating else None
+        draft_max = speculative.draft_max if speculating else Speculation.draft_max
+        return Prepared(settings, seed, sampler, streams, self.engine.config.block_size, proposer, draft_max)
 
     def proposer(self, speculative: Speculation, sampler: Sampler, rows: int) -> Callable[[], Propose]:
         """A request's speculative decoding, checked (InputError): a function giving each row its own proposer."""
@@ -102,11 +101,11 @@ class Requests:
                 f"speculative.lookup takes 1 to {block_size - 1} tokens (the window), got {speculative.lookup}"
             )
         if speculative.prediction is not None:
-            predicted = encode_text(self.encoding, speculative.prediction)
+            # more characters than the window's tokens can cover is refused before it is encoded
+            covered = block_size * longest_token_bytes(self.encoding)
+            predicted = encode_text(self.encoding, speculative.prediction[: covered + 1])
             if len(predicted) > block_size:
-                raise InputError(
-                    f"the prediction is {len(predicted)} tokens, more than the model's window of {block_size}"
-                )
+                raise InputError(f"the prediction is more tokens than the model's window of {block_size}")
             return lambda: prediction_proposer(predicted)
         if speculative.lookup:
             return lambda: lookup_proposer(speculative.lookup)

@@ -59,6 +59,12 @@ def test_a_check_asks_for_as_many_tokens_as_pay_and_none_where_checks_cost_more_
     for _ in range(PROBE_EVERY):
         dear.stepped(0.010)
     assert dear.next() == 1
+    slow = DraftLength(6)  # a draft slower than the model: not even a guess always kept pays, so no probe
+    slow.stepped(0.010)
+    slow.checked(4, 4, 0.010 + 4 * 0.012)
+    for _ in range(4 * PROBE_EVERY):
+        slow.stepped(0.010)
+        assert slow.next() == 0
     pinned = DraftLength(6, draft_min=2)
     pinned.stepped(0.010)
     for _ in range(5):
@@ -309,7 +315,7 @@ def test_the_server_speculates_inside_its_batch_and_answers_as_without(speculati
         ({"speculative": {"draft": True}}, "--draft-model"),
         ({"speculative": {"lookup": 100000}}, "the window"),
         ({"prediction": {"type": "text", "content": "x"}}, "prediction must be"),
-        ({"prediction": {"type": "content", "content": "the theatre " * 400}}, "more than the model's window"),
+        ({"prediction": {"type": "content", "content": "the theatre " * 400}}, "more tokens than the model's window"),
     ],
 )
 def test_speculation_the_server_cannot_run_is_a_400_naming_the_field(speculating_server, body, message):

@@ -208,7 +208,8 @@ class DraftLength:
     moving tally), and costs a plain step's seconds and what each proposed token has added to a check's (the
     draft's steps, the pass's extra rows). Whether checks pay depends on the machine as much as on the text: on an
     AVX2 host, each extra row of an int8 check costs half a decode step, of a float32 one an eighth. While plain
-    steps pay best, one token is checked after PROBE_EVERY of them, then twice as many. It sets the speed, never the
+    steps pay best, one token is checked after PROBE_EVERY of them, then twice as many, unless a proposed token costs
+    a plain step or more (a draft slower than the model): then no acceptance could pay. It sets the speed, never the
     text."""
 
     def __init__(self, draft_max: int, draft_min: int = 0) -> None:
@@ -227,7 +228,7 @@ class DraftLength:
         best = max(range(self.draft_min, self.draft_max + 1), key=self._tokens_per_s)
         if best:
             self.probe_after = PROBE_EVERY
-        elif self.plain >= self.probe_after:
+        elif self.plain >= self.probe_after and self.token_s < self.step_s:  # else even a guess always kept loses
             self.probe_after *= 2
             return 1
         return best

@@ -117,6 +117,8 @@ def run(
     check_memory(engine, batch_size, engine.config.block_size, "--batch-size")
     notify = partial(say, console)  # a crop notice, written whole (a Ctrl-C then keeps the stats line)
     draft, speculative = speculation(lookup, draft_model, draft_max, model_options, checkpoint, engine)
+    if draft is not None:  # each row's draft keeps a cache of its own, up to the draft's window
+        check_memory(draft, batch_size, draft.config.block_size, "--batch-size (each row has a draft cache too)")
     if speculative is not None:
         defaults = replace(defaults, speculative=speculative)
     batch = RecordBatch(LineReader(source).next, defaults, checkpoint, engine, write_record, notify, draft)

@@ -76,6 +76,8 @@ def run(
     template = template or model_chat_template(checkpoint)
     check_memory(engine, batch_size, checkpoint.model.config.block_size, "--batch-size")
     draft, speculative = speculation(lookup, draft_model, draft_max, model_options, checkpoint, engine)
+    if draft is not None:  # each row's draft keeps a cache of its own, up to the draft's window
+        check_memory(draft, batch_size, draft.config.block_size, "--batch-size (each row has a draft cache too)")
     scheduler = Scheduler(
         engine, checkpoint, batch_size, max_queued, prefix_cache_bytes=int(prefix_cache_mb * 2**20), draft=draft,
         speculative=speculative,

@@ -61,7 +61,8 @@ def test_a_check_asks_for_as_many_tokens_as_pay_and_none_where_checks_cost_more_
     assert dear.next() == 1
     slow = DraftLength(6)  # a draft slower than the model: not even a guess always kept pays, so no probe
     slow.stepped(0.010)
-    slow.checked(4, 4, 0.010 + 4 * 0.012)
+    for _ in range(4):
+        slow.checked(4, 4, 0.010 + 4 * 0.012)
     for _ in range(4 * PROBE_EVERY):
         slow.stepped(0.010)
         assert slow.next() == 0

@@ -199,18 +199,22 @@ def generate_speculative(
 # Plain steps before a check of one token while checks do not pay (a text may begin to repeat), doubled after each
 # probe that does not pay either: a draft's probe costs its catching up with the text too.
 PROBE_EVERY = 16
+SURE_AFTER = 3  # checks before their measures may turn them off
 
 
 class DraftLength:
     """How many tokens a row's next check asks for: the k, draft_min (0: a plain step) to draft_max, that the checks
-    so far say gives the most tokens a second. A check of k gives 1 + a + a^2 ... + a^k tokens where each proposed token
-    is kept with chance a (a geometric run: the tokens kept over those kept and the checks that missed one, as a
-    moving tally), and costs a plain step's seconds and what each proposed token has added to a check's (the
-    draft's steps, the pass's extra rows). Whether checks pay depends on the machine as much as on the text: on an
-    AVX2 host, each extra row of an int8 check costs half a decode step, of a float32 one an eighth. While plain
-    steps pay best, one token is checked after PROBE_EVERY of them, then twice as many, unless a proposed token costs
-    a plain step or more (a draft slower than the model): then no acceptance could pay. It sets the speed, never the
-    text."""
+    so far say gives the most tokens a second.
+
+    A check of k gives 1 + a + a^2 ... + a^k tokens, where each proposed token is kept with chance a (a geometric
+    run: the tokens kept over those kept and the checks that missed one, as a moving tally). It costs a plain
+    step's seconds and what each proposed token has added to a check's (the draft's steps, the pass's extra rows).
+    Whether checks pay depends on the machine as much as on the text: on an AVX2 host, each extra row of an int8
+    check costs half a decode step, of a float32 one an eighth.
+
+    Plain steps are chosen only after SURE_AFTER checks. While they pay best, one token is checked after
+    PROBE_EVERY of them, then after twice as many; never where a proposed token costs a plain step or more (a draft
+    slower than the model), since then no acceptance could pay. It sets the speed, never the text."""
 
     def __init__(self, draft_max: int, draft_min: int = 0) -> None:
         self.draft_max, self.draft_min = draft_max, min(draft_min, draft_max)
@@ -218,6 +222,7 @@ class DraftLength:
         self.token_s: float | None = None  # what a proposed token adds to a check's seconds (a moving average)
         self.kept = self.missed = 0.0  # proposed tokens kept, and checks that missed one (decaying tallies)
         self.plain = 0  # plain steps since the last check
+        self.checks = 0
         self.probe_after = PROBE_EVERY  # plain steps before the next probe
 
     def next(self) -> int:
@@ -225,7 +230,8 @@ class DraftLength:
             return 0  # a plain step first: what the checks are measured against
         if self.step_s is None or self.token_s is None:
             return self.draft_max
-        best = max(range(self.draft_min, self.draft_max + 1), key=self._tokens_per_s)
+        lowest = self.draft_min if self.checks >= SURE_AFTER else max(1, self.draft_min)
+        best = max(range(lowest, self.draft_max + 1), key=self._tokens_per_s)
         if best:
             self.probe_after = PROBE_EVERY
         elif self.plain >= self.probe_after and self.token_s < self.step_s:  # else even a guess always kept loses
@@ -242,13 +248,12 @@ class DraftLength:
         self.plain += 1
 
     def checked(self, proposed: int, accepted: int, seconds: float) -> None:
-        if self.step_s is None:  # checks from the first step on (draft_min): they alone are known
-            self.kept, self.missed = 0.9 * self.kept + accepted, 0.9 * self.missed + (accepted < proposed)
-            return
-        extra = max(0.0, seconds - self.step_s) / proposed
-        self.token_s = extra if self.token_s is None else 0.8 * self.token_s + 0.2 * extra
         self.kept, self.missed = 0.9 * self.kept + accepted, 0.9 * self.missed + (accepted < proposed)
-        self.plain = 0
+        self.checks, self.plain = self.checks + 1, 0
+        # The first check's time is not its cost: the first pass of several rows sizes its scratch, the cache grows
+        if self.step_s is not None and self.checks > 1:
+            extra = max(0.0, seconds - self.step_s) / proposed
+            self.token_s = extra if self.token_s is None else 0.8 * self.token_s + 0.2 * extra
 
 
 def next_draft_max(k: int, draft_max: int, proposed: int, accepted: int) -> int:

@@ -27,8 +27,12 @@ class Speculation:
         return bool(self.lookup or self.draft or self.prediction)
 
     def record(self) -> dict:
-        """As a --jsonl line's "speculative" gives it."""
-        return {"lookup": self.lookup, "draft": self.draft, "draft_max": self.draft_max}
+        """As a --jsonl line's "speculative" gives it (speculation_from reads it back; {}: none)."""
+        return {
+            **({"lookup": self.lookup} if self.lookup else {}),
+            **({"draft": True} if self.draft else {}),
+            "draft_max": self.draft_max,
+        }
 
 
 SPECULATIVE_KEYS = {

@@ -12,6 +12,7 @@ import pytest
 from cli_fixtures import RUN_OPTIONS, manas
 from conftest import needs_compiler
 from manas_cli.engine.speculation import PROBE_EVERY, DraftLength, lookup_proposal
+from manas_cli.settings import GenerationSettings, Speculation, as_overrides, with_overrides
 from test_llama_family import llama_files  # noqa: F401 (a fixture)
 
 # A prompt that repeats itself, so proposals come and some are kept even by a random model's loops
@@ -381,3 +382,14 @@ def test_a_structured_output_constrains_the_models_draws_and_cuts_a_proposal_tha
     for field in ("text", "tokens", "finish_reason"):
         assert fast[field] == plain[field], field
     assert fast["proposed_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "speculation",
+    [Speculation(lookup=3, draft_max=6), Speculation(draft=True), Speculation()],
+    ids=["lookup", "draft", "none"],
+)
+def test_a_requests_speculation_goes_to_a_record_and_back_unchanged(speculation):
+    """batch hands its settings to Ray's workers as a record's keys (settings.as_overrides)."""
+    settings = GenerationSettings(speculative=speculation)
+    assert with_overrides(GenerationSettings(), as_overrides(settings)).speculative == speculation

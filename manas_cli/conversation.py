@@ -11,9 +11,8 @@ from dataclasses import dataclass, field, replace
 from . import thinking
 from .chat import Message, Prompt, render_prompt
 from .engine.engines import Engine
-from .engine.generation import GenerationStats, generate
+from .engine.generation import GenerationStats
 from .engine.prefix_cache import common_start
-from .engine.speculation import generate_speculative
 from .requests import Requests
 from .settings import GenerationSettings, Speculation
 
@@ -74,16 +73,16 @@ class Conversation:
         stream = request.streams[0]
         stats = GenerationStats(prompt_tokens=len(ids))
         fed = list(ids)
-        if request.proposer is not None:
-            steps = generate_speculative(
-                self.engine, [ids], request.sampler, settings.max_tokens, self.requests.eot, self.session,
-                request.proposer(), request.draft_max, settings.logprobs, "recompute", reused, self.draft_min,
-            )  # fmt: skip
-        else:
-            steps = generate(
-                self.engine, [ids], request.sampler, settings.max_tokens, self.requests.eot, "recompute",
-                self.session, settings.logprobs, reused,
-            )  # fmt: skip
+        steps = request.steps(
+            self.engine,
+            [ids],
+            settings.max_tokens,
+            self.requests.eot,
+            self.session,
+            "recompute",
+            reused,
+            self.draft_min,
+        )
         interrupted = False
         for step in steps:
             stats.update(step)

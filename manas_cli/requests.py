@@ -6,13 +6,14 @@ token ids, cropped to the window."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .engine.batching import Request
 from .engine.engines import Engine
+from .engine.generation import Step, generate
 from .engine.sampling import Sampler, choose_seed, make_sampler
-from .engine.speculation import DraftProposer, Propose, lookup_proposer, prediction_proposer
+from .engine.speculation import DraftProposer, Propose, generate_speculative, lookup_proposer, prediction_proposer
 from .errors import InputError
 from .formats.tokenizer import bos_id, decodable, encode_text, end_of_text_id, longest_token_bytes
 from .settings import GenerationSettings, Speculation, token_budget
@@ -28,6 +29,20 @@ class Prepared:
     block_size: int  # the window, which max_tokens -1 fills
     proposer: Callable[[], Propose] | None = None  # speculative decoding's: a fresh proposer for each row
     draft_max: int = Speculation.draft_max
+
+    def steps(
+        self, engine: Engine, rows, max_tokens: int, eot: int | None, session, overflow: str = "recompute",
+        reuse: int = 0, draft_min: int = 0,
+    ) -> Iterator[Step]:  # fmt: skip
+        """The request's steps on `session` (generation.generate's), its proposals checked where it speculates (one
+        row: speculation.generate_speculative's, at least draft_min tokens a check)."""
+        logprobs = self.settings.logprobs
+        if self.proposer is None:
+            return generate(engine, rows, self.sampler, max_tokens, eot, overflow, session, logprobs, reuse)
+        return generate_speculative(
+            engine, rows, self.sampler, max_tokens, eot, session, self.proposer(), self.draft_max, logprobs, overflow,
+            reuse, draft_min,
+        )  # fmt: skip
 
     def request(self, key: int, prompt: list[int]) -> Request:
         """The request continuous batching takes (engine/batching.py), for one row."""

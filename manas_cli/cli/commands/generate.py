@@ -49,8 +49,7 @@ def run(
     draft_max: int = 0,
     draft_min: int = 0,
 ) -> None:
-    from ...engine.generation import GenerationStats, generate, prompt_batch
-    from ...engine.speculation import generate_speculative
+    from ...engine.generation import GenerationStats, prompt_batch
     from ...engine.threads import ThreadGovernor
     from ...records import sample_record
     from ...requests import Requests, encode_prompt
@@ -79,22 +78,9 @@ def run(
     out = Output(sys.stdout, json_lines=json_output, samples=batch, hold_lines=live and shared)
     run_stats = GenerationStats(prompt_tokens=len(ids), batch_size=batch)
     session = engine.new_session(model_options.cache, capacity=positions)
-    if request.proposer is not None:
-        steps = generate_speculative(
-            engine, [ids], request.sampler, max_tokens, requests.eot, session, request.proposer(), request.draft_max,
-            settings.logprobs, overflow, draft_min=draft_min,
-        )  # fmt: skip
-    else:
-        steps = generate(
-            engine,
-            prompt_batch(ids, batch),
-            request.sampler,
-            max_tokens,
-            requests.eot,
-            overflow,
-            session,
-            settings.logprobs,
-        )
+    steps = request.steps(
+        engine, prompt_batch(ids, batch), max_tokens, requests.eot, session, overflow, draft_min=draft_min
+    )
     display = LiveDisplay(console, out, streams, run_stats, max_tokens, block_size, session.storage)
     warn_late = not quiet and overflow == "recompute"  # a script slowed 14× past the window is told why, too
     governor = ThreadGovernor(threads, engine.set_threads)

@@ -16,8 +16,13 @@ llama_cpp: the same tasks side by side with llama.cpp on the same GGUF files (th
          --lookup 2 and --draft-model Q4_0.gguf; each tool's speed-up over its own plain decode, and whether each
          speculative text equals its plain one (llama.cpp's from llama-simple, greedy).
 
+check_cost: what a check of k + 1 positions costs against one decode step, from the core itself (session.check
+         after a 200-token prefill, the median of 20), on the real model's float32, int8 and int4: the figure that
+         decides whether a proposal can pay on this machine.
+
   python benchmarks/goal_speculation.py --goal speedup --threads 1 --runs 3
   python benchmarks/goal_speculation.py --goal llama_cpp --threads 1 --runs 2
+  python benchmarks/goal_speculation.py --goal check_cost --threads 1
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import re
 import statistics
 import subprocess
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -225,7 +231,32 @@ def goal_llama_cpp(args) -> dict:
     return report
 
 
-GOALS = {"speedup": goal_speedup, "llama_cpp": goal_llama_cpp}
+def goal_check_cost(args) -> dict:
+    from manas_cli.models import ModelOptions, open_model
+
+    report = {}
+    for weights, path in smollm2_files().items():
+        engine = open_model(ModelOptions(checkpoint=path, engine="native", threads=args.threads)).engine
+        session = engine.new_session("dynamic", capacity=2048)
+        session.prefill([list(range(100, 300))])
+
+        def milliseconds(run) -> float:
+            taken = []
+            for _ in range(20):
+                started = time.perf_counter()
+                run()
+                taken.append(time.perf_counter() - started)
+                session.rewind(200)
+            return round(statistics.median(taken) * 1000, 1)
+
+        figures = {"decode_ms": milliseconds(lambda: session.decode([5]))}
+        for positions in (2, 3, 5, 8):
+            figures[f"check_{positions}_ms"] = milliseconds(lambda: session.check(list(range(7, 7 + positions))))
+        report[weights] = figures
+    return report
+
+
+GOALS = {"speedup": goal_speedup, "llama_cpp": goal_llama_cpp, "check_cost": goal_check_cost}
 
 if __name__ == "__main__":
     run_goals(GOALS, __doc__)

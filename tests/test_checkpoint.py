@@ -38,6 +38,18 @@ def test_round_trip_gives_identical_logits_and_tokenizer(tiny_model, tiny_bpe_sp
     assert end_of_text_id(checkpoint.encoding) == 267
 
 
+def test_a_header_whose_length_begins_as_a_pickle_does_is_still_read(tiny_model, tiny_bpe_spec, tmp_path):
+    """A header of 640 + 65,536·k bytes is stored little-endian as 80 02 …, a pickle's first two bytes: the JSON
+    that follows at byte 8 says it is safetensors (transformers wrote such a shard in this suite)."""
+    path = tmp_path / "model.safetensors"
+    save_checkpoint(path, tiny_model, tiny_bpe_spec, {"pad": ""})
+    length = int.from_bytes(path.read_bytes()[:8], "little")
+    target = length + (640 - length) % 65536
+    save_checkpoint(path, tiny_model, tiny_bpe_spec, {"pad": "x" * (target - length)})
+    assert path.read_bytes()[:2] == b"\x80\x02"
+    assert load_checkpoint(path).model.config == tiny_model.config
+
+
 def test_tied_lm_head_is_not_stored_and_is_tied_again_on_load(tiny_model, tiny_bpe_spec, tmp_path):
     path = tmp_path / "model.safetensors"
     save_checkpoint(path, tiny_model, tiny_bpe_spec)

@@ -403,17 +403,24 @@ def setup_untied_head(tmp: Path) -> list:
     state = nanogpt_state(bias=False, vocab_size=SMALL_VOCAB)
     state["lm_head.weight"] = state["lm_head.weight"] + 1
     save_nanogpt_checkpoint(tmp / "ckpt.pt", state)
-    return ["convert", tmp / "ckpt.pt", "--out", tmp / "out.safetensors", "--tokenizer-file", GPT2_RANKS]
+    return with_fitting_tokenizer(tmp)
+
+
+def with_fitting_tokenizer(tmp: Path) -> list:
+    """convert of tmp/ckpt.pt with a character vocabulary the model's ids cover: the tokenizer, checked before any
+    weights are read, passes, and what is wrong with the weights is what is refused."""
+    (tmp / "meta.pkl").write_bytes(pickle.dumps(character_meta("abc")))
+    return ["convert", tmp / "ckpt.pt", "--out", tmp / "out.safetensors", "--tokenizer-meta", tmp / "meta.pkl"]
 
 
 def setup_model_args_disagreeing_with_tensors(tmp: Path) -> list:
     save_nanogpt_checkpoint(tmp / "ckpt.pt", nanogpt_state(bias=False, vocab_size=SMALL_VOCAB), n_embd=64)
-    return ["convert", tmp / "ckpt.pt", "--out", tmp / "out.safetensors", "--tokenizer-file", GPT2_RANKS]
+    return with_fitting_tokenizer(tmp)
 
 
 def setup_bias_flag_disagreeing_with_tensors(tmp: Path) -> list:
     save_nanogpt_checkpoint(tmp / "ckpt.pt", nanogpt_state(bias=False, vocab_size=SMALL_VOCAB), bias=True)
-    return ["convert", tmp / "ckpt.pt", "--out", tmp / "out.safetensors", "--tokenizer-file", GPT2_RANKS]
+    return with_fitting_tokenizer(tmp)
 
 
 def setup_bare_safetensors_without_config(tmp: Path) -> list:

@@ -105,6 +105,23 @@ def typed_files(tmp_path_factory, tiny_bpe_spec) -> dict[str, object]:
     return files
 
 
+@pytest.mark.parametrize("file", ["smollm2-all", "qwen2-mix"])
+def test_convert_streams_the_tensors_the_whole_file_import_builds(typed_files, file, tmp_path):
+    """`manas convert` reads a layer at a time; torch's engine imports the file whole: the same float32 tensors."""
+    from safetensors import safe_open
+
+    from manas_cli.formats.checkpoint import stored_state
+    from manas_cli.formats.gguf_model import load_gguf_checkpoint
+
+    out = tmp_path / "converted.safetensors"
+    manas("convert", typed_files[file], "--out", out).ok()
+    expected = stored_state(load_gguf_checkpoint(typed_files[file]).model, None)
+    with safe_open(out, framework="pt") as f:
+        assert set(f.keys()) == set(expected)
+        for name in f.keys():
+            assert torch.equal(f.get_tensor(name), expected[name]), name
+
+
 @needs_compiler
 @pytest.mark.parametrize("file", ["smollm2-mix", "qwen2-mix", "smollm2-all", "qwen2-all"])
 def test_a_gguf_runs_in_place_and_its_cached_generation_equals_crop_and_recompute(typed_files, file, tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from ..engine.config import stored_names
+from ..engine.config import INT4_GROUP_SIZE, GPTConfig, stored_names
 from ..files import atomic_write
 from ..torch_engine.model import GPT
 from ..torch_engine.quantize import QuantizedLinear, dequantize_stored, load_quantized, quantizable, quantization
@@ -51,18 +51,23 @@ def save_checkpoint(
     check_finite_tensors(tensors, path)
     if kind:
         check_finite(model, path)
-    metadata = {
-        **(extra_metadata or {}),
-        "format": FORMAT,
-        "format_version": format_version(model.config, kind),
-        **({"quantization": kind} if kind else {}),
-        **({"group_size": str(model.lm_head.group_size)} if kind == "int4" else {}),
-        "config": json.dumps(model.config.to_dict()),
-        "tokenizer": json.dumps(tokenizer_spec),
-    }
+    metadata = checkpoint_metadata(model.config, tokenizer_spec, kind, extra_metadata or {})
     # save() to bytes, not save_file(): the latter writes a temporary file of its own beside the target, which a
     # signal can orphan; ours is the only one, and atomic_write removes it.
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(save(tensors, metadata=metadata)), overwrite=overwrite)
+
+
+def checkpoint_metadata(config: GPTConfig, tokenizer_spec: dict, kind: str | None, extra: dict[str, str]) -> dict:
+    """The string metadata of a checkpoint of this config (FORMAT.md), after the caller's own entries."""
+    return {
+        **extra,
+        "format": FORMAT,
+        "format_version": format_version(config, kind),
+        **({"quantization": kind} if kind else {}),
+        **({"group_size": str(INT4_GROUP_SIZE)} if kind == "int4" else {}),
+        "config": json.dumps(config.to_dict()),
+        "tokenizer": json.dumps(tokenizer_spec),
+    }
 
 
 def stored_state(model: GPT, kind: str | None) -> dict[str, torch.Tensor]:

@@ -4,13 +4,16 @@ Hugging Face folder or bare weights with a config (huggingface.py: GPT-2 or Star
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..engine.config import GPTConfig
+from ..engine.config import GPTConfig, parameter_shapes
 from ..errors import CheckpointError, InputError, TokenizerError
-from ..files import check_output_file
+from ..files import atomic_write, check_output_file
 from .huggingface import (
     HF_CONFIG,
     HF_FOLDER,
@@ -22,18 +25,22 @@ from .huggingface import (
     HF_VOCAB,
     HF_WEIGHTS,
     folder_chat_template,
+    folder_tensors,
     folder_tokenizer,
     hf_kind,
-    load_hf,
-    load_hf_folder,
+    hf_to_manas,
     read_hf_config,
 )
-from .importing import load_pickled_weights, load_safetensors, read_plain_pickle
-from .nanogpt import NANOGPT, character_spec, load_nanogpt
+from .importing import load_pickled_weights, read_plain_pickle
+from .nanogpt import NANOGPT, character_spec, config_from_nanogpt, nanogpt_to_manas
 from .tokenizer import build_encoding, spec_from_tiktoken_file, vocabulary_size
 
 if TYPE_CHECKING:
-    from ..torch_engine.model import GPT
+    import torch
+
+    from .tensor_files import GGUFTensors, LoadedTensors, SafetensorsTensors
+
+    TensorFile = SafetensorsTensors | GGUFTensors | LoadedTensors
 
 
 @dataclass
@@ -46,40 +53,86 @@ class Converted:
     tokenizer: str
 
 
-def load_source(src: Path, config_path: Path | None) -> tuple[str, GPT]:
-    """Detect what src is and return (its kind, the equivalent manas model)."""
+# A source tensor's layer: Hugging Face's model.layers.N. and transformer.h.N., llama.cpp's blk.N.
+LAYER = re.compile(r"(?:^|\.)(?:layers|h|blk)\.(\d+)\.")
+
+
+@dataclass
+class Source:
+    """A model to convert, tensor by tensor: its kind, its config, its file's tensors, and how some of them (a
+    layer's, or those outside the layers) become manas' tensors and the config they belong to."""
+
+    kind: str
+    config: GPTConfig
+    tensors: TensorFile
+    to_manas: Callable[[dict[str, torch.Tensor], GPTConfig], tuple[GPTConfig, dict[str, torch.Tensor]]]
+
+    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The tensors outside the layers first (whatever they decide of the config comes before the header is
+        written), then each layer's: one group in memory at a time. Those outside the layers come one by one,
+        except in a tied model, whose repeated output layer is compared with the token embedding."""
+        layers: dict[int, list[str]] = {}
+        top: list[str] = []
+        for name in self.tensors.names:
+            match = LAYER.search(name)
+            (layers.setdefault(int(match[1]), []) if match else top).append(name)
+        top_groups = [top] if self.config.tie_embeddings else [[name] for name in top]
+        for names in (*top_groups, *(layers[index] for index in sorted(layers))):
+            if names:
+                yield {name: self.tensors.read(name) for name in names}
+
+
+def read_source(src: Path, config_path: Path | None) -> Source:
+    """Detect what src is and how its tensors become a manas model's, reading no more of it than that takes."""
     check_source(src)
+    if src.suffix == ".gguf" and src.is_file():
+        return _gguf_source(src)[0]
     if src.is_dir():
         if config_path is not None:
             raise InputError(f"{src} is a folder with its own config.json; --config is for a bare model.safetensors")
-        return hf_kind(HF_FOLDER, load_hf_folder(src))
+        if not (src / HF_CONFIG).is_file():
+            raise InputError(f"{src} has no {HF_CONFIG}: not a Hugging Face model folder")
+        config = read_hf_config(src / HF_CONFIG)
+        return _hf_source(HF_FOLDER, src, config, folder_tensors(src, config))
     if src.suffix == ".safetensors":
-        config = _require_config(src, config_path)
-        return hf_kind(HF_WEIGHTS, load_hf(load_safetensors(src), src, config))
+        from .tensor_files import SafetensorsTensors
+
+        return _hf_source(HF_WEIGHTS, src, _require_config(src, config_path), SafetensorsTensors([src]))
+    from .tensor_files import LoadedTensors
+
     loaded = load_pickled_weights(src)
     if isinstance(loaded, dict) and "model_args" in loaded and "model" in loaded:
         if config_path is not None:
             raise InputError(
                 f"{src} is a nanoGPT checkpoint with its own model_args; --config is for a bare model.safetensors"
             )
-        return NANOGPT, load_nanogpt(loaded, src)
+        config = config_from_nanogpt(loaded["model_args"], src)
+        tensors = LoadedTensors.of(loaded["model"], src)
+        return Source(NANOGPT, config, tensors, lambda state, config: (config, nanogpt_to_manas(state, src)))
     import torch  # the pickle was read with torch's weights-only loader: its tensors are torch's
 
     if isinstance(loaded, dict) and loaded and all(isinstance(t, torch.Tensor) for t in loaded.values()):
-        return hf_kind(HF_WEIGHTS, load_hf(loaded, src, _require_config(src, config_path)))
+        return _hf_source(HF_WEIGHTS, src, _require_config(src, config_path), LoadedTensors(loaded))
     raise CheckpointError(
         f"{src}: neither a nanoGPT checkpoint (a dict with 'model_args' and 'model') nor a state dict of tensors"
     )
 
 
-def _gguf_source(src: Path) -> tuple[str, GPT, tuple[str, dict], str | None]:
-    """A GGUF file's (kind, model, (tokenizer description, spec), chat template): all of it is in the file."""
-    from .gguf_model import load_gguf
+def _hf_source(template: str, src: Path, config: GPTConfig, tensors: TensorFile) -> Source:
+    return Source(
+        hf_kind(template, config), config, tensors, lambda state, config: (config, hf_to_manas(state, src, config))
+    )
 
-    imported = load_gguf(src)
+
+def _gguf_source(src: Path) -> tuple[Source, tuple[str, dict], str | None]:
+    """A GGUF file's source, (tokenizer description, spec) and chat template: all of it is in the file."""
+    from .gguf_model import read_gguf_import
+
+    imported = read_gguf_import(src)
     kind = "SentencePiece" if imported.tokenizer_spec["kind"] == "spm" else "byte-level BPE"
     tokenizer = (f"the {kind} in {src.name}'s metadata (embedded)", imported.tokenizer_spec)
-    return f"GGUF {imported.architecture}", imported.model, tokenizer, imported.chat_template
+    source = Source(f"GGUF {imported.architecture}", imported.config, imported.tensors, imported.to_manas)
+    return source, tokenizer, imported.chat_template
 
 
 def source_files(src: Path) -> tuple[Path, ...]:
@@ -177,20 +230,50 @@ def convert_checkpoint(
     check_output_file(dst, force, inputs=(*source_files(src), config_path, tokenizer_file, tokenizer_meta))
     check_source(src)
     if src.suffix == ".gguf" and src.is_file():
-        kind, model, (description, spec), template = _gguf_source(src)
+        source, (description, spec), template = _gguf_source(src)
     else:
         own = folder_tokenizer(src) if tokenizer_file is None and tokenizer_meta is None else None
         description, spec = own or tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)
         template = folder_chat_template(src) if src.is_dir() else None
-        kind, model = load_source(src, config_path)
-    from .checkpoint import save_checkpoint
-
-    check_tokenizer_fits(spec, model.config, description)
-    parameters = model.num_parameters()
+        source = read_source(src, config_path)
+    check_tokenizer_fits(spec, source.config, description)
     if quantize is not None:
-        from ..torch_engine.quantize import quantize_checked
+        from ..torch_engine.quantize import check_quantizable
 
-        quantize_checked(model, quantize, src)
-    metadata = {**(extra_metadata or {}), "converted_from": kind, **({"chat_template": template} if template else {})}
-    save_checkpoint(dst, model, spec, extra_metadata=metadata, overwrite=force)
-    return Converted(kind, model.config, parameters, description)
+        try:
+            check_quantizable(source.config, quantize)
+        except ValueError as exc:
+            raise InputError(f"{src}: {exc}") from None
+    metadata = {
+        **(extra_metadata or {}),
+        "converted_from": source.kind,
+        **({"chat_template": template} if template else {}),
+    }
+    written: list[GPTConfig] = []
+    atomic_write(
+        dst, lambda tmp: written.append(write_source(tmp, source, spec, metadata, quantize, src)), overwrite=force
+    )
+    config = written[0]
+    return Converted(source.kind, config, sum(math.prod(shape) for _, shape in parameter_shapes(config)), description)
+
+
+def write_source(
+    tmp: str, source: Source, spec: dict, metadata: dict[str, str], kind: str | None, src: Path
+) -> GPTConfig:
+    """Write the checkpoint of `source` to the temporary file tmp, a group of tensors at a time; the config it
+    holds."""
+    from .checkpoint import checkpoint_metadata
+    from .checkpoint_writer import CheckpointWriter
+
+    config, writer = source.config, None
+    with open(tmp, "wb") as f:
+        for group in source.groups():
+            config, tensors = source.to_manas(group, config)
+            if writer is None:  # the first group has settled the config
+                writer = CheckpointWriter(f, config, checkpoint_metadata(config, spec, kind, metadata), kind, src)
+            for name, tensor in tensors.items():
+                writer.add(name, tensor)
+        if writer is None:
+            raise CheckpointError(f"{src}: holds no tensors")
+        writer.finish()
+    return config

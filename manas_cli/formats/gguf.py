@@ -21,13 +21,14 @@ from typing import Any
 import numpy as np
 
 from ..engine.config import as_float32
-from ..errors import CheckpointError, MissingDependencyError, first_line
+from ..errors import CheckpointError
 from ..files import atomic_write, check_output_file
 from ..torch_engine.model import GPT, GPTConfig
 from ..torch_engine.quantize import dequantize_model
 from . import gemma, llama, phi3, rotary_layout, starcoder2
 from .checkpoint import load_checkpoint
 from .gguf_config import INTERLEAVED, PHI3_LONG_FACTORS, PHI3_SHORT_FACTORS, SMOLLM3_NO_ROPE_INTERVAL
+from .gguf_vocab import import_gguf
 from .gpt2 import hf_state_dict, is_gpt2_linear_weight
 from .huggingface import GPT2_SPLIT_PATTERNS, ByteLevelBPE, byte_level_bpe
 from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, LLAMA3_PAT_STR, QWEN2_PAT_STR, bos_id
@@ -60,24 +61,6 @@ class ExportedGGUF:
     outtype: str
     tensors: int
     size_bytes: int
-
-
-def import_gguf() -> Any:
-    try:
-        import gguf
-    except ImportError:
-        raise MissingDependencyError(
-            (
-                'writing GGUF needs the gguf package: pip install "manas-cli[gguf]" (from a clone: pip install -e '
-                '".[gguf]")'
-            )
-        ) from None
-    except Exception as exc:  # installed but broken (a half-finished upgrade, a numpy it does not support)
-        raise MissingDependencyError(
-            f"the gguf package fails to import ({type(exc).__name__}: {first_line(exc)}): reinstall it with "
-            'pip install --force-reinstall "manas-cli[gguf]"'
-        ) from None
-    return gguf
 
 
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
@@ -235,7 +218,7 @@ def export_gguf(
 ) -> ExportedGGUF:
     """Write checkpoint_path as one GGUF file, atomically; refuse before writing anything it cannot export. loaded:
     the checkpoint already read (a GGUF file's, by the caller)."""
-    gguf = import_gguf()
+    gguf = import_gguf("writing GGUF")
     check_output_file(out, force, inputs=(checkpoint_path,))
     checkpoint = loaded or load_checkpoint(checkpoint_path)
     model = dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float

@@ -9,15 +9,13 @@ pairs, so its queries and keys are permuted back to Hugging Face's rotate-half l
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..engine.config import GPTConfig
-from ..errors import CheckpointError, first_line
-from ..torch_engine.model import GPT
+from ..errors import CheckpointError
 from . import gemma, gpt2, huggingface, llama, phi3, rotary_layout, starcoder2
 from .gguf_config import (
     ARCHITECTURES,
@@ -29,14 +27,14 @@ from .gguf_config import (
     check_apart,
     check_block_count,
     hf_config,
-    tensor_extent,
     with_rope_factors,
 )
-from .gguf_metadata import Layout, read_layout
-from .gguf_vocab import read_gguf, spec_from_fields, string_field
+from .gguf_metadata import read_layout
+from .gguf_vocab import spec_from_fields, string_field
 from .header import Checkpoint
 from .huggingface import checked_template
 from .importing import TIED_HEAD, build_model, make_config
+from .tensor_files import GGUFTensors
 from .tokenizer import build_encoding
 
 LLAMA_LAYER_MODULES = (
@@ -85,16 +83,28 @@ HF_LAYOUTS["qwen3"] = (
 
 
 @dataclass
-class GGUFModel:
-    architecture: str  # llama.cpp's name
-    model: GPT
+class GGUFImport:
+    """A GGUF file read for import: its architecture (llama.cpp's name), the model's config, its tensors (read one
+    at a time, dequantized to float32), the tokenizer and the chat template."""
+
+    architecture: str
+    config: GPTConfig
+    tensors: GGUFTensors
     tokenizer_spec: dict
     chat_template: str | None
 
+    def to_manas(
+        self, tensors: dict[str, torch.Tensor], config: GPTConfig
+    ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+        """Some of the file's tensors (a layer's, or those outside the layers) under manas' names, and the config
+        they belong to (a gpt2 file's repeated output layer may untie it)."""
+        state = _hf_state(tensors, self.architecture, config, self.tensors.path)
+        return _manas_state(state, self.architecture, config, self.tensors.path)
 
-def load_gguf(path: Path) -> GGUFModel:
-    """The model, tokenizer and chat template of a GGUF file; one CheckpointError (or TokenizerError) naming what
-    it cannot read."""
+
+def read_gguf_import(path: Path) -> GGUFImport:
+    """The file's config, tokenizer and chat template, and its tensors' extents checked; one CheckpointError (or
+    TokenizerError) naming what it cannot read. No tensor is read but the few the config takes (rope factors)."""
     layout = read_layout(path)
     fields = layout.fields
     architecture = string_field(fields, "general.architecture", path, CheckpointError)
@@ -102,55 +112,38 @@ def load_gguf(path: Path) -> GGUFModel:
         raise CheckpointError(
             f"{path}: llama.cpp architecture {architecture!r} is not one manas imports from GGUF ({RUNS})"
         )
-    check_layout(layout, path)
+    tensors = GGUFTensors(path, layout)
+    check_apart([(start, start + size, name) for name, (start, size) in tensors.extents.items()], path)
     check_block_count(layout, architecture, path)
-    names = {tensor.name: tensor for tensor in read_gguf(path).tensors}  # the package reads the tensors
-    shapes = {name: _shape(tensor) for name, tensor in names.items()}
-    import gguf
-
-    short = names.get(PHI3_SHORT_FACTORS) if architecture == "phi3" else None
-    short = None if short is None else _dequantized(gguf, short, path).tolist()
+    shapes = {name: tensors.shape(name) for name in tensors.names}
+    short = (
+        tensors.read(PHI3_SHORT_FACTORS).tolist() if architecture == "phi3" and PHI3_SHORT_FACTORS in shapes else None
+    )
     config = huggingface.config_from_hf(hf_config(fields, architecture, shapes, path, short), path)
-    if "rope_freqs.weight" in names:
+    if "rope_freqs.weight" in shapes:
         if architecture != "llama":
             raise CheckpointError(
                 f"{path}: rope_freqs.weight in a {architecture} file, whose rope llama.cpp does not scale"
             )
-        config = with_rope_factors(config, _dequantized(gguf, names["rope_freqs.weight"], path).tolist(), path)
+        config = with_rope_factors(config, tensors.read("rope_freqs.weight").tolist(), path)
     if architecture in ("gpt2", "starcoder2"):  # Hugging Face's GPT-2 has no grouped-query attention; llama.cpp's has
         kv_heads = fields.get(f"{architecture}.attention.head_count_kv", config.n_head)
         config = make_config(path, **{**config.__dict__, "n_kv_head": kv_heads})  # checked, as every field is
-    state = _hf_state(names, architecture, config, path)
-    model = build_model(*_manas_state(state, architecture, config, path), path)
     template = fields.get("tokenizer.chat_template")
     template = checked_template(template, path) if isinstance(template, str) and template.strip() else None
-    return GGUFModel(architecture, model, spec_from_fields(fields, path), template)
+    return GGUFImport(architecture, config, tensors, spec_from_fields(fields, path), template)
 
 
 def load_gguf_checkpoint(path: Path, device="cpu", dtype=None) -> Checkpoint:
-    """A GGUF file as a torch model, its tensors dequantized to float32 in memory: for torch's engine, a GPU and
-    export. The native core runs the file's blocks in place instead (gguf_weights.py)."""
-    imported = load_gguf(path)
-    model = imported.model.to(device=device, dtype=dtype).eval()
+    """A GGUF file as a torch model, its tensors dequantized to float32 in memory: for torch's engine and a GPU.
+    The native core runs the file's blocks in place instead (gguf_weights.py)."""
+    imported = read_gguf_import(path)
+    tensors = {name: imported.tensors.read(name) for name in imported.tensors.names}
+    model = build_model(*imported.to_manas(tensors, imported.config), path)
+    model = model.to(device=device, dtype=dtype).eval()
     template = {"chat_template": imported.chat_template} if imported.chat_template else {}
     metadata = {"converted_from": f"GGUF {imported.architecture}"} | template
     return Checkpoint(model, build_encoding(imported.tokenizer_spec), imported.tokenizer_spec, path, metadata)
-
-
-def check_layout(layout: Layout, path: Path) -> None:
-    """Every tensor's extent inside the file's data section, aligned and apart from the others, its block count
-    whole for its shape, before anything reads it (the gguf package would add a wrapping offset, and read the
-    header as weights)."""
-    import gguf
-
-    extents = []
-    for tensor in layout.tensors:
-        if tensor.kind not in gguf.GGML_QUANT_SIZES:
-            raise CheckpointError(f"{path}: tensor {tensor.name} has an unknown ggml type {tensor.kind}")
-        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.kind)]
-        start, size = tensor_extent(tensor, layout, block, path)
-        extents.append((start, start + size, tensor.name))
-    check_apart(extents, path)
 
 
 def _hf_state(tensors: dict, architecture: str, config: GPTConfig, path: Path) -> dict[str, torch.Tensor]:
@@ -164,13 +157,12 @@ def _hf_state(tensors: dict, architecture: str, config: GPTConfig, path: Path) -
                         for kind in ("weight", "bias"))]  # fmt: skip
     by_gguf_name = {names.get_name(name, try_suffixes=(".weight", ".bias")): name for name in hf_names}
     state = {}
-    for gguf_name, tensor in tensors.items():
+    for gguf_name, weights in tensors.items():
         if gguf_name not in by_gguf_name:
-            if gguf_name in ("rope_freqs.weight", PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS):  # the config's (load_gguf)
+            if gguf_name in ("rope_freqs.weight", PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS):  # the config's
                 continue
             raise CheckpointError(f"{path}: tensor {gguf_name} is not part of a {architecture} model manas runs")
         name = by_gguf_name[gguf_name]
-        weights = torch.from_numpy(_dequantized(gguf, tensor, path))
         if architecture in INTERLEAVED and name.endswith(rotary_layout.QUERY_KEY_TENSORS):
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
             weights = rotary_layout.to_rotate_half(weights, heads, config.rotary_dims)  # interleaved → Hugging Face's
@@ -200,29 +192,3 @@ def _manas_state(
     if head is not None and not torch.equal(head, renamed.get("token_embedding.weight", head)):
         config, renamed = replace(config, tie_embeddings=False), renamed | {TIED_HEAD: head}
     return config, renamed
-
-
-def _dequantized(gguf, tensor, path: Path):
-    """A tensor's values as float32, as the gguf package dequantizes them, in the shape the file gives it; each one
-    finite (a scale of NaN or infinity is refused here, naming the file and the tensor). The package's numpy
-    warnings about such values stay off the user's terminal: the error says it."""
-    import numpy as np
-
-    kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
-    try:
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore")
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            values = values.astype("float32").reshape(tuple(int(n) for n in reversed(tensor.shape))).copy()
-    except Exception as exc:  # a type the package cannot dequantize, a size that does not match its shape
-        raise CheckpointError(f"{path}: tensor {tensor.name} ({kind}) cannot be read: {first_line(exc)}") from None
-    if not np.isfinite(values).all():
-        raise CheckpointError(
-            f"{path}: tensor {tensor.name} ({kind}) holds a value that is not finite (NaN or infinity): the file is "
-            "damaged"
-        )
-    return values
-
-
-def _shape(tensor) -> tuple[int, ...]:
-    return tuple(int(n) for n in reversed(tensor.shape))

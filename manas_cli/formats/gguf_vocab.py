@@ -5,6 +5,7 @@ pre-tokenizer name says. Reading one needs the `gguf` extra (llama.cpp's own rea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..errors import MissingDependencyError, TokenizerError, first_line
 from .gguf_metadata import read_metadata
@@ -113,20 +114,21 @@ def _ends(fields: dict, tokens: list[str], special: dict[str, int]) -> dict:
     return ends
 
 
-def read_gguf(path: Path):
-    """The gguf package's reader of the file (it maps the file; nothing is read until asked)."""
+def import_gguf(purpose: str) -> Any:
+    """The gguf package (llama.cpp's own reader and writer), or one MissingDependencyError saying what `purpose`
+    needs it for."""
     try:
-        from gguf import GGUFReader
+        import gguf
     except ImportError:
         raise MissingDependencyError(
-            'reading a GGUF file needs the gguf package: pip install "manas-cli[gguf]"'
+            f'{purpose} needs the gguf package: pip install "manas-cli[gguf]" (from a clone: pip install -e ".[gguf]")'
         ) from None
-    try:
-        return GGUFReader(path)
-    except FileNotFoundError:
-        raise TokenizerError(f"no GGUF file {path}: no such file") from None
-    except Exception as exc:  # ValueError, struct errors, IndexError: whatever a damaged file makes the reader raise
-        raise TokenizerError(f"{path} is not a GGUF file manas can read: {first_line(exc)}") from None
+    except Exception as exc:  # installed but broken (a half-finished upgrade, a numpy it does not support)
+        raise MissingDependencyError(
+            f"the gguf package fails to import ({type(exc).__name__}: {first_line(exc)}): reinstall it with "
+            'pip install --force-reinstall "manas-cli[gguf]"'
+        ) from None
+    return gguf
 
 
 def _list(fields: dict, key: str, path: Path) -> list:

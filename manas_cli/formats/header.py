@@ -156,13 +156,14 @@ def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[dict[str, str], di
     size = os.fstat(f.fileno()).st_size
     prefix = f.read(8)
     length = int.from_bytes(prefix, "little")
-    if is_pytorch_file(prefix):
+    if is_pytorch_file(prefix) and f.read(1) != b"{":  # a header of 640 bytes starts 80 02 too, then its JSON
         raise CheckpointError(
             f"{path}: this is a PyTorch checkpoint, not a manas one: convert it first with "
             f"manas convert {path} --out model.safetensors"
         )
     if len(prefix) < 8 or length > size - 8:
         raise _unreadable(path, f"the header length {length} exceeds the file's {size} bytes")
+    f.seek(8)
     try:
         header = json.loads(f.read(length))
     except (ValueError, RecursionError) as exc:  # not UTF-8 or JSON, too deep, or an integer of 5,000 digits
@@ -306,7 +307,8 @@ def _dtype_rule(allowed: tuple[str, ...]) -> str:
 
 def is_pytorch_file(prefix: bytes) -> bool:
     """Whether a file's first bytes are torch.save's: a zip archive (since torch 1.6), or a pickle (protocol 2 to 5,
-    the legacy format). A safetensors header length never starts so: it would be petabytes."""
+    the legacy format). A safetensors file's little-endian header length may start so (640 bytes is 80 02), but its
+    JSON header then follows at byte 8."""
     return prefix.startswith(b"PK\x03\x04") or (len(prefix) >= 2 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5)
 
 

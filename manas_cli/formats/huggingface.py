@@ -23,7 +23,7 @@ from ..engine.config import GPTConfig
 from ..errors import CheckpointError, InputError, ManasError, TokenizerError, first_line
 from ..files import claim_folder, refuse_inputs, refuse_special, temporary_name
 from . import gemma, gpt2, llama, phi3, starcoder2
-from .importing import TIED_HEAD, build_model, check_tied_head, load_pickled_weights, load_safetensors
+from .importing import TIED_HEAD, check_tied_head, load_pickled_weights
 from .tokenizer import (
     DIGITS_PAT_STR,
     END_OF_TEXT,
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..torch_engine.model import GPT
+    from .tensor_files import LoadedTensors, SafetensorsTensors
 
 # What convert reads from a Hugging Face folder.
 HF_CONFIG, HF_SAFETENSORS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
@@ -116,75 +117,48 @@ def read_hf_config(path: Path) -> GPTConfig:
     return config_from_hf(values, path)
 
 
-def load_hf_folder(folder: Path) -> GPT:
-    config_path = folder / HF_CONFIG
-    if not config_path.is_file():
-        raise InputError(f"{folder} has no {HF_CONFIG}: not a Hugging Face model folder")
-    config = read_hf_config(config_path)
+def folder_tensors(folder: Path, config: GPTConfig) -> SafetensorsTensors | LoadedTensors:
+    """A folder's weights: model.safetensors, its shards by the index, or (GPT-2 only) pytorch_model.bin read
+    without running code."""
+    from .tensor_files import LoadedTensors, SafetensorsTensors
+
     if (folder / HF_SAFETENSORS).is_file():
-        return load_hf(load_safetensors(folder / HF_SAFETENSORS), folder, config)
+        return SafetensorsTensors([folder / HF_SAFETENSORS])
     if (folder / HF_INDEX).is_file():
-        return load_hf(load_shards(folder / HF_INDEX), folder, config)
+        return SafetensorsTensors.sharded(folder / HF_INDEX)
     if not config.is_gpt2_family:
         raise InputError(
             f"{folder} holds no model.safetensors or {HF_INDEX}: Llama-family weights import from "
             "safetensors only (a pickle is never read)"
         )
     if (folder / HF_PICKLE).is_file():
-        state = load_pickled_weights(folder / HF_PICKLE)
-        if not isinstance(state, dict):
-            raise CheckpointError(f"{folder / HF_PICKLE}: not a state dict")
-        return load_hf(state, folder, config)
+        return LoadedTensors.of(load_pickled_weights(folder / HF_PICKLE), folder / HF_PICKLE)
     raise InputError(f"{folder} holds neither model.safetensors, {HF_INDEX} nor pytorch_model.bin")
 
 
-def load_shards(index: Path) -> dict[str, torch.Tensor]:
-    """Sharded weights: every shard the index's weight_map names (plain file names in its folder), each holding
-    exactly the tensors the index places in it."""
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (OSError, ValueError, RecursionError, AttributeError) as exc:
-        raise CheckpointError(f"{index}: not a readable JSON index ({first_line(exc)})") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index}: weight_map must be an object from tensor names to shard file names")
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        if shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
-            raise CheckpointError(f"{index}: weight_map names {shard!r}, which is not a file in {index.parent}")
-        if not (index.parent / shard).is_file():
-            raise CheckpointError(f"{index}: weight_map names {shard}, which is missing from {index.parent}")
-        tensors = load_safetensors(index.parent / shard)
-        if stray := sorted(name for name in tensors if weight_map.get(name) != shard):
-            raise CheckpointError(f"{index.parent / shard}: holds {stray[0]}, which weight_map does not place there")
-        state |= tensors
-    if missing := sorted(set(weight_map) - set(state)):
-        raise CheckpointError(f"{index}: {missing[0]} is placed in {weight_map[missing[0]]}, which does not hold it")
-    return state
-
-
-def hf_kind(template: str, model: GPT) -> tuple[str, GPT]:
-    """(the source's kind, the model): a Llama-family model came from a Llama, Qwen2 or Mistral folder, another rope
-    model from a Starcoder2 one."""
-    config = model.config
+def hf_kind(template: str, config: GPTConfig) -> str:
+    """The source's kind: a Llama-family model came from a Llama, Qwen2 or Mistral folder, another rope model from a
+    Starcoder2 one."""
     kind = (
         "Llama-family" if not config.is_gpt2_family else "Starcoder2" if config.position_encoding == "rope" else "GPT-2"
     )
-    return template.format(kind), model
+    return template.format(kind)
 
 
-def load_hf(state: dict[str, torch.Tensor], source: Path, config: GPTConfig) -> GPT:
+def hf_to_manas(state: dict[str, torch.Tensor], source: Path, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Some of a Hugging Face model's tensors (a layer's, or those outside the layers) under manas' names."""
     if gemma.is_gemma(config):
-        return build_model(config, gemma.state_to_manas(state, config, source), source)
+        return gemma.state_to_manas(state, config, source)
     if phi3.is_fused(state):
-        return build_model(config, phi3.state_to_manas(state, config, source), source)
+        return phi3.state_to_manas(state, config, source)
     if not config.is_gpt2_family:
-        return build_model(config, llama.state_to_manas(state, config, source), source)
+        return llama.state_to_manas(state, config, source)
     if config.position_encoding == "rope":
         weights = {name: tensor for name, tensor in state.items() if name != TIED_HEAD}
         renamed = starcoder2.state_to_manas(weights, config, source)
         check_tied_head(state.get(TIED_HEAD), renamed.get("token_embedding.weight"), source)
-        return build_model(config, renamed, source)
-    return build_model(config, gpt2.gpt2_state_to_manas(state, conv1d=True, source=source), source)
+        return renamed
+    return gpt2.gpt2_state_to_manas(state, conv1d=True, source=source)
 
 
 def folder_tokenizer(src: Path) -> tuple[str, dict] | None:

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError, TokenizerError
 from .gpt2 import gpt2_state_to_manas
-from .importing import build_model, make_config, typed_field
+from .importing import make_config, typed_field
 from .tokenizer import bpe_spec, checked_spec
 
 if TYPE_CHECKING:
-    from ..torch_engine.model import GPT
+    import torch
 
 # nanoGPT's character-level encoding looks each character up alone: one piece per character, newlines included.
 CHARACTER_PAT_STR = r"(?s:.)"
@@ -38,12 +38,9 @@ def config_from_nanogpt(model_args: object, source: Path) -> GPTConfig:
     )
 
 
-def load_nanogpt(checkpoint: dict, source: Path) -> GPT:
-    config = config_from_nanogpt(checkpoint["model_args"], source)
-    state = checkpoint["model"]
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{source}: 'model' is a {type(state).__name__}, not a state dict")
-    return build_model(config, gpt2_state_to_manas(state, conv1d=False, source=source), source)
+def nanogpt_to_manas(state: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
+    """Some of a nanoGPT checkpoint's tensors (its 'model' state dict's) under manas' names."""
+    return gpt2_state_to_manas(state, conv1d=False, source=source)
 
 
 def character_spec(meta: object, source: Path) -> dict:

@@ -1,0 +1,170 @@
+"""The tensors of a file convert reads, one at a time: `names`, `shape(name)` and `read(name)`. Each read is a plain
+read of that tensor's bytes into memory of its own, never a mapping of the file, so that a converter holds what it
+is working on and nothing more (a mapping's pages stay counted in its memory until it is closed). Every extent is
+checked against the file before anything is read."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError, first_line
+from .gguf_config import tensor_extent
+from .gguf_metadata import Layout, TensorInfo
+from .gguf_vocab import import_gguf
+from .header import read_safetensors_header
+
+# safetensors' dtypes convert reads: a tensor of another (a string's bytes, a complex number) is refused by name
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+DEQUANTIZED_ROWS_BYTES = 64 << 20  # a GGUF tensor is dequantized this many bytes of float32 rows at a time
+
+
+def read_bytes(path: Path, start: int, size: int) -> bytearray:
+    """size bytes of the file from start, read into a buffer of their own."""
+    data = bytearray(size)
+    with open(path, "rb") as f:
+        f.seek(start)
+        if f.readinto(data) != size:
+            raise CheckpointError(f"{path}: the file changed while it was read (it ends before tensor data)")
+    return data
+
+
+class SafetensorsTensors:
+    """The tensors of one safetensors file, or of a sharded model's files, by name."""
+
+    def __init__(self, files: Iterable[Path]) -> None:
+        self.entries = {}
+        for path in files:
+            try:
+                with open(path, "rb") as f:
+                    _, tensors = read_safetensors_header(f, path)
+            except OSError as exc:
+                raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(exc)})") from None
+            for name, entry in tensors.items():
+                if entry.dtype not in SAFETENSORS_DTYPES:
+                    raise CheckpointError(f"{path}: tensor {name} is {entry.dtype}, not a dtype of weights")
+                itemsize = SAFETENSORS_DTYPES[entry.dtype].itemsize
+                if entry.end - entry.start != math.prod(entry.shape) * itemsize:
+                    raise CheckpointError(f"{path}: tensor {name}'s bytes do not match its shape {list(entry.shape)}")
+                self.entries[name] = (path, entry)
+        self.names = list(self.entries)
+
+    @classmethod
+    def sharded(cls, index: Path) -> SafetensorsTensors:
+        """Every shard the index's weight_map names (plain file names in its folder), each holding exactly the
+        tensors the index places in it."""
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, ValueError, RecursionError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a readable JSON index ({first_line(exc)})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must be an object from tensor names to shard file names")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
+                raise CheckpointError(f"{index}: weight_map names {shard!r}, which is not a file in {index.parent}")
+            if not (index.parent / shard).is_file():
+                raise CheckpointError(f"{index}: weight_map names {shard}, which is missing from {index.parent}")
+        tensors = cls(index.parent / shard for shard in shards)
+        for name, (path, _) in tensors.entries.items():
+            if weight_map.get(name) != path.name:
+                raise CheckpointError(f"{path}: holds {name}, which weight_map does not place there")
+        if missing := sorted(set(weight_map) - set(tensors.entries)):
+            raise CheckpointError(
+                f"{index}: {missing[0]} is placed in {weight_map[missing[0]]}, which does not hold it"
+            )
+        return tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1].shape
+
+    def read(self, name: str) -> torch.Tensor:
+        path, entry = self.entries[name]
+        dtype = SAFETENSORS_DTYPES[entry.dtype]
+        if not entry.end - entry.start:
+            return torch.empty(entry.shape, dtype=dtype)
+        data = read_bytes(path, entry.start, entry.end - entry.start)
+        with warnings.catch_warnings():  # a bytearray is writable; torch warns about buffers that are not
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(data, dtype=dtype).reshape(entry.shape)
+
+
+class GGUFTensors:
+    """The tensors of a GGUF file by name, each dequantized to float32 by the gguf package (every type it reads:
+    F32, F16, BF16, Q8_0, Q4_0…Q5_1, the K-quants, IQ4_NL…) in the shape PyTorch gives it, each value finite."""
+
+    def __init__(self, path: Path, layout: Layout) -> None:
+        gguf = import_gguf("reading a GGUF file's tensors")
+        self.path, self.layout, self.gguf = path, layout, gguf
+        self.tensors: dict[str, TensorInfo] = {}
+        extents = {}
+        for tensor in layout.tensors:
+            if tensor.kind not in gguf.GGML_QUANT_SIZES:
+                raise CheckpointError(f"{path}: tensor {tensor.name} has an unknown ggml type {tensor.kind}")
+            block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.kind)]
+            extents[tensor.name] = tensor_extent(tensor, layout, block, path)
+            self.tensors[tensor.name] = tensor
+        self.extents = extents
+        self.names = list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(reversed(self.tensors[name].dims))
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor's values as float32, dequantized a slice of rows at a time (the package's temporaries are
+        several times the values they make); a value that is not finite (a scale of NaN or infinity) is refused
+        here, naming the file and the tensor. The package's numpy warnings about such values stay off the user's
+        terminal: the error says it."""
+        tensor, (start, size) = self.tensors[name], self.extents[name]
+        kind = self.gguf.GGMLQuantizationType(tensor.kind)
+        shape = self.shape(name)
+        columns, rows = shape[-1], math.prod(shape[:-1])
+        blocks = np.frombuffer(read_bytes(self.path, start, size), dtype=np.uint8).reshape(rows, size // rows)
+        values = np.empty((rows, columns), dtype=np.float32)
+        step = max(1, DEQUANTIZED_ROWS_BYTES // (4 * columns))
+        try:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                for row in range(0, rows, step):
+                    part = self.gguf.quants.dequantize(blocks[row : row + step], kind)
+                    values[row : row + step] = part.reshape(-1, columns)
+        except Exception as exc:  # a type the package cannot dequantize
+            raise CheckpointError(
+                f"{self.path}: tensor {name} ({kind.name}) cannot be read: {first_line(exc)}"
+            ) from None
+        if not np.isfinite(values).all():
+            raise CheckpointError(
+                f"{self.path}: tensor {name} ({kind.name}) holds a value that is not finite (NaN or infinity): the "
+                "file is damaged"
+            )
+        return torch.from_numpy(values.reshape(shape))
+
+
+class LoadedTensors:
+    """Tensors already in memory (a pickle is read whole), under the same three calls."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors, self.names = tensors, list(tensors)
+
+    @classmethod
+    def of(cls, loaded: object, source: Path) -> LoadedTensors:
+        """A pickle's state dict, refused unless it is one: names to tensors."""
+        if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
+            raise CheckpointError(f"{source}: not a state dict of tensors")
+        return cls(loaded)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors.pop(name)  # handed over: the converter's copy is the only one left

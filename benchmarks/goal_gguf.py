@@ -9,9 +9,12 @@ files are made. Then, whole processes taking turns, each under `chrt -f 1` where
   speed    `llama-bench -m FILE -p 64 -n 64 -t T` at its defaults (its repacked path where it runs) against
            `manas bench -m FILE --prompt-tokens 64 -n 64 --threads T`: pp64 and tg64, 1 and 2 threads
   memory   peak RSS and wall time of `manas generate` and `llama-completion` writing 16 tokens, same context
+  streaming  peak RSS and wall time of `manas convert` and `manas export` (hf, gguf) on the file and what they
+           write, against the bound the issue sets: the largest tensor in float32 plus 1 GiB
 
     python benchmarks/goal_gguf.py --goal speed --shapes smollm2-135m qwen2.5-0.5b --types Q4_K_M Q8_0
     python benchmarks/goal_gguf.py --goal memory --shapes llama3-8b --types Q4_K_M
+    python benchmarks/goal_gguf.py --goal streaming --shapes qwen2.5-1.5b --types Q4_K_M
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -228,7 +232,45 @@ def memory(args: argparse.Namespace) -> dict:
     return report
 
 
-GOALS = {"speed": speed, "memory": memory}
+def largest_tensor_f32_bytes(path: Path) -> int:
+    """The bytes of the file's largest tensor in float32: what convert and export may hold beside 1 GiB."""
+    from manas_cli.formats.gguf_metadata import read_layout
+
+    return max(4 * int(np.prod(tensor.dims)) for tensor in read_layout(path).tensors)
+
+
+def streaming(args: argparse.Namespace) -> dict:
+    """Peak RSS and wall time of convert and export, each streaming a layer at a time: the file converted to a
+    float32 manas checkpoint, that exported as a Hugging Face folder and as an f16 GGUF, and the folder converted
+    back; each against the issue's bound, the largest tensor in float32 plus 1 GiB. The outputs are removed."""
+    report = {}
+    work = FOLDER / "streaming"
+    for shape in args.shapes:
+        for kind in args.types:
+            path = quantized(shape, kind)
+            bound = largest_tensor_f32_bytes(path) + 2**30
+            work.mkdir(parents=True, exist_ok=True)
+            checkpoint, folder = work / "model.safetensors", work / "hf"
+            commands = {
+                "convert GGUF": [*MANAS, "convert", str(path), "--out", str(checkpoint), "--force"],
+                "export hf": [*MANAS, "export", str(checkpoint), "--out", str(folder), "--force"],
+                "export gguf f16": [*MANAS, "export", str(checkpoint), "--format", "gguf", "--out",
+                                    str(work / "model.gguf"), "--force"],
+                "convert hf folder": [*MANAS, "convert", str(folder), "--out", str(work / "again.safetensors"),
+                                      "--force"],
+            }  # fmt: skip
+            row = {"bound_gib": round(bound / 2**30, 3), "checkpoint_gib": None}
+            for name, command in commands.items():
+                row[name] = peak(command)
+                row[name]["of_bound"] = round(row[name]["peak_rss_gib"] * 2**30 / bound, 2)
+                row["checkpoint_gib"] = row["checkpoint_gib"] or round(checkpoint.stat().st_size / 2**30, 3)
+            report[f"{shape} {kind}"] = row
+            print(f"{shape} {kind}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            shutil.rmtree(work)
+    return report
+
+
+GOALS = {"speed": speed, "memory": memory, "streaming": streaming}
 
 
 def main() -> None:

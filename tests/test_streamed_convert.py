@@ -1,7 +1,8 @@
-"""convert streams: a source's tensors are read, renamed and written a layer at a time (formats/checkpoint_writer.py),
-never a whole model in memory. What it writes is a safetensors file safetensors' own reader takes, holding what the
-whole-model path gives: `convert --quantize` equals `manas quantize` of the float conversion, tensor for tensor. Its
-peak memory does not grow with the model's layers."""
+"""convert and export stream: a model's tensors are read, renamed and written a layer at a time
+(formats/checkpoint_writer.py, model_tensors.py), never a whole model in memory. What they write is a safetensors
+file safetensors' own reader takes, holding what the whole-model path gives: `convert --quantize` equals `manas
+quantize` of the float conversion, and a quantized checkpoint exports its dequantized model, tensor for tensor.
+Their peak memory does not grow with the model's layers."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 import torch
 
 from cli_fixtures import cli_env
+from manas_cli.formats import llama
 from manas_cli.formats.checkpoint import load_checkpoint, stored_state
 from manas_cli.formats.convert import convert_checkpoint
-from manas_cli.torch_engine.quantize import quantize_model
+from manas_cli.formats.huggingface import export_hf
+from manas_cli.torch_engine.quantize import dequantize_model, quantize_model
 from test_llama_family import hf_folder
 
 FAMILIES = ("smollm2", "tinyllama", "phi4-mini", "gemma3")  # tied, untied, fused projections, 1 + w norms
@@ -85,6 +88,18 @@ runpy.run_module("manas_cli", run_name="__main__")
 """
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_checkpoint_exports_its_dequantized_model(folders, tmp_path, kind):
+    checkpoint = tmp_path / f"{kind}.safetensors"
+    convert_checkpoint(folders["tinyllama"], checkpoint, quantize=kind)
+    export_hf(checkpoint, tmp_path / "hf")
+    model = dequantize_model(load_checkpoint(checkpoint).model)
+    expected = llama.hf_tensors(model.config, stored_state(model, None))
+    tensors = file_tensors(tmp_path / "hf" / "model.safetensors")
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[name], expected[name]) for name in tensors)
+
+
 def peak_memory_mib(tmp_path: Path, *args: str | Path) -> float:
     """The peak resident memory of one `manas` process, in MiB."""
     peak_file = tmp_path / "peak"
@@ -99,13 +114,20 @@ def peak_memory_mib(tmp_path: Path, *args: str | Path) -> float:
 
 
 def test_peak_memory_does_not_grow_with_the_layers(tmp_path, tiny_bpe_spec):
-    """16 more layers of 12 MiB (float32) each add 200 MiB to the weights and almost nothing to convert's peak: a
-    whole-model conversion held the weights two or three times over."""
+    """16 more layers of 12 MiB (float32) each add 200 MiB to the weights and almost nothing to the peak of convert,
+    export and export to GGUF: a whole-model conversion held the weights two or three times over."""
     shape = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4)
     peaks = []
     for layers in (2, 18):
-        folder = tmp_path / f"hf-{layers}"
+        folder, checkpoint = tmp_path / f"hf-{layers}", tmp_path / f"{layers}.safetensors"
         hf_folder(folder, tiny_bpe_spec, "tinyllama", num_hidden_layers=layers, **shape)
-        peaks.append(peak_memory_mib(tmp_path, "convert", folder, "--out", tmp_path / f"{layers}.safetensors"))
-        assert (tmp_path / f"{layers}.safetensors").stat().st_size > layers * 12 << 20
-    assert peaks[1] - peaks[0] < 64, peaks
+        peaks.append(
+            (
+                peak_memory_mib(tmp_path, "convert", folder, "--out", checkpoint),
+                peak_memory_mib(tmp_path, "export", checkpoint, "--out", tmp_path / f"export-{layers}"),
+                peak_memory_mib(tmp_path, "export", checkpoint, "--format", "gguf", "--outtype", "f32", "--out",
+                                tmp_path / f"{layers}.gguf"),
+            )
+        )  # fmt: skip
+        assert checkpoint.stat().st_size > layers * 12 << 20
+    assert all(more - fewer < 64 for fewer, more in zip(*peaks)), peaks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -25,9 +26,38 @@ from ..torch_engine.quantize import (
 from .checkpoint import dtype_name
 from .header import FLOAT_DTYPES, ITEMSIZES, not_finite, quantized_matrix, stored_tensors
 
-SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
-                     torch.uint8: "U8"}  # fmt: skip
+SAFETENSORS_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                     torch.int8: "I8", torch.uint8: "U8"}  # fmt: skip
 FLOAT_ROWS_BYTES = 16 << 20  # a float tensor is cast and written this many bytes of float32 rows at a time
+
+
+class SafetensorsWriter:
+    """A safetensors file written into `file` (opened for writing, empty) a tensor, or a slice of rows of one, at a
+    time: the header first, from every tensor's (name, shape, dtype name), then each one's bytes at its place. The
+    data is contiguous, the 4-byte tensors first, so that each starts aligned to its item size."""
+
+    def __init__(self, file: BinaryIO, entries: list[tuple[str, tuple[int, ...], str]], metadata: dict) -> None:
+        self.file = file
+        entries = sorted(entries, key=lambda entry: -ITEMSIZES[entry[2]])  # stable: the caller's order otherwise
+        header, self.places, offset = {"__metadata__": metadata}, {}, 0
+        for name, shape, dtype in entries:
+            size = math.prod(shape) * ITEMSIZES[dtype]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.places[name] = (offset, dtype)
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # safetensors' own padding: the data starts 8-byte aligned
+        file.write(len(text).to_bytes(8, "little") + text)
+        self.data_start = 8 + len(text)
+        file.truncate(self.data_start + offset)
+
+    def write(self, name: str, values: torch.Tensor, at: int = 0) -> None:
+        """values (contiguous, of the planned dtype) as tensor `name`'s bytes from byte `at` of it."""
+        offset, planned = self.places[name]
+        if SAFETENSORS_NAMES[values.dtype] != planned:  # the plan and the tensors disagree: a bug, not a bad file
+            raise AssertionError(f"{name} is {values.dtype}, planned as {planned}")
+        self.file.seek(self.data_start + offset + at)
+        self.file.write(values.reshape(-1).view(torch.uint8).numpy().data)  # as they are: numpy has no bfloat16
 
 
 class CheckpointWriter:
@@ -39,18 +69,7 @@ class CheckpointWriter:
         self.shapes = dict(parameter_shapes(config))  # the model's tensors, float, as a converter hands them
         self.written: set[str] = set()
         entries = [(name, shape, self._dtype(name, allowed)) for name, shape, allowed in stored_tensors(config, kind)]
-        entries.sort(key=lambda entry: -ITEMSIZES[entry[2]])  # stable: 4-byte floats first keeps every one aligned
-        header, self.places, offset = {"__metadata__": metadata}, {}, 0
-        for name, shape, dtype in entries:
-            size = math.prod(shape) * ITEMSIZES[dtype]
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-            self.places[name] = (offset, shape, dtype)
-            offset += size
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # safetensors' own padding: the data starts 8-byte aligned
-        file.write(len(text).to_bytes(8, "little") + text)
-        self.data_start = 8 + len(text)
-        file.truncate(self.data_start + offset)
+        self.out = SafetensorsWriter(file, entries, metadata)
 
     @staticmethod
     def _dtype(name: str, allowed: tuple[str, ...]) -> str:
@@ -95,17 +114,12 @@ class CheckpointWriter:
     def _add_float(self, name: str, tensor: torch.Tensor) -> None:
         """Cast to float32 and written a slice of rows at a time (a bfloat16 model's largest tensor is never whole
         in float32 beside itself), each value finite as stored and as float32 (1e300 in float64 is not)."""
-        offset = self._place(name, "F32")
-        rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
-        step = max(1, FLOAT_ROWS_BYTES // (4 * rows.shape[1]))
-        for first in range(0, rows.shape[0], step):
-            part = rows[first : first + step]
+        at = 0
+        for part in row_slices(tensor):
             values = part.to(torch.float32).contiguous()
-            if not torch.isfinite(values).all():
-                dtype = part.dtype if not torch.isfinite(part).all() else torch.float32
-                raise not_finite(self.source, name, dtype_name(dtype))
-            self._write(offset, values)
-            offset += values.numel() * 4
+            check_finite(name, part, values, self.source)
+            self.out.write(name, values, at)
+            at += values.numel() * 4
 
     def _add_quantized(self, name: str, tensor: torch.Tensor) -> None:
         """A matrix as int8 or int4 (torch_engine/quantize.py's rounding), its scales checked as the loader checks
@@ -119,15 +133,36 @@ class CheckpointWriter:
         if overflowing := layer.overflowing_tensor():
             raise not_finite(self.source, name.removesuffix("weight") + overflowing, "float32")
         for part, stored in layer.state_dict().items():
-            stored_name = name.removesuffix("weight") + part
-            self._write(self._place(stored_name, SAFETENSORS_NAMES[stored.dtype]), stored.contiguous())
+            self.out.write(name.removesuffix("weight") + part, stored.contiguous())
 
-    def _place(self, name: str, dtype: str) -> int:
-        offset, _, planned = self.places[name]
-        if dtype != planned:  # the plan and the quantizer disagree: a bug here, not a bad file
-            raise AssertionError(f"{name} is {dtype}, planned as {planned}")
-        return self.data_start + offset
 
-    def _write(self, offset: int, values: torch.Tensor) -> None:
-        self.file.seek(offset)
-        self.file.write(values.reshape(-1).view(torch.uint8).numpy().data)  # bytes as they are: numpy has no bfloat16
+def row_slices(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """tensor as slices of whole rows of about FLOAT_ROWS_BYTES in float32 (a vector or a scalar is one)."""
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
+    step = max(1, FLOAT_ROWS_BYTES // (4 * rows.shape[1]))
+    for first in range(0, rows.shape[0], step):
+        yield rows[first : first + step]
+
+
+def check_finite(name: str, part: torch.Tensor, values: torch.Tensor, source: Path) -> None:
+    """Refuse rows `part` of tensor `name` unless each value is finite as stored and as float32 (`values`, the same
+    rows cast): 1e300 in float64 is not."""
+    if not torch.isfinite(values).all():
+        dtype = part.dtype if not torch.isfinite(part).all() else torch.float32
+        raise not_finite(source, name, dtype_name(dtype))
+
+
+def write_safetensors(
+    path: Path, planned: Iterable[dict[str, torch.Tensor]], groups: Iterable[dict[str, torch.Tensor]], metadata: dict,
+    source: Path,
+) -> None:  # fmt: skip
+    """A safetensors file of `groups`' tensors, each finite, written as they come, its header planned from
+    `planned`: the same names, shapes and dtypes (on the meta device). Errors name `source`."""
+    entries = [(name, tuple(t.shape), SAFETENSORS_NAMES[t.dtype]) for group in planned for name, t in group.items()]
+    with open(path, "wb") as f:
+        out = SafetensorsWriter(f, entries, metadata)
+        for group in groups:
+            for name, tensor in group.items():
+                for part in row_slices(tensor):
+                    check_finite(name, part, part.to(torch.float32), source)
+                out.write(name, tensor.contiguous())

@@ -23,7 +23,6 @@ from .llama import SHAPE_FIELDS, TOP_MODULES
 if TYPE_CHECKING:
     import torch
 
-    from ..torch_engine.model import GPT
 
 MODEL_TYPE = "gemma3_text"
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -187,7 +186,7 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
     }
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def hf_tensors(config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face's Gemma 3 tensors: q, k, v split in the rotate-half layout, each norm's w back from 1 + w."""
-    tensors = rotary_layout.hf_state_dict(model, BLOCK_MODULES, TOP_MODULES)
+    tensors = rotary_layout.hf_tensors(config, state, BLOCK_MODULES, TOP_MODULES)
     return {name: tensor - 1 if _is_norm(name) else tensor for name, tensor in tensors.items()}

@@ -14,23 +14,22 @@ Hugging Face's GPT-2 has no such thing. The tokenizer goes along as GGUF's byte-
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from ..engine.config import as_float32
+from ..engine.config import GPTConfig, as_float32
 from ..errors import CheckpointError
 from ..files import atomic_write, check_output_file
-from ..torch_engine.model import GPT, GPTConfig
-from ..torch_engine.quantize import dequantize_model
-from . import gemma, llama, phi3, rotary_layout, starcoder2
-from .checkpoint import load_checkpoint
+from . import gemma, gpt2, llama, phi3, rotary_layout, starcoder2
 from .gguf_config import INTERLEAVED, PHI3_LONG_FACTORS, PHI3_SHORT_FACTORS, SMOLLM3_NO_ROPE_INTERVAL
 from .gguf_vocab import import_gguf
-from .gpt2 import hf_state_dict, is_gpt2_linear_weight
 from .huggingface import GPT2_SPLIT_PATTERNS, ByteLevelBPE, byte_level_bpe
+from .model_tensors import model_tensors
 from .tokenizer import DIGITS_PAT_STR, END_OF_TEXT, LLAMA3_PAT_STR, QWEN2_PAT_STR, bos_id
 
 OUTTYPES = ("f32", "f16", "q8_0")
@@ -115,29 +114,45 @@ def _check_layer_patterns(config: GPTConfig, source: Path) -> None:
 # --- tensors -----------------------------------------------------------------------------------------------------
 
 
-def gguf_tensors(gguf: Any, model: GPT) -> dict[str, np.ndarray]:
-    """The model's Hugging Face tensors under llama.cpp's names, float32, in PyTorch's (out, in) layout: GGUF lists
-    dimensions innermost first, so the gguf writer records this as llama.cpp's {in, out}."""
-    config = model.config
+def gguf_tensors(gguf: Any, config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Some of the model's tensors (a layer's, or one outside the layers) as Hugging Face's under llama.cpp's names,
+    float32, in PyTorch's (out, in) layout: GGUF lists dimensions innermost first, so the gguf writer records this
+    as llama.cpp's {in, out}. Shapes alone on the meta device, as export plans its file."""
     architecture = architecture_of(config)
-    twins = {"starcoder2": starcoder2.hf_state_dict, "gpt2": hf_state_dict, "gemma3": gemma.hf_state_dict}
-    twins |= {"phi3": phi3.hf_state_dict}
-    hf_tensors = twins.get(architecture, llama.hf_state_dict)(model)
+    twins = {"starcoder2": starcoder2.hf_tensors, "gpt2": gpt2.hf_tensors, "gemma3": gemma.hf_tensors}
+    twins |= {"phi3": phi3.hf_tensors}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.n_layer)
     tensors = {}
-    for name, tensor in hf_tensors.items():
-        if architecture == "gpt2" and is_gpt2_linear_weight(name.removeprefix("transformer.")):
+    for name, tensor in twins.get(architecture, llama.hf_tensors)(config, state).items():
+        if architecture == "gpt2" and gpt2.is_gpt2_linear_weight(name.removeprefix("transformer.")):
             tensor = tensor.t()  # Conv1D's in×out back to out×in, as llama.cpp's converter does
         if architecture in INTERLEAVED and name.endswith(rotary_layout.QUERY_KEY_TENSORS):
             heads = config.n_head if ".q_proj." in name else config.n_kv_head
             tensor = rotary_layout.from_rotate_half(tensor, heads, config.rotary_dims)  # llama's interleaved pairs
         if architecture == "gemma3" and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp's gemma3 scales by the weight as stored: its converter adds Gemma's 1
-        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous().numpy()
-    if config.rope_factors is not None:  # phi3's LongRoPE: the short factors as both lists (manas keeps no others)
-        names = (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS) if architecture == "phi3" else ("rope_freqs.weight",)
-        tensors |= {name: np.array(config.rope_factors, dtype=np.float32) for name in names}
+        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.float().contiguous()
     return tensors
+
+
+def rope_factor_tensors(config: GPTConfig) -> dict[str, torch.Tensor]:
+    """A scaled rope's factors as llama.cpp reads them: phi3's LongRoPE short factors as both lists (manas keeps no
+    others), llama's as rope_freqs."""
+    if config.rope_factors is None:
+        return {}
+    names = (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS) if architecture_of(config) == "phi3" else ("rope_freqs.weight",)
+    return {name: torch.tensor(config.rope_factors, dtype=torch.float32) for name in names}
+
+
+def stored_form(gguf: Any, shape: tuple[int, ...], kind: Any) -> tuple[tuple[int, ...], Any, int]:
+    """(shape, numpy dtype, bytes) of a tensor of `shape` stored as ggml type `kind`, as gguf.quants.quantize makes
+    it: floats as they are, blocks as rows of bytes."""
+    types = gguf.GGMLQuantizationType
+    if kind in (types.F32, types.F16):
+        dtype = np.float32 if kind == types.F32 else np.float16
+        return shape, dtype, math.prod(shape) * np.dtype(dtype).itemsize
+    byte_shape = tuple(gguf.quant_shape_to_byte_shape(shape, kind))
+    return byte_shape, np.uint8, math.prod(byte_shape)
 
 
 def tensor_type(gguf: Any, name: str, tensor: np.ndarray, outtype: str) -> Any:
@@ -216,41 +231,49 @@ def add_tokenizer(
 def export_gguf(
     checkpoint_path: Path, out: Path, *, outtype: str = "f16", force: bool = False, loaded=None
 ) -> ExportedGGUF:
-    """Write checkpoint_path as one GGUF file, atomically; refuse before writing anything it cannot export. loaded:
-    the checkpoint already read (a GGUF file's, by the caller)."""
+    """Write checkpoint_path as one GGUF file, atomically, a layer at a time (the header first, from the tensors'
+    shapes alone); refuse before writing anything it cannot export. loaded: a GGUF file's model, read whole by the
+    caller."""
     gguf = import_gguf("writing GGUF")
     check_output_file(out, force, inputs=(checkpoint_path,))
-    checkpoint = loaded or load_checkpoint(checkpoint_path)
-    model = dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
+    model = model_tensors(checkpoint_path, loaded)  # a quantized checkpoint exports its weights dequantized
     config = model.config
-    end_of_text = checkpoint.encoding._special_tokens.get(getattr(checkpoint.encoding, "end_of_text", END_OF_TEXT))
+    end_of_text = model.encoding._special_tokens.get(getattr(model.encoding, "end_of_text", END_OF_TEXT))
     check_exportable(config, end_of_text, checkpoint_path)
     # refuses split patterns llama.cpp does not have
-    bpe = byte_level_bpe(checkpoint.encoding, checkpoint_path, tuple(PRE_TOKENIZERS))
-    pre = PRE_TOKENIZERS.get(checkpoint.encoding._pat_str, "gpt-2")  # a tokenizer without merges splits nothing
+    bpe = byte_level_bpe(model.encoding, checkpoint_path, tuple(PRE_TOKENIZERS))
+    pre = PRE_TOKENIZERS.get(model.encoding._pat_str, "gpt-2")  # a tokenizer without merges splits nothing
     architecture = architecture_of(config)
-    tensors = gguf_tensors(gguf, model)
-    # Quantized before the file is opened: whatever fails, fails before anything is written.
-    typed = {name: (tensor, tensor_type(gguf, name, tensor, outtype)) for name, tensor in tensors.items()}
-    stored = {name: (gguf.quants.quantize(tensor, kind), kind) for name, (tensor, kind) in typed.items()}
-    for name, (data, kind) in stored.items():  # as llama.cpp will read it: a float16 of 1e5 is infinite
-        if not np.isfinite(gguf.quants.dequantize(data, kind)).all():
-            raise CheckpointError(f"{checkpoint_path}: tensor {name} holds NaN or infinite values as {kind.name}")
+
+    def groups(meta: bool) -> Iterator[dict[str, torch.Tensor]]:
+        yield from (gguf_tensors(gguf, config, group) for group in model.groups(meta=meta))
+        yield rope_factor_tensors(config)
+
+    kinds = {name: tensor_type(gguf, name, t, outtype) for group in groups(meta=True) for name, t in group.items()}
 
     def write(tmp: str) -> None:
         writer = gguf.GGUFWriter(tmp, architecture)
         try:
             add_hyperparameters(writer, gguf, config, checkpoint_path.stem, outtype)
-            add_tokenizer(writer, gguf, bpe, pre, config.vocab_size, end_of_text, bos_id(checkpoint.encoding))
-            if template := (checkpoint.metadata or {}).get("chat_template"):
+            add_tokenizer(writer, gguf, bpe, pre, config.vocab_size, end_of_text, bos_id(model.encoding))
+            if template := model.metadata.get("chat_template"):
                 writer.add_chat_template(template)  # llama-server and ollama chat in the model's own format
-            for name, (data, kind) in stored.items():
-                writer.add_tensor(name, data, raw_dtype=kind)
+            for group in groups(meta=True):
+                for name, tensor in group.items():
+                    writer.add_tensor_info(name, *stored_form(gguf, tuple(tensor.shape), kinds[name]), kinds[name])
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
+            writer.write_ti_data_to_file()
+            for group in groups(meta=False):  # a layer at a time, in the order of the tensors' entries
+                for name, tensor in group.items():
+                    data = gguf.quants.quantize(tensor.numpy(), kinds[name])
+                    if not np.isfinite(gguf.quants.dequantize(data, kinds[name])).all():  # a float16 of 1e5 is not
+                        raise CheckpointError(
+                            f"{checkpoint_path}: tensor {name} holds NaN or infinite values as {kinds[name].name}"
+                        )
+                    writer.write_tensor_data(data)
         finally:
             writer.close()
 
     atomic_write(out, write, overwrite=force)
-    return ExportedGGUF(out, architecture, outtype, len(stored), out.stat().st_size)
+    return ExportedGGUF(out, architecture, outtype, len(kinds), out.stat().st_size)

@@ -4,19 +4,16 @@ nn.Linear stores weights out×in as manas does, Hugging Face's Conv1D in×out; t
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError
 from .header import TIED
-from .importing import TIED_HEAD, check_tied_head, make_config, typed_field
+from .importing import TIED_HEAD, check_tied_head, make_config, typed_field, with_zero_biases
 
 if TYPE_CHECKING:
     import torch
-
-    from ..torch_engine.model import GPT
 
 
 MODEL_TYPE = "gpt2"
@@ -167,24 +164,15 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
     }
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def hf_tensors(config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """GPT2LMHeadModel's tensors: Conv1D weights transposed, and zero biases where a bias=False model has none
     (a zero bias adds nothing, so the function is the same). lm_head is tied, so it is left out, as
     save_pretrained does."""
-    import torch
-
-    from ..torch_engine.model import GPT
-
-    state = model.state_dict()
-    with torch.device("meta"):
-        with_biases = GPT(replace(model.config, bias=True))
-    dtype = model.token_embedding.weight.dtype
     tensors = {}
-    for name, template in with_biases.state_dict().items():
+    for name, tensor in with_zero_biases(config, state).items():
         if name == TIED:
             continue
-        tensor = state[name] if name in state else torch.zeros(template.shape, dtype=dtype)
         target = gpt2_name(name)
         tensor = tensor.t() if is_gpt2_linear_weight(target) else tensor
-        tensors[f"transformer.{target}"] = tensor.detach().to("cpu").contiguous()
+        tensors[f"transformer.{target}"] = tensor.detach().contiguous()
     return tensors

@@ -118,6 +118,13 @@ def read_metadata(path: str | Path) -> dict[str, str]:
         return _checked_metadata(read_safetensors_header(f, path)[0], path)
 
 
+def read_checkpoint_header(path: str | Path) -> Header:
+    """A checkpoint's header, every part checked, without mapping its data."""
+    path = _existing_file(path)
+    with _open(path) as f:
+        return read_header(f, path)
+
+
 def read_header(f: BinaryIO, path: Path) -> Header:
     """Metadata, config, tokenizer and tensor entries of an open checkpoint, each checked (see FORMAT.md, Reading a
     checkpoint)."""

@@ -42,7 +42,6 @@ from .tokenizer import (
 if TYPE_CHECKING:
     import torch
 
-    from ..torch_engine.model import GPT
     from .tensor_files import LoadedTensors, SafetensorsTensors
 
 # What convert reads from a Hugging Face folder.
@@ -294,25 +293,26 @@ def _model_type(config: Path) -> object:
 # --- the model ------------------------------------------------------------------------------------------------------
 
 
-def hf_model(model: GPT, end_of_text: int | None, source: Path) -> tuple[str, dict, dict[str, torch.Tensor]]:
-    """(architecture, config.json, tensors) of the Hugging Face twin: Llama or Qwen2 for the Llama family,
-    Starcoder2 for another rope model, else GPT-2."""
-    config, dtype = model.config, model.token_embedding.weight.dtype
+def hf_twin(
+    config: GPTConfig, dtype: torch.dtype, end_of_text: int | None, source: Path
+) -> tuple[str, dict, Callable[[GPTConfig, dict[str, torch.Tensor]], dict[str, torch.Tensor]]]:
+    """(architecture, config.json, the tensors' renaming) of the Hugging Face twin: Llama, Qwen2, Qwen3 or SmolLM3
+    for the Llama family, Gemma 3, Phi-3, Starcoder2 for another rope model, else GPT-2."""
     if gemma.is_gemma(config):
         gemma.check_exportable(config, source)
-        return "Gemma 3", gemma.hf_config(config, dtype, end_of_text), gemma.hf_state_dict(model)
+        return "Gemma 3", gemma.hf_config(config, dtype, end_of_text), gemma.hf_tensors
     if phi3.is_phi3(config):
         phi3.check_exportable(config, source)
-        return "Phi-3", phi3.hf_config(config, dtype, end_of_text), phi3.hf_state_dict(model)
+        return "Phi-3", phi3.hf_config(config, dtype, end_of_text), phi3.hf_tensors
     if not config.is_gpt2_family:
         llama.check_exportable(config, source)
         name = llama.NAMES[llama.model_type_of(config)]
-        return name, llama.hf_config(config, dtype, end_of_text), llama.hf_state_dict(model)
+        return name, llama.hf_config(config, dtype, end_of_text), llama.hf_tensors
     if config.position_encoding == "rope":
         starcoder2.check_exportable(config, source)
-        return "Starcoder2", starcoder2.hf_config(config, dtype, end_of_text), starcoder2.hf_state_dict(model)
+        return "Starcoder2", starcoder2.hf_config(config, dtype, end_of_text), starcoder2.hf_tensors
     gpt2.check_exportable(config, source)
-    return "GPT-2", gpt2.hf_config(config, dtype, end_of_text), gpt2.hf_state_dict(model)
+    return "GPT-2", gpt2.hf_config(config, dtype, end_of_text), gpt2.hf_tensors
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------------------
@@ -512,35 +512,37 @@ def write_folder(out: Path, writers: dict[str, Callable[[Path], None]], *, overw
 
 
 def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False, loaded=None) -> Exported:
-    """Write checkpoint_path as a Hugging Face GPT-2 or Starcoder2 folder; refuse before writing anything it cannot
-    export."""
-    from safetensors.torch import save
-
-    from ..torch_engine.quantize import dequantize_model
-    from .checkpoint import check_finite_tensors, load_checkpoint
+    """Write checkpoint_path as a Hugging Face folder, a layer at a time (model_tensors.py: a quantized checkpoint
+    exports its weights dequantized to float); refuse before writing anything it cannot export. loaded: a GGUF
+    file's model, read whole by the caller."""
+    from .checkpoint_writer import write_safetensors
+    from .model_tensors import model_tensors
 
     if out.is_symlink() and out.is_dir():
         out = out.resolve()  # write into the folder the link names, as the user would (a rename would hit the link)
     check_out_dir(out, force, checkpoint_path)
-    checkpoint = loaded or load_checkpoint(checkpoint_path)  # loaded: a GGUF file's, read by the caller
-    dequantize_model(checkpoint.model)  # an int8 checkpoint exports its weights dequantized to float
-    config = checkpoint.model.config
-    texts = tokenizer_files(checkpoint.encoding, config.block_size, checkpoint_path)
+    model = model_tensors(checkpoint_path, loaded)
+    config = model.config
+    texts = tokenizer_files(model.encoding, config.block_size, checkpoint_path)
     # The model's own ends: the token that ends its texts or turns (<|im_end|> for an instruct model), and its BOS
-    end_of_text = end_of_text_id(checkpoint.encoding)
-    bos = bos_id(checkpoint.encoding)
-    architecture, model_config, tensors = hf_model(checkpoint.model, end_of_text, checkpoint_path)
-    check_finite_tensors(tensors, checkpoint_path)
+    end_of_text = end_of_text_id(model.encoding)
+    bos = bos_id(model.encoding)
+    architecture, model_config, to_hf = hf_twin(config, model.dtype, end_of_text, checkpoint_path)
     generation = {"bos_token_id": end_of_text if bos is None else bos, "eos_token_id": end_of_text}
     texts |= {"config.json": json_text(model_config), "generation_config.json": json_text(generation)}
-    if template := (checkpoint.metadata or {}).get("chat_template"):  # transformers and vLLM chat in its format
+    if template := model.metadata.get("chat_template"):  # transformers and vLLM chat in its format
         texts["tokenizer_config.json"] = json_text(
             json.loads(texts["tokenizer_config.json"]) | {"chat_template": template}
         )
     writers: dict[str, Callable[[Path], None]] = {
         name: (lambda path, text=text: path.write_text(text, encoding="utf-8")) for name, text in texts.items()
     }
-    # save() to bytes, not save_file(), whose own temporary file is private (0600) and would stay so
-    writers["model.safetensors"] = lambda path: path.write_bytes(save(tensors, metadata={"format": "pt"}))
+
+    def weights(path: Path) -> None:
+        planned = (to_hf(config, group) for group in model.groups(meta=True))
+        write_safetensors(path, planned, (to_hf(config, group) for group in model.groups()), {"format": "pt"},
+                          checkpoint_path)  # fmt: skip
+
+    writers["model.safetensors"] = weights
     write_folder(out, writers, overwrite=force)
     return Exported(out, sorted(writers), config, architecture)

@@ -9,6 +9,7 @@ import warnings
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,21 @@ def build_model(config: GPTConfig, state: dict[str, torch.Tensor], source: Path)
     model = GPT(config)  # a real init costs less than the meta device, whose first use imports torch._dynamo
     model.load_state_dict(state, strict=False)  # copies into float32 parameters; lm_head stays tied
     return model.eval()
+
+
+def with_zero_biases(config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """state, with a zero bias beside each of its weights whose module has none in this config and has one in a
+    bias=True model of it: GPT-2's and Starcoder2's Hugging Face classes always have biases, and adding zero changes
+    nothing. On the device (meta too) and in the dtype of its weight."""
+    import torch
+
+    shapes, own = dict(parameter_shapes(replace(config, bias=True))), dict(parameter_shapes(config))
+    zeros = {}
+    for name, tensor in state.items():
+        bias = name.removesuffix("weight") + "bias"
+        if name.endswith(".weight") and bias in shapes and bias not in own:
+            zeros[bias] = torch.zeros(shapes[bias], dtype=tensor.dtype, device=tensor.device)
+    return state | zeros
 
 
 def check_tied_head(head: torch.Tensor | None, embedding: torch.Tensor | None, source: Path) -> None:

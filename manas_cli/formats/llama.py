@@ -24,7 +24,6 @@ from .importing import make_config, typed_field
 if TYPE_CHECKING:
     import torch
 
-    from ..torch_engine.model import GPT
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -309,6 +308,6 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
     return values
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def hf_tensors(config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The Hugging Face model's tensors: q, k, v split in the rotate-half layout, lm_head only when untied."""
-    return rotary_layout.hf_state_dict(model, BLOCK_MODULES, TOP_MODULES)
+    return rotary_layout.hf_tensors(config, state, BLOCK_MODULES, TOP_MODULES)

@@ -25,7 +25,6 @@ from .importing import make_config, typed_field
 if TYPE_CHECKING:
     import torch
 
-    from ..torch_engine.model import GPT
 
 MODEL_TYPE = "phi3"
 ARCHITECTURE = "Phi3ForCausalLM"
@@ -180,12 +179,12 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
     }
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def hf_tensors(config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Phi3ForCausalLM's tensors: q, k, v fused as qkv_proj (in the rotate-half layout), gate and up as
     gate_up_proj."""
     import torch
 
-    tensors = llama.hf_state_dict(model)
+    tensors = llama.hf_tensors(config, state)
     for name in [name for name in tensors if name.endswith(".self_attn.q_proj.weight")]:
         parts = [tensors.pop(name.replace("q_proj", part)) for part in rotary_layout.QKV]
         tensors[name.replace("q_proj", "qkv_proj")] = torch.cat(parts)

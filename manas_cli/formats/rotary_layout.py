@@ -16,8 +16,6 @@ from ..errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-    from ..torch_engine.model import GPT
-
 
 QKV = ("q_proj", "k_proj", "v_proj")
 QKV_MODULES = {f"self_attn.{name}": name for name in QKV}  # inside model.layers.N
@@ -109,11 +107,14 @@ def state_to_manas(
     return renamed
 
 
-def hf_state_dict(model: GPT, block_modules: dict[str, str], top_modules: dict[str, str]) -> dict[str, torch.Tensor]:
-    """A rotary model's tensors under Hugging Face's names (state_to_manas' inverse): q, k, v split in the
-    rotate-half layout, the head norms too, lm_head only when untied."""
-    config, tensors = model.config, {}
-    for name, tensor in model.state_dict().items():
+def hf_tensors(
+    config: GPTConfig, state: dict[str, torch.Tensor], block_modules: dict[str, str], top_modules: dict[str, str]
+) -> dict[str, torch.Tensor]:
+    """Some of a rotary model's tensors (a layer's, or some of those outside the layers) under Hugging Face's names
+    (state_to_manas' inverse): q, k, v split in the rotate-half layout, the head norms too, lm_head only when
+    untied. Shapes alone on the meta device, as export plans its file."""
+    tensors = {}
+    for name, tensor in state.items():
         module, _, kind = name.rpartition(".")
         parts = module.split(".", 2)
         if module == "lm_head" and config.tie_embeddings:
@@ -126,7 +127,7 @@ def hf_state_dict(model: GPT, block_modules: dict[str, str], top_modules: dict[s
         else:
             tensor = to_rotate_half(tensor, 1, config.rotary_dims) if parts[2] in HEAD_NORMS else tensor  # as a head
             tensors[f"model.layers.{parts[1]}.{block_modules[parts[2]]}.{kind}"] = tensor
-    return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    return {name: t.detach().contiguous() for name, t in tensors.items()}
 
 
 def hf_shape(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) -> dict:

@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError
 from . import rotary_layout
-from .importing import make_config, typed_field
+from .importing import make_config, typed_field, with_zero_biases
 
 if TYPE_CHECKING:
     import torch
 
-    from ..torch_engine.model import GPT
 
 ARCHITECTURE = "Starcoder2ForCausalLM"
 MODEL_TYPE = "starcoder2"
@@ -78,33 +77,10 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
     }
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+def hf_tensors(config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Starcoder2ForCausalLM's tensors, lm_head left out as it is tied; a bias=False model gets zero biases (adding
     zero changes nothing, and llama.cpp's starcoder2 requires every bias)."""
-    import torch
-
-    config = model.config
-    state = model.state_dict()
-    dtype = model.token_embedding.weight.dtype
-
-    def own_or_zeros(name: str, rows: int) -> torch.Tensor:
-        return state[name] if name in state else torch.zeros(rows, dtype=dtype)
-
-    tensors = {f"{TOP_MODULES['token_embedding']}.weight": state["token_embedding.weight"]}
-    for kind in ("weight", "bias"):
-        tensors[f"{TOP_MODULES['final_norm']}.{kind}"] = own_or_zeros(f"final_norm.{kind}", config.n_embd)
-    kv_width = config.n_kv_head * config.head_size
-    for i in range(config.n_layer):
-        block, layer = f"blocks.{i}", f"model.layers.{i}"
-        for module, target in BLOCK_MODULES.items():
-            rows = 4 * config.n_embd if module == "ffn.up" else config.n_embd
-            tensors[f"{layer}.{target}.weight"] = state[f"{block}.{module}.weight"]
-            tensors[f"{layer}.{target}.bias"] = own_or_zeros(f"{block}.{module}.bias", rows)
-        for kind in ("weight", "bias"):
-            fused = own_or_zeros(f"{block}.attention.qkv.{kind}", config.n_embd + 2 * kv_width)
-            for name, part in rotary_layout.split_qkv(fused, config).items():
-                tensors[f"{layer}.self_attn.{name}.{kind}"] = part
-    return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    return rotary_layout.hf_tensors(config, with_zero_biases(config, state), BLOCK_MODULES, TOP_MODULES)
 
 
 # --- convert ---------------------------------------------------------------------------------------------------------

@@ -122,6 +122,22 @@ def test_convert_streams_the_tensors_the_whole_file_import_builds(typed_files, f
             assert torch.equal(f.get_tensor(name), expected[name]), name
 
 
+def test_a_gguf_exports_a_layer_at_a_time_the_model_its_conversion_exports(typed_files, tmp_path):
+    from safetensors import safe_open
+
+    path = typed_files["qwen2-mix"]
+    manas("export", path, "--out", tmp_path / "direct").ok()
+    manas("convert", path, "--out", tmp_path / "converted.safetensors").ok()
+    manas("export", tmp_path / "converted.safetensors", "--out", tmp_path / "through").ok()
+    with (
+        safe_open(tmp_path / "direct" / "model.safetensors", "pt") as a,
+        safe_open(tmp_path / "through" / "model.safetensors", "pt") as b,
+    ):
+        assert set(a.keys()) == set(b.keys())
+        assert all(torch.equal(a.get_tensor(name), b.get_tensor(name)) for name in a.keys())
+    assert (tmp_path / "direct" / "config.json").read_text() == (tmp_path / "through" / "config.json").read_text()
+
+
 @needs_compiler
 @pytest.mark.parametrize("file", ["smollm2-mix", "qwen2-mix", "smollm2-all", "qwen2-all"])
 def test_a_gguf_runs_in_place_and_its_cached_generation_equals_crop_and_recompute(typed_files, file, tmp_path):

@@ -7,6 +7,7 @@ Their peak memory does not grow with the model's layers."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,24 @@ def test_the_streamed_file_is_safetensors_with_its_data_aligned_and_holds_the_lo
     expected = stored_state(model, None)
     assert tensors.keys() == expected.keys()
     assert all(torch.equal(tensors[name], expected[name]) for name in tensors)
+
+
+def test_a_bfloat16_folder_converts_to_its_values_in_float32(folders, tmp_path):
+    """Hugging Face's usual dtype: each tensor cast a slice of rows at a time, exactly (bfloat16 is a float32
+    with its low 16 bits zero)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(folders["smollm2"], folder)
+    weights = load_file(folder / "model.safetensors")
+    save_file({name: t.to(torch.bfloat16) for name, t in weights.items()}, folder / "model.safetensors")
+    convert_checkpoint(folder, tmp_path / "from-bf16.safetensors")
+    convert_checkpoint(folders["smollm2"], tmp_path / "from-f32.safetensors")
+    rounded, exact = file_tensors(tmp_path / "from-bf16.safetensors"), file_tensors(tmp_path / "from-f32.safetensors")
+    assert rounded.keys() == exact.keys()
+    for name, tensor in rounded.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, exact[name].to(torch.bfloat16).float()), name
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

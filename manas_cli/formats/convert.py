@@ -38,6 +38,7 @@ from .tokenizer import build_encoding, spec_from_tiktoken_file, vocabulary_size
 if TYPE_CHECKING:
     import torch
 
+    from .gguf_model import GGUFImport
     from .tensor_files import GGUFTensors, LoadedTensors, SafetensorsTensors
 
     TensorFile = SafetensorsTensors | GGUFTensors | LoadedTensors
@@ -67,10 +68,16 @@ class Source:
     tensors: TensorFile
     to_manas: Callable[[dict[str, torch.Tensor], GPTConfig], tuple[GPTConfig, dict[str, torch.Tensor]]]
 
-    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
+    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """The tensors outside the layers first (whatever they decide of the config comes before the header is
         written), then each layer's: one group in memory at a time. Those outside the layers come one by one,
-        except in a tied model, whose repeated output layer is compared with the token embedding."""
+        except in a tied model, whose repeated output layer is compared with the token embedding. meta: float32
+        tensors of their shapes on the meta device, nothing read."""
+        import torch
+
+        def read(name: str) -> torch.Tensor:
+            return torch.empty(self.tensors.shape(name), device="meta") if meta else self.tensors.read(name)
+
         layers: dict[int, list[str]] = {}
         top: list[str] = []
         for name in self.tensors.names:
@@ -79,14 +86,16 @@ class Source:
         top_groups = [top] if self.config.tie_embeddings else [[name] for name in top]
         for names in (*top_groups, *(layers[index] for index in sorted(layers))):
             if names:
-                yield {name: self.tensors.read(name) for name in names}
+                yield {name: read(name) for name in names}
 
 
 def read_source(src: Path, config_path: Path | None) -> Source:
     """Detect what src is and how its tensors become a manas model's, reading no more of it than that takes."""
     check_source(src)
     if src.suffix == ".gguf" and src.is_file():
-        return _gguf_source(src)[0]
+        from .gguf_model import read_gguf_import
+
+        return gguf_source(read_gguf_import(src))
     if src.is_dir():
         if config_path is not None:
             raise InputError(f"{src} is a folder with its own config.json; --config is for a bare model.safetensors")
@@ -124,15 +133,15 @@ def _hf_source(template: str, src: Path, config: GPTConfig, tensors: TensorFile)
     )
 
 
-def _gguf_source(src: Path) -> tuple[Source, tuple[str, dict], str | None]:
-    """A GGUF file's source, (tokenizer description, spec) and chat template: all of it is in the file."""
-    from .gguf_model import read_gguf_import
+def gguf_source(imported: GGUFImport) -> Source:
+    """A GGUF file's source: its config, tensors and their renaming are all in the file."""
+    return Source(f"GGUF {imported.architecture}", imported.config, imported.tensors, imported.to_manas)
 
-    imported = read_gguf_import(src)
+
+def _gguf_tokenizer(imported: GGUFImport, src: Path) -> tuple[str, dict]:
+    """(a description, the spec) of the tokenizer in a GGUF file's metadata."""
     kind = "SentencePiece" if imported.tokenizer_spec["kind"] == "spm" else "byte-level BPE"
-    tokenizer = (f"the {kind} in {src.name}'s metadata (embedded)", imported.tokenizer_spec)
-    source = Source(f"GGUF {imported.architecture}", imported.config, imported.tensors, imported.to_manas)
-    return source, tokenizer, imported.chat_template
+    return f"the {kind} in {src.name}'s metadata (embedded)", imported.tokenizer_spec
 
 
 def source_files(src: Path) -> tuple[Path, ...]:
@@ -230,7 +239,11 @@ def convert_checkpoint(
     check_output_file(dst, force, inputs=(*source_files(src), config_path, tokenizer_file, tokenizer_meta))
     check_source(src)
     if src.suffix == ".gguf" and src.is_file():
-        source, (description, spec), template = _gguf_source(src)
+        from .gguf_model import read_gguf_import
+
+        imported = read_gguf_import(src)
+        source, (description, spec) = gguf_source(imported), _gguf_tokenizer(imported, src)
+        template = imported.chat_template
     else:
         own = folder_tokenizer(src) if tokenizer_file is None and tokenizer_meta is None else None
         description, spec = own or tokenizer_spec(tokenizer, tokenizer_file, tokenizer_meta)

@@ -228,15 +228,12 @@ def add_tokenizer(
     writer.add_add_eos_token(False)
 
 
-def export_gguf(
-    checkpoint_path: Path, out: Path, *, outtype: str = "f16", force: bool = False, loaded=None
-) -> ExportedGGUF:
-    """Write checkpoint_path as one GGUF file, atomically, a layer at a time (the header first, from the tensors'
-    shapes alone); refuse before writing anything it cannot export. loaded: a GGUF file's model, read whole by the
-    caller."""
+def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force: bool = False) -> ExportedGGUF:
+    """Write checkpoint_path (a manas checkpoint or a GGUF file) as one GGUF file, atomically, a layer at a time
+    (the header first, from the tensors' shapes alone); refuse before writing anything it cannot export."""
     gguf = import_gguf("writing GGUF")
     check_output_file(out, force, inputs=(checkpoint_path,))
-    model = model_tensors(checkpoint_path, loaded)  # a quantized checkpoint exports its weights dequantized
+    model = model_tensors(checkpoint_path)  # quantized weights export dequantized
     config = model.config
     end_of_text = model.encoding._special_tokens.get(getattr(model.encoding, "end_of_text", END_OF_TEXT))
     check_exportable(config, end_of_text, checkpoint_path)

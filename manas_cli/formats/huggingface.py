@@ -511,17 +511,17 @@ def write_folder(out: Path, writers: dict[str, Callable[[Path], None]], *, overw
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False, loaded=None) -> Exported:
-    """Write checkpoint_path as a Hugging Face folder, a layer at a time (model_tensors.py: a quantized checkpoint
-    exports its weights dequantized to float); refuse before writing anything it cannot export. loaded: a GGUF
-    file's model, read whole by the caller."""
+def export_hf(checkpoint_path: Path, out: Path, *, force: bool = False) -> Exported:
+    """Write checkpoint_path (a manas checkpoint or a GGUF file) as a Hugging Face folder, a layer at a time
+    (model_tensors.py: quantized weights export dequantized to float); refuse before writing anything it cannot
+    export."""
     from .checkpoint_writer import write_safetensors
     from .model_tensors import model_tensors
 
     if out.is_symlink() and out.is_dir():
         out = out.resolve()  # write into the folder the link names, as the user would (a rename would hit the link)
     check_out_dir(out, force, checkpoint_path)
-    model = model_tensors(checkpoint_path, loaded)
+    model = model_tensors(checkpoint_path)
     config = model.config
     texts = tokenizer_files(model.encoding, config.block_size, checkpoint_path)
     # The model's own ends: the token that ends its texts or turns (<|im_end|> for an instruct model), and its BOS

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tiktoken
 import torch
@@ -16,8 +17,13 @@ from ..torch_engine.quantize import dequantize_stored
 from .checkpoint import TORCH_DTYPES, stored_state
 from .header import Checkpoint, quantized_matrix, read_checkpoint_header
 from .tensor_files import SafetensorsTensors
+from .tokenizer import build_encoding
+
+if TYPE_CHECKING:
+    from .gguf_model import GGUFImport
 
 BLOCK = re.compile(r"^blocks\.(\d+)\.")
+TIED_BY_COMPARISON = ("gpt2", "starcoder2")  # llama.cpp architectures whose output layer may repeat the embedding
 
 
 def by_layer(names: Iterable[str]) -> list[list[str]]:
@@ -66,7 +72,8 @@ class CheckpointTensors:
 
 
 class LoadedTensors:
-    """A float model already in memory (a GGUF file read whole), under the same calls."""
+    """A float model read whole (a gpt2 or starcoder2 GGUF file, whose repeated output layer decides the config
+    only once compared with the embedding), under the same calls."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         model = checkpoint.model
@@ -78,6 +85,28 @@ class LoadedTensors:
             yield {name: self.state[name].to("meta") if meta else self.state[name].detach() for name in names}
 
 
-def model_tensors(path: Path, loaded: Checkpoint | None) -> CheckpointTensors | LoadedTensors:
-    """The tensors export writes: a checkpoint file's, or those of a model the caller has read (a GGUF file)."""
-    return LoadedTensors(loaded) if loaded is not None else CheckpointTensors(path)
+class ImportedTensors:
+    """A GGUF file's model, a layer at a time: each group of its tensors dequantized and renamed as convert does."""
+
+    def __init__(self, imported: GGUFImport) -> None:
+        from .convert import gguf_source
+
+        self.source, self.config, self.dtype = gguf_source(imported), imported.config, torch.float32
+        self.encoding = build_encoding(imported.tokenizer_spec)
+        self.metadata = {"chat_template": imported.chat_template} if imported.chat_template else {}
+
+    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        for group in self.source.groups(meta):
+            yield self.source.to_manas(group, self.config)[1]
+
+
+def model_tensors(path: Path) -> CheckpointTensors | ImportedTensors | LoadedTensors:
+    """The tensors export writes: a checkpoint's, or a GGUF file's (a gpt2 or starcoder2 one read whole)."""
+    if path.suffix != ".gguf":
+        return CheckpointTensors(path)
+    from .gguf_model import load_gguf_checkpoint, read_gguf_import
+
+    imported = read_gguf_import(path)
+    if imported.architecture in TIED_BY_COMPARISON:
+        return LoadedTensors(load_gguf_checkpoint(path))
+    return ImportedTensors(imported)

@@ -13,19 +13,12 @@ def run(*, checkpoint: Path, out: Path, output_format: str, outtype: str | None,
 
     if outtype is not None and output_format != "gguf":
         raise typer.BadParameter("--outtype applies to --format gguf only", param_hint="'--outtype'")
-    loaded = None
-    if checkpoint.suffix == ".gguf":  # a GGUF file read into memory as float32 (the gguf package dequantizes it)
-        from ...formats.gguf_model import load_gguf_checkpoint
-
-        with activity(stderr_console(), pipe=False) as show:
-            show(f"reading {checkpoint.name}")
-            loaded = load_gguf_checkpoint(checkpoint)
     if output_format == "gguf":
         from ...formats.gguf import export_gguf
 
         with activity(stderr_console(), pipe=False) as show:
             show(f"exporting {checkpoint.name} as GGUF")
-            done = export_gguf(checkpoint, out, outtype=outtype or "f16", force=force, loaded=loaded)
+            done = export_gguf(checkpoint, out, outtype=outtype or "f16", force=force)
         stderr_console().print(
             f"wrote a GGUF model (llama.cpp architecture {done.architecture}, {done.outtype}) to {done.out}: "
             f"{done.tensors} tensors, {done.size_bytes:,} bytes"
@@ -35,7 +28,7 @@ def run(*, checkpoint: Path, out: Path, output_format: str, outtype: str | None,
 
     with activity(stderr_console(), pipe=False) as show:
         show(f"exporting {checkpoint.name} as a Hugging Face folder")
-        result = export_hf(checkpoint, out, force=force, loaded=loaded)
+        result = export_hf(checkpoint, out, force=force)
     stderr_console().print(
         f"wrote a Hugging Face {result.architecture} model to {result.out}: {', '.join(result.files)}"
     )

@@ -8,7 +8,7 @@ import math
 import re
 from pathlib import Path
 
-from ..engine.config import GPTConfig
+from ..engine.config import GPTConfig, as_float32
 from ..errors import CheckpointError
 from .gguf_metadata import Layout, TensorInfo
 from .importing import make_config
@@ -163,9 +163,15 @@ def with_rope_factors(config: GPTConfig, factors: list[float] | None, path: Path
 def _decimal(value: object) -> object:
     """A float GGUF stores as float32, as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07):
     the config.json's value it was written from."""
-    import numpy as np
-
-    return float(str(np.float32(value))) if isinstance(value, float) else value
+    if not isinstance(value, float) or not math.isfinite(value):
+        return value
+    stored = as_float32(value)
+    # the fewest significant digits that read back as the same float32 (9 always do); not numpy's str(), which a
+    # GGUF run would import for this alone (some 10 MB of its memory)
+    for digits in range(1, 10):
+        if as_float32(shortest := float(f"{stored:.{digits}g}")) == stored:
+            return shortest
+    return stored
 
 
 def tensor_extent(tensor: TensorInfo, layout: Layout, block: tuple[int, int], path: Path) -> tuple[int, int]:

@@ -29,6 +29,7 @@ SCALARS = {  # GGUF value type → struct format
     12: "<d",
 }
 STRING, ARRAY = 8, 9
+LENGTH = struct.Struct("<Q")  # a string's length
 DEFAULT_ALIGNMENT = 32
 MAX_DIMENSIONS = 4
 MIN_ENTRY_BYTES = 8 + 4 + 4 + 8  # a tensor entry's name length, dimension count, type and offset, at the least
@@ -42,10 +43,13 @@ class _Reader:
 
     def take(self, size: int) -> memoryview:
         if size < 0 or self.offset + size > len(self.data):
-            raise TokenizerError(f"{self.path} is not a GGUF file manas can read: it ends inside its metadata")
+            raise self.truncated()
         view = memoryview(self.data)[self.offset : self.offset + size]
         self.offset += size
         return view
+
+    def truncated(self) -> TokenizerError:
+        return TokenizerError(f"{self.path} is not a GGUF file manas can read: it ends inside its metadata")
 
     def unpack(self, form: str):
         return struct.unpack(form, self.take(struct.calcsize(form)))[0]
@@ -56,6 +60,26 @@ class _Reader:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise TokenizerError(f"{self.path}: a string of its GGUF metadata is not UTF-8") from None
+
+    def strings(self, count: int) -> list[str]:
+        """count strings at once, each a u64 length and its bytes: a vocabulary's tokens and merges, some 300,000
+        strings, read in one loop rather than by take() and unpack() each (a third of a run's start-up)."""
+        data, offset, end, strings = self.data, self.offset, len(self.data), []
+        length_at = LENGTH.unpack_from
+        try:
+            for _ in range(count):
+                (length,) = length_at(data, offset)
+                offset += 8
+                if offset + length > end:
+                    raise struct.error("past the end")
+                strings.append(str(data[offset : offset + length], "utf-8"))  # a copy, never a view of the map
+                offset += length
+        except struct.error:
+            raise self.truncated() from None
+        except UnicodeDecodeError:
+            raise TokenizerError(f"{self.path}: a string of its GGUF metadata is not UTF-8") from None
+        self.offset = offset
+        return strings
 
     def value(self, kind: int, depth: int = 0):
         if kind in SCALARS:
@@ -69,6 +93,8 @@ class _Reader:
             if item in SCALARS:  # read at once: a vocabulary's scores and types
                 form = SCALARS[item]
                 return list(struct.unpack(f"<{count}{form[1]}", self.take(count * struct.calcsize(form))))
+            if item == STRING:
+                return self.strings(count)
             return [self.value(item, depth + 1) for _ in range(count)]
         raise TokenizerError(f"{self.path} is not a GGUF file manas can read: a value of unknown type {kind}")
 

@@ -144,6 +144,13 @@ def rope_factor_tensors(config: GPTConfig) -> dict[str, torch.Tensor]:
     return {name: torch.tensor(config.rope_factors, dtype=torch.float32) for name in names}
 
 
+def readable(gguf: Any, data: np.ndarray, kind: Any) -> np.ndarray:
+    """Stored data as llama.cpp will read it: floats as they are (no float32 copy of a float16 embedding), blocks
+    dequantized."""
+    types = gguf.GGMLQuantizationType
+    return data if kind in (types.F32, types.F16) else gguf.quants.dequantize(data, kind)
+
+
 def stored_form(gguf: Any, shape: tuple[int, ...], kind: Any) -> tuple[tuple[int, ...], Any, int]:
     """(shape, numpy dtype, bytes) of a tensor of `shape` stored as ggml type `kind`, as gguf.quants.quantize makes
     it: floats as they are, blocks as rows of bytes."""
@@ -264,7 +271,7 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
             for group in groups(meta=False):  # a layer at a time, in the order of the tensors' entries
                 for name, tensor in group.items():
                     data = gguf.quants.quantize(tensor.numpy(), kinds[name])
-                    if not np.isfinite(gguf.quants.dequantize(data, kinds[name])).all():  # a float16 of 1e5 is not
+                    if not np.isfinite(readable(gguf, data, kinds[name])).all():  # a float16 of 1e5 is not
                         raise CheckpointError(
                             f"{checkpoint_path}: tensor {name} holds NaN or infinite values as {kinds[name].name}"
                         )

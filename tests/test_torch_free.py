@@ -382,3 +382,13 @@ def test_convert_refuses_a_source_config_or_output_without_importing_torch(tmp_p
     ):
         assert probe("convert", source, "--out", out) == (1, "torch never imported"), (source, out)
     assert not (tmp_path / "out.safetensors").exists() and (tmp_path / "taken.safetensors").read_bytes() == b"x"
+
+
+def test_a_folder_whose_tokenizer_does_not_fit_is_refused_with_its_weights_unread(tmp_path, tiny_bpe_spec):
+    """convert reads a folder's weights a layer at a time, after the tokenizer is checked: 268 tokens for a model of
+    100 ids is refused before torch is imported."""
+    from test_llama_family import hf_folder
+
+    hf_folder(tmp_path / "hf", tiny_bpe_spec, "smollm2", vocab_size=100)
+    assert probe("convert", tmp_path / "hf", "--out", tmp_path / "out.safetensors") == (1, "torch never imported")
+    assert not (tmp_path / "out.safetensors").exists()

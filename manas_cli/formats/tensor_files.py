@@ -1,7 +1,7 @@
 """The tensors of a file convert reads, one at a time: `names`, `shape(name)` and `read(name)`. Each read is a plain
 read of that tensor's bytes into memory of its own, never a mapping of the file, so that a converter holds what it
 is working on and nothing more (a mapping's pages stay counted in its memory until it is closed). Every extent is
-checked against the file before anything is read."""
+checked against the file before anything is read, and torch is imported only to read: a refusal comes first."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import math
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, first_line
 from .gguf_config import tensor_extent
@@ -20,11 +18,14 @@ from .gguf_metadata import Layout, TensorInfo
 from .gguf_vocab import import_gguf
 from .header import read_safetensors_header
 
-# safetensors' dtypes convert reads: a tensor of another (a string's bytes, a complex number) is refused by name
+if TYPE_CHECKING:
+    import torch
+
+# safetensors' dtypes convert reads, as (torch's name, bytes): a tensor of another (a complex number) is refused
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
 }  # fmt: skip
 DEQUANTIZED_ROWS_BYTES = 64 << 20  # a GGUF tensor is dequantized this many bytes of float32 rows at a time
 
@@ -53,7 +54,7 @@ class SafetensorsTensors:
             for name, entry in tensors.items():
                 if entry.dtype not in SAFETENSORS_DTYPES:
                     raise CheckpointError(f"{path}: tensor {name} is {entry.dtype}, not a dtype of weights")
-                itemsize = SAFETENSORS_DTYPES[entry.dtype].itemsize
+                itemsize = SAFETENSORS_DTYPES[entry.dtype][1]
                 if entry.end - entry.start != math.prod(entry.shape) * itemsize:
                     raise CheckpointError(f"{path}: tensor {name}'s bytes do not match its shape {list(entry.shape)}")
                 self.entries[name] = (path, entry)
@@ -89,14 +90,15 @@ class SafetensorsTensors:
         return self.entries[name][1].shape
 
     def read(self, name: str) -> torch.Tensor:
+        import torch
+
         path, entry = self.entries[name]
-        dtype = SAFETENSORS_DTYPES[entry.dtype]
+        dtype = getattr(torch, SAFETENSORS_DTYPES[entry.dtype][0])
         if not entry.end - entry.start:
             return torch.empty(entry.shape, dtype=dtype)
-        data = read_bytes(path, entry.start, entry.end - entry.start)
-        with warnings.catch_warnings():  # a bytearray is writable; torch warns about buffers that are not
-            warnings.simplefilter("ignore")
-            return torch.frombuffer(data, dtype=dtype).reshape(entry.shape)
+        return torch.frombuffer(read_bytes(path, entry.start, entry.end - entry.start), dtype=dtype).reshape(
+            entry.shape
+        )
 
 
 class GGUFTensors:
@@ -125,6 +127,9 @@ class GGUFTensors:
         several times the values they make); a value that is not finite (a scale of NaN or infinity) is refused
         here, naming the file and the tensor. The package's numpy warnings about such values stay off the user's
         terminal: the error says it."""
+        import numpy as np
+        import torch
+
         tensor, (start, size) = self.tensors[name], self.extents[name]
         kind = self.gguf.GGMLQuantizationType(tensor.kind)
         shape = self.shape(name)
@@ -159,6 +164,8 @@ class LoadedTensors:
     @classmethod
     def of(cls, loaded: object, source: Path) -> LoadedTensors:
         """A pickle's state dict, refused unless it is one: names to tensors."""
+        import torch
+
         if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
             raise CheckpointError(f"{source}: not a state dict of tensors")
         return cls(loaded)

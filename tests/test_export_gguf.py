@@ -375,3 +375,47 @@ def test_q8_0_keeps_float16_for_matrices_whose_rows_do_not_fill_whole_blocks(tmp
     assert kinds["token_embd.weight"] == kinds["blk.0.attn_q.weight"] == "F16"  # rows of 48
     assert kinds["blk.0.ffn_down.weight"] == "Q8_0"  # rows of 4 × 48 = 192 = 6 blocks
     assert kinds["blk.0.attn_q.bias"] == "F32"
+
+
+def with_own_output_layer(source: Path, out: Path) -> None:
+    """The GGUF at source written again with an output.weight of its own: the token embedding, scaled."""
+    import numpy as np
+
+    from test_real_models import copy_fields
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    copy_fields(writer, reader.fields)
+    for tensor in reader.tensors:
+        values = np.array(tensor.data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        writer.add_tensor(tensor.name, values)
+        if tensor.name == "token_embd.weight":
+            writer.add_tensor("output.weight", values * 1.5)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name", ["learned", "rope"])
+def test_a_gpt2_or_starcoder2_gguf_exports_the_model_its_conversion_exports(checkpoints, tmp_path, name):
+    """export reads a GGUF a layer at a time, as convert does; a gpt2 or starcoder2 file's output layer, compared with
+    the embedding first, unties the model only where it differs (and an untied GPT-2 block exports nowhere)."""
+    import numpy as np
+
+    path, untied = tmp_path / "m.gguf", tmp_path / "untied.gguf"
+    again = ("--format", "gguf", "--outtype", "f32")
+    for args in (("export", checkpoints[name], *again, "--out", path),
+                 ("export", path, *again, "--out", tmp_path / "direct.gguf"),
+                 ("convert", path, "--out", tmp_path / "c.safetensors"),
+                 ("export", tmp_path / "c.safetensors", *again, "--out", tmp_path / "through.gguf")):  # fmt: skip
+        done = run_manas(*args)
+        assert done.returncode == 0, done.stderr
+    direct, through = ({t.name: t.data for t in gguf.GGUFReader(tmp_path / f"{way}.gguf").tensors}
+                       for way in ("direct", "through"))  # fmt: skip
+    assert direct.keys() == through.keys() and "output.weight" not in direct
+    assert all(np.array_equal(direct[name], through[name]) for name in direct)
+    with_own_output_layer(path, untied)
+    assert_refused(run_manas("export", untied, *again, "--out", tmp_path / "u.gguf"), "only when it has their block")
+    assert run_manas("convert", untied, "--out", tmp_path / "u.safetensors").returncode == 0
+    assert not load_checkpoint(tmp_path / "u.safetensors").model.config.tie_embeddings

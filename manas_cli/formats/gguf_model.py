@@ -189,6 +189,8 @@ def _manas_state(
         renamed = gpt2.gpt2_state_to_manas(state, conv1d=False, source=path)
     else:
         renamed = starcoder2.state_to_manas(state, config, path)
-    if head is not None and not torch.equal(head, renamed.get("token_embedding.weight", head)):
-        config, renamed = replace(config, tie_embeddings=False), renamed | {TIED_HEAD: head}
+    if head is not None:  # on the meta device (export planning its file), the config has been settled already
+        embedding = renamed.get("token_embedding.weight", head)
+        if not config.tie_embeddings or not (head.is_meta or torch.equal(head, embedding)):
+            config, renamed = replace(config, tie_embeddings=False), renamed | {TIED_HEAD: head}
     return config, renamed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,8 +15,8 @@ import torch
 
 from ..engine.config import GPTConfig, parameter_shapes, stored_names
 from ..torch_engine.quantize import dequantize_stored
-from .checkpoint import TORCH_DTYPES, stored_state
-from .header import Checkpoint, quantized_matrix, read_checkpoint_header
+from .checkpoint import TORCH_DTYPES
+from .header import quantized_matrix, read_checkpoint_header
 from .tensor_files import SafetensorsTensors
 from .tokenizer import build_encoding
 
@@ -71,27 +72,16 @@ class CheckpointTensors:
         return dequantize_stored(stored, module, self.kind)
 
 
-class LoadedTensors:
-    """A float model read whole (a gpt2 or starcoder2 GGUF file, whose repeated output layer decides the config
-    only once compared with the embedding), under the same calls."""
-
-    def __init__(self, checkpoint: Checkpoint) -> None:
-        model = checkpoint.model
-        self.config, self.encoding, self.metadata = model.config, checkpoint.encoding, checkpoint.metadata or {}
-        self.state, self.dtype = stored_state(model, None), model.token_embedding.weight.dtype
-
-    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        for names in by_layer(self.state):
-            yield {name: self.state[name].to("meta") if meta else self.state[name].detach() for name in names}
-
-
 class ImportedTensors:
     """A GGUF file's model, a layer at a time: each group of its tensors dequantized and renamed as convert does."""
 
     def __init__(self, imported: GGUFImport) -> None:
         from .convert import gguf_source
 
-        self.source, self.config, self.dtype = gguf_source(imported), imported.config, torch.float32
+        source, config = gguf_source(imported), imported.config
+        if imported.architecture in TIED_BY_COMPARISON:  # the output layer unties the model only if it differs
+            config = imported.to_manas(next(source.groups(), {}), config)[0]
+        self.source, self.config, self.dtype = replace(source, config=config), config, torch.float32
         self.encoding = build_encoding(imported.tokenizer_spec)
         self.metadata = {"chat_template": imported.chat_template} if imported.chat_template else {}
 
@@ -100,13 +90,10 @@ class ImportedTensors:
             yield self.source.to_manas(group, self.config)[1]
 
 
-def model_tensors(path: Path) -> CheckpointTensors | ImportedTensors | LoadedTensors:
-    """The tensors export writes: a checkpoint's, or a GGUF file's (a gpt2 or starcoder2 one read whole)."""
+def model_tensors(path: Path) -> CheckpointTensors | ImportedTensors:
+    """The tensors export writes: a checkpoint's, or a GGUF file's."""
     if path.suffix != ".gguf":
         return CheckpointTensors(path)
-    from .gguf_model import load_gguf_checkpoint, read_gguf_import
+    from .gguf_model import read_gguf_import
 
-    imported = read_gguf_import(path)
-    if imported.architecture in TIED_BY_COMPARISON:
-        return LoadedTensors(load_gguf_checkpoint(path))
-    return ImportedTensors(imported)
+    return ImportedTensors(read_gguf_import(path))

@@ -150,3 +150,22 @@ def test_peak_memory_does_not_grow_with_the_layers(tmp_path, tiny_bpe_spec):
         )  # fmt: skip
         assert checkpoint.stat().st_size > layers * 12 << 20
     assert all(more - fewer < 64 for fewer, more in zip(*peaks)), peaks
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path, tiny_bpe_spec):
+    """Sharded weights whose index places a tensor in one shard while another holds it too: read as either, the
+    model would be whichever came last."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hf"
+    hf_folder(folder, tiny_bpe_spec, "smollm2", shard=True)
+    first, second = sorted(folder.glob("model-*.safetensors"))[:2]
+    extra = load_file(first)
+    name = next(iter(extra))
+    save_file({**load_file(second), name: extra[name]}, second)
+    result = subprocess.run(
+        [sys.executable, "-m", "manas_cli", "convert", folder, "--out", tmp_path / "out.safetensors"],
+        capture_output=True, text=True, env=cli_env(),
+    )  # fmt: skip
+    assert result.returncode == 1 and f"holds {name}, which {first.name} holds too" in result.stderr, result.stderr
+    assert not (tmp_path / "out.safetensors").exists()

@@ -57,6 +57,8 @@ class SafetensorsTensors:
                 itemsize = SAFETENSORS_DTYPES[entry.dtype][1]
                 if entry.end - entry.start != math.prod(entry.shape) * itemsize:
                     raise CheckpointError(f"{path}: tensor {name}'s bytes do not match its shape {list(entry.shape)}")
+                if name in self.entries:  # read as either, it would be whichever came last
+                    raise CheckpointError(f"{path}: holds {name}, which {self.entries[name][0].name} holds too")
                 self.entries[name] = (path, entry)
         self.names = list(self.entries)
 

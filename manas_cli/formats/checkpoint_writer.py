@@ -34,7 +34,7 @@ FLOAT_ROWS_BYTES = 16 << 20  # a float tensor is cast and written this many byte
 class SafetensorsWriter:
     """A safetensors file written into `file` (opened for writing, empty) a tensor, or a slice of rows of one, at a
     time: the header first, from every tensor's (name, shape, dtype name), then each one's bytes at its place. The
-    data is contiguous, the 4-byte tensors first, so that each starts aligned to its item size."""
+    data is contiguous, the widest items first, so that each tensor starts aligned to its item size."""
 
     def __init__(self, file: BinaryIO, entries: list[tuple[str, tuple[int, ...], str]], metadata: dict) -> None:
         self.file = file
@@ -124,6 +124,8 @@ class CheckpointWriter:
     def _add_quantized(self, name: str, tensor: torch.Tensor) -> None:
         """A matrix as int8 or int4 (torch_engine/quantize.py's rounding), its scales checked as the loader checks
         them: a code times its scale must be finite."""
+        for part in row_slices(tensor):  # a NaN weight is named as itself, not as the scale it would make
+            check_finite(name, part, part.to(torch.float32), self.source)
         weight = tensor.to(torch.float32)
         layer: QuantizedLinear = (
             Int8Linear(*quantize_rows(weight), kernel=False)

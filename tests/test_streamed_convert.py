@@ -19,7 +19,7 @@ from cli_fixtures import cli_env
 from manas_cli.formats import llama
 from manas_cli.formats.checkpoint import load_checkpoint, stored_state
 from manas_cli.formats.convert import convert_checkpoint
-from manas_cli.formats.huggingface import export_hf
+from manas_cli.formats.hf_export import export_hf
 from manas_cli.torch_engine.quantize import dequantize_model, quantize_model
 from test_llama_family import hf_folder
 

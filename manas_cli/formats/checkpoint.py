@@ -51,20 +51,24 @@ def save_checkpoint(
     check_finite_tensors(tensors, path)
     if kind:
         check_finite(model, path)
-    metadata = checkpoint_metadata(model.config, tokenizer_spec, kind, extra_metadata or {})
+    group_size = model.lm_head.group_size if kind == "int4" else INT4_GROUP_SIZE
+    metadata = checkpoint_metadata(model.config, tokenizer_spec, kind, extra_metadata or {}, group_size)
     # save() to bytes, not save_file(): the latter writes a temporary file of its own beside the target, which a
     # signal can orphan; ours is the only one, and atomic_write removes it.
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(save(tensors, metadata=metadata)), overwrite=overwrite)
 
 
-def checkpoint_metadata(config: GPTConfig, tokenizer_spec: dict, kind: str | None, extra: dict[str, str]) -> dict:
-    """The string metadata of a checkpoint of this config (FORMAT.md), after the caller's own entries."""
+def checkpoint_metadata(
+    config: GPTConfig, tokenizer_spec: dict, kind: str | None, extra: dict[str, str], group_size: int = INT4_GROUP_SIZE
+) -> dict:
+    """The string metadata of a checkpoint of this config (FORMAT.md), after the caller's own entries; an int4
+    file's group size."""
     return {
         **extra,
         "format": FORMAT,
         "format_version": format_version(config, kind),
         **({"quantization": kind} if kind else {}),
-        **({"group_size": str(INT4_GROUP_SIZE)} if kind == "int4" else {}),
+        **({"group_size": str(group_size)} if kind == "int4" else {}),
         "config": json.dumps(config.to_dict()),
         "tokenizer": json.dumps(tokenizer_spec),
     }

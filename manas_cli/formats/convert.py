@@ -5,8 +5,6 @@ Hugging Face folder or bare weights with a config (huggingface.py: GPT-2 or Star
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,15 +31,11 @@ from .huggingface import (
 )
 from .importing import load_pickled_weights, read_plain_pickle
 from .nanogpt import NANOGPT, character_spec, config_from_nanogpt, nanogpt_to_manas
+from .tensor_files import Source, TensorFile
 from .tokenizer import build_encoding, spec_from_tiktoken_file, vocabulary_size
 
 if TYPE_CHECKING:
-    import torch
-
     from .gguf_model import GGUFImport
-    from .tensor_files import GGUFTensors, LoadedTensors, SafetensorsTensors
-
-    TensorFile = SafetensorsTensors | GGUFTensors | LoadedTensors
 
 
 @dataclass
@@ -54,48 +48,13 @@ class Converted:
     tokenizer: str
 
 
-# A source tensor's layer: Hugging Face's model.layers.N. and transformer.h.N., llama.cpp's blk.N.
-LAYER = re.compile(r"(?:^|\.)(?:layers|h|blk)\.(\d+)\.")
-
-
-@dataclass
-class Source:
-    """A model to convert, tensor by tensor: its kind, its config, its file's tensors, and how some of them (a
-    layer's, or those outside the layers) become manas' tensors and the config they belong to."""
-
-    kind: str
-    config: GPTConfig
-    tensors: TensorFile
-    to_manas: Callable[[dict[str, torch.Tensor], GPTConfig], tuple[GPTConfig, dict[str, torch.Tensor]]]
-
-    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        """The tensors outside the layers first (whatever they decide of the config comes before the header is
-        written), then each layer's: one group in memory at a time. Those outside the layers come one by one,
-        except in a tied model, whose repeated output layer is compared with the token embedding. meta: float32
-        tensors of their shapes on the meta device, nothing read."""
-        import torch
-
-        def read(name: str) -> torch.Tensor:
-            return torch.empty(self.tensors.shape(name), device="meta") if meta else self.tensors.read(name)
-
-        layers: dict[int, list[str]] = {}
-        top: list[str] = []
-        for name in self.tensors.names:
-            match = LAYER.search(name)
-            (layers.setdefault(int(match[1]), []) if match else top).append(name)
-        top_groups = [top] if self.config.tie_embeddings else [[name] for name in top]
-        for names in (*top_groups, *(layers[index] for index in sorted(layers))):
-            if names:
-                yield {name: read(name) for name in names}
-
-
 def read_source(src: Path, config_path: Path | None) -> Source:
     """Detect what src is and how its tensors become a manas model's, reading no more of it than that takes."""
     check_source(src)
     if src.suffix == ".gguf" and src.is_file():
         from .gguf_model import read_gguf_import
 
-        return gguf_source(read_gguf_import(src))
+        return read_gguf_import(src).source()
     if src.is_dir():
         if config_path is not None:
             raise InputError(f"{src} is a folder with its own config.json; --config is for a bare model.safetensors")
@@ -131,11 +90,6 @@ def _hf_source(template: str, src: Path, config: GPTConfig, tensors: TensorFile)
     return Source(
         hf_kind(template, config), config, tensors, lambda state, config: (config, hf_to_manas(state, src, config))
     )
-
-
-def gguf_source(imported: GGUFImport) -> Source:
-    """A GGUF file's source: its config, tensors and their renaming are all in the file."""
-    return Source(f"GGUF {imported.architecture}", imported.config, imported.tensors, imported.to_manas)
 
 
 def _gguf_tokenizer(imported: GGUFImport, src: Path) -> tuple[str, dict]:
@@ -242,7 +196,7 @@ def convert_checkpoint(
         from .gguf_model import read_gguf_import
 
         imported = read_gguf_import(src)
-        source, (description, spec) = gguf_source(imported), _gguf_tokenizer(imported, src)
+        source, (description, spec) = imported.source(), _gguf_tokenizer(imported, src)
         template = imported.chat_template
     else:
         own = folder_tokenizer(src) if tokenizer_file is None and tokenizer_meta is None else None

@@ -34,7 +34,7 @@ from .gguf_vocab import spec_from_fields, string_field
 from .header import Checkpoint
 from .huggingface import checked_template
 from .importing import TIED_HEAD, build_model, make_config
-from .tensor_files import GGUFTensors
+from .tensor_files import GGUFTensors, Source
 from .tokenizer import build_encoding
 
 LLAMA_LAYER_MODULES = (
@@ -92,6 +92,10 @@ class GGUFImport:
     tensors: GGUFTensors
     tokenizer_spec: dict
     chat_template: str | None
+
+    def source(self) -> Source:
+        """The file as convert and export read it, a layer at a time."""
+        return Source(f"GGUF {self.architecture}", self.config, self.tensors, self.to_manas)
 
     def to_manas(
         self, tensors: dict[str, torch.Tensor], config: GPTConfig

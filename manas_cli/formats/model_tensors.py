@@ -76,9 +76,7 @@ class ImportedTensors:
     """A GGUF file's model, a layer at a time: each group of its tensors dequantized and renamed as convert does."""
 
     def __init__(self, imported: GGUFImport) -> None:
-        from .convert import gguf_source
-
-        source, config = gguf_source(imported), imported.config
+        source, config = imported.source(), imported.config
         if imported.architecture in TIED_BY_COMPARISON:  # the output layer unties the model only if it differs
             config = imported.to_manas(next(source.groups(), {}), config)[0]
         self.source, self.config, self.dtype = replace(source, config=config), config, torch.float32

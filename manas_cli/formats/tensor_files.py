@@ -1,14 +1,17 @@
 """The tensors of a file convert reads, one at a time: `names`, `shape(name)` and `read(name)`. Each read is a plain
 read of that tensor's bytes into memory of its own, never a mapping of the file, so that a converter holds what it
 is working on and nothing more (a mapping's pages stay counted in its memory until it is closed). Every extent is
-checked against the file before anything is read, and torch is imported only to read: a refusal comes first."""
+checked against the file before anything is read, and torch is imported only to read: a refusal comes first.
+A `Source` is a model to convert (or export) in groups of those tensors, a layer at a time."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +23,8 @@ from .header import read_safetensors_header
 
 if TYPE_CHECKING:
     import torch
+
+    from ..engine.config import GPTConfig
 
 # safetensors' dtypes convert reads, as (torch's name, bytes): a tensor of another (a complex number) is refused
 SAFETENSORS_DTYPES = {
@@ -177,3 +182,41 @@ class LoadedTensors:
 
     def read(self, name: str) -> torch.Tensor:
         return self.tensors.pop(name)  # handed over: the converter's copy is the only one left
+
+
+TensorFile = SafetensorsTensors | GGUFTensors | LoadedTensors
+
+
+# A source tensor's layer: Hugging Face's model.layers.N. and transformer.h.N., llama.cpp's blk.N.
+LAYER = re.compile(r"(?:^|\.)(?:layers|h|blk)\.(\d+)\.")
+
+
+@dataclass
+class Source:
+    """A model to convert, tensor by tensor: its kind, its config, its file's tensors, and how some of them (a
+    layer's, or those outside the layers) become manas' tensors and the config they belong to."""
+
+    kind: str
+    config: GPTConfig
+    tensors: TensorFile
+    to_manas: Callable[[dict[str, torch.Tensor], GPTConfig], tuple[GPTConfig, dict[str, torch.Tensor]]]
+
+    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """The tensors outside the layers first (whatever they decide of the config comes before the header is
+        written), then each layer's: one group in memory at a time. Those outside the layers come one by one,
+        except in a tied model, whose repeated output layer is compared with the token embedding. meta: float32
+        tensors of their shapes on the meta device, nothing read."""
+        import torch
+
+        def read(name: str) -> torch.Tensor:
+            return torch.empty(self.tensors.shape(name), device="meta") if meta else self.tensors.read(name)
+
+        layers: dict[int, list[str]] = {}
+        top: list[str] = []
+        for name in self.tensors.names:
+            match = LAYER.search(name)
+            (layers.setdefault(int(match[1]), []) if match else top).append(name)
+        top_groups = [top] if self.config.tie_embeddings else [[name] for name in top]
+        for names in (*top_groups, *(layers[index] for index in sorted(layers))):
+            if names:
+                yield {name: read(name) for name in names}

@@ -24,7 +24,7 @@ def run(*, checkpoint: Path, out: Path, output_format: str, outtype: str | None,
             f"{done.tensors} tensors, {done.size_bytes:,} bytes"
         )
         return
-    from ...formats.huggingface import export_hf
+    from ...formats.hf_export import export_hf
 
     with activity(stderr_console(), pipe=False) as show:
         show(f"exporting {checkpoint.name} as a Hugging Face folder")

@@ -1,6 +1,8 @@
 """manas convert: weights trained elsewhere as a manas checkpoint. What the source is decides the importer: a
-Hugging Face folder or bare weights with a config (huggingface.py: GPT-2 or Starcoder2), or nanoGPT's ckpt.pt
-(nanogpt.py); the tokenizer comes from the folder, --tokenizer-file, --tokenizer-meta or tiktoken's cache."""
+Hugging Face folder or bare weights with a config (huggingface.py and the families' modules), a GGUF file
+(gguf_model.py), or nanoGPT's ckpt.pt (nanogpt.py); the tokenizer comes from the folder or the GGUF, or
+--tokenizer-file, --tokenizer-meta or tiktoken's cache. The weights are read, renamed and written a layer at a time
+(tensor_files.py's Source, checkpoint_writer.py), never a whole model in memory."""
 
 from __future__ import annotations
 
@@ -49,12 +51,9 @@ class Converted:
 
 
 def read_source(src: Path, config_path: Path | None) -> Source:
-    """Detect what src is and how its tensors become a manas model's, reading no more of it than that takes."""
+    """Detect what src is (not a GGUF file: convert_checkpoint reads that with its tokenizer) and how its tensors
+    become a manas model's, reading no more of it than that takes."""
     check_source(src)
-    if src.suffix == ".gguf" and src.is_file():
-        from .gguf_model import read_gguf_import
-
-        return read_gguf_import(src).source()
     if src.is_dir():
         if config_path is not None:
             raise InputError(f"{src} is a folder with its own config.json; --config is for a bare model.safetensors")

@@ -316,6 +316,12 @@ def parameter_shapes(config: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]
         yield "lm_head.weight", (config.vocab_size, C)
 
 
+def parameter_count(config: GPTConfig) -> int:
+    """The weights' values, counted as in the float model whatever their storage: a tied output layer is the token
+    embedding, and quantization's scales and zeros are not parameters."""
+    return sum(math.prod(shape) for _, shape in parameter_shapes(config))
+
+
 def as_float32(value: float) -> float:
     """value as a float32 file stores it (GGUF, rope_factors): infinite beyond its range, 0 below its smallest."""
     try:

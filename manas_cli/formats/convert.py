@@ -6,12 +6,11 @@ Hugging Face folder or bare weights with a config (huggingface.py and the famili
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..engine.config import GPTConfig, parameter_shapes
+from ..engine.config import GPTConfig, parameter_count
 from ..errors import CheckpointError, InputError, TokenizerError
 from ..files import atomic_write, check_output_file
 from .huggingface import (
@@ -204,12 +203,9 @@ def convert_checkpoint(
         source = read_source(src, config_path)
     check_tokenizer_fits(spec, source.config, description)
     if quantize is not None:
-        from ..torch_engine.quantize import check_quantizable
+        from ..torch_engine.quantize import check_quantizable_from
 
-        try:
-            check_quantizable(source.config, quantize)
-        except ValueError as exc:
-            raise InputError(f"{src}: {exc}") from None
+        check_quantizable_from(source.config, quantize, src)
     metadata = {
         **(extra_metadata or {}),
         "converted_from": source.kind,
@@ -220,7 +216,7 @@ def convert_checkpoint(
         dst, lambda tmp: written.append(write_source(tmp, source, spec, metadata, quantize, src)), overwrite=force
     )
     config = written[0]
-    return Converted(source.kind, config, sum(math.prod(shape) for _, shape in parameter_shapes(config)), description)
+    return Converted(source.kind, config, parameter_count(config), description)
 
 
 def write_source(

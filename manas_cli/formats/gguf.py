@@ -253,7 +253,9 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
         yield from (gguf_tensors(gguf, config, group) for group in model.groups(meta=meta))
         yield rope_factor_tensors(config)
 
-    kinds = {name: tensor_type(gguf, name, t, outtype) for group in groups(meta=True) for name, t in group.items()}
+    # every tensor's shape and type, in the order they are written: the file's entries come before its data
+    planned = {name: (tuple(t.shape), tensor_type(gguf, name, t, outtype)) for group in groups(meta=True)
+               for name, t in group.items()}  # fmt: skip
 
     def write(tmp: str) -> None:
         writer = gguf.GGUFWriter(tmp, architecture)
@@ -262,22 +264,22 @@ def export_gguf(checkpoint_path: Path, out: Path, *, outtype: str = "f16", force
             add_tokenizer(writer, gguf, bpe, pre, config.vocab_size, end_of_text, bos_id(model.encoding))
             if template := model.metadata.get("chat_template"):
                 writer.add_chat_template(template)  # llama-server and ollama chat in the model's own format
-            for group in groups(meta=True):
-                for name, tensor in group.items():
-                    writer.add_tensor_info(name, *stored_form(gguf, tuple(tensor.shape), kinds[name]), kinds[name])
+            for name, (shape, kind) in planned.items():
+                writer.add_tensor_info(name, *stored_form(gguf, shape, kind), kind)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
             for group in groups(meta=False):  # a layer at a time, in the order of the tensors' entries
                 for name, tensor in group.items():
-                    data = gguf.quants.quantize(tensor.numpy(), kinds[name])
-                    if not np.isfinite(readable(gguf, data, kinds[name])).all():  # a float16 of 1e5 is not
+                    kind = planned[name][1]
+                    data = gguf.quants.quantize(tensor.numpy(), kind)
+                    if not np.isfinite(readable(gguf, data, kind)).all():  # a float16 of 1e5 is not
                         raise CheckpointError(
-                            f"{checkpoint_path}: tensor {name} holds NaN or infinite values as {kinds[name].name}"
+                            f"{checkpoint_path}: tensor {name} holds NaN or infinite values as {kind.name}"
                         )
                     writer.write_tensor_data(data)
         finally:
             writer.close()
 
     atomic_write(out, write, overwrite=force)
-    return ExportedGGUF(out, architecture, outtype, len(kinds), out.stat().st_size)
+    return ExportedGGUF(out, architecture, outtype, len(planned), out.stat().st_size)

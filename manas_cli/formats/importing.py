@@ -131,17 +131,6 @@ def quiet_warnings() -> Iterator[None]:
         yield
 
 
-def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        with quiet_warnings():
-            return load_file(path)
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(exc)})") from None
-
-
 class _CodeInPickle(pickle.UnpicklingError):
     """The pickle named a class or function: loading it would run code."""
 

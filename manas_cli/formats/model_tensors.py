@@ -5,7 +5,7 @@ the same names, shapes and dtypes on the meta device, for a writer to plan its f
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +17,7 @@ from ..engine.config import GPTConfig, parameter_shapes, stored_names
 from ..torch_engine.quantize import dequantize_stored
 from .checkpoint import TORCH_DTYPES
 from .header import quantized_matrix, read_checkpoint_header
-from .tensor_files import SafetensorsTensors
+from .tensor_files import SafetensorsTensors, by_layer
 from .tokenizer import build_encoding
 
 if TYPE_CHECKING:
@@ -25,18 +25,6 @@ if TYPE_CHECKING:
 
 BLOCK = re.compile(r"^blocks\.(\d+)\.")
 TIED_BY_COMPARISON = ("gpt2", "starcoder2")  # llama.cpp architectures whose output layer may repeat the embedding
-
-
-def by_layer(names: Iterable[str]) -> list[list[str]]:
-    """manas names in groups: each one outside the blocks alone, then each block's together, in block order."""
-    top, layers = [], {}
-    for name in names:
-        match = BLOCK.match(name)
-        if match:
-            layers.setdefault(int(match[1]), []).append(name)
-        else:
-            top.append([name])
-    return [*top, *(layers[index] for index in sorted(layers))]
 
 
 class CheckpointTensors:
@@ -53,7 +41,7 @@ class CheckpointTensors:
         self.dtype = self._dtype("token_embedding.weight")
 
     def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        for names in by_layer(self.shapes):
+        for names in by_layer(self.shapes, BLOCK):
             yield {name: self._tensor(name, meta) for name in names}
 
     def _dequantized(self, name: str) -> bool:

@@ -114,7 +114,7 @@ class GGUFTensors:
 
     def __init__(self, path: Path, layout: Layout) -> None:
         gguf = import_gguf("reading a GGUF file's tensors")
-        self.path, self.layout, self.gguf = path, layout, gguf
+        self.path, self.gguf = path, gguf
         self.tensors: dict[str, TensorInfo] = {}
         extents = {}
         for tensor in layout.tensors:
@@ -191,6 +191,18 @@ TensorFile = SafetensorsTensors | GGUFTensors | LoadedTensors
 LAYER = re.compile(r"(?:^|\.)(?:layers|h|blk)\.(\d+)\.")
 
 
+def by_layer(names: Iterable[str], layer: re.Pattern, top_together: bool = False) -> list[list[str]]:
+    """names in groups: those outside the layers first (each alone, or all together), then each layer's, in layer
+    order; `layer` finds a name's layer index."""
+    top: list[str] = []
+    layers: dict[int, list[str]] = {}
+    for name in names:
+        match = layer.search(name)
+        (layers.setdefault(int(match[1]), []) if match else top).append(name)
+    top_groups = [top] if top_together and top else [[name] for name in top]
+    return [*top_groups, *(layers[index] for index in sorted(layers))]
+
+
 @dataclass
 class Source:
     """A model to convert, tensor by tensor: its kind, its config, its file's tensors, and how some of them (a
@@ -211,12 +223,5 @@ class Source:
         def read(name: str) -> torch.Tensor:
             return torch.empty(self.tensors.shape(name), device="meta") if meta else self.tensors.read(name)
 
-        layers: dict[int, list[str]] = {}
-        top: list[str] = []
-        for name in self.tensors.names:
-            match = LAYER.search(name)
-            (layers.setdefault(int(match[1]), []) if match else top).append(name)
-        top_groups = [top] if self.config.tie_embeddings else [[name] for name in top]
-        for names in (*top_groups, *(layers[index] for index in sorted(layers))):
-            if names:
-                yield {name: read(name) for name in names}
+        for names in by_layer(self.tensors.names, LAYER, top_together=self.config.tie_embeddings):
+            yield {name: read(name) for name in names}

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..engine.config import GPTConfig, parameter_shapes
+from ..engine.config import GPTConfig, parameter_count
 from .rotary import rope_tables, rotate_pairs
 
 
@@ -220,9 +220,8 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_parameters(self) -> int:
-        """The weights' values, counted as in the float model whatever their storage: a tied output layer (or its
-        quantized copy) is the token embedding, and quantization's scales and zeros are not parameters."""
-        return sum(math.prod(shape) for _, shape in parameter_shapes(self.config))
+        """The weights' values (engine.config.parameter_count)."""
+        return parameter_count(self.config)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings, scaled by embedding_scale where the model has one (Gemma's √n_embd, as a float32

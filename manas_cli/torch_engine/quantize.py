@@ -291,13 +291,18 @@ def check_quantizable(config: GPTConfig, kind: str) -> None:
         )
 
 
-def quantize_checked(model: GPT, kind: str, source: object) -> None:
-    """quantize_model, after check_quantizable: a width int4's groups do not divide is one InputError naming
-    source (the file the model came from)."""
+def check_quantizable_from(config: GPTConfig, kind: str, source: object) -> None:
+    """check_quantizable, a width int4's groups do not divide being one InputError naming source (the file the
+    model comes from)."""
     try:
-        check_quantizable(model.config, kind)
+        check_quantizable(config, kind)
     except ValueError as exc:
         raise InputError(f"{source}: {exc}") from None
+
+
+def quantize_checked(model: GPT, kind: str, source: object) -> None:
+    """quantize_model, after check_quantizable_from."""
+    check_quantizable_from(model.config, kind, source)
     quantize_model(model, kind)
 
 

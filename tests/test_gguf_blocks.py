@@ -68,7 +68,7 @@ def test_each_type_multiplies_its_dequantized_blocks_by_activations_quantized_pe
     for o in (0, 5, rows - 1):
         native_library.manas_ggml_row(ctypes.byref(linear), o, row.ctypes.data)
         assert np.array_equal(row, weights[o]), (name, o)
-    x = rng.standard_normal((3, columns), np.float32) * np.float32(4)
+    x = rng.standard_normal((7, columns), np.float32) * np.float32(4)  # a tile of 4 rows of x and 3 left over
     floats = core_products(native_library, linear, x, integer=False)
     exact = x.astype(np.float64) @ weights.T.astype(np.float64)
     assert np.abs(floats - exact).max() <= 1e-5 * (np.abs(x) @ np.abs(weights.T)).max(), name
@@ -76,12 +76,14 @@ def test_each_type_multiplies_its_dequantized_blocks_by_activations_quantized_pe
         return
     unit = 256 if name in SUPER else 32
     scales, codes = quantized_activations(x, unit)
-    terms = (codes[:, None, :] * weights[None, :, :].astype(np.float64)).reshape(3, rows, -1, unit).sum(axis=3)
+    terms = (codes[:, None, :] * weights[None, :, :].astype(np.float64)).reshape(len(x), rows, -1, unit).sum(axis=3)
     reference = (terms * scales[:, None, :]).sum(axis=2)
     bound = (np.abs(terms) * scales[:, None, :]).sum(axis=2).max()
     got = core_products(native_library, linear, x, integer=True)
     assert np.abs(got - reference).max() <= 2e-6 * bound, name
     assert not np.array_equal(got, floats)  # the integer path is its own
+    for r in range(len(x)):  # a prefill's rows (tiles of x) give each row's decode step, bit for bit
+        assert np.array_equal(core_products(native_library, linear, x[r : r + 1], integer=True)[0], got[r]), (name, r)
 
 
 @pytest.fixture(scope="module")

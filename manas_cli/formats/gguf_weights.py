@@ -100,8 +100,8 @@ class GGUFFile:
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read it ({first_line(exc)})") from None
         layout = layout_of(self.mapping, path)
-        self.fields = layout.fields
-        self.architecture = string_field(self.fields, "general.architecture", path, CheckpointError)
+        fields = layout.fields  # not kept: its vocabulary's strings (8 MB for 49,152 tokens) outlive their use
+        self.architecture = string_field(fields, "general.architecture", path, CheckpointError)
         if self.architecture in ARCHITECTURES and self.architecture not in IN_PLACE:
             raise NotInPlace(f"{path}: llama.cpp's {self.architecture} runs converted to float32, not in place")
         if self.architecture not in IN_PLACE:
@@ -113,12 +113,12 @@ class GGUFFile:
         check_apart([(t.start, t.start + t.nbytes, name) for name, t in self.tensors.items()], path)
         shapes = {name: tensor.shape for name, tensor in self.tensors.items()}
         short = self._float_vector(PHI3_SHORT_FACTORS) if self.architecture == "phi3" else None
-        config = config_from_hf(hf_config(self.fields, self.architecture, shapes, path, short), path)
+        config = config_from_hf(hf_config(fields, self.architecture, shapes, path, short), path)
         self.config: GPTConfig = with_rope_factors(config, self._rope_factors(), path)
         check_shapes(shapes, self.config, path, fused=self.architecture == "phi3")
         with memoryview(self.mapping)[: layout.metadata_end] as metadata:  # released even when the spec is refused
-            self.tokenizer_spec = cached_spec(metadata, lambda: spec_from_fields(self.fields, path))
-        template = self.fields.get("tokenizer.chat_template")
+            self.tokenizer_spec = cached_spec(metadata, lambda: spec_from_fields(fields, path))
+        template = fields.get("tokenizer.chat_template")
         template = checked_template(template, path) if isinstance(template, str) and template.strip() else None
         self.metadata = {"converted_from": f"GGUF {self.architecture}"} | (
             {"chat_template": template} if template else {}

@@ -175,7 +175,13 @@ def hf_folder(folder: Path, spec: dict, family: str, shard: bool = False, **chan
     config = getattr(transformers, config_class)(**{**SHAPE, **options, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # wider than the init's 0.02, so the logits are far from uniform
+    return saved_random(model, folder, spec, pre_tokenizer, shard)
+
+
+def saved_random(model: torch.nn.Module, folder: Path, spec: dict, pre_tokenizer: str, shard: bool = False):
+    """A model built by transformers, its weights randomized wider than the init's 0.02 (so the logits are far from
+    uniform), saved as transformers saves it with a tokenizer.json and a generation config."""
+    with torch.no_grad():
         for name, parameter in model.named_parameters():
             scale = 0.15 if parameter.dim() == 2 else 0.1
             parameter.add_(torch.randn_like(parameter) * scale)

@@ -253,10 +253,14 @@ def test_llama_cpp_greedy_text_on_the_exported_gguf_is_manas_generate(new_models
     the project's build-llamacpp.sh tool; MANAS_LLAMA_CPP_BIN names another folder): the same greedy text.
     (llama-completion may lose its last printed bytes as it exits, on a busy machine; llama-simple prints with
     printf.)"""
+    assert_llama_simple_writes_manas_text(new_models[family])
+
+
+def assert_llama_simple_writes_manas_text(model: dict) -> None:
+    """llama-simple's greedy text on model["gguf"] is `manas generate -t 0`'s, byte for byte."""
     simple = LLAMA_CPP_BIN / "llama-simple"
     if not simple.is_file():
         pytest.skip(f"no llama-simple in {LLAMA_CPP_BIN} (the project's build-llamacpp.sh tool builds it)")
-    model = new_models[family]
     record = manas("generate", "-m", model["gguf"], *RUN_OPTIONS, "-p", PROMPT, "-n", "32", "-t", "0", "--json").ok()
     run = subprocess.run([simple, "-m", model["gguf"], "-n", "32", PROMPT], capture_output=True, timeout=120,
                          stdin=subprocess.DEVNULL)  # fmt: skip

@@ -67,7 +67,7 @@ class GPTConfig:
     qkv_bias: bool | None = None  # biases on q, k, v; None: as `bias` (Qwen2: true with bias false)
     qk_norm: bool = False  # RMSNorm over each query and key head before rope, one weight per head dimension (Qwen3)
     # Each rope pair's frequency divided by its factor (head size / 2 of them): Llama 3.1's and 3.2's scaled rope,
-    # as llama.cpp's rope_freqs holds it; None: every factor 1.
+    # as llama.cpp's rope_freqs holds it, and Gemma 3's linear one (its global layers'); None: every factor 1.
     rope_factors: list[float] | None = None
     nope_layers: list[int] | None = None  # the layers whose attention has no rope, ascending (SmolLM3: every fourth)
     embedding_scale: float | None = None  # the token embedding multiplied by it, float32 (Gemma: √n_embd)
@@ -176,8 +176,6 @@ class GPTConfig:
                 raise ValueError("local_rope_base needs position_encoding 'rope' and window_layers")
             if not 0 < self.local_rope_base < math.inf:
                 raise ValueError(f"local_rope_base must be positive, got {self.local_rope_base!r}")
-            if self.rope_factors is not None:
-                raise ValueError("local_rope_base with rope_factors is not supported (whose rope would they scale?)")
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates its queries and keys."""
@@ -187,10 +185,16 @@ class GPTConfig:
         """The positions layer `layer` attends over (its own included), None for the whole context."""
         return self.sliding_window if layer in (self.window_layers or ()) else None
 
+    def has_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` turns its own rope: a window layer of a model with local_rope_base, at that base and
+        unscaled (Gemma 3's local layers; its rope_factors scale the global layers only)."""
+        return self.local_rope_base is not None and self.window(layer) is not None
+
     def rope_base_of(self, layer: int) -> float:
-        """The rope base of layer `layer`: a window layer's local one where the model has it."""
-        local = self.local_rope_base is not None and self.window(layer) is not None
-        return self.local_rope_base if local else self.rope_base
+        return self.local_rope_base if self.has_local_rope(layer) else self.rope_base
+
+    def rope_factors_of(self, layer: int) -> list[float] | None:
+        return None if self.has_local_rope(layer) else self.rope_factors
 
     def _check_rope_factors(self) -> None:
         """Positive and finite, one per rope pair, with rope positions."""

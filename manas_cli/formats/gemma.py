@@ -18,7 +18,7 @@ from ..engine.config import GPTConfig, as_float32
 from ..errors import CheckpointError
 from . import rotary_layout
 from .importing import make_config, typed_field
-from .llama import SHAPE_FIELDS, TOP_MODULES
+from .llama import SHAPE_FIELDS, TOP_MODULES, rope_factors
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +26,23 @@ if TYPE_CHECKING:
 
 MODEL_TYPE = "gemma3_text"
 ARCHITECTURE = "Gemma3ForCausalLM"
+# Gemma 3 4B and up are published as Gemma3ForConditionalGeneration: the language model (text_config) beside a
+# vision tower, which manas leaves unread. A saved text_config may list only what differs from transformers'
+# Gemma3TextConfig defaults (the published 4B's does), so those fill the rest.
+MULTIMODAL_TYPE = "gemma3"
+TEXT_DEFAULTS = {
+    "model_type": MODEL_TYPE, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "max_position_embeddings": 131072, "query_pre_attn_scalar": 256,
+}  # fmt: skip
+# The language model's tensors in a multimodal checkpoint (transformers 4.50's names, which 5 saves too, and
+# 4.52's), under Gemma3ForCausalLM's names; the vision tower's and the projector's are left out.
+LANGUAGE_MODEL = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 BLOCK_MODULES = {
     "ln_attention": "input_layernorm",
     "attention.q_norm": "self_attn.q_norm",
@@ -74,7 +91,7 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
     window = field("sliding_window", int, 4096) if window_layers else None
     if window is not None and not 0 < window <= block_size:
         raise CheckpointError(f"{source}: sliding_window {window} is not from 1 to the context ({block_size})")
-    rope_base, local_base = _rope_bases(values, field, source)
+    rope_base, local_base, scaling = _ropes(values, field, source)
     return make_config(
         source,
         position_encoding="rope",
@@ -86,6 +103,7 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         n_embd=n_embd,
         head_dim=head_dim,
         rope_base=rope_base,
+        rope_factors=rope_factors(scaling, head_dim, rope_base, source),  # the global layers' (has_local_rope)
         norm_eps=field("rms_norm_eps", float, 1e-6),
         dropout=field("attention_dropout", float, 0.0),
         bias=False,
@@ -100,6 +118,27 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         window_layers=window_layers or None,
         local_rope_base=local_base if window_layers else None,
     )
+
+
+def config_from_multimodal(values: dict, source: Path) -> GPTConfig:
+    """A Gemma3ForConditionalGeneration config.json's language model (its text_config over the defaults)."""
+    if not isinstance(text := values.get("text_config"), dict):
+        raise CheckpointError(f"{source}: a Gemma 3 config (model_type {MULTIMODAL_TYPE!r}) needs a text_config object")
+    if text.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        raise CheckpointError(f"{source}: text_config.model_type is {text['model_type']!r}, not {MODEL_TYPE!r}")
+    return config_from_hf(TEXT_DEFAULTS | text, source)
+
+
+def language_model_names(names: list[str]) -> dict[str, str]:
+    """A multimodal checkpoint's tensor names that the language model holds, by the names Gemma3ForCausalLM gives
+    them: {new name: the file's}. Others stay as they are, for the importer to name as unexpected."""
+    renamed = {}
+    for name in names:
+        if name.startswith(VISION):
+            continue
+        prefix = next((prefix for prefix in LANGUAGE_MODEL if name.startswith(prefix)), None)
+        renamed[LANGUAGE_MODEL[prefix] + name[len(prefix) :] if prefix else name] = name
+    return renamed
 
 
 def _window_layers(values: dict, n_layer: int, source: Path) -> list[int]:
@@ -118,22 +157,36 @@ def _window_layers(values: dict, n_layer: int, source: Path) -> list[int]:
     return [i for i, kind in enumerate(kinds) if kind == SLIDING]
 
 
-def _rope_bases(values: dict, field, source: Path) -> tuple[float, float]:
-    """(the global layers' rope base, the local ones'): transformers 5's rope_parameters by layer type, or 4's
-    rope_theta and rope_local_base_freq; a scaled rope is refused."""
+def _ropes(values: dict, field, source: Path) -> tuple[float, float, dict | None]:
+    """(the global layers' rope base, the local ones', the global layers' rope scaling or None): transformers 5's
+    rope_parameters by layer type, or 4's rope_theta, rope_local_base_freq and rope_scaling (a GGUF's too). The
+    global layers' rope may be scaled linearly (Gemma 3 4B and up: a factor of 8); the local layers' never is, in
+    transformers and llama.cpp alike."""
     parameters = values.get("rope_parameters")
     if isinstance(parameters, dict) and {SLIDING, FULL} <= set(parameters):
-        bases = []
-        for kind in (FULL, SLIDING):
-            rope = parameters[kind]
-            if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
+        ropes = {kind: parameters[kind] for kind in (FULL, SLIDING)}
+        for kind, rope in ropes.items():
+            allowed = ("default", "linear") if kind == FULL else ("default",)
+            if not isinstance(rope, dict) or rope.get("rope_type", "default") not in allowed:
                 raise CheckpointError(f"{source}: rope_parameters.{kind} {rope!r} has no manas equivalent")
-            bases.append(typed_field(rope, source, f"rope_parameters.{kind}.")("rope_theta", float))
-        return bases[0], bases[1]
-    if parameters is not None or values.get("rope_scaling") is not None:
-        raise CheckpointError(f"{source}: rope_scaling {values.get('rope_scaling', parameters)!r} has no manas "
-                              "equivalent for Gemma 3 (manas runs its unscaled rope)")  # fmt: skip
-    return field("rope_theta", float, 1_000_000.0), field("rope_local_base_freq", float, 10_000.0)
+        bases = [typed_field(ropes[kind], source, f"rope_parameters.{kind}.")("rope_theta", float) for kind in ropes]
+        return bases[0], bases[1], _linear(ropes[FULL], f"rope_parameters.{FULL}", source)
+    if parameters is not None:
+        raise CheckpointError(f"{source}: rope_parameters {parameters!r} has no manas equivalent for Gemma 3 (it "
+                              f"names the {FULL!r} and {SLIDING!r} layers' ropes)")  # fmt: skip
+    scaling = _linear(values.get("rope_scaling"), "rope_scaling", source)
+    return field("rope_theta", float, 1_000_000.0), field("rope_local_base_freq", float, 10_000.0), scaling
+
+
+def _linear(scaling: object, name: str, source: Path) -> dict | None:
+    """A rope scaling that is linear (None where it is plain), else refused by name."""
+    if scaling is None or (isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default"):
+        return None
+    extra = set(scaling) - {"rope_type", "type", "factor", "rope_theta"} if isinstance(scaling, dict) else None
+    if extra is None or scaling.get("rope_type", scaling.get("type")) != "linear" or extra:
+        raise CheckpointError(f"{source}: {name} {scaling!r} has no manas equivalent for Gemma 3 (its global layers' "
+                              "rope runs plain or linear)")  # fmt: skip
+    return scaling
 
 
 def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:
@@ -158,8 +211,11 @@ def check_exportable(config: GPTConfig, source: Path) -> None:
     if differs := [name for name, value in gemma.items() if getattr(config, name) != value]:
         raise CheckpointError(f"{source}: a GeGLU model with {differs[0]}={getattr(config, differs[0])!r} is not "
                               "Gemma 3's block, the one GeGLU model manas exports")  # fmt: skip
-    if config.embedding_scale != as_float32(math.sqrt(config.n_embd)) or config.nope_layers or config.rope_factors:
-        raise CheckpointError(f"{source}: Gemma 3 scales its embedding by √n_embd, and has every layer's rope unscaled")
+    if config.embedding_scale != as_float32(math.sqrt(config.n_embd)) or config.nope_layers:
+        raise CheckpointError(f"{source}: Gemma 3 scales its embedding by √n_embd, and has rope in every layer")
+    if config.rope_factors is not None and len(set(config.rope_factors)) != 1:
+        raise CheckpointError(f"{source}: Gemma 3's global layers' rope scales linearly (one factor for every pair), "
+                              "not by rope_factors that differ")  # fmt: skip
 
 
 def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) -> dict:
@@ -174,9 +230,10 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
         "rope_theta": config.rope_base,  # transformers 4's names, and 5's rope_parameters
         "rope_local_base_freq": local,
         "rope_parameters": {
-            FULL: {"rope_type": "default", "rope_theta": config.rope_base},
+            FULL: {"rope_type": "default", "rope_theta": config.rope_base} | _linear_scaling(config),
             SLIDING: {"rope_type": "default", "rope_theta": local},
         },
+        **({"rope_scaling": _linear_scaling(config)} if config.rope_factors else {}),  # transformers 4's
         "sliding_window": config.sliding_window or config.block_size,
         "layer_types": [SLIDING if i in windows else FULL for i in range(config.n_layer)],
         "attention_bias": False,
@@ -184,6 +241,11 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
         "final_logit_softcapping": None,
         "pad_token_id": None,
     }
+
+
+def _linear_scaling(config: GPTConfig) -> dict:
+    """The global layers' linear rope scaling, as transformers names it; {} for a plain rope."""
+    return {"rope_type": "linear", "factor": config.rope_factors[0]} if config.rope_factors else {}
 
 
 def hf_tensors(config: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -65,9 +65,9 @@ class ExportedGGUF:
 def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -> None:
     """Refuse what llama.cpp's gpt2, starcoder2, llama, qwen2, qwen3, smollm3 and gemma3 would compute or stop
     differently."""
-    if config.rope_factors is not None and architecture_of(config) not in ("llama", "phi3"):
+    if config.rope_factors is not None and architecture_of(config) not in ("llama", "phi3", "gemma3"):
         raise CheckpointError(f"{source}: llama.cpp reads rope_factors (rope_freqs) only in its llama and phi3 "
-                              "architectures")  # fmt: skip
+                              "architectures, and gemma3's linear scaling")  # fmt: skip
     _check_layer_patterns(config, source)
     if gemma.is_gemma(config):
         gemma.check_exportable(config, source)
@@ -138,7 +138,7 @@ def gguf_tensors(gguf: Any, config: GPTConfig, state: dict[str, torch.Tensor]) -
 def rope_factor_tensors(config: GPTConfig) -> dict[str, torch.Tensor]:
     """A scaled rope's factors as llama.cpp reads them: phi3's LongRoPE short factors as both lists (manas keeps no
     others), llama's as rope_freqs."""
-    if config.rope_factors is None:
+    if config.rope_factors is None or gemma.is_gemma(config):  # gemma3's: a linear scaling's factor (gguf_fields)
         return {}
     names = (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS) if architecture_of(config) == "phi3" else ("rope_freqs.weight",)
     return {name: torch.tensor(config.rope_factors, dtype=torch.float32) for name in names}
@@ -211,6 +211,9 @@ def add_hyperparameters(writer: Any, gguf: Any, config: GPTConfig, name: str, ou
         writer.add_sliding_window(config.sliding_window)
         writer.add_sliding_window_pattern([i in windows for i in range(config.n_layer)])
         writer.add_rope_freq_base_swa(config.local_rope_base or config.rope_base)
+    if gemma.is_gemma(config) and config.rope_factors is not None:  # its global layers' (check_exportable: linear)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_factors[0])
 
 
 def add_tokenizer(

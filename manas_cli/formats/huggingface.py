@@ -40,7 +40,7 @@ from .tokenizer import (
 if TYPE_CHECKING:
     import torch
 
-    from .tensor_files import LoadedTensors, SafetensorsTensors
+    from .tensor_files import TensorFile
 
 # What convert reads from a Hugging Face folder.
 HF_CONFIG, HF_SAFETENSORS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
@@ -96,6 +96,7 @@ def config_from_hf(values: object, source: Path) -> GPTConfig:
     readers = {gpt2.MODEL_TYPE: gpt2.config_from_hf, starcoder2.MODEL_TYPE: starcoder2.config_from_hf}
     readers |= dict.fromkeys(llama.ARCHITECTURES, llama.config_from_hf)
     readers |= {gemma.MODEL_TYPE: gemma.config_from_hf, phi3.MODEL_TYPE: phi3.config_from_hf}
+    readers |= {gemma.MULTIMODAL_TYPE: gemma.config_from_multimodal}
     if values.get("model_type") not in readers:
         raise CheckpointError(
             f"{source}: model_type is {values.get('model_type')!r}; convert reads {', '.join(map(repr, readers))}"
@@ -114,15 +115,20 @@ def read_hf_config(path: Path) -> GPTConfig:
     return config_from_hf(values, path)
 
 
-def folder_tensors(folder: Path, config: GPTConfig) -> SafetensorsTensors | LoadedTensors:
+def folder_tensors(folder: Path, config: GPTConfig) -> TensorFile:
     """A folder's weights: model.safetensors, its shards by the index, or (GPT-2 only) pytorch_model.bin read
-    without running code."""
-    from .tensor_files import LoadedTensors, SafetensorsTensors
+    without running code; of a multimodal Gemma 3, its language model's alone."""
+    from .tensor_files import LoadedTensors, RenamedTensors, SafetensorsTensors
 
-    if (folder / HF_SAFETENSORS).is_file():
-        return SafetensorsTensors([folder / HF_SAFETENSORS])
-    if (folder / HF_INDEX).is_file():
-        return SafetensorsTensors.sharded(folder / HF_INDEX)
+    if (folder / HF_SAFETENSORS).is_file() or (folder / HF_INDEX).is_file():
+        tensors = (
+            SafetensorsTensors([folder / HF_SAFETENSORS])
+            if (folder / HF_SAFETENSORS).is_file()
+            else SafetensorsTensors.sharded(folder / HF_INDEX)
+        )
+        if _model_type(folder / HF_CONFIG) == gemma.MULTIMODAL_TYPE:
+            return RenamedTensors(tensors, gemma.language_model_names(tensors.names))
+        return tensors
     if not config.is_gpt2_family:
         raise InputError(
             f"{folder} holds no model.safetensors or {HF_INDEX}: Llama-family weights import from "

@@ -184,7 +184,20 @@ class LoadedTensors:
         return self.tensors.pop(name)  # handed over: the converter's copy is the only one left
 
 
-TensorFile = SafetensorsTensors | GGUFTensors | LoadedTensors
+class RenamedTensors:
+    """Some of another file's tensors under other names (a multimodal checkpoint's language model)."""
+
+    def __init__(self, tensors: SafetensorsTensors, renamed: dict[str, str]) -> None:
+        self.tensors, self.renamed, self.names = tensors, renamed, list(renamed)  # renamed: {name here: the file's}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors.shape(self.renamed[name])
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors.read(self.renamed[name])
+
+
+TensorFile = SafetensorsTensors | GGUFTensors | LoadedTensors | RenamedTensors
 
 
 # A source tensor's layer: Hugging Face's model.layers.N. and transformer.h.N., llama.cpp's blk.N.

@@ -94,7 +94,8 @@ typedef struct {
     int32_t integer_products;  /* 1: int8 and int4 weights multiply activations quantized per QBLOCK, in integers */
     int32_t rope_halves;       /* 1: rope pairs x[i] with x[i + hs/2] (a GGUF qwen2's layout); 0: x[2i], x[2i+1] */
     ManasLinear token_table;   /* a GGUF file's token embedding as stored (ggml), when token_embedding is NULL */
-    const float *rope_factors; /* (hs / 2): each rope pair's frequency divisor (Llama 3's scaled rope), or NULL */
+    const float *rope_factors; /* (hs / 2): each rope pair's frequency divisor (Llama 3's scaled rope; Gemma 3's
+                                  global layers'), or NULL */
     int32_t geglu;             /* 1: down(gelu(gate x) · up x) (Gemma), with swiglu 0 */
     float embedding_scale;     /* the token embedding multiplied by it (Gemma's √C); 0: not scaled */
     double local_rope_base;    /* the rope base of window layers (Gemma 3's 10,000); 0: rope_base */
@@ -219,9 +220,9 @@ EXPORT void manas_forward(const ManasModel *m, ManasPool *pool, int rows, const 
         float *x = s.x + (size_t)r * C;
         embed(m, tokens[r], x);
         if (m->rope) {
-            rope_angles(m, m->rope_base, positions[r], s.angles + (size_t)r * hs);
-            if (m->local_rope_base != 0.0)
-                rope_angles(m, m->local_rope_base, positions[r], s.local_angles + (size_t)r * hs);
+            rope_angles(m, m->rope_base, m->rope_factors, positions[r], s.angles + (size_t)r * hs);
+            if (m->local_rope_base != 0.0)  /* a window layer's own rope, unscaled (Gemma 3's local layers) */
+                rope_angles(m, m->local_rope_base, NULL, positions[r], s.local_angles + (size_t)r * hs);
         } else {
             const float *position = m->position_embedding + (size_t)positions[r] * C;
             for (int i = 0; i < C; i++) x[i] += position[i];

@@ -107,7 +107,7 @@ class RotaryAttention(CausalSelfAttention):
 
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__(config, layer)
-        self.rope_base, self.rope_factors = config.rope_base_of(layer), config.rope_factors
+        self.rope_base, self.rope_factors = config.rope_base_of(layer), config.rope_factors_of(layer)
         self.block_size, self.rotary, self.rope_scale = config.block_size, config.rotary_dims, config.rope_scale
         # Derived from the config, so never saved: a checkpoint holds only learned weights. Built for the positions
         # used so far (doubling, up to block_size), so a block_size that no tensor backs allocates nothing.

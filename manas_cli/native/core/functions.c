@@ -171,14 +171,15 @@ static void normalize(const ManasModel *m, const ManasNorm *norm, int rows, cons
 /* The dimensions of a head that rope turns: its first rotary_dims (a partial rotary's), or all of them. */
 static int rotary_dims(const ManasModel *m) { return m->rotary_dims ? m->rotary_dims : m->head_size; }
 
-/* Each row's cos and sin of pos · base^(−2i/rotary) / factor_i (factor 1 without rope_factors), times rope_scale
-   where set, computed in double and rounded to float, as torch_engine/rotary.py's rope_tables. */
-static void rope_angles(const ManasModel *m, double base, int position, float *angles) {
+/* Each row's cos and sin of pos · base^(−2i/rotary) / factor_i (factor 1 without factors: the model's rope_factors,
+   or NULL for a window layer's own rope), times rope_scale where set, computed in double and rounded to float, as
+   torch_engine/rotary.py's rope_tables. */
+static void rope_angles(const ManasModel *m, double base, const float *factors, int position, float *angles) {
     int half = rotary_dims(m) / 2;
     double scale = m->rope_scale != 0.0 ? m->rope_scale : 1.0;
     for (int i = 0; i < half; i++) {
         double frequency = own_exp(-(double)(2 * i) / (double)(2 * half) * own_log(base));
-        if (m->rope_factors) frequency /= (double)m->rope_factors[i];
+        if (factors) frequency /= (double)factors[i];
         double angle = (double)position * frequency;
         double sine, cosine;
         own_sincos(angle, &sine, &cosine);

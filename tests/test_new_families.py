@@ -272,6 +272,36 @@ def assert_llama_simple_writes_manas_text(model: dict) -> None:
     assert run.stdout.removeprefix(PROMPT.encode()).removesuffix(b"\n") == ours.replace(b"\0", b"")
 
 
+@needs_compiler
+def test_a_llama_gguf_whose_rope_scales_linearly_runs_in_place_as_its_conversion_and_llama_cpp_run_it(
+    new_models, tmp_path
+):
+    """llama.cpp's converter writes a linear rope scaling (Llama 2's long-context fine-tunes) as rope.scaling.type
+    and .factor, with no rope_freqs tensor: every pair's frequency divided by the factor, in place as converted."""
+    import numpy as np
+
+    source = gguf.GGUFReader(new_models["llama3.2"]["gguf"])
+    path = tmp_path / "linear.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    copy_fields(writer, source.fields)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(4.0)
+    for tensor in source.tensors:
+        if tensor.name != "rope_freqs.weight":
+            writer.add_tensor(tensor.name, np.array(tensor.data).reshape([int(n) for n in reversed(tensor.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    checkpoint = tmp_path / "converted.safetensors"
+    manas("convert", path, "--out", checkpoint).ok()
+    assert load_checkpoint(checkpoint).model.config.rope_factors == [4.0] * 8
+    runs = [manas("generate", "-m", model, *RUN_OPTIONS, "-p", PROMPT, "-n", "32", "-t", "0", "--json").ok().json()
+            for model in (path, checkpoint)]  # fmt: skip
+    assert runs[0]["weights"].startswith("GGUF") and runs[0]["tokens"] == runs[1]["tokens"]
+    assert_llama_simple_writes_manas_text({"gguf": path, "checkpoint": checkpoint})
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [

@@ -21,7 +21,6 @@ from pathlib import Path
 from ..engine.config import GPTConfig
 from ..errors import CheckpointError, TokenizerError, first_line
 from ..native.binding import WEIGHTS_F32, WEIGHTS_GGML, ManasLinear
-from .gemma import is_gemma
 from .gguf_config import INTERLEAVED, tensor_extent
 from .gguf_metadata import Layout, TensorInfo, layout_of
 from .gguf_vocab import spec_from_fields, string_field
@@ -194,8 +193,8 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], config: GPTConfig, path: Pa
     from .gguf_config import PHI3_LONG_FACTORS, PHI3_SHORT_FACTORS
 
     expected = expected_shapes(config, fused)
-    if config.rope_factors is not None and not is_gemma(config):  # gemma3's: its linear scaling's factor, no tensor
-        names = (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS) if fused else ("rope_freqs.weight",)
+    names = (PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS) if fused else ("rope_freqs.weight",)
+    if config.rope_factors is not None and any(name in shapes for name in names):  # else a linear scaling's factor
         expected |= dict.fromkeys(names, (len(config.rope_factors),))
     for name, shape in shapes.items():
         if name not in expected:

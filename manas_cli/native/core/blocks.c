@@ -328,16 +328,6 @@ static inline int signed_values(int type) {
 /* Whether a type's multipliers are one per 32 values (its halves' the same): all but Q2_K, Q3_K and Q6_K. */
 static inline int one_scale(int type) { return !(type == GGML_Q2_K || type == GGML_Q3_K || type == GGML_Q6_K); }
 
-/* A unit's P_j (its sub-blocks) against codes q. */
-static inline __attribute__((always_inline)) UnitSums unit_sums(int type, const Unit *w, const int8_t *q) {
-    int blocks = unit_blocks(type);
-    UnitSums sums = unit_sums_zero();
-    for (int k = 0; k < blocks; k++)
-        sums = sums_add(sums, load32(w->w + 32 * k), w->scales.sc + 2 * k, q + 32 * k, signed_values(type),
-                        one_scale(type));
-    return sums;
-}
-
 /* Unit u of a quantized activation row (a block of 32, or a superblock): its scale, codes and code sums. */
 typedef struct {
     float d;
@@ -413,8 +403,8 @@ static inline int has_minimum(int type) {
     return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q2_K || type == GGML_Q4_K || type == GGML_Q5_K;
 }
 
-/* The P_j of one unpacked weight unit against RT rows of x at once: each sub-block's values and multipliers are
-   taken into registers once and multiplied into all RT rows' sums (the same integers as unit_sums, row by row). */
+/* The P_j of one unpacked weight unit against RT rows of x, its sub-blocks summed in turn: each sub-block's values
+   and multipliers are taken into registers once for all RT rows (the same integers, whatever RT). */
 #define X_TILE 4
 static inline __attribute__((always_inline)) void unit_sums_rows(int type, int RT, const Unit *w, const UnitInput *in,
                                                                  UnitSums *sums) {
@@ -431,15 +421,15 @@ static inline __attribute__((always_inline)) void unit_sums_rows(int type, int R
 }
 
 /* Whether a prefill multiplies a unit's sub-blocks into X_TILE rows of x at a time (else a row at a time, all OT
-   weight rows): the superblocks whose values are signed or whose multipliers are per 16, where it saved 7–23% (Q6_K's,
-   Q3_K's, IQ4_XS's), not Q4_K's and Q5_K's (5% slower) nor blocks of 32 (a sub-block each: 5–35% slower). */
+   weight rows): the superblocks whose values are signed or whose multipliers are per 16, where it saved 3–23%
+   (Q6_K, Q3_K, IQ4_XS, Q2_K), not Q4_K and Q5_K (5% slower) nor blocks of 32 (a sub-block each: 5–35% slower). */
 static inline int x_tiled(int type) { return unit_blocks(type) == 8 && (signed_values(type) || !one_scale(type)); }
 
 /* Weight rows o0 .. o0 + OT − 1 (OT ≤ TILE) against rows r_begin .. r_end − 1 (at most BLOCK_ROWS) of quantized
    x, `stride` floats apart: out[o][r − r_begin]. Each unit of the OT rows is unpacked once for all the rows of x
-   (and for x_tiled types each sub-block multiplied into X_TILE rows while it is in a register); the lanes are independent
-   chains the CPU overlaps (one row's lanes alone wait on each multiply-add in turn). Each output's arithmetic is its
-   own whatever shares the call. */
+   (and for x_tiled types each sub-block multiplied into X_TILE rows while it is in a register); the lanes are
+   independent chains the CPU overlaps (one row's lanes alone wait on each multiply-add in turn). Each output's
+   arithmetic is its own whatever shares the call. */
 #define BLOCK_ROWS 16
 static inline __attribute__((always_inline)) void typed_products(int type, int OT, const ManasLinear *linear, int o0,
                                                                  const float *x, size_t stride, int r_begin,

@@ -15,7 +15,7 @@ from cli_fixtures import RUN_OPTIONS, manas
 from conftest import needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.formats.tokenizer import encode_text
-from test_llama_family import FAMILIES, PROMPT, SHAPE, converted, saved_random
+from test_llama_family import CTX, FAMILIES, PROMPT, SHAPE, converted, crop_and_recompute, saved_random
 from test_new_families import TEXT, assert_llama_simple_writes_manas_text, transformers_greedy
 
 gguf = pytest.importorskip("gguf")
@@ -84,6 +84,16 @@ def test_a_score_is_the_multimodal_models_within_1e_4_nats_per_token(gemma_4b, s
     with torch.no_grad():
         expected = gemma_4b["hf"](torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
     assert abs(record["nats_per_token"] - expected) <= 1e-4
+
+
+@needs_compiler
+@pytest.mark.parametrize("source", ["checkpoint", "gguf"])
+def test_seeded_generation_past_the_window_equals_crop_and_recompute(gemma_4b, source):
+    run = manas("generate", "-m", gemma_4b[source], *RUN_OPTIONS, "-p", PROMPT, "-n", "40", "--ctx", str(CTX), "-t",
+                "0.9", "--top-k", "40", "--seed", "7", "--json")  # fmt: skip
+    record = run.ok().json()
+    assert record["engine"] == "native" and record["re_prefills"] > 0
+    assert record["tokens"] == crop_and_recompute(gemma_4b[source], "native", PROMPT, 40, 7, temperature=0.9, top_k=40)
 
 
 @needs_compiler

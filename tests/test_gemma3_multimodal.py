@@ -15,6 +15,7 @@ from cli_fixtures import RUN_OPTIONS, manas
 from conftest import needs_compiler
 from manas_cli.formats.checkpoint import load_checkpoint
 from manas_cli.formats.tokenizer import encode_text
+from test_cli_errors import assert_one_error_line
 from test_llama_family import CTX, FAMILIES, PROMPT, SHAPE, converted, crop_and_recompute, saved_random
 from test_new_families import TEXT, assert_llama_simple_writes_manas_text, transformers_greedy
 
@@ -137,6 +138,23 @@ def test_a_config_manas_cannot_run_is_one_error_line(gemma_4b, tmp_path, edit, m
     edit(config)
     (folder / "config.json").unlink()
     (folder / "config.json").write_text(json.dumps(config))
-    run = manas("convert", folder, "--out", tmp_path / "out.safetensors")
-    assert run.returncode == 1 and run.err.startswith("error: ") and message in run.err and "Traceback" not in run.err
-    assert len(run.err.strip().splitlines()) == 1 and not (tmp_path / "out.safetensors").exists()
+    assert_one_error_line(manas("convert", folder, "--out", tmp_path / "out.safetensors"), 1, message)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_tensor_under_both_layouts_names_is_one_error_line(gemma_4b, tmp_path):
+    """transformers 4.50's language_model.model.* and 4.52's model.language_model.* name the same tensor: a file
+    holding both is refused, not read as whichever came last."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for path in gemma_4b["folder"].iterdir():
+        if path.name != "model.safetensors":
+            (folder / path.name).symlink_to(path)
+    tensors = load_file(gemma_4b["folder"] / "model.safetensors")
+    tensors["model.language_model.norm.weight"] = tensors["language_model.model.norm.weight"].clone()
+    save_file(tensors, folder / "model.safetensors")
+    message = "both the language model's model.norm.weight"
+    assert_one_error_line(manas("convert", folder, "--out", tmp_path / "out.safetensors"), 1, message)
+    assert not (tmp_path / "out.safetensors").exists()

@@ -129,15 +129,18 @@ def config_from_multimodal(values: dict, source: Path) -> GPTConfig:
     return config_from_hf(TEXT_DEFAULTS | text, source)
 
 
-def language_model_names(names: list[str]) -> dict[str, str]:
+def language_model_names(names: list[str], source: Path) -> dict[str, str]:
     """A multimodal checkpoint's tensor names that the language model holds, by the names Gemma3ForCausalLM gives
     them: {new name: the file's}. Others stay as they are, for the importer to name as unexpected."""
-    renamed = {}
+    renamed: dict[str, str] = {}
     for name in names:
         if name.startswith(VISION):
             continue
         prefix = next((prefix for prefix in LANGUAGE_MODEL if name.startswith(prefix)), None)
-        renamed[LANGUAGE_MODEL[prefix] + name[len(prefix) :] if prefix else name] = name
+        new = LANGUAGE_MODEL[prefix] + name[len(prefix) :] if prefix else name
+        if new in renamed:  # read as either, it would be whichever came last
+            raise CheckpointError(f"{source}: holds {renamed[new]} and {name}, both the language model's {new}")
+        renamed[new] = name
     return renamed
 
 

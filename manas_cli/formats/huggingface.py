@@ -127,7 +127,7 @@ def folder_tensors(folder: Path, config: GPTConfig) -> TensorFile:
             else SafetensorsTensors.sharded(folder / HF_INDEX)
         )
         if _model_type(folder / HF_CONFIG) == gemma.MULTIMODAL_TYPE:
-            return RenamedTensors(tensors, gemma.language_model_names(tensors.names))
+            return RenamedTensors(tensors, gemma.language_model_names(tensors.names, folder))
         return tensors
     if not config.is_gpt2_family:
         raise InputError(

@@ -158,3 +158,74 @@ def test_a_tensor_under_both_layouts_names_is_one_error_line(gemma_4b, tmp_path)
     message = "both the language model's model.norm.weight"
     assert_one_error_line(manas("convert", folder, "--out", tmp_path / "out.safetensors"), 1, message)
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# Gemma 3 27B scales attention by 1/√query_pre_attn_scalar (168, beside heads of 128), where the others use their
+# head size; llama.cpp knows it by its 62 layers and takes n_embd / n_head. Shrunk: scalars of 48 and, at 62
+# layers, 64 / 4 = 16, beside heads of 32.
+LAYERS_27B = 62
+
+
+@pytest.fixture(scope="module")
+def scaled_attention(tmp_path_factory, tiny_bpe_spec) -> dict:
+    from test_llama_family import hf_folder
+
+    models = {}
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    for name, changes in {
+        "scalar-48": dict(query_pre_attn_scalar=48),
+        "27b-layers": dict(num_hidden_layers=LAYERS_27B, query_pre_attn_scalar=16,
+                           layer_types=(kinds * 11)[:LAYERS_27B]),
+    }.items():  # fmt: skip
+        folder = tmp_path_factory.mktemp(name)
+        hf = hf_folder(folder / "hf", tiny_bpe_spec, "gemma3", **changes)
+        models[name] = {"hf": hf, "checkpoint": converted(folder, folder / "hf"), "folder": folder}
+    exported = models["27b-layers"]["folder"] / "model.gguf"
+    manas("export", models["27b-layers"]["checkpoint"], "--format", "gguf", "--outtype", "f32", "--out", exported).ok()
+    models["27b-layers"]["gguf"] = exported
+    return models
+
+
+@needs_compiler
+@pytest.mark.parametrize("engine", ["native", "torch"])
+@pytest.mark.parametrize("model, source", [("scalar-48", "checkpoint"), ("27b-layers", "gguf")])
+def test_an_attention_scalar_gives_transformers_greedy_text_on_both_engines(scaled_attention, model, source, engine):
+    model = scaled_attention[model]
+    assert load_checkpoint(model["checkpoint"]).model.config.attention_scalar in (48.0, 16.0)
+    env = {} if engine == "native" else {"MANAS_ENGINE": "torch"}
+    run = manas("generate", "-m", model[source], *RUN_OPTIONS, "-p", PROMPT, "-n", "64", "-t", "0", "--json", **env)
+    ids = encode_text(load_checkpoint(model["checkpoint"]).encoding, PROMPT)
+    expected = transformers_greedy(model["hf"], ids, 64)
+    tokens = run.ok().json()["tokens"]
+    assert tokens == expected[: len(tokens)] and len(tokens) >= 32
+
+
+@needs_compiler
+def test_an_attention_scalar_scores_as_transformers_and_exports_back(scaled_attention, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = scaled_attention["scalar-48"]
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    record = manas("score", str(text), "-m", model["checkpoint"], *RUN_OPTIONS, "--json").ok().json()
+    ids = encode_text(load_checkpoint(model["checkpoint"]).encoding, TEXT)
+    with torch.no_grad():
+        expected = model["hf"](torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert abs(record["nats_per_token"] - expected) <= 1e-4
+    manas("export", model["checkpoint"], "--format", "hf", "--out", tmp_path / "back").ok()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert back.config.query_pre_attn_scalar == 48
+    with torch.no_grad():
+        torch.testing.assert_close(back(torch.tensor([ids])).logits, model["hf"](torch.tensor([ids])).logits,
+                                   atol=1e-4, rtol=0)  # fmt: skip
+
+
+def test_an_attention_scalar_llama_cpp_would_not_run_is_refused_by_gguf_export(scaled_attention, tmp_path):
+    run = manas("export", scaled_attention["scalar-48"]["checkpoint"], "--format", "gguf", "--out", tmp_path / "m.gguf")
+    assert_one_error_line(run, 1, "llama.cpp scales this model's attention by 1/√32, not 1/√48")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@needs_compiler
+def test_llama_cpp_greedy_text_on_a_62_layer_gemma3_gguf_is_manas_generate(scaled_attention):
+    assert_llama_simple_writes_manas_text(scaled_attention["27b-layers"])

@@ -32,6 +32,7 @@ FAMILY_DEFAULTS = {
     "local_rope_base": None,
     "partial_rotary": None,
     "rope_scale": None,
+    "attention_scalar": None,
 }
 # The longest context any released model uses (2^20 positions). No tensor backs block_size with rope, so a bound
 # keeps a file's claim from sizing what position-dependent state there is (the static KV cache's window).
@@ -81,6 +82,9 @@ class GPTConfig:
     # and cos and sin multiplied by rope_scale (LongRoPE's attention factor)
     partial_rotary: float | None = None
     rope_scale: float | None = None
+    # Attention scores scaled by 1/√attention_scalar (Gemma 3 27B's query_pre_attn_scalar, 168 beside heads of 128);
+    # None: by 1/√(head size)
+    attention_scalar: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -125,6 +129,8 @@ class GPTConfig:
         self._check_windows()
         if self.nope_layers is not None and self.position_encoding != "rope":
             raise ValueError("nope_layers needs position_encoding 'rope'")
+        if self.attention_scalar is not None and not 0 < self.attention_scalar < math.inf:
+            raise ValueError(f"attention_scalar must be a positive finite number, got {self.attention_scalar!r}")
         if self.embedding_scale is not None and not 0 < self.embedding_scale < math.inf:
             raise ValueError(f"embedding_scale must be a positive finite number, got {self.embedding_scale!r}")
         if self.post_norms and self.norm != "rmsnorm":

@@ -30,6 +30,7 @@ ARCHITECTURE = "Gemma3ForCausalLM"
 # vision tower, which manas leaves unread. A saved text_config may list only what differs from transformers'
 # Gemma3TextConfig defaults (the published 4B's does), so those fill the rest.
 MULTIMODAL_TYPE = "gemma3"
+GEMMA3_27B_LAYERS = 62
 TEXT_DEFAULTS = {
     "model_type": MODEL_TYPE, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
     "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
@@ -66,6 +67,14 @@ def is_gemma(config: GPTConfig) -> bool:
     return config.mlp == "geglu"
 
 
+def llama_cpp_scalar(config: GPTConfig) -> float:
+    """What llama.cpp scales a model's attention by 1/√ of: its head size, but in a gemma3 file of 62 layers
+    (Gemma 3 27B, known to it by its layer count) n_embd / n_head."""
+    return (
+        config.n_embd / config.n_head if is_gemma(config) and config.n_layer == GEMMA3_27B_LAYERS else config.head_size
+    )
+
+
 def config_from_hf(values: dict, source: Path) -> GPTConfig:
     """A Hugging Face Gemma 3 text config.json (transformers 4's rope_theta and rope_local_base_freq, or 5's
     rope_parameters per layer type) as a manas config, refusing by name what manas does not run."""
@@ -81,11 +90,7 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         name = "use_bidirectional_attention" if values.get("use_bidirectional_attention") else "attention_bias"
         raise CheckpointError(f"{source}: {name}=true has no manas equivalent")
     n_layer, n_embd, head_dim = field("num_hidden_layers", int), field("hidden_size", int), field("head_dim", int, 256)
-    if (scalar := field("query_pre_attn_scalar", float, head_dim)) != head_dim:
-        raise CheckpointError(
-            f"{source}: query_pre_attn_scalar {scalar!r} differs from head_dim {head_dim}: manas scales attention "
-            "by 1/√head_dim (as Gemma 3 270M, 1B and 4B do)"
-        )
+    scalar = field("query_pre_attn_scalar", float, head_dim)  # 27B's 168 beside heads of 128; the others' head_dim
     block_size = field("max_position_embeddings", int, 32768)
     window_layers = _window_layers(values, n_layer, source)
     window = field("sliding_window", int, 4096) if window_layers else None
@@ -104,6 +109,7 @@ def config_from_hf(values: dict, source: Path) -> GPTConfig:
         head_dim=head_dim,
         rope_base=rope_base,
         rope_factors=rope_factors(scaling, head_dim, rope_base, source),  # the global layers' (has_local_rope)
+        attention_scalar=None if scalar == head_dim else float(scalar),
         norm_eps=field("rms_norm_eps", float, 1e-6),
         dropout=field("attention_dropout", float, 0.0),
         bias=False,
@@ -228,7 +234,7 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         **rotary_layout.hf_shape(config, dtype, end_of_text),
-        "query_pre_attn_scalar": config.head_size,
+        "query_pre_attn_scalar": _whole(config.attention_scalar or config.head_size),  # transformers 5 wants an int
         "hidden_activation": "gelu_pytorch_tanh",
         "rope_theta": config.rope_base,  # transformers 4's names, and 5's rope_parameters
         "rope_local_base_freq": local,
@@ -244,6 +250,10 @@ def hf_config(config: GPTConfig, dtype: torch.dtype, end_of_text: int | None) ->
         "final_logit_softcapping": None,
         "pad_token_id": None,
     }
+
+
+def _whole(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
 
 
 def _linear_scaling(config: GPTConfig) -> dict:

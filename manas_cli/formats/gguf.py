@@ -69,6 +69,9 @@ def check_exportable(config: GPTConfig, end_of_text: int | None, source: Path) -
         raise CheckpointError(f"{source}: llama.cpp reads rope_factors (rope_freqs) only in its llama and phi3 "
                               "architectures, and gemma3's linear scaling")  # fmt: skip
     _check_layer_patterns(config, source)
+    if (scalar := config.attention_scalar or config.head_size) != gemma.llama_cpp_scalar(config):
+        raise CheckpointError(f"{source}: llama.cpp scales this model's attention by 1/√"
+                              f"{gemma.llama_cpp_scalar(config):g}, not 1/√{scalar:g}")  # fmt: skip
     if gemma.is_gemma(config):
         gemma.check_exportable(config, source)
     elif phi3.is_phi3(config):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..engine.config import GPTConfig, as_float32
 from ..errors import CheckpointError
+from .gemma import GEMMA3_27B_LAYERS
 from .gguf_metadata import Layout, TensorInfo
 from .importing import make_config
 
@@ -131,8 +132,10 @@ def _gemma3_config(value, shapes: dict[str, tuple[int, ...]], path: Path) -> dic
     layers, window = value("block_count"), value("attention.sliding_window", 0)
     if type(layers) is not int or type(window) is not int:
         raise CheckpointError(f"{path}: its gemma3.block_count and attention.sliding_window must be integers")
-    if layers == 62:  # llama.cpp scales Gemma 3 27B's attention by 1/√(n_embd / n_head), not 1/√head_dim
-        raise CheckpointError(f"{path}: Gemma 3 27B's attention scale has no manas equivalent")
+    width, heads, head_dim = value("embedding_length"), value("attention.head_count"), value("attention.key_length")
+    scalar = head_dim  # llama.cpp scales Gemma 3 27B's attention (62 layers) by 1/√(n_embd / n_head), as transformers
+    if layers == GEMMA3_27B_LAYERS and type(width) is int and type(heads) is int and heads > 0:
+        scalar = width / heads
     pattern = value("attention.sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
     if isinstance(pattern, list):
         slides = [bool(flag) for flag in pattern]
@@ -140,10 +143,9 @@ def _gemma3_config(value, shapes: dict[str, tuple[int, ...]], path: Path) -> dic
         slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
     else:
         raise CheckpointError(f"{path}: its gemma3.attention.sliding_window_pattern {pattern!r} is not a pattern")
-    head_dim = value("attention.key_length")
     return {
         "head_dim": head_dim,
-        "query_pre_attn_scalar": head_dim,
+        "query_pre_attn_scalar": scalar,
         "sliding_window": window if window > 0 else None,
         "layer_types": ["sliding_attention" if slide and window > 0 else "full_attention" for slide in slides],
         "rope_local_base_freq": _decimal(value("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),

@@ -302,6 +302,9 @@ def hf_twin(
 ) -> tuple[str, dict, Callable[[GPTConfig, dict[str, torch.Tensor]], dict[str, torch.Tensor]]]:
     """(architecture, config.json, the tensors' renaming) of the Hugging Face twin: Llama, Qwen2, Qwen3 or SmolLM3
     for the Llama family, Gemma 3, Phi-3, Starcoder2 for another rope model, else GPT-2."""
+    if config.attention_scalar is not None and not gemma.is_gemma(config):
+        raise CheckpointError(f"{source}: attention_scalar is Gemma 3's query_pre_attn_scalar; no other family "
+                              "Hugging Face runs has it")  # fmt: skip
     if gemma.is_gemma(config):
         gemma.check_exportable(config, source)
         return "Gemma 3", gemma.hf_config(config, dtype, end_of_text), gemma.hf_tensors

@@ -77,6 +77,7 @@ class ManasModel(ctypes.Structure):
         ("local_rope_base", c_double),
         ("rotary_dims", c_int32),
         ("rope_scale", c_double),
+        ("attention_scalar", c_float),
     ]
 
 
@@ -252,4 +253,5 @@ def bind(config, weights, integer_products: bool = True) -> ManasModel:
         config.local_rope_base or 0.0,
         config.rotary_dims,
         config.rope_scale or 0.0,
+        config.attention_scalar or 0.0,
     )

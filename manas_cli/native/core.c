@@ -101,6 +101,7 @@ typedef struct {
     double local_rope_base;    /* the rope base of window layers (Gemma 3's 10,000); 0: rope_base */
     int32_t rotary_dims;       /* the first dimensions of each head that rope turns (Phi-4-mini's 96 of 128); 0: all */
     double rope_scale;         /* cos and sin multiplied by it (LongRoPE's attention factor); 0: 1 */
+    float attention_scalar;    /* scores scaled by 1/√ of it (Gemma 3 27B's query_pre_attn_scalar, 168); 0: hs */
 } ManasModel;
 
 /* One row's KV cache: k and v each [layer][capacity][kv head][head size], float32. */

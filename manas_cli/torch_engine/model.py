@@ -33,6 +33,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, config.attention_width + 2 * kv_width, bias=config.has_qkv_bias)
         self.output = nn.Linear(config.attention_width, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
+        # the scores' scale: None, SDPA's own 1/√hs; or 1/√attention_scalar (Gemma 3 27B)
+        self.scale = None if config.attention_scalar is None else 1 / math.sqrt(config.attention_scalar)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
@@ -75,6 +77,7 @@ class CausalSelfAttention(nn.Module):
             attn_mask=mask,
             is_causal=mask is None and T > 1,
             dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
             enable_gqa=self.n_kv_head != self.n_head,
         )
 

@@ -1,5 +1,6 @@
 /* Causal attention over each row's KV cache: a row's query heads against its own cached positions 0..position
-   only (in a window layer its last `window` of them), softmax(q·k / √hs) · v; then the new key and value written
+   only (in a window layer its last `window` of them), softmax(q·k / √hs) · v (√attention_scalar where the model
+   sets one); then the new key and value written
    into the cache. The queries that read the same
    cached keys (a prefill's rows of one head, a decode row's query heads of one key head) go through them
    ATTEND_ROWS at a time, each cached vector loaded once for them all, their sums held in registers.
@@ -152,6 +153,11 @@ static inline int window_start(const ManasModel *m, int layer, int position) {
     return window > 0 && position >= window ? position + 1 - window : 0;
 }
 
+/* What the scores are multiplied by: 1/√hs, or 1/√attention_scalar where the model sets it (Gemma 3 27B). */
+static inline float attention_scale(const ManasModel *m) {
+    return 1.0f / sqrtf(m->attention_scalar != 0.0f ? m->attention_scalar : (float)m->head_size);
+}
+
 /* ROWS rows of one head sharing a cache, positions ascending: each row's weights softmax(q·k / √hs) (into
    weights[k]), then its mix of values (into out[k]). Each row's softmax is exp_below's: its exponentials, their
    sum in double in order, each divided by it; but the rows' sums run side by side, where one row's alone waits
@@ -174,7 +180,7 @@ static inline __attribute__((always_inline)) void softmax_rows(int ROWS, const i
 
 /* ROWS rows of a prefill, one head, positions ascending: the positions they all attend together (from the cached
    keys and values each loaded once for all the rows), each row's later ones alone. */
-static inline __attribute__((always_inline)) void attend_rows(int ROWS, int hs, const int *positions,
+static inline __attribute__((always_inline)) void attend_rows(int ROWS, int hs, float scale, const int *positions,
                                                               const float *const *q, const float *keys,
                                                               const float *values, int kv_width,
                                                               float *const *weights, float *const *out) {
@@ -183,7 +189,7 @@ static inline __attribute__((always_inline)) void attend_rows(int ROWS, int hs, 
     scores_of(ROWS, hs, 0, shared / 4 * 4, q, keys, kv_width, weights);
     for (int k = 0; k < ROWS; k++) {
         scores_of(1, hs, shared / 4 * 4, positions[k], q + k, keys, kv_width, weights + k);
-        tops[k] = scale_to_top(positions[k], weights[k], 1.0f / sqrtf((float)hs));
+        tops[k] = scale_to_top(positions[k], weights[k], scale);
     }
     softmax_rows(ROWS, positions, tops, weights);
     const float *const *w = (const float *const *)weights;
@@ -264,7 +270,7 @@ static void attend_row_by_position(const ManasModel *m, int positions, const flo
         float tops[ATTEND_ROWS], *weights[ATTEND_ROWS];
         for (int k = 0; k < heads; k++) {
             weights[k] = scores + (h + k - h0) * span;
-            tops[k] = scale_to_top(positions, weights[k], 1.0f / sqrtf((float)hs));
+            tops[k] = scale_to_top(positions, weights[k], attention_scale(m));
         }
         if (heads == ATTEND_ROWS) softmax_rows(ATTEND_ROWS, same, tops, weights);
         else softmax_rows(1, same, tops, weights);
@@ -325,10 +331,11 @@ static void attend_heads(void *context, int begin, int end, int thread) {
             q[k] = a->qkv + (size_t)source(a, row + k) * qkv_width + head * hs;
         }
         if (rows == ATTEND_ROWS)
-            attend_rows(ATTEND_ROWS, hs, positions, q, keys, values, kv_width, weights, out);
+            attend_rows(ATTEND_ROWS, hs, attention_scale(m), positions, q, keys, values, kv_width, weights, out);
         else
             for (int k = 0; k < rows; k++)
-                attend_rows(1, hs, positions + k, q + k, keys, values, kv_width, weights + k, out + k);
+                attend_rows(1, hs, attention_scale(m), positions + k, q + k, keys, values, kv_width, weights + k,
+                            out + k);
         task += rows;
     }
 }

@@ -229,3 +229,24 @@ def test_an_attention_scalar_llama_cpp_would_not_run_is_refused_by_gguf_export(s
 @needs_compiler
 def test_llama_cpp_greedy_text_on_a_62_layer_gemma3_gguf_is_manas_generate(scaled_attention):
     assert_llama_simple_writes_manas_text(scaled_attention["27b-layers"])
+
+
+def test_a_gemma3_gguf_whose_logits_are_capped_is_one_error_line(gemma_4b, tmp_path):
+    """llama.cpp caps a gemma3 file's logits where final_logit_softcapping is set (Gemma 2's idea): manas, which does
+    not, refuses the file rather than write other text."""
+    import numpy as np
+
+    from test_real_models import copy_fields
+
+    source = gguf.GGUFReader(gemma_4b["gguf"])
+    path = tmp_path / "capped.gguf"
+    writer = gguf.GGUFWriter(path, "gemma3")
+    copy_fields(writer, source.fields)
+    writer.add_float32("gemma3.final_logit_softcapping", 30.0)
+    for tensor in source.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data).reshape([int(n) for n in reversed(tensor.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_one_error_line(manas("generate", "-m", path, "-p", "a", "-n", "1"), 1, "final_logit_softcapping")

@@ -69,9 +69,9 @@ def is_gemma(config: GPTConfig) -> bool:
 
 def llama_cpp_scalar(config: GPTConfig) -> float:
     """What llama.cpp scales a model's attention by 1/√ of: its head size, but in a gemma3 file of 62 layers
-    (Gemma 3 27B, known to it by its layer count) n_embd / n_head."""
+    (Gemma 3 27B, known to it by its layer count) n_embd / n_head, in integers (models/gemma3.cpp)."""
     return (
-        config.n_embd / config.n_head if is_gemma(config) and config.n_layer == GEMMA3_27B_LAYERS else config.head_size
+        config.n_embd // config.n_head if is_gemma(config) and config.n_layer == GEMMA3_27B_LAYERS else config.head_size
     )
 
 

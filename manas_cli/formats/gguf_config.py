@@ -133,9 +133,9 @@ def _gemma3_config(value, shapes: dict[str, tuple[int, ...]], path: Path) -> dic
     if type(layers) is not int or type(window) is not int:
         raise CheckpointError(f"{path}: its gemma3.block_count and attention.sliding_window must be integers")
     width, heads, head_dim = value("embedding_length"), value("attention.head_count"), value("attention.key_length")
-    scalar = head_dim  # llama.cpp scales Gemma 3 27B's attention (62 layers) by 1/√(n_embd / n_head), as transformers
+    scalar = head_dim  # llama.cpp scales Gemma 3 27B's attention (62 layers) by 1/√(n_embd / n_head), in integers
     if layers == GEMMA3_27B_LAYERS and type(width) is int and type(heads) is int and heads > 0:
-        scalar = width / heads
+        scalar = width // heads
     pattern = value("attention.sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
     if isinstance(pattern, list):
         slides = [bool(flag) for flag in pattern]
@@ -146,6 +146,7 @@ def _gemma3_config(value, shapes: dict[str, tuple[int, ...]], path: Path) -> dic
     return {
         "head_dim": head_dim,
         "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": value("final_logit_softcapping") or None,  # llama.cpp caps where set; manas refuses
         "sliding_window": window if window > 0 else None,
         "layer_types": ["sliding_attention" if slide and window > 0 else "full_attention" for slide in slides],
         "rope_local_base_freq": _decimal(value("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),

@@ -18,7 +18,7 @@ from ..engine.config import GPTConfig, as_float32
 from ..errors import CheckpointError
 from . import rotary_layout
 from .importing import make_config, typed_field
-from .llama import SHAPE_FIELDS, TOP_MODULES, rope_factors
+from .llama import SHAPE_FIELDS, TOP_MODULES, checked_scaling, rope_factors
 
 if TYPE_CHECKING:
     import torch
@@ -173,29 +173,19 @@ def _ropes(values: dict, field, source: Path) -> tuple[float, float, dict | None
     transformers and llama.cpp alike."""
     parameters = values.get("rope_parameters")
     if isinstance(parameters, dict) and {SLIDING, FULL} <= set(parameters):
-        ropes = {kind: parameters[kind] for kind in (FULL, SLIDING)}
-        for kind, rope in ropes.items():
-            allowed = ("default", "linear") if kind == FULL else ("default",)
-            if not isinstance(rope, dict) or rope.get("rope_type", "default") not in allowed:
-                raise CheckpointError(f"{source}: rope_parameters.{kind} {rope!r} has no manas equivalent")
-        bases = [typed_field(ropes[kind], source, f"rope_parameters.{kind}.")("rope_theta", float) for kind in ropes]
-        return bases[0], bases[1], _linear(ropes[FULL], f"rope_parameters.{FULL}", source)
+        full, local = parameters[FULL], parameters[SLIDING]
+        scaling = checked_scaling(full, source, f"rope_parameters.{FULL}", ("linear",))
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
+            raise CheckpointError(f"{source}: rope_parameters.{SLIDING} {local!r} has no manas equivalent (a local "
+                                  "layer's rope runs unscaled)")  # fmt: skip
+        bases = [typed_field(rope, source, f"rope_parameters.{kind}.")("rope_theta", float)
+                 for kind, rope in ((FULL, full), (SLIDING, local))]  # fmt: skip
+        return bases[0], bases[1], scaling
     if parameters is not None:
         raise CheckpointError(f"{source}: rope_parameters {parameters!r} has no manas equivalent for Gemma 3 (it "
                               f"names the {FULL!r} and {SLIDING!r} layers' ropes)")  # fmt: skip
-    scaling = _linear(values.get("rope_scaling"), "rope_scaling", source)
+    scaling = checked_scaling(values.get("rope_scaling"), source, kinds=("linear",))
     return field("rope_theta", float, 1_000_000.0), field("rope_local_base_freq", float, 10_000.0), scaling
-
-
-def _linear(scaling: object, name: str, source: Path) -> dict | None:
-    """A rope scaling that is linear (None where it is plain), else refused by name."""
-    if scaling is None or (isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default"):
-        return None
-    extra = set(scaling) - {"rope_type", "type", "factor", "rope_theta"} if isinstance(scaling, dict) else None
-    if extra is None or scaling.get("rope_type", scaling.get("type")) != "linear" or extra:
-        raise CheckpointError(f"{source}: {name} {scaling!r} has no manas equivalent for Gemma 3 (its global layers' "
-                              "rope runs plain or linear)")  # fmt: skip
-    return scaling
 
 
 def state_to_manas(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict[str, torch.Tensor]:

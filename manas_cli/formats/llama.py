@@ -104,21 +104,27 @@ def _rope_scaling(values: dict, rope: dict, source: Path) -> dict | None:
     scaling = values.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = rope
+    return checked_scaling(scaling, source)
+
+
+def checked_scaling(
+    scaling: object, source: Path, name: str = "rope_scaling", kinds: tuple[str, ...] = tuple(ROPE_SCALINGS)
+) -> dict | None:
+    """A rope scaling of one of `kinds`, every parameter one manas reads; None for plain rope."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
-        raise CheckpointError(f"{source}: rope_scaling must be an object, got {scaling!r}")
+        raise CheckpointError(f"{source}: {name} must be an object, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
         return None
-    if kind not in ROPE_SCALINGS:
+    if kind not in kinds:
         raise CheckpointError(
-            f"{source}: rope_scaling of rope_type {kind!r} has no manas equivalent (manas runs "
-            f"{', '.join(ROPE_SCALINGS)})"
+            f"{source}: {name} of rope_type {kind!r} has no manas equivalent (manas runs {', '.join(kinds)})"
         )
     known = {"rope_type", "type", "rope_theta", *ROPE_SCALINGS[kind]}
     if unknown := sorted(set(scaling) - known):
-        raise CheckpointError(f"{source}: rope_scaling.{unknown[0]} has no manas equivalent for rope_type {kind!r}")
+        raise CheckpointError(f"{source}: {name}.{unknown[0]} has no manas equivalent for rope_type {kind!r}")
     return scaling
 
 
